@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Idempotent setup for a Debian/Ubuntu machine (or a cluster with its own MPI):
+#   1. system Open MPI + parallel HDF5 from the distribution (only when missing;
+#      skipped when MPICC / HDF5_DIR point at an existing installation),
+#   2. .venv with mpi4py built from source against that MPI and h5py built
+#      against the parallel HDF5 (checked: h5py.get_config().mpi must be true),
+#   3. ringmpi installed editable with its test extras.
+# Takes seconds when everything is already there.
+#
+#   scripts/setup.sh            # runtime + test extras
+#   RINGMPI_EXTRAS=test,gpu scripts/setup.sh
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
+venv=${RINGMPI_VENV:-$here/.venv}
+extras=${RINGMPI_EXTRAS:-test}
+say() { printf '[setup] %s\n' "$*" >&2; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# ---- 1. system MPI and parallel HDF5 ------------------------------------
+need_pkgs=()
+if [ -z "${MPICC:-}" ]; then
+    command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 \
+        || need_pkgs+=(openmpi-bin libopenmpi-dev)
+fi
+if [ -z "${HDF5_DIR:-}" ]; then
+    [ -d /usr/lib/x86_64-linux-gnu/hdf5/openmpi ] || [ -d "/usr/lib/$(uname -m)-linux-gnu/hdf5/openmpi" ] \
+        || need_pkgs+=(libhdf5-openmpi-dev)
+fi
+command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+    command -v apt-get >/dev/null 2>&1 || die "missing ${need_pkgs[*]} and no apt-get; set MPICC and HDF5_DIR to your installation"
+    [ "$(id -u)" = 0 ] || die "missing ${need_pkgs[*]}: run as root, or install them, or set MPICC/HDF5_DIR"
+    say "installing ${need_pkgs[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" build-essential >/dev/null
+fi
+export MPICC=${MPICC:-$(command -v mpicc)}
+if [ -z "${HDF5_DIR:-}" ]; then
+    HDF5_DIR=/usr/lib/$(uname -m)-linux-gnu/hdf5/openmpi
+fi
+export HDF5_DIR
+[ -f "$HDF5_DIR/include/H5pubconf.h" ] || [ -f "$HDF5_DIR/include/hdf5.h" ] \
+    || die "no HDF5 headers under HDF5_DIR=$HDF5_DIR"
+
+# ---- 2. virtual environment with MPI-built mpi4py and h5py --------------
+py=${PYTHON:-python3}
+if [ ! -x "$venv/bin/python" ]; then
+    say "creating $venv"
+    "$py" -m venv "$venv" || { apt-get install -y -qq python3-venv >/dev/null && "$py" -m venv "$venv"; }
+fi
+vpy=$venv/bin/python
+pipq() { "$vpy" -m pip install -q --disable-pip-version-check "$@"; }
+
+have() { "$vpy" - "$@" <<'PY' 2>/dev/null
+import sys
+ok = True
+for mod in sys.argv[1:]:
+    try:
+        __import__(mod)
+    except Exception:
+        ok = False
+sys.exit(0 if ok else 1)
+PY
+}
+
+if ! have mpi4py; then
+    say "building mpi4py against $MPICC"
+    pipq --upgrade pip setuptools wheel
+    pipq --no-binary=mpi4py --no-cache-dir 'mpi4py>=4.0'
+fi
+if ! "$vpy" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' 2>/dev/null; then
+    say "building h5py against parallel HDF5 in $HDF5_DIR"
+    pipq --upgrade 'setuptools>=61' 'Cython>=3' pkgconfig numpy
+    "$vpy" -m pip uninstall -y -q h5py 2>/dev/null || true
+    CC=mpicc HDF5_MPI=ON HDF5_DIR="$HDF5_DIR" \
+        "$vpy" -m pip install -q --disable-pip-version-check --no-binary=h5py \
+        --no-build-isolation --no-cache-dir 'h5py>=3.10'
+fi
+"$vpy" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' \
+    || die "h5py in $venv is not built with MPI (h5py.get_config().mpi is False)"
+
+# ---- 3. the project, editable -----------------------------------------
+stamp=$venv/.ringmpi-installed
+want="$(cat pyproject.toml | sha1sum | cut -c1-12) $extras"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! have ringmpi; then
+    say "installing ringmpi (editable, extras: $extras)"
+    pipq --no-build-isolation -e ".[${extras}]" 2>/dev/null || pipq -e ".[${extras}]"
+    echo "$want" > "$stamp"
+fi
+say "ready: $venv (mpi4py $("$vpy" -c 'import mpi4py; print(mpi4py.__version__)'), h5py $("$vpy" -c 'import h5py; print(h5py.__version__)') parallel)"

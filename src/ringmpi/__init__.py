@@ -1,0 +1,13 @@
+"""ringmpi: exact attention over sequences sharded across MPI ranks.
+
+Each rank keeps its queries; key/value blocks travel around a ring of ranks
+and are folded into an online-softmax accumulator.  Importing this package
+does not initialise MPI or touch a GPU.
+"""
+
+__version__ = "0.1.0"
+
+from .layout import Layout  # noqa: E402
+from .attention import ring_attention, ring_attention_backward  # noqa: E402
+
+__all__ = ["Layout", "ring_attention", "ring_attention_backward", "__version__"]

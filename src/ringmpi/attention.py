@@ -1,0 +1,381 @@
+"""Ring attention: the forward and backward ring schedules.
+
+Every rank passes its own shard; queries stay home and key/value blocks
+travel around the ring ``prev -> rank -> next``, one hop per step.  At step
+``s`` rank ``r`` holds the K/V block of rank ``(r - s) mod P``.  Each step
+posts the transfer of the next block, computes on the current one (calling
+``Ring.tick`` between tiles), then waits for the transfer: the next block's
+transfer hides behind the current block's compute.
+
+Backward: K/V travel exactly as in the forward.  Each visiting block's
+float32 ``dK, dV`` contributions are added to the partial sums that arrive
+from ``prev`` (one step behind the K/V, so that transfer also overlaps
+compute), and after the last step the finished ``dK, dV`` take one more hop
+to their owner.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import numpy as np
+
+from .backends import get_backend
+from .errors import ConfigError, agree
+from .layout import KINDS, Layout
+from .masks import BlockMask, MaskSpec
+from .ring import Ring, StepRecord, default_timeout, resolve_comm
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass
+class _Plan:
+    """Everything one call agreed on across ranks before the ring starts."""
+
+    comm: object
+    backend: object
+    rank: int
+    size: int
+    batch: int
+    heads: int
+    kv_heads: int
+    dim: int
+    dtype: np.dtype
+    compute_dtype: np.dtype
+    layout_q: Layout
+    layout_kv: Layout
+    spec: MaskSpec
+    scale: float
+    seg_q: Optional[np.ndarray]
+    seg_kv_by_rank: Optional[List[np.ndarray]]
+    timeout: Optional[float]
+
+    def block_mask(self, src: int) -> BlockMask:
+        return BlockMask(
+            self.spec, self.layout_q.indices(self.rank), self.layout_kv.indices(src),
+            self.seg_q, None if self.seg_kv_by_rank is None else self.seg_kv_by_rank[src])
+
+    def kv_shape(self, src: int) -> Tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, int(self.layout_kv.counts()[src]), self.dim)
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)} dtype {x.dtype}"
+
+
+def _local_problem(q, k, v, seg_q, seg_kv, extra) -> Optional[str]:
+    """This rank's shape/dtype problem, or None."""
+    for name, x in (("q", q), ("k", k), ("v", v)) + tuple(extra):
+        if getattr(x, "ndim", None) != 4:
+            return f"{name} must be 4-D (B, S_local, H, D), got {_describe(x) if hasattr(x, 'shape') else type(x).__name__}"
+        if str(x.dtype) not in FLOAT_DTYPES:
+            return f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+    if k.shape != v.shape:
+        return f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[0] != k.shape[0]:
+        return f"q and k/v batch sizes differ: {q.shape[0]} vs {k.shape[0]}"
+    if q.shape[3] != k.shape[3]:
+        return f"q and k/v head dims differ: {q.shape[3]} vs {k.shape[3]}"
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        return f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})"
+    if q.shape[3] == 0:
+        return "head dim must be >= 1"
+    for name, x in tuple(extra):
+        if x.shape != q.shape:
+            return f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}"
+    if (seg_q is None) != (seg_kv is None):
+        return "give both segment_ids_q and segment_ids_kv, or neither"
+    if seg_q is not None:
+        for name, seg, ref in (("segment_ids_q", seg_q, q), ("segment_ids_kv", seg_kv, k)):
+            if seg.shape != ref.shape[:2]:
+                return f"{name} must have shape (B, S_local) = {tuple(ref.shape[:2])}, got {tuple(seg.shape)}"
+            if seg.dtype.kind not in "iu":
+                return f"{name} must be integers, got dtype {seg.dtype}"
+    return None
+
+
+def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
+    xh = np.asarray(x.get() if hasattr(x, "get") else x)
+    finite = np.isfinite(xh.astype(np.float32) if str(xh.dtype) == "bfloat16" else xh)
+    if finite.all():
+        return None
+    b, s, h, d = np.unravel_index(int(np.argmin(finite)), xh.shape)
+    return (f"{name} has a non-finite value ({xh[b, s, h, d]}) at global index "
+            f"[{b}, {layout_positions[s]}, {h}, {d}] (b, token, head, dim)")
+
+
+def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
+          softmax_scale, backend, timeout, check_finite, extra=()) -> _Plan:
+    comm = resolve_comm(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    be = get_backend(backend, (q, k, v))
+    q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
+    seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
+    seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
+    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra))
+
+    signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype))
+    shapes = comm.allgather((signature, q.shape[1], k.shape[1]))
+    sigs = {s for s, _, _ in shapes}
+    problem = None
+    if len(sigs) > 1:
+        problem = ("ranks disagree on (batch, heads, kv_heads, head_dim, dtype): "
+                   + "; ".join(f"rank {r}: {s}" for r, (s, _, _) in enumerate(shapes)))
+    n_q = sum(n for _, n, _ in shapes)
+    n_kv = sum(n for _, _, n in shapes)
+    kind = layout.kind if isinstance(layout, Layout) else layout
+    if problem is None and kind not in KINDS:
+        problem = f"unknown layout {kind!r}: expected one of {', '.join(KINDS)}"
+    if problem is None and (n_q < 1 or n_kv < 1):
+        problem = f"global sequence lengths must be >= 1, got N_q={n_q}, N_kv={n_kv}"
+    if problem is None and isinstance(layout, Layout):
+        if layout.world_size != size or layout.n != n_q:
+            problem = (f"layout {layout} does not match the communicator: world size {size}, "
+                       f"global query length {n_q}")
+    if problem is None:
+        layout_q, layout_kv = Layout(kind, n_q, size), Layout(kind, n_kv, size)
+        want_q, want_kv = layout_q.counts(), layout_kv.counts()
+        bad = [r for r, (_, nq, nkv) in enumerate(shapes) if nq != want_q[r] or nkv != want_kv[r]]
+        if bad:
+            r = bad[0]
+            problem = (f"shard lengths do not match the {kind} layout of N_q={n_q}, N_kv={n_kv} "
+                       f"over {size} ranks: rank {r} holds q {shapes[r][1]} / kv {shapes[r][2]} rows, "
+                       f"the layout gives q {want_q[r]} / kv {want_kv[r]}")
+    if problem is None and window is not None:
+        if len(window) != 2 or any(w is not None and (int(w) != w or w < 0) for w in window):
+            problem = f"window must be (left, right) with non-negative ints or None, got {window!r}"
+    agree(comm, problem)
+
+    if check_finite:
+        finite_problem = None
+        for name, x, lay in (("q", q, layout_q), ("k", k, layout_kv), ("v", v, layout_kv)) + tuple(
+                (n, x, layout_q) for n, x in extra):
+            finite_problem = _first_nonfinite(name, x, lay.indices(rank))
+            if finite_problem:
+                break
+        agree(comm, finite_problem)
+
+    seg_kv_by_rank = None
+    if seg_q is not None:
+        seg_q = seg_q.astype(np.int64, copy=False)
+        seg_kv_by_rank = [np.asarray(s, dtype=np.int64) for s in comm.allgather(seg_kv)]
+    dim = q.shape[3]
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    spec = MaskSpec(causal=bool(causal),
+                    window=None if window is None else tuple(None if w is None else int(w) for w in window),
+                    offset=n_kv - n_q)
+    return _Plan(comm=comm, backend=be, rank=rank, size=size, batch=q.shape[0], heads=q.shape[2],
+                 kv_heads=k.shape[2], dim=dim, dtype=q.dtype, compute_dtype=be.compute_dtype(q.dtype),
+                 layout_q=layout_q, layout_kv=layout_kv, spec=spec, scale=scale, seg_q=seg_q,
+                 seg_kv_by_rank=seg_kv_by_rank,
+                 timeout=default_timeout() if timeout is None else timeout)
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else x
+
+
+class _KVChannel:
+    """The double-buffered K/V messages of one call (allocated once)."""
+
+    def __init__(self, plan: _Plan, ring: Ring, k, v):
+        self.plan, self.ring, self.dtype = plan, ring, k.dtype
+        self.itemsize = np.dtype(k.dtype).itemsize
+        counts = plan.layout_kv.counts()
+        self.msgs = [plan.backend.message(self.nbytes(int(counts.max()))) for _ in range(2)]
+        kh, vh = self.views(0, plan.rank)
+        kh[...] = plan.backend.to_heads(k, k.dtype)
+        vh[...] = plan.backend.to_heads(v, v.dtype)
+
+    def nbytes(self, rows: int) -> int:
+        p = self.plan
+        return 2 * p.batch * p.kv_heads * rows * p.dim * self.itemsize
+
+    def views(self, slot: int, src: int):
+        shape = self.plan.kv_shape(src)
+        half = self.nbytes(shape[2]) // 2
+        msg = self.msgs[slot]
+        return msg.view(0, shape, self.dtype), msg.view(half, shape, self.dtype)
+
+    def begin_step(self, step: int):
+        """Make step ``step``'s block current, start moving the next; return (kh, vh, src)."""
+        p, slot = self.plan, step % 2
+        src = (p.rank - step) % p.size
+        cur = self.msgs[slot]
+        if step > 0:
+            cur.arrived()
+        if step < p.size - 1:
+            cur.ready_to_send(dirty=(step == 0))
+            nxt = (p.rank - step - 1) % p.size
+            self.ring.post("kv", send=cur.mpi[: self.nbytes(p.kv_shape(src)[2])],
+                           recv=self.msgs[1 - slot].mpi[: self.nbytes(p.kv_shape(nxt)[2])])
+        kh, vh = self.views(slot, src)
+        return kh, vh, src
+
+
+def _timed(plan: _Plan, ring: Ring, step: int, fn, *args) -> None:
+    start = time.perf_counter()
+    fn(*args, tick=ring.tick)
+    plan.backend.synchronize()
+    ring.record(step).compute_s += time.perf_counter() - start
+
+
+def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguous",
+                   causal: bool = False, window=None, segment_ids_q=None, segment_ids_kv=None,
+                   softmax_scale: Optional[float] = None, backend: str = "auto",
+                   timeout: Optional[float] = None, check_finite: bool = False,
+                   stats: Optional[list] = None):
+    """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
+
+    Collective: every rank of ``comm`` calls it with its own shard.
+
+    Parameters
+    ----------
+    q : (B, S_q_local, H, D) float16/float32/float64 (NumPy on CPU, CuPy on GPU)
+        This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
+    k, v : (B, S_kv_local, H_kv, D), same dtype as ``q``; ``H % H_kv == 0`` (GQA/MQA).
+        This rank's keys/values, sharded like ``q`` by a layout of the same kind
+        over their own global length ``N_kv`` (which may differ from ``N_q``).
+    comm : mpi4py communicator, optional
+        None means a library-owned duplicate of ``COMM_WORLD``.
+    layout : "contiguous" | "zigzag" | "striped" | Layout
+        How tokens are spread over ranks; a ``Layout`` must match ``N_q`` and ``P``.
+    causal : bool
+        Query ``i`` sees keys ``j <= i + N_kv - N_q`` (bottom-right aligned, as
+        FlashAttention >= 2.1; the usual causal mask when ``N_q == N_kv``).
+    window : (left, right) or None
+        Sliding window in global positions, ``i + off - left <= j <= i + off + right``
+        with ``off = N_kv - N_q``; ``None`` on a side is unbounded.  Combined with
+        ``causal`` when both are given.
+    segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) ints, optional
+        Packed documents: a query sees only keys with the same id.
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+    backend : "auto" | "numpy" | "cupy"
+    timeout : float, optional
+        Deadline in seconds for each ring wait (default: ``RINGMPI_TIMEOUT`` or none).
+    check_finite : bool
+        Reject NaN/Inf inputs, naming the global index of the first one.
+    stats : list, optional
+        When given, one :class:`ringmpi.ring.StepRecord` per ring step is appended.
+
+    Returns
+    -------
+    o : (B, S_q_local, H, D), the input dtype
+    lse : (B, H, S_q_local) natural-log softmax normaliser, float32 (float64 for
+        float64 inputs); ``-inf`` (and ``o = 0``) for a query that sees no key.
+    """
+    plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
+                 softmax_scale, backend, timeout, check_finite)
+    be, ct = plan.backend, plan.compute_dtype
+    xp = be.xp
+    qh = be.to_heads(be.asarray(q), ct)
+    shape = qh.shape
+    o_acc = xp.zeros(shape, dtype=ct)
+    m = xp.full(shape[:3], -np.inf, dtype=ct)
+    l = xp.zeros(shape[:3], dtype=ct)
+
+    ring = Ring(plan.comm, timeout=plan.timeout)
+    kv = _KVChannel(plan, ring, be.asarray(k), be.asarray(v))
+    for step in range(plan.size):
+        ring.step = step
+        kh, vh, src = kv.begin_step(step)
+        _timed(plan, ring, step, be.forward_block, qh, kh, vh, o_acc, m, l, plan.scale,
+               plan.block_mask(src))
+        ring.wait("kv")
+    o, lse = be.finalize(o_acc, m, l, q.dtype)
+    if stats is not None:
+        stats.extend(ring.records)
+    return o, lse
+
+
+def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
+                            layout: Union[str, Layout] = "contiguous", causal: bool = False,
+                            window=None, segment_ids_q=None, segment_ids_kv=None,
+                            softmax_scale: Optional[float] = None, backend: str = "auto",
+                            timeout: Optional[float] = None, check_finite: bool = False,
+                            stats: Optional[list] = None):
+    """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v``.
+
+    Collective; every keyword must match the forward call.
+
+    Parameters
+    ----------
+    do : (B, S_q_local, H, D), like ``q``: the gradient of the loss w.r.t. ``o``.
+    q, k, v : as for :func:`ring_attention`.
+    o : (B, S_q_local, H, D), the forward output.
+    lse : (B, H, S_q_local), the forward's log-sum-exp.
+
+    Returns
+    -------
+    dq : (B, S_q_local, H, D); dk, dv : (B, S_kv_local, H_kv, D); all in the
+    input dtype, for this rank's own shards (K/V gradients are accumulated in
+    float32, float64 for float64 inputs, as they travel the ring).
+    """
+    plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
+                 softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)))
+    be, ct = plan.backend, plan.compute_dtype
+    xp = be.xp
+    lse = be.asarray(lse)
+    want = (plan.batch, plan.heads, q.shape[1])
+    agree(plan.comm, None if tuple(lse.shape) == want else
+          f"lse must have shape (B, H, S_q_local) = {want}, got {tuple(lse.shape)}")
+    qh = be.to_heads(be.asarray(q), ct)
+    doh = be.to_heads(be.asarray(do), ct)
+    dvec = (doh * be.to_heads(be.asarray(o), ct)).sum(axis=-1)
+    lse = lse.astype(ct, copy=False)
+    dq = xp.zeros_like(qh)
+
+    ring = Ring(plan.comm, timeout=plan.timeout)
+    kv = _KVChannel(plan, ring, be.asarray(k), be.asarray(v))
+    counts = plan.layout_kv.counts()
+    grad_bytes = lambda rows: 2 * plan.batch * plan.kv_heads * rows * plan.dim * ct.itemsize  # noqa: E731
+    grad_out = [be.message(grad_bytes(int(counts.max()))) for _ in range(2)]
+    grad_in = be.message(grad_bytes(int(counts.max())))
+
+    def grads(msg, src):
+        shape = plan.kv_shape(src)
+        half = grad_bytes(shape[2]) // 2
+        return msg.view(0, shape, ct), msg.view(half, shape, ct)
+
+    for step in range(plan.size):
+        ring.step = step
+        kh, vh, src = kv.begin_step(step)
+        if step > 0:  # partial dK/dV of this block, from the ranks that saw it before
+            ring.post("grad_in", recv=grad_in.mpi[: grad_bytes(int(counts[src]))], stream="grad")
+        slot = f"grad_out{step % 2}"
+        ring.wait(slot)  # its buffer may still be on its way from two steps ago
+        dk, dv = grads(grad_out[step % 2], src)
+        dk[...] = 0
+        dv[...] = 0
+        _timed(plan, ring, step, be.backward_block, qh, doh, lse, dvec, kh, vh, dq, dk, dv,
+               plan.scale, plan.block_mask(src))
+        if step > 0:
+            ring.wait("grad_in")
+            grad_in.arrived()
+            dk_in, dv_in = grads(grad_in, src)
+            dk += dk_in
+            dv += dv_in
+        grad_out[step % 2].ready_to_send(dirty=True)
+        ring.post(slot, send=grad_out[step % 2].mpi[: grad_bytes(int(counts[src]))], stream="grad")
+        ring.wait("kv")
+    # the finished dK/dV of our own block arrive from prev after the last step
+    ring.step = plan.size
+    ring.post("grad_in", recv=grad_in.mpi[: grad_bytes(int(counts[plan.rank]))], stream="grad")
+    ring.wait("grad_in")
+    grad_in.arrived()
+    ring.wait_all()
+    dk, dv = grads(grad_in, plan.rank)
+    dq *= ct.type(plan.scale)
+    dk *= ct.type(plan.scale)
+    out_dtype = q.dtype
+    result = (be.from_heads(dq, out_dtype), be.from_heads(dk, out_dtype), be.from_heads(dv, out_dtype))
+    if stats is not None:
+        stats.extend(ring.records)
+    return result

@@ -1,0 +1,109 @@
+"""Block-kernel backends behind one small interface.
+
+A backend computes one (resident Q shard, visiting K/V block) pair; the ring
+schedule in :mod:`ringmpi.attention` is the same for every backend.  Every
+backend object provides:
+
+``name``, ``xp``
+    Its name (``"numpy"``/``"cupy"``) and array module.
+``compute_dtype(dtype) -> numpy.dtype``
+    float64 for float64 inputs, float32 otherwise.
+``asarray(x)``
+    ``x`` as this backend's array (no copy when it already is).
+``to_heads(x, dtype) -> (B, H, S, D)``
+    A contiguous, head-major copy of a ``(B, S, H, D)`` array in ``dtype``.
+``from_heads(xh, dtype) -> (B, S, H, D)``
+    The inverse, as a new contiguous array.
+``forward_block(qh, kh, vh, o_acc, m, l, scale, mask, tick)``
+    Fold one visiting K/V block into the online-softmax state, in place:
+    scores are ``(qh kh^T) * scale`` (the scale applied to the product, not
+    to q, so rounding matches a plain dense computation).
+    ``qh (B, H, Sq, D)`` compute dtype; ``kh, vh (B, Hkv, Skv, D)`` any float dtype (the transfer dtype);
+    ``o_acc (B, H, Sq, D)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a
+    :class:`ringmpi.masks.BlockMask`; ``tick()`` is called between tiles so
+    that MPI can progress the pending ring transfers.
+``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D) out_dtype, lse (B, H, Sq))``
+    ``o = o_acc / l``, ``lse = m + log(l)``; rows with ``l == 0`` give
+    ``o = 0``, ``lse = -inf``.
+``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick)``
+    FlashAttention-2 backward for one block, accumulating in place:
+    ``P = exp((qh kh^T) * scale - lse)``, ``dv += P^T doh``,
+    ``dS = P * (doh vh^T - dvec)``, ``dq += dS kh``, ``dk += dS^T qh``
+    (both unscaled: the caller multiplies the finished sums by the scale).  ``lse``/``dvec (B, H, Sq)``,
+    ``dq (B, H, Sq, D)``, ``dk, dv (B, Hkv, Skv, D)`` in compute dtype.
+``message(nbytes) -> Message``
+    One ring buffer of ``nbytes``; see :class:`HostMessage`.
+``synchronize()``
+    Wait for all queued work (timing and hand-off to the host).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class HostMessage:
+    """A ring message buffer that MPI and the compute share (host memory).
+
+    ``mpi``
+        The buffer handed to ``Isend``/``Irecv`` (a uint8 array).
+    ``view(offset, shape, dtype)``
+        A compute-side array over ``nbytes(shape, dtype)`` bytes at ``offset``.
+    ``arrived()``
+        Called once the ``Irecv`` into ``mpi`` completed; makes the compute
+        side current (a staging backend copies host -> device here).
+    ``ready_to_send(dirty)``
+        Called before ``Isend`` of ``mpi``; ``dirty`` says the compute side
+        was written since the last ``arrived()`` (a staging backend copies
+        device -> host; a CUDA-aware one synchronises the producing stream).
+    """
+
+    def __init__(self, nbytes: int):
+        self.mpi = np.empty(max(int(nbytes), 1), dtype=np.uint8)
+
+    def view(self, offset: int, shape, dtype):
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        return self.mpi[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def arrived(self) -> None:
+        pass
+
+    def ready_to_send(self, dirty: bool) -> None:
+        pass
+
+
+def is_cupy_array(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def get_backend(name: str = "auto", arrays=()):
+    """Resolve a backend by name.
+
+    ``"numpy"`` or ``"cupy"`` choose directly.  ``"auto"`` follows the arrays
+    when any is a CuPy array, else picks cupy when CuPy imports and a GPU is
+    visible, else numpy.
+    """
+    if name == "auto":
+        if any(is_cupy_array(a) for a in arrays if a is not None):
+            name = "cupy"
+        elif arrays and any(a is not None for a in arrays):
+            name = "numpy"
+        else:
+            name = "cupy" if gpu_available() else "numpy"
+    if name == "numpy":
+        from .numpy_backend import NumpyBackend
+        return NumpyBackend()
+    if name == "cupy":
+        from .cupy_backend import CupyBackend
+        return CupyBackend.instance()
+    raise ValueError(f"unknown backend {name!r}: expected 'auto', 'numpy' or 'cupy'")
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and at least one CUDA device is visible."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False

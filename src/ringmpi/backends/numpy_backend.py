@@ -1,0 +1,178 @@
+"""CPU backend: tiled BLAS GEMMs and an in-place online softmax.
+
+No ``S_q x S_kv`` matrix is ever built: a block is processed in tiles of at
+most ``TILE_Q x TILE_KV`` scores, held in one scratch buffer per call.  Tiles
+the mask hides completely are skipped; tiles it shows completely run without
+an elementwise mask.  Parallelism comes from MPI ranks: use one BLAS thread
+per rank (``OPENBLAS_NUM_THREADS=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..masks import FULL, SKIP, BlockMask
+from . import HostMessage
+
+TILE_Q = int(os.environ.get("RINGMPI_TILE_Q", "256"))
+TILE_KV = int(os.environ.get("RINGMPI_TILE_KV", "512"))
+
+
+def _tiles(n: int, size: int):
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class _TilePlan:
+    """Tile classification and additive masks for one block, computed once.
+
+    Iterating yields ``(rows, cols, b, bias)`` for every tile that is not
+    skipped, where ``bias`` is None for fully visible tiles and otherwise a
+    ``(rows, cols)`` array of 0 / -inf; ``b`` is None when the mask does not
+    depend on the batch entry (no segment ids).
+    """
+
+    def __init__(self, mask: BlockMask, sq: int, skv: int, batch: int, dtype):
+        self.mask, self.dtype, self.batch = mask, dtype, batch
+        self.q_tiles, self.kv_tiles = _tiles(sq, TILE_Q), _tiles(skv, TILE_KV)
+
+    def __iter__(self):
+        mask, spec = self.mask, self.mask.spec
+        per_batch = mask.seg_q is not None
+        batches = range(self.batch) if per_batch else [None]
+        for rows in self.q_tiles:
+            qp = mask.q_pos[rows]
+            for cols in self.kv_tiles:
+                kp = mask.kv_pos[cols]
+                for b in batches:
+                    sq = mask.seg_q[b, rows] if per_batch else None
+                    sk = mask.seg_kv[b, cols] if per_batch else None
+                    kind = spec.classify(qp, kp, sq, sk)
+                    if kind == SKIP:
+                        continue
+                    bias = None
+                    if kind != FULL:
+                        vis = spec.visible(qp, kp, sq, sk)
+                        bias = np.where(vis, 0.0, -np.inf).astype(self.dtype)
+                    yield rows, cols, b, bias
+
+
+class NumpyBackend:
+    """The CPU block kernels (see :mod:`ringmpi.backends` for the interface)."""
+
+    name = "numpy"
+    xp = np
+
+    @staticmethod
+    def compute_dtype(dtype) -> np.dtype:
+        return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+    @staticmethod
+    def asarray(x):
+        return np.asarray(x)
+
+    @staticmethod
+    def to_heads(x, dtype):
+        # always a copy: callers scale it in place
+        return np.array(np.asarray(x).transpose(0, 2, 1, 3), dtype=dtype, order="C", copy=True)
+
+    @staticmethod
+    def from_heads(xh, dtype):
+        return np.array(xh.transpose(0, 2, 1, 3), dtype=dtype, order="C", copy=True)
+
+    @staticmethod
+    def message(nbytes: int) -> HostMessage:
+        return HostMessage(nbytes)
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+    # ------------------------------------------------------------------ forward
+    def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None):
+        batch, heads, sq, _ = qh.shape
+        kv_heads, skv = kh.shape[1], kh.shape[2]
+        if sq == 0 or skv == 0:
+            return
+        ct = qh.dtype
+        kh = kh if kh.dtype == ct else kh.astype(ct)
+        vh = vh if vh.dtype == ct else vh.astype(ct)
+        group = heads // kv_heads
+        scale = ct.type(scale)
+        scratch = np.empty(min(sq, TILE_Q) * min(skv, TILE_KV), dtype=ct)
+        for rows, cols, bsel, bias in _TilePlan(mask, sq, skv, batch, ct):
+            nq, nk = rows.stop - rows.start, cols.stop - cols.start
+            s = scratch[: nq * nk].reshape(nq, nk)
+            for b in (range(batch) if bsel is None else (bsel,)):
+                for h in range(heads):
+                    kvh = h // group
+                    np.matmul(qh[b, h, rows], kh[b, kvh, cols].T, out=s)
+                    s *= scale
+                    if bias is not None:
+                        s += bias
+                    m_old = m[b, h, rows]
+                    m_new = np.maximum(m_old, s.max(axis=1))
+                    # rows that have seen nothing yet keep m = -inf; shift them by 0
+                    shift = np.where(np.isneginf(m_new), 0.0, m_new).astype(ct, copy=False)
+                    s -= shift[:, None]
+                    np.exp(s, out=s)
+                    alpha = np.exp(m_old - shift)
+                    l_rows = l[b, h, rows]
+                    l_rows *= alpha
+                    l_rows += s.sum(axis=1)
+                    o_rows = o_acc[b, h, rows]
+                    o_rows *= alpha[:, None]
+                    o_rows += s @ vh[b, kvh, cols]
+                    m[b, h, rows] = m_new
+            if tick is not None:
+                tick()
+
+    @staticmethod
+    def finalize(o_acc, m, l, out_dtype):
+        seen = l > 0
+        safe_l = np.where(seen, l, 1.0)
+        o = o_acc / safe_l[..., None]
+        o[~seen] = 0.0
+        with np.errstate(divide="ignore"):
+            lse = np.where(seen, m + np.log(safe_l), -np.inf).astype(l.dtype, copy=False)
+        return np.ascontiguousarray(o.transpose(0, 2, 1, 3), dtype=out_dtype), lse
+
+    # ----------------------------------------------------------------- backward
+    def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None):
+        batch, heads, sq, _ = qh.shape
+        kv_heads, skv = kh.shape[1], kh.shape[2]
+        if sq == 0 or skv == 0:
+            return
+        ct = qh.dtype
+        kh = kh if kh.dtype == ct else kh.astype(ct)
+        vh = vh if vh.dtype == ct else vh.astype(ct)
+        group = heads // kv_heads
+        scale = ct.type(scale)
+        # P = exp(S - lse) with lse = +inf on rows that saw nothing gives P = 0
+        lse_use = np.where(np.isneginf(lse), np.inf, lse).astype(ct, copy=False)
+        size = min(sq, TILE_Q) * min(skv, TILE_KV)
+        scratch_p, scratch_dp = np.empty(size, dtype=ct), np.empty(size, dtype=ct)
+        for rows, cols, bsel, bias in _TilePlan(mask, sq, skv, batch, ct):
+            nq, nk = rows.stop - rows.start, cols.stop - cols.start
+            p = scratch_p[: nq * nk].reshape(nq, nk)
+            dp = scratch_dp[: nq * nk].reshape(nq, nk)
+            for b in (range(batch) if bsel is None else (bsel,)):
+                for h in range(heads):
+                    kvh = h // group
+                    q_t, do_t = qh[b, h, rows], doh[b, h, rows]
+                    k_t, v_t = kh[b, kvh, cols], vh[b, kvh, cols]
+                    np.matmul(q_t, k_t.T, out=p)
+                    p *= scale
+                    if bias is not None:
+                        p += bias
+                    p -= lse_use[b, h, rows, None]
+                    np.exp(p, out=p)
+                    dv[b, kvh, cols] += p.T @ do_t
+                    np.matmul(do_t, v_t.T, out=dp)
+                    dp -= dvec[b, h, rows, None]
+                    dp *= p
+                    dq[b, h, rows] += dp @ k_t
+                    dk[b, kvh, cols] += dp.T @ q_t
+            if tick is not None:
+                tick()

@@ -1,0 +1,156 @@
+"""The ring: neighbours, nonblocking transfers, waits with a deadline, timings.
+
+One :class:`Ring` per attention call.  Transfers are organised in named
+channels (``"kv"``, ``"grad_in"``, ...); each channel has at most one pending
+send and one pending receive, and the ring refuses to post on a channel that
+is still pending (a buffer is never reused while MPI owns it).  ``tick()``
+tests every pending request so that an MPI without a progress thread moves
+data while the rank computes; ``wait()`` polls with a growing sleep, so a
+waiting rank does not burn a core, and raises :class:`RingTimeout` past its
+deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .errors import RingTimeout
+
+_DEFAULT_COMM = None
+
+
+def resolve_comm(comm=None):
+    """``comm`` itself, or a library-owned duplicate of ``COMM_WORLD``."""
+    global _DEFAULT_COMM
+    if comm is not None:
+        return comm
+    if _DEFAULT_COMM is None:
+        from mpi4py import MPI
+        _DEFAULT_COMM = MPI.COMM_WORLD.Dup()
+    return _DEFAULT_COMM
+
+
+def default_timeout() -> Optional[float]:
+    """Deadline for ring waits from ``RINGMPI_TIMEOUT`` (seconds), else None."""
+    value = os.environ.get("RINGMPI_TIMEOUT")
+    return float(value) if value else None
+
+
+@dataclass
+class StepRecord:
+    """What one rank did in one ring step (seconds and bytes)."""
+
+    step: int
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+
+
+@dataclass
+class _Pending:
+    requests: list
+    peers: Dict[str, int]
+    nbytes: Dict[str, int]
+
+
+@dataclass
+class Ring:
+    """Nonblocking neighbour exchange on a communicator.
+
+    Data flows from ``prev`` to ``rank`` to ``next``.  ``timeout`` is the
+    deadline of each wait in seconds (None: wait forever).
+    """
+
+    comm: object
+    timeout: Optional[float] = None
+    records: List[StepRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.next = (self.rank + 1) % self.size
+        self.prev = (self.rank - 1) % self.size
+        self._pending: Dict[str, _Pending] = {}
+        self._tags: Dict[str, int] = {"kv": 7101, "grad": 7102}
+        self.step = 0
+
+    def _tag(self, stream: str) -> int:
+        return self._tags.setdefault(stream, 7100 + len(self._tags))
+
+    def record(self, step: int) -> StepRecord:
+        """The record of ``step``, created on first use."""
+        while len(self.records) <= step:
+            self.records.append(StepRecord(step=len(self.records)))
+        return self.records[step]
+
+    def post(self, channel: str, send=None, recv=None, stream: Optional[str] = None) -> None:
+        """Start ``Irecv(recv from prev)`` and ``Isend(send to next)`` on ``channel``.
+
+        ``send``/``recv`` are buffers exposing the (CUDA) buffer protocol, sliced to
+        the exact message length, or None.  Messages of one ``stream`` (default:
+        the channel's name) share an MPI tag, so a send on one channel can
+        match a receive on another channel of the same stream.
+        """
+        from mpi4py import MPI
+
+        if channel in self._pending:
+            raise RuntimeError(f"ring channel {channel!r} posted while a transfer on it is pending")
+        tag = self._tag(stream or channel)
+        reqs, peers, nbytes = [], {}, {}
+        rec = self.record(self.step)
+        if recv is not None:
+            reqs.append(self.comm.Irecv([recv, MPI.BYTE], source=self.prev, tag=tag))
+            peers["recv from"], nbytes["recv"] = self.prev, _nbytes(recv)
+            rec.bytes_recv += nbytes["recv"]
+        if send is not None:
+            reqs.append(self.comm.Isend([send, MPI.BYTE], dest=self.next, tag=tag))
+            peers["send to"], nbytes["send"] = self.next, _nbytes(send)
+            rec.bytes_sent += nbytes["send"]
+        if reqs:
+            self._pending[channel] = _Pending(reqs, peers, nbytes)
+
+    def tick(self) -> None:
+        """Let MPI progress every pending transfer (cheap; call between tiles)."""
+        from mpi4py import MPI
+
+        for pending in self._pending.values():
+            MPI.Request.Testall(pending.requests)
+
+    def pending(self, channel: str) -> bool:
+        return channel in self._pending
+
+    def wait(self, channel: str) -> None:
+        """Complete the transfers of ``channel`` (no-op when none is pending)."""
+        from mpi4py import MPI
+
+        pending = self._pending.pop(channel, None)
+        if pending is None:
+            return
+        start = time.perf_counter()
+        deadline = None if self.timeout is None else start + self.timeout
+        nap = 0.0
+        while not MPI.Request.Testall(pending.requests):
+            now = time.perf_counter()
+            if deadline is not None and now > deadline:
+                self._pending[channel] = pending
+                peers = ", ".join(f"{k} rank {v}" for k, v in pending.peers.items())
+                sizes = ", ".join(f"{k} {v} bytes" for k, v in pending.nbytes.items())
+                raise RingTimeout(
+                    f"rank {self.rank}: ring step {self.step} channel {channel!r} did not complete "
+                    f"within {self.timeout:g} s ({peers}; expected {sizes}); "
+                    f"a peer rank may have died or stopped sending")
+            time.sleep(nap)
+            nap = min(2 * nap + 2e-5, 1e-3)
+        self.record(self.step).wait_s += time.perf_counter() - start
+
+    def wait_all(self) -> None:
+        for channel in list(self._pending):
+            self.wait(channel)
+
+
+def _nbytes(buf) -> int:
+    return int(buf.nbytes)

@@ -1,0 +1,76 @@
+"""Launch real ``mpirun`` from pytest, in a new process session, under a deadline."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_MPIRUN = shutil.which("mpirun") is not None
+
+
+def mpirun_env(**extra):
+    """Environment for a local, oversubscribed, root-friendly Open MPI run."""
+    env = dict(os.environ)
+    env.update({
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+        # containers often forbid the ptrace-based single-copy path
+        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+        "OMPI_MCA_btl": "self,vader,tcp",
+        "OMPI_MCA_btl_tcp_if_include": "lo",
+        "OMPI_MCA_oob_tcp_if_include": "lo",
+        "OMPI_MCA_mpi_yield_when_idle": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def mpirun(nprocs, args, timeout, env=None, cwd=None):
+    """Run ``mpirun -n nprocs <args>``; kill the whole session on the deadline.
+
+    Returns (returncode, stdout, stderr, seconds).  A run past its deadline
+    fails the calling test.
+    """
+    if not HAVE_MPIRUN:
+        pytest.fail("mpirun not found: run scripts/setup.sh first")
+    cmd = ["mpirun", "-n", str(nprocs), "--oversubscribe"] + [str(a) for a in args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or mpirun_env(), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpirun -n {nprocs} {' '.join(map(str, args))} passed its {timeout} s deadline "
+                    f"(hung?)\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+def run_cases(nprocs, cases, tmp_path, timeout, env=None):
+    """Run ring cases on ``nprocs`` ranks in one launch; return {id: (ok, msg)}."""
+    path = tmp_path / f"cases_{nprocs}.json"
+    path.write_text(json.dumps(cases))
+    rc, out, err, _ = mpirun(nprocs, [sys.executable, ROOT / "tests" / "ring_cases.py", path], timeout, env=env)
+    results = {}
+    for line in out.splitlines():
+        if line.startswith("CASE "):
+            rec = json.loads(line[5:])
+            results[rec["id"]] = (rec["ok"], rec["msg"])
+    missing = [c["id"] for c in cases if c["id"] not in results]
+    assert rc == 0 and not missing, (f"mpirun exit {rc}, {len(missing)} case(s) without a result "
+                                     f"(first: {missing[:3]})\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
+    return results

@@ -1,0 +1,110 @@
+"""Dense attention references for the tests, written independently of ringmpi.
+
+``dense_forward``/``dense_backward`` compute on whole global arrays in the
+dtype given (float64 for the reference, the input dtype for the "naive
+same-dtype" computation that sets the tolerance).  ``tolerance_check``
+applies DESIGN.md's rule.
+"""
+
+import numpy as np
+
+
+def visible(n_q, n_kv, causal=False, window=None, seg_q=None, seg_kv=None):
+    """(B or 1, n_q, n_kv) bool visibility, bottom-right aligned."""
+    i = np.arange(n_q)[:, None] + (n_kv - n_q)
+    j = np.arange(n_kv)[None, :]
+    vis = np.ones((n_q, n_kv), dtype=bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        left, right = window
+        if left is not None:
+            vis &= j >= i - left
+        if right is not None:
+            vis &= j <= i + right
+    vis = vis[None]
+    if seg_q is not None:
+        vis = vis & (seg_q[:, :, None] == seg_kv[:, None, :])
+    return vis
+
+
+def _expand_kv(x, heads):
+    """(B, N, Hkv, D) -> (B, Hq, N, D) by repeating each kv head."""
+    group = heads // x.shape[2]
+    return np.repeat(x.transpose(0, 2, 1, 3), group, axis=1)
+
+
+def dense_forward(q, k, v, vis, scale, dtype):
+    """o (B, N, H, D) and lse (B, H, N) computed densely in ``dtype``."""
+    dtype = np.dtype(dtype)
+    qh = q.transpose(0, 2, 1, 3).astype(dtype)
+    kh = _expand_kv(k, q.shape[2]).astype(dtype)
+    vh = _expand_kv(v, q.shape[2]).astype(dtype)
+    s = (qh @ kh.transpose(0, 1, 3, 2)) * dtype.type(scale)
+    mask = vis[:, None]
+    s = np.where(mask, s, dtype.type(-np.inf))
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0).astype(dtype)
+    p = np.exp(s - m_safe)
+    l = p.sum(axis=-1, keepdims=True)
+    l_safe = np.where(l > 0, l, 1).astype(dtype)
+    o = np.where(l > 0, (p / l_safe) @ vh, 0).astype(dtype)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l_safe[..., 0]), -np.inf).astype(dtype)
+    return o.transpose(0, 2, 1, 3), lse
+
+
+def dense_backward(do, q, k, v, vis, scale, dtype):
+    """dq, dk, dv computed densely in ``dtype`` (shapes like q, k, v)."""
+    dtype = np.dtype(dtype)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group = heads // kv_heads
+    qh = q.transpose(0, 2, 1, 3).astype(dtype)
+    kh = _expand_kv(k, heads).astype(dtype)
+    vh = _expand_kv(v, heads).astype(dtype)
+    doh = do.transpose(0, 2, 1, 3).astype(dtype)
+    s = (qh @ kh.transpose(0, 1, 3, 2)) * dtype.type(scale)
+    s = np.where(vis[:, None], s, dtype.type(-np.inf))
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0).astype(dtype)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p = np.where(l > 0, p / np.where(l > 0, l, 1), 0).astype(dtype)
+    dv = p.transpose(0, 1, 3, 2) @ doh
+    dp = doh @ vh.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = (ds @ kh) * dtype.type(scale)
+    dk = (ds.transpose(0, 1, 3, 2) @ qh) * dtype.type(scale)
+    b, _, n_kv, d = dk.shape
+    dk = dk.reshape(b, kv_heads, group, n_kv, d).sum(axis=2)
+    dv = dv.reshape(b, kv_heads, group, n_kv, d).sum(axis=2)
+    return dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+
+
+def max_err(x, ref):
+    """Max abs error, treating equal infinities as exact; inf where they disagree."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:
+        raise AssertionError(f"shape {x.shape} != reference {ref.shape}")
+    if np.isnan(x).any():
+        return float("inf")
+    same_inf = np.isinf(ref) & (x == ref)
+    if (np.isinf(ref) != same_inf).any() or (np.isinf(x) & ~np.isinf(ref)).any():
+        return float("inf")
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same_inf, 0.0, np.abs(x - ref))
+    return float(diff.max()) if diff.size else 0.0
+
+
+def tolerance_check(name, ours, ref64, naive, gradient=False):
+    """DESIGN.md's rule: err <= 2x naive + 1e-6 (3x + 1e-5 for gradients).
+
+    Returns (ok, message)."""
+    factor, floor = (3.0, 1e-5) if gradient else (2.0, 1e-6)
+    err, base = max_err(ours, ref64), max_err(naive, ref64)
+    if not np.isfinite(base):
+        base = 0.0
+    bound = factor * base + floor
+    ok = err <= bound
+    return ok, f"{name}: err {err:.3g} bound {bound:.3g} (naive {base:.3g})"

@@ -1,0 +1,178 @@
+"""Rank-side driver: run many ring-attention cases in one mpirun launch.
+
+    mpirun -n P python tests/ring_cases.py CASES.json
+
+Every rank builds the same global inputs from the case's seed, runs
+``ring_attention`` (and the backward) on its own shard, and rank 0 gathers
+the shards, compares them with the float64 dense reference of
+``reference.py`` under DESIGN.md's tolerance rule, and prints one line per
+case: ``CASE <json>``.  The backend comes from ``RINGMPI_TEST_BACKEND``
+(default numpy).
+"""
+
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference  # noqa: E402
+import ringmpi  # noqa: E402
+from ringmpi import Layout  # noqa: E402
+
+BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
+
+
+def make_inputs(case):
+    rng = np.random.default_rng(case.get("seed", 0))
+    b, h, hkv, d = case["B"], case["H"], case["Hkv"], case["D"]
+    n_q, n_kv = case["n_q"], case.get("n_kv", case["n_q"])
+    dtype = np.dtype(case.get("dtype", "float32"))
+    q = rng.standard_normal((b, n_q, h, d)) * case.get("q_scale", 1.0) + case.get("q_offset", 0.0)
+    k = rng.standard_normal((b, n_kv, hkv, d)) * case.get("k_scale", 1.0)
+    v = rng.standard_normal((b, n_kv, hkv, d))
+    do = rng.standard_normal((b, n_q, h, d))
+    seg_q = seg_kv = None
+    if case.get("segments"):
+        # packed documents with boundaries at random places: documents cross shard boundaries
+        nseg = case["segments"]
+        cuts_q = np.sort(rng.choice(np.arange(1, n_q), size=min(nseg - 1, n_q - 1), replace=False)) if n_q > 1 else []
+        seg_q = np.broadcast_to(np.searchsorted(cuts_q, np.arange(n_q), side="right"), (b, n_q)).copy()
+        if n_kv == n_q:
+            seg_kv = seg_q.copy()
+        else:
+            cuts_kv = np.sort(rng.choice(np.arange(1, n_kv), size=min(nseg - 1, n_kv - 1), replace=False)) if n_kv > 1 else []
+            seg_kv = np.broadcast_to(np.searchsorted(cuts_kv, np.arange(n_kv), side="right"), (b, n_kv)).copy()
+        if b > 1:  # a different packing per batch entry
+            seg_q[1:] = (seg_q[1:] + 1) // 2
+            seg_kv[1:] = (seg_kv[1:] + 1) // 2
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), cast(do), seg_q, seg_kv
+
+
+def run_case(comm, case):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    q, k, v, do, seg_q, seg_kv = make_inputs(case)
+    lay_q = Layout(case["layout"], q.shape[1], size)
+    lay_kv = Layout(case["layout"], k.shape[1], size)
+    window = None if case.get("window") is None else tuple(case["window"])
+    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
+              softmax_scale=case.get("scale"), backend=BACKEND)
+    if seg_q is not None:
+        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
+    local = dict(q=lay_q.shard(q, rank), k=lay_kv.shard(k, rank), v=lay_kv.shard(v, rank),
+                 do=lay_q.shard(do, rank))
+    to_backend, to_host = _converters()
+    args = [to_backend(local[n]) for n in ("q", "k", "v")]
+    o, lse = ringmpi.ring_attention(*args, **kw)
+    results = {"o": to_host(o), "lse": to_host(lse)}
+    repeat = case.get("repeat", 1)
+    for _ in range(repeat - 1):
+        o2, lse2 = ringmpi.ring_attention(*args, **kw)
+        if not (np.array_equal(to_host(o2), results["o"]) and np.array_equal(to_host(lse2), results["lse"])):
+            results["not_bitwise"] = True
+    if case.get("backward"):
+        dq, dk, dv = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
+        results.update(dq=to_host(dq), dk=to_host(dk), dv=to_host(dv))
+        for _ in range(repeat - 1):
+            again = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
+            if not all(np.array_equal(to_host(a), results[n]) for a, n in zip(again, ("dq", "dk", "dv"))):
+                results["not_bitwise"] = True
+    gathered = comm.gather(results, root=0)
+    if rank != 0:
+        return None
+    return check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window)
+
+
+def _converters():
+    if BACKEND == "cupy":
+        import cupy
+        return cupy.asarray, cupy.asnumpy
+    return (lambda x: x), (lambda x: np.asarray(x))
+
+
+def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window):
+    messages, ok = [], True
+    if any(g.get("not_bitwise") for g in gathered):
+        ok = False
+        messages.append("repeated runs differ bitwise")
+    dtype = q.dtype
+    scale = case.get("scale") or 1.0 / np.sqrt(q.shape[3])
+    vis = reference.visible(q.shape[1], k.shape[1], case.get("causal", False), window, seg_q, seg_kv)
+    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64)
+    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype)
+    o = lay_q.unshard([g["o"] for g in gathered], axis=1)
+    lse = lay_q.unshard([g["lse"] for g in gathered], axis=2)
+    want_lse_dtype = np.float64 if dtype == np.float64 else np.float32
+    if o.dtype != dtype or lse.dtype != want_lse_dtype:
+        ok = False
+        messages.append(f"dtypes o {o.dtype} lse {lse.dtype}")
+    for name, ours, ref, naive, grad in (("o", o, ref_o, naive_o, False), ("lse", lse, ref_lse, naive_lse, False)):
+        good, msg = reference.tolerance_check(name, ours, ref, naive, gradient=grad)
+        ok &= good
+        messages.append(msg)
+    if case.get("backward"):
+        refs = reference.dense_backward(do, q, k, v, vis, scale, np.float64)
+        naives = reference.dense_backward(do, q, k, v, vis, scale, dtype)
+        for i, name in enumerate(("dq", "dk", "dv")):
+            lay = lay_q if name == "dq" else lay_kv
+            ours = lay.unshard([g[name] for g in gathered], axis=1)
+            good, msg = reference.tolerance_check(name, ours, refs[i], naives[i], gradient=True)
+            ok &= good and ours.dtype == dtype
+            messages.append(msg)
+    return ok, "; ".join(messages)
+
+
+def fd_case(comm, case):
+    """Finite-difference check of the ring backward against the ring forward (float64)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    case = dict(case, dtype="float64")
+    q, k, v, do, _, _ = make_inputs(case)
+    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), backend=BACKEND)
+    to_backend, to_host = _converters()
+
+    def loss(qg, kg, vg):
+        o, _ = ringmpi.ring_attention(*(to_backend(lay.shard(x, rank)) for lay, x in
+                                        ((lay_q, qg), (lay_kv, kg), (lay_kv, vg))), **kw)
+        return comm.allreduce(float(np.sum(to_host(o) * lay_q.shard(do, rank))))
+
+    args = [to_backend(x) for x in (lay_q.shard(q, rank), lay_kv.shard(k, rank), lay_kv.shard(v, rank))]
+    o, lse = ringmpi.ring_attention(*args, **kw)
+    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, **kw)
+    full = [lay.unshard(comm.allgather(to_host(g)), axis=1) for lay, g in zip((lay_q, lay_kv, lay_kv), grads)]
+    rng = np.random.default_rng(123)
+    eps, worst = 1e-6, 0.0
+    for which in range(3):
+        for _ in range(4):
+            base = [q.copy(), k.copy(), v.copy()]
+            idx = tuple(int(rng.integers(0, s)) for s in base[which].shape)
+            plus, minus = [x.copy() for x in base], [x.copy() for x in base]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
+            worst = max(worst, abs(numeric - full[which][idx]) / max(1.0, abs(numeric)))
+    return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
+
+
+def main():
+    comm = MPI.COMM_WORLD
+    with open(sys.argv[1]) as fh:
+        cases = json.load(fh)
+    for case in cases:
+        try:
+            result = (fd_case if case.get("kind") == "fd" else run_case)(comm, case)
+        except Exception as exc:  # report and go on: one broken case must not hide the others
+            result = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            if comm.Get_rank() != 0:
+                print(f"[rank {comm.Get_rank()}] case {case['id']}: {result[1]}", file=sys.stderr, flush=True)
+        if comm.Get_rank() == 0:
+            ok, msg = result
+            print("CASE " + json.dumps({"id": case["id"], "ok": bool(ok), "msg": msg}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Every CUDA kernel instantiation compiles through NVRTC, without a GPU.
+
+Compiles exactly what the runtime loader compiles: ``ringmpi.kernels.source``
+(preamble + file with ``#line``), ``compile_options()`` and every name
+expression of ``ringmpi.kernels.instantiations()``, for sm_80 and sm_90, and
+asserts an empty compiler log (no warnings).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from ringmpi import kernels as K
+
+nvrtc = pytest.importorskip(
+    "cupy_backends.cuda.libs.nvrtc",
+    reason="CuPy (cupy-cuda12x) with NVRTC (nvidia-cuda-nvrtc-cu12) is not installed",
+)
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def _by_file():
+    grouped = collections.defaultdict(list)
+    for filename, expr in K.instantiations():
+        grouped[filename].append(expr)
+    return dict(grouped)
+
+
+def _compile(filename, exprs, arch):
+    """(ok, log, lowered names) of one NVRTC program with all ``exprs``."""
+    prog = nvrtc.createProgram(K.source(filename), filename, [], [])
+    try:
+        for expr in exprs:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, list(K.compile_options()) + [f"--gpu-architecture={arch}"])
+            ok = True
+        except nvrtc.NVRTCError:
+            ok = False
+        log = nvrtc.getProgramLog(prog)
+        lowered = [nvrtc.getLoweredName(prog, e) for e in exprs] if ok else []
+        return ok, log, lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def test_nvrtc_loads():
+    try:
+        major, _ = nvrtc.getVersion()
+    except Exception as exc:  # libnvrtc missing: the wheel is not installed
+        pytest.fail(f"libnvrtc cannot be loaded ({exc}); install nvidia-cuda-nvrtc-cu12")
+    assert major >= 12
+
+
+def test_instantiation_list_covers_the_backend():
+    items = K.instantiations()
+    exprs = {e for _, e in items}
+    # tensor cores for f16/bf16 at the common head dims, in both directions
+    for bf in ("false", "true"):
+        for dp in (64, 128):
+            assert f"ringmpi_forward_mma<{dp}, {bf}>" in exprs
+            assert f"ringmpi_backward_mma<{dp}, {bf}>" in exprs
+    # every head dim up to the maximum maps to a compiled bucket for every kind
+    for d in range(1, K.MAX_HEAD_DIM + 1):
+        for kind in (K.F16, K.BF16, K.F32, K.F64):
+            assert K.forward_kernel(kind, d)[:2] in items
+            assert K.backward_kernel(kind, d)[:2] in items
+    with pytest.raises(ValueError):
+        K.padded_dim(K.MAX_HEAD_DIM + 1)
+
+
+def test_sources_carry_line_directives():
+    for filename in _by_file():
+        src = K.source(filename)
+        assert f'#line 1 "{(K.KERNEL_DIR / filename).as_posix()}"' in src
+        assert f'#line 1 "{(K.KERNEL_DIR / K.PREAMBLE).as_posix()}"' in src
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", sorted(_by_file()))
+def test_kernels_compile(filename, arch):
+    exprs = _by_file()[filename]
+    ok, log, lowered = _compile(filename, exprs, arch)
+    assert ok, f"NVRTC failed for {filename} ({arch}):\n{log}"
+    assert not log.strip(), f"NVRTC warnings for {filename} ({arch}):\n{log}"
+    assert len(lowered) == len(exprs) and all(lowered)
+    for name in lowered:
+        assert "ringmpi_" in name
+
+
+def test_compile_errors_name_the_real_file(tmp_path, monkeypatch):
+    bad = tmp_path / "broken.cu"
+    bad.write_text("__global__ void ringmpi_broken() { undefined_symbol(); }\n")
+    monkeypatch.setattr(K, "KERNEL_DIR", tmp_path)
+    (tmp_path / K.PREAMBLE).write_text("")
+    K.source.cache_clear()
+    try:
+        ok, log, _ = _compile("broken.cu", [], "sm_80")
+    finally:
+        K.source.cache_clear()
+    assert not ok
+    assert str(bad.as_posix()) in log

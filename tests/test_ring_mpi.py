@@ -1,0 +1,82 @@
+"""Ring attention under real mpirun against the float64 dense reference.
+
+One mpirun launch per world size runs the whole case list for that size
+(``ring_cases.py``); each case is then its own pytest item.
+"""
+
+import itertools
+import os
+
+import pytest
+
+from mpi_util import run_cases
+
+WORLD_SIZES = (1, 2, 3, 4, 5, 8)
+LENGTHS = (1, 3, 97, 256, 257)
+DIMS = (8, 59, 64, 128)
+HEADS = ((4, 4), (8, 2), (4, 1))
+LAYOUTS = ("contiguous", "zigzag", "striped")
+BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
+
+
+def cases_for(p):
+    cases, spin = [], itertools.count()
+
+    def add(name, **kw):
+        i = next(spin)
+        h, hkv = HEADS[i % len(HEADS)]
+        case = dict(id=f"P{p}-{name}", B=1, H=h, Hkv=hkv, D=DIMS[i % len(DIMS)], dtype="float32",
+                    backward=True, seed=1000 * p + i)
+        case.update(kw)
+        cases.append(case)
+
+    for n, layout, causal in itertools.product(LENGTHS, LAYOUTS, (False, True)):
+        add(f"n{n}-{layout}-{'causal' if causal else 'full'}", n_q=n, layout=layout, causal=causal,
+            B=2 if n == 97 else 1)
+    for layout in LAYOUTS:
+        add(f"window-causal-{layout}", n_q=257, layout=layout, causal=True, window=[16, 0])
+        add(f"window-both-{layout}", n_q=200, layout=layout, window=[8, 8])
+        add(f"window-right-{layout}", n_q=97, layout=layout, window=[None, 5])
+        add(f"segments-{layout}", n_q=256, layout=layout, segments=5, B=2)
+        add(f"segments-causal-{layout}", n_q=257, layout=layout, causal=True, segments=3)
+        add(f"qlong-causal-{layout}", n_q=256, n_kv=97, layout=layout, causal=True)  # rows see nothing
+        add(f"kvlong-causal-{layout}", n_q=97, n_kv=256, layout=layout, causal=True)
+        add(f"kvlong-window-{layout}", n_q=64, n_kv=200, layout=layout, window=[10, 10], causal=True)
+        add(f"float64-{layout}", n_q=97, layout=layout, causal=True, dtype="float64")
+        add(f"float16-{layout}", n_q=97, layout=layout, causal=True, dtype="float16")
+        # scores ~1e4 (or a large common offset): float32 forward; the float32 LSE hand-off bounds
+        # backward accuracy to |lse| * 2^-24 in P, so those backwards are checked in float64
+        add(f"extreme-{layout}", n_q=97, layout=layout, causal=True, q_scale=100.0, k_scale=100.0,
+            backward=False)
+        add(f"extreme64-{layout}", n_q=97, layout=layout, causal=True, q_scale=100.0, k_scale=100.0,
+            dtype="float64")
+        add(f"large-{layout}", n_q=97, layout=layout, q_scale=10.0, k_scale=10.0, backward=False)
+        add(f"offset-{layout}", n_q=97, layout=layout, q_offset=40.0, backward=False)
+        add(f"offset64-{layout}", n_q=97, layout=layout, q_offset=40.0, dtype="float64")
+        add(f"scale-{layout}", n_q=64, layout=layout, scale=0.5)
+        add(f"bitwise-{layout}", n_q=257, layout=layout, causal=True, repeat=3)
+    if p in (1, 3):
+        for layout in LAYOUTS:
+            add(f"fd-{layout}", kind="fd", n_q=11, n_kv=13, B=1, H=2, Hkv=1, D=5, layout=layout, causal=True)
+    return cases
+
+
+ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(p):
+        if p not in cache:
+            cache[p] = run_cases(p, cases_for(p), tmp_path_factory.mktemp(f"p{p}"), timeout=240)
+        return cache[p]
+    return get
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
+def test_ring_case(results, p, case):
+    ok, msg = results(p)[case["id"]]
+    assert ok, msg
