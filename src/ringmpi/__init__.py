@@ -9,5 +9,7 @@ __version__ = "0.1.0"
 
 from .layout import Layout  # noqa: E402
 from .attention import ring_attention, ring_attention_backward  # noqa: E402
+from .errors import ConfigError, RingTimeout, abort_on_error  # noqa: E402
 
-__all__ = ["Layout", "ring_attention", "ring_attention_backward", "__version__"]
+__all__ = ["Layout", "ring_attention", "ring_attention_backward", "abort_on_error",
+           "ConfigError", "RingTimeout", "__version__"]

@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 
 from .backends import get_backend
-from .errors import ConfigError, agree
+from .errors import agree, ring_fault
 from .layout import KINDS, Layout
 from .masks import BlockMask, MaskSpec
 from .ring import Ring, StepRecord, default_timeout, resolve_comm
@@ -221,9 +221,13 @@ class _KVChannel:
 
 def _timed(plan: _Plan, ring: Ring, step: int, fn, *args) -> None:
     start = time.perf_counter()
-    fn(*args, tick=ring.tick)
+    tiles = fn(*args, tick=ring.tick)
     plan.backend.synchronize()
-    ring.record(step).compute_s += time.perf_counter() - start
+    record = ring.record(step)
+    record.compute_s += time.perf_counter() - start
+    if tiles is not None:  # (computed, skipped) from the block kernel
+        record.tiles_computed += tiles[0]
+        record.tiles_skipped += tiles[1]
 
 
 def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguous",
@@ -285,6 +289,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     kv = _KVChannel(plan, ring, be.asarray(k), be.asarray(v))
     for step in range(plan.size):
         ring.step = step
+        ring_fault("fwd", plan.rank, step)
         kh, vh, src = kv.begin_step(step)
         _timed(plan, ring, step, be.forward_block, qh, kh, vh, o_acc, m, l, plan.scale,
                plan.block_mask(src))
@@ -346,6 +351,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
 
     for step in range(plan.size):
         ring.step = step
+        ring_fault("bwd", plan.rank, step)
         kh, vh, src = kv.begin_step(step)
         if step > 0:  # partial dK/dV of this block, from the ranks that saw it before
             ring.post("grad_in", recv=grad_in.mpi[: grad_bytes(int(counts[src]))], stream="grad")

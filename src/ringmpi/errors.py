@@ -41,3 +41,114 @@ def agree(comm, problem: Optional[str]) -> None:
         if len(failing) > 1:
             message += f" (and {len(failing) - 1} more rank(s) failed their checks)"
     raise ConfigError(message)
+
+
+def _rank_prefix() -> str:
+    """``[rank r] `` when MPI is initialised, else empty (never initialises MPI)."""
+    try:
+        from mpi4py import MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            return f"[rank {MPI.COMM_WORLD.Get_rank()}] "
+    except Exception:
+        pass
+    return ""
+
+
+def abort_job(message: str, code: int = 1) -> None:
+    """Print ``message`` for this rank, flush, and end the whole MPI job now."""
+    import sys
+
+    prefix = _rank_prefix()
+    text = "\n".join(prefix + line for line in message.rstrip().splitlines())
+    print(text, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if prefix:
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(code)
+    import os
+    os._exit(code)
+
+
+class abort_on_error:
+    """Context manager: any exception inside ends the whole MPI job.
+
+    ``with ringmpi.abort_on_error(): ...`` prints the exception with this
+    rank's ``[rank r]`` prefix, flushes, and calls ``MPI_Abort`` so that the
+    other ranks do not wait forever for this one.  A :class:`ConfigError`
+    (raised identically on every rank after :func:`agree`) is re-raised
+    unchanged unless ``abort_config=True``: every rank sees it and can exit
+    cleanly with status 2.
+    """
+
+    def __init__(self, abort_config: bool = False):
+        self.abort_config = abort_config
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None or issubclass(exc_type, (SystemExit, GeneratorExit)):
+            return False
+        if issubclass(exc_type, ConfigError) and not self.abort_config:
+            return False
+        import traceback
+
+        if issubclass(exc_type, KeyboardInterrupt):
+            abort_job("interrupted", 130)
+        detail = "".join(traceback.format_exception(exc_type, exc, tb))
+        abort_job(f"ringmpi: {exc_type.__name__}: {exc}\n{detail}", 1)
+        return False
+
+
+class InjectedFault(RingmpiError):
+    """Raised by :func:`fault_point` when ``RINGMPI_FAULT`` asks for it (tests only)."""
+
+
+def fault_point(name: str, rank: int) -> None:
+    """Testing aid: raise :class:`InjectedFault` at point ``name`` on a chosen rank.
+
+    ``RINGMPI_FAULT=<name>:<rank>`` (or ``<name>`` for every rank) makes the
+    named point fail, e.g. ``write:1`` fails rank 1 after it wrote its outputs
+    and before the output file is closed.  Unset in normal use.
+    """
+    import os
+
+    want = os.environ.get("RINGMPI_FAULT", "")
+    if not want:
+        return
+    point, _, who = want.partition(":")
+    if point == name and (who == "" or int(who) == rank):
+        raise InjectedFault(f"injected fault at '{name}' on rank {rank} (RINGMPI_FAULT={want})")
+
+
+def ring_fault(phase: str, rank: int, step: int) -> None:
+    """Testing aid: misbehave at a ring step when ``RINGMPI_FAULT`` asks for it.
+
+    ``RINGMPI_FAULT=<action>:<rank>:<step>[:<phase>]`` with action
+
+    * ``raise`` - raise :class:`InjectedFault` (an ordinary error on one rank);
+    * ``exit``  - ``os._exit(3)`` (a rank that dies without a word);
+    * ``hang``  - stop sending and sleep forever (a stuck rank);
+
+    at ring step ``step`` on rank ``rank``, in ``phase`` ``fwd`` or ``bwd``
+    (both when omitted).  Unset in normal use; parsing costs nothing then.
+    """
+    import os
+
+    want = os.environ.get("RINGMPI_FAULT", "")
+    if not want:
+        return
+    fields = want.split(":")
+    if len(fields) < 3 or fields[0] not in ("raise", "exit", "hang"):
+        return
+    action, who, when = fields[0], int(fields[1]), int(fields[2])
+    if who != rank or when != step or (len(fields) > 3 and fields[3] != phase):
+        return
+    if action == "raise":
+        raise InjectedFault(f"injected fault on rank {rank} at {phase} ring step {step} (RINGMPI_FAULT={want})")
+    if action == "exit":
+        os._exit(3)
+    import time
+
+    while True:  # a stuck rank: the others' ring waits must pass their deadline
+        time.sleep(3600)

@@ -41,13 +41,15 @@ def default_timeout() -> Optional[float]:
 
 @dataclass
 class StepRecord:
-    """What one rank did in one ring step (seconds and bytes)."""
+    """What one rank did in one ring step (seconds, bytes, and tiles of the block kernel)."""
 
     step: int
     compute_s: float = 0.0
     wait_s: float = 0.0
     bytes_sent: int = 0
     bytes_recv: int = 0
+    tiles_computed: int = 0
+    tiles_skipped: int = 0
 
 
 @dataclass
@@ -55,6 +57,7 @@ class _Pending:
     requests: list
     peers: Dict[str, int]
     nbytes: Dict[str, int]
+    labels: List[str]
 
 
 @dataclass
@@ -100,18 +103,20 @@ class Ring:
         if channel in self._pending:
             raise RuntimeError(f"ring channel {channel!r} posted while a transfer on it is pending")
         tag = self._tag(stream or channel)
-        reqs, peers, nbytes = [], {}, {}
+        reqs, peers, nbytes, labels = [], {}, {}, []
         rec = self.record(self.step)
         if recv is not None:
             reqs.append(self.comm.Irecv([recv, MPI.BYTE], source=self.prev, tag=tag))
             peers["recv from"], nbytes["recv"] = self.prev, _nbytes(recv)
+            labels.append("recv")
             rec.bytes_recv += nbytes["recv"]
         if send is not None:
             reqs.append(self.comm.Isend([send, MPI.BYTE], dest=self.next, tag=tag))
             peers["send to"], nbytes["send"] = self.next, _nbytes(send)
+            labels.append("send")
             rec.bytes_sent += nbytes["send"]
         if reqs:
-            self._pending[channel] = _Pending(reqs, peers, nbytes)
+            self._pending[channel] = _Pending(reqs, peers, nbytes, labels)
 
     def tick(self) -> None:
         """Let MPI progress every pending transfer (cheap; call between tiles)."""
@@ -137,8 +142,10 @@ class Ring:
             now = time.perf_counter()
             if deadline is not None and now > deadline:
                 self._pending[channel] = pending
-                peers = ", ".join(f"{k} rank {v}" for k, v in pending.peers.items())
-                sizes = ", ".join(f"{k} {v} bytes" for k, v in pending.nbytes.items())
+                # name only the transfers that are still incomplete
+                stuck = [label for label, req in zip(pending.labels, pending.requests) if not req.Test()]
+                peers = ", ".join(f"{k} rank {v}" for k, v in pending.peers.items() if k.split()[0] in stuck)
+                sizes = ", ".join(f"{k} {v} bytes" for k, v in pending.nbytes.items() if k in stuck)
                 raise RingTimeout(
                     f"rank {self.rank}: ring step {self.step} channel {channel!r} did not complete "
                     f"within {self.timeout:g} s ({peers}; expected {sizes}); "

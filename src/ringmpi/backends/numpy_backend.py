@@ -16,7 +16,7 @@ import numpy as np
 from ..masks import FULL, SKIP, BlockMask
 from . import HostMessage
 
-TILE_Q = int(os.environ.get("RINGMPI_TILE_Q", "256"))
+TILE_Q = int(os.environ.get("RINGMPI_TILE_Q", "512"))
 TILE_KV = int(os.environ.get("RINGMPI_TILE_KV", "512"))
 
 
@@ -30,17 +30,23 @@ class _TilePlan:
     Iterating yields ``(rows, cols, b, bias)`` for every tile that is not
     skipped, where ``bias`` is None for fully visible tiles and otherwise a
     ``(rows, cols)`` array of 0 / -inf; ``b`` is None when the mask does not
-    depend on the batch entry (no segment ids).
+    depend on the batch entry (no segment ids).  ``computed`` and ``skipped``
+    count the tiles iterated so far, one per (query tile, key tile, batch entry).
     """
 
     def __init__(self, mask: BlockMask, sq: int, skv: int, batch: int, dtype):
         self.mask, self.dtype, self.batch = mask, dtype, batch
         self.q_tiles, self.kv_tiles = _tiles(sq, TILE_Q), _tiles(skv, TILE_KV)
+        self.computed = self.skipped = 0
+
+    def counts(self):
+        return self.computed, self.skipped
 
     def __iter__(self):
         mask, spec = self.mask, self.mask.spec
         per_batch = mask.seg_q is not None
         batches = range(self.batch) if per_batch else [None]
+        entries = 1 if per_batch else self.batch
         for rows in self.q_tiles:
             qp = mask.q_pos[rows]
             for cols in self.kv_tiles:
@@ -50,7 +56,9 @@ class _TilePlan:
                     sk = mask.seg_kv[b, cols] if per_batch else None
                     kind = spec.classify(qp, kp, sq, sk)
                     if kind == SKIP:
+                        self.skipped += entries
                         continue
+                    self.computed += entries
                     bias = None
                     if kind != FULL:
                         vis = spec.visible(qp, kp, sq, sk)
@@ -91,17 +99,19 @@ class NumpyBackend:
 
     # ------------------------------------------------------------------ forward
     def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None):
+        """Fold one block into the online softmax; return ``(tiles computed, tiles skipped)``."""
         batch, heads, sq, _ = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if sq == 0 or skv == 0:
-            return
+            return 0, 0
         ct = qh.dtype
         kh = kh if kh.dtype == ct else kh.astype(ct)
         vh = vh if vh.dtype == ct else vh.astype(ct)
         group = heads // kv_heads
         scale = ct.type(scale)
         scratch = np.empty(min(sq, TILE_Q) * min(skv, TILE_KV), dtype=ct)
-        for rows, cols, bsel, bias in _TilePlan(mask, sq, skv, batch, ct):
+        tiles = _TilePlan(mask, sq, skv, batch, ct)
+        for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             s = scratch[: nq * nk].reshape(nq, nk)
             for b in (range(batch) if bsel is None else (bsel,)):
@@ -127,6 +137,7 @@ class NumpyBackend:
                     m[b, h, rows] = m_new
             if tick is not None:
                 tick()
+        return tiles.counts()
 
     @staticmethod
     def finalize(o_acc, m, l, out_dtype):
@@ -140,10 +151,11 @@ class NumpyBackend:
 
     # ----------------------------------------------------------------- backward
     def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None):
+        """Accumulate one block's gradients; return ``(tiles computed, tiles skipped)``."""
         batch, heads, sq, _ = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if sq == 0 or skv == 0:
-            return
+            return 0, 0
         ct = qh.dtype
         kh = kh if kh.dtype == ct else kh.astype(ct)
         vh = vh if vh.dtype == ct else vh.astype(ct)
@@ -153,7 +165,8 @@ class NumpyBackend:
         lse_use = np.where(np.isneginf(lse), np.inf, lse).astype(ct, copy=False)
         size = min(sq, TILE_Q) * min(skv, TILE_KV)
         scratch_p, scratch_dp = np.empty(size, dtype=ct), np.empty(size, dtype=ct)
-        for rows, cols, bsel, bias in _TilePlan(mask, sq, skv, batch, ct):
+        tiles = _TilePlan(mask, sq, skv, batch, ct)
+        for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
@@ -176,3 +189,4 @@ class NumpyBackend:
                     dk[b, kvh, cols] += dp.T @ q_t
             if tick is not None:
                 tick()
+        return tiles.counts()

@@ -1,0 +1,430 @@
+"""GPU backend: launches the CUDA block kernels of :mod:`ringmpi.kernels`.
+
+Implements the interface documented in :mod:`ringmpi.backends` with the same
+arithmetic as :class:`~ringmpi.backends.numpy_backend.NumpyBackend`.
+
+bfloat16: CuPy has no bfloat16 dtype, so bfloat16 data lives in ``uint16``
+CuPy arrays holding the raw bits.  Every method that takes a dtype accepts the
+string ``"bfloat16"`` (``to_heads(x, "bfloat16")`` rounds to nearest even and
+returns ``uint16``; ``message.view(..., "bfloat16")`` gives a ``uint16``
+view), and every ``uint16`` K/V array is read as bfloat16.
+
+Streams: every launch happens inside ``with self.stream`` (CuPy launches on
+the current stream).  The compute stream is one per backend, created blocking
+(it orders itself with CuPy's default stream, so arrays the caller prepares
+with ordinary CuPy calls are safe to pass in).  Staged messages copy on a
+second stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from .. import kernels as K
+from ..masks import BlockMask
+
+BFLOAT16 = "bfloat16"
+_THREADS_1D = 256
+
+
+def _kind_of_dtype(dtype) -> int:
+    """Kernel element kind of a dtype; ``"bfloat16"`` and uint16 are bf16."""
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        return K.BF16
+    dt = np.dtype(dtype)
+    if dt.name == "bfloat16" or dt == np.uint16:
+        return K.BF16
+    kinds = {np.dtype(np.float16): K.F16, np.dtype(np.float32): K.F32, np.dtype(np.float64): K.F64}
+    if dt not in kinds:
+        raise TypeError(f"unsupported dtype {dt}: expected float16, bfloat16 (as uint16), float32 or float64")
+    return kinds[dt]
+
+
+def storage_dtype(dtype) -> np.dtype:
+    """The CuPy-representable dtype that holds ``dtype`` (bfloat16 -> uint16)."""
+    kind = _kind_of_dtype(dtype)
+    return {K.F16: np.dtype(np.float16), K.BF16: np.dtype(np.uint16),
+            K.F32: np.dtype(np.float32), K.F64: np.dtype(np.float64)}[kind]
+
+
+def _grid_1d(n: int) -> int:
+    return max(1, min((int(n) + _THREADS_1D - 1) // _THREADS_1D, 65535 * 8))
+
+
+def mask_scalars(spec):
+    """``(has_lo, lo_delta, has_hi, hi_delta)`` of a MaskSpec: key j is visible
+    from query i when ``j >= i + lo_delta`` (if has_lo) and ``j <= i + hi_delta``
+    (if has_hi)."""
+    off = int(spec.offset)
+    his, los = [], []
+    if spec.causal:
+        his.append(off)
+    if spec.window is not None:
+        left, right = spec.window
+        if left is not None:
+            los.append(off - int(left))
+        if right is not None:
+            his.append(off + int(right))
+    return (np.int32(bool(los)), np.int64(max(los) if los else 0),
+            np.int32(bool(his)), np.int64(min(his) if his else 0))
+
+
+def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
+    """Per-tile (min, max) of positions, then per (batch, tile) of segment ids.
+
+    Layout (int64): ``[ntiles, 2]`` for positions followed, when ``seg``
+    (B, S) is given, by ``[B, ntiles, 2]`` -- as ``classify_tile`` reads it.
+    """
+    pos = np.asarray(pos, dtype=np.int64)
+    starts = np.arange(0, len(pos), tile)
+    parts = [np.stack([np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)], axis=-1).ravel()]
+    if seg is not None:
+        seg = np.asarray(seg, dtype=np.int64)
+        parts.append(np.stack([np.minimum.reduceat(seg, starts, axis=1),
+                               np.maximum.reduceat(seg, starts, axis=1)], axis=-1).ravel())
+    return np.ascontiguousarray(np.concatenate(parts))
+
+
+class CupyBackend:
+    """The GPU block kernels (see :mod:`ringmpi.backends` for the interface).
+
+    Parameters
+    ----------
+    device_id : int or None
+        CUDA device; None means CuPy's current device.
+    cuda_aware : bool or None
+        Hand device buffers straight to MPI (True) or stage them through
+        pinned host memory (False).  None reads ``RINGMPI_CUDA_AWARE``
+        (``auto``/``on``/``off``, default ``auto``: see
+        :func:`ringmpi.device.cuda_aware_mpi`).
+    """
+
+    name = "cupy"
+    _instances: dict = {}
+
+    @classmethod
+    def instance(cls, device_id=None, cuda_aware=None) -> "CupyBackend":
+        """The backend of a device (memoized; one per device and mode)."""
+        import cupy
+        dev = cupy.cuda.Device().id if device_id is None else int(device_id)
+        key = (dev, cuda_aware)
+        if key not in cls._instances:
+            cls._instances[key] = cls(dev, cuda_aware)
+        return cls._instances[key]
+
+    def __init__(self, device_id=None, cuda_aware=None):
+        import cupy
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device_id)
+        with self.device:
+            self.stream = cupy.cuda.Stream(non_blocking=False)
+            self.copy_stream = cupy.cuda.Stream(non_blocking=False)
+        if cuda_aware is None:
+            from ..device import resolve_cuda_aware
+            cuda_aware = resolve_cuda_aware()[0]
+        self.cuda_aware = bool(cuda_aware)
+        self._uploads: OrderedDict = OrderedDict()
+        self._messages: "weakref.WeakSet[DeviceMessage]" = weakref.WeakSet()
+
+    # ------------------------------------------------------------ arrays
+    @staticmethod
+    def compute_dtype(dtype) -> np.dtype:
+        if not isinstance(dtype, str) and np.dtype(dtype) == np.float64:
+            return np.dtype(np.float64)
+        return np.dtype(np.float32)
+
+    def asarray(self, x):
+        with self.device:
+            return self.xp.asarray(x)
+
+    def _convert(self, x, out_dtype):
+        """Contiguous copy of ``x`` in ``out_dtype`` (bfloat16-aware)."""
+        cp = self.xp
+        in_kind, out_kind = _kind_of_dtype(x.dtype), _kind_of_dtype(out_dtype)
+        if in_kind == out_kind:
+            return cp.ascontiguousarray(x)
+        if K.BF16 not in (in_kind, out_kind):
+            return cp.ascontiguousarray(x, dtype=storage_dtype(out_dtype))
+        x = cp.ascontiguousarray(x)
+        out = cp.empty(x.shape, dtype=storage_dtype(out_dtype))
+        if x.size:
+            kern = self._kernel(*K.convert_kernel(in_kind, out_kind))
+            kern((_grid_1d(x.size),), (_THREADS_1D,), (x, out, np.int64(x.size)))
+        return out
+
+    def to_heads(self, x, dtype):
+        """``(B, S, H, D)`` -> contiguous ``(B, H, S, D)`` in ``dtype``
+        (``"bfloat16"`` gives uint16 bits; a uint16 ``x`` is read as bf16)."""
+        with self.device, self.stream:
+            return self._convert(self.asarray(x).transpose(0, 2, 1, 3), dtype)
+
+    def from_heads(self, xh, dtype):
+        """``(B, H, S, D)`` -> new contiguous ``(B, S, H, D)`` in ``dtype``."""
+        with self.device, self.stream:
+            return self._convert(self.asarray(xh).transpose(0, 2, 1, 3), dtype)
+
+    def row_dot(self, x, y):
+        """``(x * y).sum(-1)`` of two ``(B, H, S, D)`` compute-dtype arrays:
+        the backward's ``dvec = rowsum(do * o)``, as ``(B, H, S)``."""
+        cp = self.xp
+        with self.device, self.stream:
+            ct = self.compute_dtype(x.dtype)
+            x = cp.ascontiguousarray(x, dtype=ct)
+            y = cp.ascontiguousarray(y, dtype=ct)
+            out = cp.empty(x.shape[:-1], dtype=ct)
+            rows, d = int(np.prod(x.shape[:-1])), int(x.shape[-1])
+            if rows and d:
+                kern = self._kernel(*K.rowdot_kernel(_kind_of_dtype(ct)))
+                warps_per_block = _THREADS_1D // 32
+                grid = max(1, min((rows + warps_per_block - 1) // warps_per_block, 65535 * 8))
+                kern((grid,), (_THREADS_1D,), (x, y, out, np.int64(rows), np.int32(d)))
+            elif rows:
+                out.fill(0)
+            return out
+
+    # ------------------------------------------------------------ messages
+    def message(self, nbytes: int) -> "DeviceMessage":
+        msg = DeviceMessage(self, nbytes, self.cuda_aware)
+        self._messages.add(msg)
+        return msg
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        self.copy_stream.synchronize()
+        with self.device:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    # ------------------------------------------------------------ helpers
+    def _kernel(self, filename, expr, smem=0):
+        return K.get_kernel(filename, expr, self.device.id, int(smem))
+
+    def _upload(self, host: np.ndarray, tile=None, seg=None):
+        """Device copy of a host int64 array (or of its tile bounds when
+        ``tile`` is given), cached by content."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.ascontiguousarray(host, dtype=np.int64).tobytes())
+        if seg is not None:
+            h.update(np.ascontiguousarray(seg, dtype=np.int64).tobytes())
+            h.update(repr(np.shape(seg)).encode())
+        key = (h.digest(), len(host), tile, seg is not None)
+        hit = self._uploads.get(key)
+        if hit is not None:
+            self._uploads.move_to_end(key)
+            return hit
+        data = tile_bounds(host, seg, tile) if tile is not None else np.ascontiguousarray(host, dtype=np.int64)
+        with self.device:
+            dev = self.xp.asarray(data)
+        self._uploads[key] = dev
+        while len(self._uploads) > 64:
+            self._uploads.popitem(last=False)
+        return dev
+
+    def _mask_args(self, mask: BlockMask, batch: int, q_tile: int, kv_tile: int):
+        has_seg = mask.seg_q is not None
+        if has_seg and mask.seg_kv is None:
+            raise ValueError("seg_q given without seg_kv")
+        q_pos = self._upload(mask.q_pos)
+        kv_pos = self._upload(mask.kv_pos)
+        if has_seg:
+            seg_q = np.asarray(mask.seg_q, dtype=np.int64).reshape(batch, -1)
+            seg_kv = np.asarray(mask.seg_kv, dtype=np.int64).reshape(batch, -1)
+            dseg_q, dseg_kv = self._upload(seg_q.ravel()), self._upload(seg_kv.ravel())
+        else:
+            seg_q = seg_kv = None
+            dseg_q, dseg_kv = q_pos, kv_pos  # never read: has_seg = 0
+        q_bounds = self._upload(mask.q_pos, q_tile, seg_q)
+        kv_bounds = self._upload(mask.kv_pos, kv_tile, seg_kv)
+        has_lo, lo_delta, has_hi, hi_delta = mask_scalars(mask.spec)
+        return (q_pos, kv_pos, dseg_q, dseg_kv, q_bounds, kv_bounds,
+                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta)
+
+    def _kv_operand(self, x, ct):
+        """K/V as a contiguous array the kernels for compute dtype ``ct`` read."""
+        kind = _kind_of_dtype(x.dtype)
+        if ct == np.float64:
+            return self._convert(x, np.float64) if kind != K.F64 else self.xp.ascontiguousarray(x)
+        if kind == K.F64:
+            return self._convert(x, np.float32)
+        return self.xp.ascontiguousarray(x)
+
+    @staticmethod
+    def _check_state(name, x, shape, dtype):
+        if tuple(x.shape) != tuple(shape) or x.dtype != dtype or not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous {np.dtype(dtype)} array of shape "
+                             f"{tuple(shape)}, got {x.dtype} {tuple(x.shape)}")
+
+    def _mark_use(self, *arrays):
+        """Record that the compute stream used these buffers (for messages)."""
+        ev = self.stream.record()
+        for msg in list(self._messages):
+            if any(msg.contains(a) for a in arrays):
+                msg.compute_used(ev)
+
+    # ------------------------------------------------------------ forward
+    def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None):
+        """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device."""
+        batch, heads, sq, d = qh.shape
+        kv_heads, skv = kh.shape[1], kh.shape[2]
+        if sq == 0 or skv == 0 or batch == 0:
+            if tick is not None:
+                tick()
+            return
+        if heads % kv_heads:
+            raise ValueError(f"H={heads} is not a multiple of H_kv={kv_heads}")
+        ct = self.compute_dtype(qh.dtype)
+        with self.device, self.stream:
+            qh = self.xp.ascontiguousarray(qh, dtype=ct)
+            used = (kh, vh)
+            kh, vh = self._kv_operand(kh, ct), self._kv_operand(vh, ct)
+            self._check_state("o_acc", o_acc, (batch, heads, sq, d), ct)
+            self._check_state("m", m, (batch, heads, sq), ct)
+            self._check_state("l", l, (batch, heads, sq), ct)
+            kind = _kind_of_dtype(kh.dtype)
+            fname, expr, (bm, bn), threads, smem = K.forward_kernel(kind, d)
+            nqt, nkt = -(-sq // bm), -(-skv // bn)
+            margs = self._mask_args(mask, batch, bm, bn)
+            kern = self._kernel(fname, expr, smem)
+            shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt))
+            kern((nqt, batch * heads), (threads,), (qh, kh, vh, o_acc, m, l, ct.type(scale)) + margs + shape,
+                 shared_mem=smem)
+            self._mark_use(*used)
+        if tick is not None:
+            tick()
+
+    def finalize(self, o_acc, m, l, out_dtype):
+        """``o (B, Sq, H, D)`` in ``out_dtype`` (bfloat16 as uint16) and
+        ``lse (B, H, Sq)`` in the compute dtype."""
+        cp = self.xp
+        batch, heads, sq, d = o_acc.shape
+        ct = o_acc.dtype
+        with self.device, self.stream:
+            o = cp.empty((batch, sq, heads, d), dtype=storage_dtype(out_dtype))
+            lse = cp.empty((batch, heads, sq), dtype=ct)
+            if o_acc.size:
+                o_acc, m, l = (cp.ascontiguousarray(x) for x in (o_acc, m, l))
+                kern = self._kernel(*K.finalize_kernel(_kind_of_dtype(ct), _kind_of_dtype(out_dtype)))
+                kern((_grid_1d(o_acc.size),), (_THREADS_1D,),
+                     (o_acc, m, l, o, lse, np.int32(batch), np.int32(heads), np.int32(sq), np.int32(d)))
+            elif lse.size:
+                # d == 0: no output elements to carry the lse
+                lse[...] = cp.where(l > 0, m + cp.log(cp.where(l > 0, l, 1)), -cp.inf)
+            return o, lse
+
+    # ------------------------------------------------------------ backward
+    def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None):
+        """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device."""
+        batch, heads, sq, d = qh.shape
+        kv_heads, skv = kh.shape[1], kh.shape[2]
+        if sq == 0 or skv == 0 or batch == 0:
+            if tick is not None:
+                tick()
+            return
+        if heads % kv_heads:
+            raise ValueError(f"H={heads} is not a multiple of H_kv={kv_heads}")
+        ct = self.compute_dtype(qh.dtype)
+        cp = self.xp
+        with self.device, self.stream:
+            qh, doh, lse, dvec = (cp.ascontiguousarray(x, dtype=ct) for x in (qh, doh, lse, dvec))
+            used = (kh, vh, dk, dv)
+            kh, vh = self._kv_operand(kh, ct), self._kv_operand(vh, ct)
+            self._check_state("dq", dq, (batch, heads, sq, d), ct)
+            self._check_state("dk", dk, (batch, kv_heads, skv, d), ct)
+            self._check_state("dv", dv, (batch, kv_heads, skv, d), ct)
+            kind = _kind_of_dtype(kh.dtype)
+            fname, expr, (bm, bn), threads, smem = K.backward_kernel(kind, d)
+            nqt, nkt = -(-sq // bm), -(-skv // bn)
+            margs = self._mask_args(mask, batch, bm, bn)
+            kern = self._kernel(fname, expr, smem)
+            shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt))
+            kern((nkt, batch * kv_heads), (threads,),
+                 (qh, doh, lse, dvec, kh, vh, dq, dk, dv, ct.type(scale)) + margs + shape,
+                 shared_mem=smem)
+            self._mark_use(*used)
+        if tick is not None:
+            tick()
+
+
+class DeviceMessage:
+    """A ring message buffer on the GPU (interface of
+    :class:`ringmpi.backends.HostMessage`).
+
+    CUDA-aware mode: ``mpi`` is the device buffer itself.  Staged mode:
+    ``mpi`` is a pinned host buffer and the compute side a device buffer;
+    ``arrived()`` copies host -> device asynchronously (the compute stream
+    waits on it), ``ready_to_send(True)`` copies device -> host.
+
+    Reading ``mpi`` is a fence: it waits until no queued GPU work still
+    reads or writes the memory MPI is about to use, so a buffer handed to
+    ``Irecv`` is never overwritten under a running kernel or copy.
+    """
+
+    def __init__(self, backend: CupyBackend, nbytes: int, cuda_aware: bool):
+        import cupy
+        import cupyx
+        self._backend = backend
+        self.cuda_aware = cuda_aware
+        n = max(int(nbytes), 1)
+        with backend.device:
+            self._dev = cupy.empty(n, dtype=np.uint8)
+        self._host = None if cuda_aware else cupyx.empty_pinned((n,), dtype=np.uint8)
+        self._compute_event = None  # last compute-stream use of the device buffer
+        self._copy_event = None     # last H2D copy reading the pinned buffer
+        lo = self._dev.data.ptr
+        self._range = (lo, lo + n)
+
+    @property
+    def mpi(self):
+        if self.cuda_aware:
+            if self._compute_event is not None:
+                self._compute_event.synchronize()
+            return self._dev
+        if self._copy_event is not None:
+            self._copy_event.synchronize()
+        return self._host
+
+    def contains(self, arr) -> bool:
+        ptr = arr.data.ptr
+        return self._range[0] <= ptr < self._range[1]
+
+    def compute_used(self, event) -> None:
+        self._compute_event = event
+
+    def view(self, offset: int, shape, dtype):
+        dtype = storage_dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        return self._dev[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def arrived(self) -> None:
+        if self.cuda_aware:
+            return
+        import cupy
+        be = self._backend
+        with be.device:
+            if self._compute_event is not None:
+                be.copy_stream.wait_event(self._compute_event)
+            self._dev.set(self._host, stream=be.copy_stream)
+            self._copy_event = be.copy_stream.record()
+            be.stream.wait_event(self._copy_event)
+            cupy.cuda.get_current_stream().wait_event(self._copy_event)
+
+    def ready_to_send(self, dirty: bool) -> None:
+        if not dirty:
+            return
+        import cupy
+        be = self._backend
+        with be.device:
+            # writes may come from the compute stream or the caller's stream
+            produced = [be.stream.record(), cupy.cuda.get_current_stream().record()]
+            if self.cuda_aware:
+                for ev in produced:
+                    ev.synchronize()
+                return
+            for ev in produced:
+                be.copy_stream.wait_event(ev)
+            self._dev.get(stream=be.copy_stream, out=self._host)
+            be.copy_stream.synchronize()

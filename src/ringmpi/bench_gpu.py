@@ -1,0 +1,139 @@
+"""GPU kernel benchmark: TFLOP/s of the local block kernels.
+
+    python -m ringmpi.bench_gpu [--seqlens 4096 16384] [--dims 64 128] [--quick]
+
+FLOPs as FlashAttention counts them: forward 4*B*H*S*S*D (halved for
+causal), backward 2.5x forward.  One block covers the whole sequence
+(single GPU, no MPI).  When torch is importable, the same shapes run through
+``torch.nn.functional.scaled_dot_product_attention`` with the flash backend
+and the table shows our rate as a fraction of torch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def _time(fn, stream, repeats):
+    import cupy as cp
+    fn()  # warm-up (compiles on first use)
+    stream.synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(repeats):
+        fn()
+    stop.record(stream)
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / repeats
+
+
+def bench_ours(batch, heads, seqlen, d, causal, repeats):
+    import cupy as cp
+    from .backends.cupy_backend import CupyBackend
+    from .masks import BlockMask, MaskSpec
+
+    be = CupyBackend.instance()
+    rng = cp.random.default_rng(0)
+    shape = (batch, heads, seqlen, d)
+    qh = rng.standard_normal(shape, dtype=cp.float32)
+    kh = be.to_heads(rng.standard_normal((batch, seqlen, heads, d), dtype=cp.float32), "bfloat16")
+    vh = be.to_heads(rng.standard_normal((batch, seqlen, heads, d), dtype=cp.float32), "bfloat16")
+    o_acc = cp.zeros(shape, cp.float32)
+    m = cp.full(shape[:3], -cp.inf, cp.float32)
+    l = cp.zeros(shape[:3], cp.float32)
+    pos = np.arange(seqlen, dtype=np.int64)
+    mask = BlockMask(MaskSpec(causal=causal), pos, pos)
+    scale = 1.0 / np.sqrt(d)
+
+    def fwd():
+        be.forward_block(qh, kh, vh, o_acc, m, l, scale, mask)
+
+    t_fwd = _time(fwd, be.stream, repeats)
+    m.fill(-cp.inf), l.fill(0), o_acc.fill(0)
+    fwd()
+    o, lse = be.finalize(o_acc, m, l, "bfloat16")
+    doh = rng.standard_normal(shape, dtype=cp.float32)
+    dvec = be.row_dot(doh, be.to_heads(o, cp.float32))
+    dq, dk, dv = cp.zeros(shape, cp.float32), cp.zeros(shape, cp.float32), cp.zeros(shape, cp.float32)
+
+    def bwd():
+        be.backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask)
+
+    t_bwd = _time(bwd, be.stream, repeats)
+    return t_fwd, t_bwd
+
+
+def bench_torch(batch, heads, seqlen, d, causal, repeats):
+    """Forward and backward seconds of torch's flash SDPA, or None."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    shape = (batch, heads, seqlen, d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    f = torch.nn.functional.scaled_dot_product_attention
+
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(stop) / 1e3 / repeats
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with torch.no_grad():
+            t_fwd = timed(lambda: f(q, k, v, is_causal=causal))
+        out = f(q, k, v, is_causal=causal)
+        t_both = timed(lambda: torch.autograd.grad(f(q, k, v, is_causal=causal), (q, k, v), do))
+    del out
+    return t_fwd, max(t_both - t_fwd, 1e-9)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="S=4096 only, 2 repeats")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.repeats = [4096], 2
+    from .backends import gpu_available
+    if not gpu_available():
+        raise SystemExit("bench_gpu: no CUDA GPU visible to CuPy")
+
+    rows = []
+    for seqlen in args.seqlens:
+        for d in args.dims:
+            for causal in (False, True):
+                flops = 4.0 * args.batch * args.heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
+                t_fwd, t_bwd = bench_ours(args.batch, args.heads, seqlen, d, causal, args.repeats)
+                ref = bench_torch(args.batch, args.heads, seqlen, d, causal, args.repeats)
+                row = [seqlen, d, "yes" if causal else "no", flops / t_fwd / 1e12, 2.5 * flops / t_bwd / 1e12]
+                if ref is not None:
+                    row += [ref[0] / t_fwd, ref[1] / t_bwd]
+                else:
+                    row += [float("nan"), float("nan")]
+                rows.append(row)
+                print(f"  S={seqlen} D={d} causal={row[2]}: fwd {row[3]:.1f} TFLOP/s, bwd {row[4]:.1f} TFLOP/s",
+                      flush=True)
+    print(f"\nbf16, B={args.batch}, H={args.heads}; ratio = torch flash SDPA time / ours (1.0 = parity)")
+    print(f"{'S':>6} {'D':>4} {'causal':>6} {'fwd TF/s':>9} {'bwd TF/s':>9} {'fwd/torch':>9} {'bwd/torch':>9}")
+    for r in rows:
+        print(f"{r[0]:>6} {r[1]:>4} {r[2]:>6} {r[3]:>9.1f} {r[4]:>9.1f} {r[5]:>9.2f} {r[6]:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The ``ringmpi`` command line (also ``python -m ringmpi``).
+
+Subcommands are imported only when they run, so ``ringmpi --help`` and
+``ringmpi --version`` never initialise MPI or touch a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+from . import __version__
+
+# one BLAS/OpenMP thread per rank unless the user says otherwise: parallelism comes from ranks
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+COMMANDS = {
+    "run": ("ringmpi.runner", "run", "Attention over an HDF5 file: read shards, run the ring, write outputs."),
+    "make-data": ("ringmpi.datagen", "make_data", "Write a reproducible random input file."),
+    "verify": ("ringmpi.verify", "verify", "Compare a result file with a float64 dense reference."),
+    "bench": ("ringmpi.bench", "bench", "Measure the ring: per-step timeline, exposed communication, scaling."),
+    "info": ("ringmpi.info", "info", "MPI library, CUDA-aware support, GPUs, parallel HDF5."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands live in their own modules, imported on use."""
+
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ringmpi")
+def cli():
+    """Exact ring attention over MPI.
+
+    \b
+    Launch under MPI, e.g.
+      mpirun -n 4 ringmpi run input.h5 -o out.h5 --causal --backward
+    """
+
+
+def main(argv=None):
+    """Console entry point: errors end the whole job, bad input exits 2 on every rank."""
+    from .errors import ConfigError, abort_on_error, _rank_prefix
+
+    try:
+        with abort_on_error():
+            cli.main(args=argv, prog_name="ringmpi", standalone_mode=False)
+    except ConfigError as exc:
+        # raised identically on every rank (after errors.agree): rank 0 speaks, all exit 2
+        prefix = _rank_prefix()
+        if prefix in ("", "[rank 0] "):
+            click.echo(f"ringmpi: error: {exc}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("Aborted!", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

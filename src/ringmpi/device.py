@@ -1,0 +1,176 @@
+"""GPU binding per node-local rank, CUDA-aware MPI detection, NVTX ranges.
+
+Nothing here initialises MPI or CUDA at import time; every function imports
+mpi4py / CuPy lazily and the ones used by ``ringmpi info`` never raise when
+no GPU (or no CuPy) is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from typing import Optional, Tuple
+
+
+def select_device(comm) -> int:
+    """Bind this rank to a GPU and return its device id.
+
+    The node-local rank (``comm.Split_type(COMM_TYPE_SHARED).rank``) modulo
+    the number of visible GPUs; device 0 when only one GPU is visible (the
+    scheduler already gave each task its own, e.g. through
+    ``CUDA_VISIBLE_DEVICES``).  Collective over ``comm``.
+    """
+    from mpi4py import MPI
+    import cupy
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local_rank = local.Get_rank()
+    finally:
+        local.Free()
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 1:
+        raise RuntimeError("no CUDA device visible to this rank")
+    device_id = 0 if count == 1 else local_rank % count
+    cupy.cuda.Device(device_id).use()
+    return device_id
+
+
+_ENV_HINTS = (
+    ("MPICH_GPU_SUPPORT_ENABLED", ("1",)),          # Cray MPICH
+    ("OMPI_MCA_opal_cuda_support", ("1", "true")),  # Open MPI (smcuda / ob1)
+    ("MV2_USE_CUDA", ("1",)),                       # MVAPICH2-GDR
+    ("MPIR_CVAR_ENABLE_GPU", ("1",)),               # MPICH >= 4
+    ("I_MPI_OFFLOAD", ("1", "2")),                  # Intel MPI
+)
+
+
+def _info_memory_kinds(comm) -> Optional[str]:
+    """MPI 4.1 ``mpi_memory_alloc_kinds`` from the communicator or the
+    environment info object, or None where mpi4py/MPI do not expose it."""
+    from mpi4py import MPI
+
+    sources = []
+    if comm is not None:
+        sources.append(lambda: comm.Get_info())
+    if getattr(MPI, "INFO_ENV", None) is not None:
+        sources.append(lambda: MPI.INFO_ENV)
+    for get in sources:
+        try:
+            info = get()
+            value = info.Get("mpi_memory_alloc_kinds")
+        except Exception:
+            continue
+        if value:
+            return value
+    return None
+
+
+def _mpix_query_cuda_support() -> Optional[bool]:
+    """Open MPI's ``MPIX_Query_cuda_support()`` through ctypes (mpi4py does
+    not wrap it); None when the loaded MPI library lacks the symbol."""
+    from mpi4py import MPI  # loads libmpi into the process
+
+    fn = None
+    # dlsym on mpi4py's extension module also searches its dependencies (libmpi)
+    for handle in (getattr(MPI, "__file__", None), None):
+        try:
+            fn = ctypes.CDLL(handle).MPIX_Query_cuda_support
+            break
+        except (OSError, AttributeError, TypeError):
+            continue
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    try:
+        return bool(fn())
+    except Exception:
+        return None
+
+
+def cuda_aware_mpi(comm=None) -> Tuple[bool, str]:
+    """Whether the MPI library accepts device pointers, and why we think so.
+
+    Checked in order: the MPI 4.1 ``mpi_memory_alloc_kinds`` info key
+    (contains ``cuda``), Open MPI's ``MPIX_Query_cuda_support()``, then
+    environment hints (``MPICH_GPU_SUPPORT_ENABLED=1``,
+    ``OMPI_MCA_opal_cuda_support=true``, ...).  Needs MPI initialised.
+    """
+    try:
+        kinds = _info_memory_kinds(comm)
+    except ImportError:
+        return False, "mpi4py is not importable"
+    if kinds is not None and "cuda" in kinds.lower():
+        return True, f"mpi_memory_alloc_kinds={kinds}"
+    support = _mpix_query_cuda_support()
+    if support is not None:
+        return support, f"MPIX_Query_cuda_support() returned {int(support)}"
+    for var, yes in _ENV_HINTS:
+        value = os.environ.get(var, "")
+        if value.lower() in yes:
+            return True, f"{var}={value}"
+    if kinds is not None:
+        return False, f"mpi_memory_alloc_kinds={kinds} (no cuda)"
+    return False, "no CUDA-aware MPI detected (no memory-kinds info, no MPIX_Query_cuda_support, no env hint)"
+
+
+def resolve_cuda_aware(comm=None) -> Tuple[bool, str]:
+    """The mode the GPU backend uses: ``RINGMPI_CUDA_AWARE=on|off|auto``
+    (default auto, i.e. :func:`cuda_aware_mpi`)."""
+    mode = os.environ.get("RINGMPI_CUDA_AWARE", "auto").strip().lower()
+    if mode in ("1", "on", "true", "yes"):
+        return True, "RINGMPI_CUDA_AWARE=on"
+    if mode in ("0", "off", "false", "no"):
+        return False, "RINGMPI_CUDA_AWARE=off"
+    if mode != "auto":
+        raise ValueError(f"RINGMPI_CUDA_AWARE must be auto, on or off, got {mode!r}")
+    return cuda_aware_mpi(comm)
+
+
+def gpu_summary() -> dict:
+    """GPUs this process sees, for ``ringmpi info``; never raises.
+
+    ``{"cupy": version or None, "count": n, "devices": [{"id", "name",
+    "compute_capability", "memory_gib"}], "error": str or None}``.
+    """
+    out = {"cupy": None, "count": 0, "devices": [], "error": None}
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        out["error"] = f"CuPy not importable: {exc}"
+        return out
+    out["cupy"] = cupy.__version__
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        out["count"] = count
+        for i in range(count):
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            name = props["name"]
+            out["devices"].append({
+                "id": i,
+                "name": name.decode() if isinstance(name, bytes) else str(name),
+                "compute_capability": f"{props['major']}.{props['minor']}",
+                "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            })
+    except Exception as exc:
+        out["error"] = f"no usable CUDA device: {exc}"
+    return out
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str):
+    """An NVTX range around a block of host code (visible in Nsight Systems);
+    a no-op without CuPy."""
+    nvtx = None
+    try:
+        from cupy.cuda import nvtx
+        nvtx.RangePush(name)
+    except Exception:
+        nvtx = None
+    try:
+        yield
+    finally:
+        if nvtx is not None:
+            nvtx.RangePop()

@@ -1,0 +1,155 @@
+"""CUDA sources of the block kernels and their memoized per-device loader.
+
+Each ``*.cu`` file is compiled with ``common.cuh`` prepended; ``#line``
+directives make NVRTC report errors against the real files.  The sources
+include no CUDA headers (16-bit conversions and ``mma.sync`` are inline PTX),
+so compiling needs no CUDA toolkit, only NVRTC.  Templates are instantiated
+through ``name_expressions``; :func:`instantiations` lists every one the CuPy
+backend can request, and the compile test in CI builds exactly that list
+from :func:`source`.
+
+Nothing here imports CuPy at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+PREAMBLE = "common.cuh"
+SOURCES = ("forward.cu", "backward.cu", "finalize.cu")
+
+# element kinds (must match KIND_* in common.cuh)
+F16, BF16, F32, F64 = 0, 1, 2, 3
+KIND_NAMES = {F16: "float16", BF16: "bfloat16", F32: "float32", F64: "float64"}
+KIND_SIZE = {F16: 2, BF16: 2, F32: 4, F64: 8}
+
+# Head dims are padded (with zeros, in shared memory) to one of these; the
+# kernels take the true D at run time.
+PADDED_DIMS = (32, 64, 96, 128, 192, 256)
+MAX_HEAD_DIM = PADDED_DIMS[-1]
+MMA_BACKWARD_MAX_DIM = 128   # larger f16/bf16 head dims use the SIMT backward
+
+# tile sizes (must match the kernels)
+FWD_MMA_TILES = (64, 64)                 # (query rows, keys) per CTA step
+
+
+def padded_dim(d: int) -> int:
+    """The compiled head-dim bucket for a head dim ``d`` (1 <= d <= 256)."""
+    for dp in PADDED_DIMS:
+        if d <= dp:
+            return dp
+    raise ValueError(f"head dim {d} is larger than the supported maximum {MAX_HEAD_DIM}")
+
+
+def _simt_bn(dp: int, kind: int) -> int:
+    acc_size = 8 if kind == F64 else 4
+    return 32 if dp * acc_size <= 512 else 16
+
+
+@functools.lru_cache(maxsize=None)
+def source(filename: str) -> str:
+    """The full NVRTC source of ``filename``: preamble + file, with ``#line``."""
+    parts = []
+    for name in (PREAMBLE, filename):
+        path = KERNEL_DIR / name
+        parts.append(f'#line 1 "{path.as_posix()}"\n{path.read_text()}')
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------ kernel choice
+# Each returns (filename, name_expression, tiles, threads, dynamic smem bytes).
+
+def forward_kernel(kind: int, d: int):
+    """Forward kernel for K/V kind ``kind`` and head dim ``d``.
+
+    f16/bf16 use tensor cores; f32/f64 the exact SIMT kernel.
+    ``tiles`` is (query rows, keys) per CTA step.
+    """
+    dp = padded_dim(d)
+    if kind in (F16, BF16):
+        bm, bn = FWD_MMA_TILES
+        smem = 2 * (bm * (dp + 8) + bn * (dp + 8) + dp * (bn + 8))
+        expr = f"ringmpi_forward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
+        return "forward.cu", expr, (bm, bn), 128, smem
+    bn = _simt_bn(dp, kind)
+    bm, t = 32, KIND_SIZE[kind]
+    smem = t * (bm * (dp + 1) + 2 * bn * (dp + 1) + bm * (bn + 1))
+    return "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}>", (bm, bn), 128, smem
+
+
+def backward_kernel(kind: int, d: int):
+    """Backward kernel for K/V kind ``kind`` and head dim ``d``; ``tiles`` as
+    in :func:`forward_kernel` (query rows, keys)."""
+    dp = padded_dim(d)
+    if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM:
+        bn = 64
+        bm = 64 if dp <= 64 else 32
+        smem = 4 * 2 * bm + 2 * (2 * bn * (dp + 8) + dp * (bn + 8) + 2 * bm * (dp + 8)
+                                 + 2 * dp * (bm + 8) + bm * (bn + 8))
+        expr = f"ringmpi_backward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
+        return "backward.cu", expr, (bm, bn), 128, smem
+    bn = _simt_bn(dp, kind)
+    t = 8 if kind == F64 else 4
+    smem = t * (4 * bn * (dp + 1) + 2 * bn * (bn + 1) + 2 * bn)
+    return "backward.cu", f"ringmpi_backward_simt<{dp}, {kind}, {bn}>", (bn, bn), 256, smem
+
+
+def finalize_kernel(acc_kind: int, out_kind: int):
+    return "finalize.cu", f"ringmpi_finalize<{acc_kind}, {out_kind}>"
+
+
+def rowdot_kernel(acc_kind: int):
+    return "finalize.cu", f"ringmpi_rowdot<{acc_kind}>"
+
+
+def convert_kernel(in_kind: int, out_kind: int):
+    return "finalize.cu", f"ringmpi_convert<{in_kind}, {out_kind}>"
+
+
+def instantiations():
+    """Every ``(filename, name_expression)`` the CuPy backend can request."""
+    out = []
+    for kind in (F16, BF16, F32, F64):
+        for dp in PADDED_DIMS:
+            out.append(forward_kernel(kind, dp)[:2])
+            out.append(backward_kernel(kind, dp)[:2])
+    for acc in (F32, F64):
+        for o in (F16, BF16, F32, F64):
+            out.append(finalize_kernel(acc, o))
+        out.append(rowdot_kernel(acc))
+    for other in (F16, F32, F64):
+        out.append(convert_kernel(other, BF16))
+        out.append(convert_kernel(BF16, other))
+    seen, unique = set(), []
+    for item in out:
+        if item not in seen:
+            seen.add(item)
+            unique.append(item)
+    return unique
+
+
+def compile_options():
+    """NVRTC options shared by the runtime loader and the compile test."""
+    return ("--std=c++14",)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(filename: str, name_expr: str, device_id: int):
+    import cupy
+    with cupy.cuda.Device(device_id):
+        return cupy.RawModule(code=source(filename), options=compile_options(),
+                              name_expressions=(name_expr,))
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(filename: str, name_expr: str, device_id: int, smem: int = 0):
+    """The compiled ``cupy.RawKernel`` for one instantiation on one device,
+    with its dynamic shared-memory limit raised to ``smem`` bytes."""
+    import cupy
+    with cupy.cuda.Device(device_id):
+        kernel = _module(filename, name_expr, device_id).get_function(name_expr)
+        if smem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = smem
+    return kernel

@@ -1,0 +1,385 @@
+// Backward block kernels (FlashAttention-2 order: one CTA per key tile and
+// kv head, looping over the query heads of its GQA group and over query
+// tiles).  Same arithmetic as NumpyBackend.backward_block:
+//   P = exp((q k^T) * scale - lse)      (lse = -inf rows use +inf: P = 0)
+//   dv += P^T do;  dS = P * (do v^T - dvec);  dq += dS k;  dk += dS^T q
+// (dq and dk unscaled: the caller multiplies the finished sums by the scale)
+// dk / dv of the CTA's key tile are accumulated in registers and added to
+// global memory once (the CTA owns them); dq rows are shared by all key
+// tiles and are updated with atomicAdd.
+// Layouts: q, do, dq (B, H, Sq, D); lse, dvec (B, H, Sq);
+// k, v, dk, dv (B, Hkv, Skv, D).  Grid: (kv tiles, B * Hkv).
+
+struct BwdArgs {
+    int B, H, Hkv, Sq, Skv, D, nqt, nkt;
+};
+#define BWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt
+#define BWD_SHAPE_INIT(a) const BwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt}
+
+// ---------------------------------------------------------------------------
+// Tensor-core kernel for f16 / bf16 K/V (DP <= 128): 4 warps, 64 keys
+// (16 per warp), BM query rows per inner step; q, do, P and dS are rounded
+// to the K/V dtype for the MMAs, accumulation is float.
+#define BWD_MMA_BN 64
+
+template <int DP, bool BF16>
+__global__ void __launch_bounds__(128) ringmpi_backward_mma(
+    const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ dvec, const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v, float* __restrict__ dq, float* __restrict__ dk,
+    float* __restrict__ dv, const float scale, MASK_PARAMS, BWD_SHAPE_PARAMS) {
+    MASK_INIT(mk);
+    BWD_SHAPE_INIT(a);
+    constexpr int BN = BWD_MMA_BN;
+    constexpr int BM = DP <= 64 ? 64 : 32;
+    constexpr int RS = DP + 8;   // row stride of Ks, Vs, Qs, dOs   ([row][d])
+    constexpr int KTS = BN + 8;  // row stride of Kt                 ([d][key])
+    constexpr int QTS = BM + 8;  // row stride of Qt, dOt            ([d][query])
+    constexpr int SS = BN + 8;   // row stride of dSq                ([query][key])
+    constexpr int DT = DP / 8;
+    constexpr int NQ = BM / 8;   // n-tiles of the (16 keys x BM queries) scores
+    constexpr int RG = BM / 16;  // 16-row query groups for the dq product
+    constexpr int DW = DP / (4 / RG);  // dq columns per warp
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* lse_s = reinterpret_cast<float*>(smem_raw);
+    float* dvec_s = lse_s + BM;
+    unsigned short* Ks = reinterpret_cast<unsigned short*>(dvec_s + BM);
+    unsigned short* Kt = Ks + BN * RS;
+    unsigned short* Vs = Kt + DP * KTS;
+    unsigned short* Qs = Vs + BN * RS;
+    unsigned short* Qt = Qs + BM * RS;
+    unsigned short* dOs = Qt + DP * QTS;
+    unsigned short* dOt = dOs + BM * RS;
+    unsigned short* dSq = dOt + DP * QTS;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int kt = blockIdx.x, bhk = blockIdx.y;
+    const int b = bhk / a.Hkv, hk = bhk % a.Hkv;
+    const int group = a.H / a.Hkv;
+    const int k0 = kt * BN;
+    const long long kvbase = (long long)bhk * a.Skv * a.D;
+
+    for (int idx = tid; idx < BN * DP; idx += 128) {
+        const int r = idx / DP, d = idx % DP;
+        unsigned short kx = 0, vx = 0;
+        if (k0 + r < a.Skv && d < a.D) {
+            const long long off = kvbase + (long long)(k0 + r) * a.D + d;
+            kx = k[off];
+            vx = v[off];
+        }
+        Ks[r * RS + d] = kx;
+        Kt[d * KTS + r] = kx;
+        Vs[r * RS + d] = vx;
+    }
+
+    float dk_acc[DT][4], dv_acc[DT][4];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[dt][e] = dv_acc[dt][e] = 0.f;
+
+    const bool ragged_kv = k0 + BN > a.Skv;
+    const unsigned short* Kw = Ks + (warp * 16) * RS;
+    const unsigned short* Vw = Vs + (warp * 16) * RS;
+    const int key0 = k0 + warp * 16 + g, key1 = key0 + 8;  // this thread's keys
+    bool touched = false;
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = hk * group + hh;
+        const long long bh = (long long)b * a.H + h;
+        const long long qbase = bh * a.Sq * a.D;
+        for (int qt = 0; qt < a.nqt; ++qt) {
+            const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
+            if (state == TILE_SKIP) continue;
+            touched = true;
+            const bool need_mask = state == TILE_PARTIAL || ragged_kv;
+            const int q0 = qt * BM;
+            __syncthreads();  // previous step done with Qs / Qt / dOs / dOt / dSq
+            for (int idx = tid; idx < BM * DP; idx += 128) {
+                const int r = idx / DP, d = idx % DP;
+                float qx = 0.f, dx = 0.f;
+                if (q0 + r < a.Sq && d < a.D) {
+                    const long long off = qbase + (long long)(q0 + r) * a.D + d;
+                    qx = q[off];
+                    dx = dout[off];
+                }
+                const unsigned short qb = to_bits16<BF16>(qx), db = to_bits16<BF16>(dx);
+                Qs[r * RS + d] = qb;
+                Qt[d * QTS + r] = qb;
+                dOs[r * RS + d] = db;
+                dOt[d * QTS + r] = db;
+            }
+            for (int r = tid; r < BM; r += 128) {
+                float lv = pos_inf<float>(), dvv = 0.f;
+                if (q0 + r < a.Sq) {
+                    lv = lse[bh * a.Sq + q0 + r];
+                    if (lv == neg_inf<float>()) lv = pos_inf<float>();
+                    dvv = dvec[bh * a.Sq + q0 + r];
+                }
+                lse_s[r] = lv;
+                dvec_s[r] = dvv;
+            }
+            __syncthreads();
+
+            // S^T (16 keys x BM queries) and dP^T = V dO^T
+            float p[NQ][4], ds[NQ][4];
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) p[nt][e] = ds[nt][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DP / 16; ++kk) {
+                unsigned int ak[4], av[4];
+                ak[0] = lds32(Kw, g * RS + kk * 16 + 2 * c);
+                ak[1] = lds32(Kw, (g + 8) * RS + kk * 16 + 2 * c);
+                ak[2] = lds32(Kw, g * RS + kk * 16 + 2 * c + 8);
+                ak[3] = lds32(Kw, (g + 8) * RS + kk * 16 + 2 * c + 8);
+                av[0] = lds32(Vw, g * RS + kk * 16 + 2 * c);
+                av[1] = lds32(Vw, (g + 8) * RS + kk * 16 + 2 * c);
+                av[2] = lds32(Vw, g * RS + kk * 16 + 2 * c + 8);
+                av[3] = lds32(Vw, (g + 8) * RS + kk * 16 + 2 * c + 8);
+#pragma unroll
+                for (int nt = 0; nt < NQ; ++nt) {
+                    unsigned int bq[2], bd[2];
+                    bq[0] = lds32(Qs, (nt * 8 + g) * RS + kk * 16 + 2 * c);
+                    bq[1] = lds32(Qs, (nt * 8 + g) * RS + kk * 16 + 2 * c + 8);
+                    bd[0] = lds32(dOs, (nt * 8 + g) * RS + kk * 16 + 2 * c);
+                    bd[1] = lds32(dOs, (nt * 8 + g) * RS + kk * 16 + 2 * c + 8);
+                    mma16816<BF16>(p[nt], ak, bq);
+                    mma16816<BF16>(ds[nt], av, bd);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = nt * 8 + 2 * c + (e & 1);
+                    const int key = e < 2 ? key0 : key1;
+                    float s = p[nt][e] * scale;
+                    if (need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv)) s = neg_inf<float>();
+                    const float pe = expf(s - lse_s[ql]);
+                    p[nt][e] = pe;
+                    ds[nt][e] = pe * (ds[nt][e] - dvec_s[ql]);
+                }
+            }
+            // dV += P^T dO and dK += dS^T Q (k = queries); the score
+            // accumulators are already in A-fragment layout
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {
+                unsigned int ap[4], as[4];
+                ap[0] = pack2<BF16>(p[2 * kk][0], p[2 * kk][1]);
+                ap[1] = pack2<BF16>(p[2 * kk][2], p[2 * kk][3]);
+                ap[2] = pack2<BF16>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+                ap[3] = pack2<BF16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+                as[0] = pack2<BF16>(ds[2 * kk][0], ds[2 * kk][1]);
+                as[1] = pack2<BF16>(ds[2 * kk][2], ds[2 * kk][3]);
+                as[2] = pack2<BF16>(ds[2 * kk + 1][0], ds[2 * kk + 1][1]);
+                as[3] = pack2<BF16>(ds[2 * kk + 1][2], ds[2 * kk + 1][3]);
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    unsigned int bo[2], bq[2];
+                    bo[0] = lds32(dOt, (dt * 8 + g) * QTS + kk * 16 + 2 * c);
+                    bo[1] = lds32(dOt, (dt * 8 + g) * QTS + kk * 16 + 2 * c + 8);
+                    bq[0] = lds32(Qt, (dt * 8 + g) * QTS + kk * 16 + 2 * c);
+                    bq[1] = lds32(Qt, (dt * 8 + g) * QTS + kk * 16 + 2 * c + 8);
+                    mma16816<BF16>(dv_acc[dt], ap, bo);
+                    mma16816<BF16>(dk_acc[dt], as, bq);
+                }
+            }
+            // dS to shared memory, query-major, for dq = dS K
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = nt * 8 + 2 * c + (e & 1);
+                    const int kl = warp * 16 + g + (e < 2 ? 0 : 8);
+                    dSq[ql * SS + kl] = to_bits16<BF16>(ds[nt][e]);
+                }
+            }
+            __syncthreads();
+            {
+                const int rg = warp % RG, d0 = (warp / RG) * DW;
+                unsigned int af[BN / 16][4];
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    af[kk][0] = lds32(dSq, (rg * 16 + g) * SS + kk * 16 + 2 * c);
+                    af[kk][1] = lds32(dSq, (rg * 16 + g + 8) * SS + kk * 16 + 2 * c);
+                    af[kk][2] = lds32(dSq, (rg * 16 + g) * SS + kk * 16 + 2 * c + 8);
+                    af[kk][3] = lds32(dSq, (rg * 16 + g + 8) * SS + kk * 16 + 2 * c + 8);
+                }
+                const int qr0 = q0 + rg * 16 + g, qr1 = qr0 + 8;
+#pragma unroll
+                for (int dt = 0; dt < DW / 8; ++dt) {
+                    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int kk = 0; kk < BN / 16; ++kk) {
+                        unsigned int bk[2];
+                        bk[0] = lds32(Kt, (d0 + dt * 8 + g) * KTS + kk * 16 + 2 * c);
+                        bk[1] = lds32(Kt, (d0 + dt * 8 + g) * KTS + kk * 16 + 2 * c + 8);
+                        mma16816<BF16>(acc, af[kk], bk);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = e < 2 ? qr0 : qr1;
+                        const int d = d0 + dt * 8 + 2 * c + (e & 1);
+                        if (row < a.Sq && d < a.D) atomicAdd(dq + qbase + (long long)row * a.D + d, acc[e]);
+                    }
+                }
+            }
+        }
+    }
+    if (!touched) return;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = e < 2 ? key0 : key1;
+            const int d = dt * 8 + 2 * c + (e & 1);
+            if (key < a.Skv && d < a.D) {
+                const long long off = kvbase + (long long)key * a.D + d;
+                dk[off] += dk_acc[dt][e];
+                dv[off] += dv_acc[dt][e];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// SIMT kernel for every dtype (the exact path for float32 / float64, and the
+// f16 / bf16 path for DP > 128): 256 threads, BN keys and BN queries per
+// step, TPR = 256 / BN threads per key row.  Shared tiles hold the compute type.
+template <int DP, int KIND, int BN>
+__global__ void __launch_bounds__(256) ringmpi_backward_simt(
+    const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::acc* __restrict__ dout,
+    const typename Kind<KIND>::acc* __restrict__ lse, const typename Kind<KIND>::acc* __restrict__ dvec,
+    const typename Kind<KIND>::storage* __restrict__ k, const typename Kind<KIND>::storage* __restrict__ v,
+    typename Kind<KIND>::acc* __restrict__ dq, typename Kind<KIND>::acc* __restrict__ dk,
+    typename Kind<KIND>::acc* __restrict__ dv, const typename Kind<KIND>::acc scale, MASK_PARAMS,
+    BWD_SHAPE_PARAMS) {
+    MASK_INIT(mk);
+    BWD_SHAPE_INIT(a);
+    typedef typename Kind<KIND>::acc T;
+    constexpr int BM = BN;
+    constexpr int TPR = 256 / BN;
+    constexpr int RS = DP + 1;
+    constexpr int PS = BN + 1;
+    constexpr int ND = DP / TPR;  // d columns per thread
+    constexpr int NR = BM / TPR;  // query rows per thread in the score step
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* Ks = reinterpret_cast<T*>(smem_raw);
+    T* Vs = Ks + BN * RS;
+    T* Qs = Vs + BN * RS;
+    T* dOs = Qs + BM * RS;
+    T* Ps = dOs + BM * RS;      // [query][key]
+    T* dSs = Ps + BM * PS;      // [query][key]
+    T* lse_s = dSs + BM * PS;
+    T* dvec_s = lse_s + BM;
+
+    const int tid = threadIdx.x, cr = tid / TPR, j = tid % TPR;
+    const int kt = blockIdx.x, bhk = blockIdx.y;
+    const int b = bhk / a.Hkv, hk = bhk % a.Hkv;
+    const int group = a.H / a.Hkv;
+    const int k0 = kt * BN, key = k0 + cr;
+    const long long kvbase = (long long)bhk * a.Skv * a.D;
+
+    for (int idx = tid; idx < BN * DP; idx += 256) {
+        const int r = idx / DP, d = idx % DP;
+        T kx = T(0), vx = T(0);
+        if (k0 + r < a.Skv && d < a.D) {
+            const long long off = kvbase + (long long)(k0 + r) * a.D + d;
+            kx = load_acc<KIND>(k + off);
+            vx = load_acc<KIND>(v + off);
+        }
+        Ks[r * RS + d] = kx;
+        Vs[r * RS + d] = vx;
+    }
+    T dk_acc[ND], dv_acc[ND];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) dk_acc[i] = dv_acc[i] = T(0);
+
+    const bool ragged_kv = k0 + BN > a.Skv;
+    bool touched = false;
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = hk * group + hh;
+        const long long bh = (long long)b * a.H + h;
+        const long long qbase = bh * a.Sq * a.D;
+        for (int qt = 0; qt < a.nqt; ++qt) {
+            const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
+            if (state == TILE_SKIP) continue;
+            touched = true;
+            const bool need_mask = state == TILE_PARTIAL || ragged_kv;
+            const int q0 = qt * BM;
+            __syncthreads();
+            for (int idx = tid; idx < BM * DP; idx += 256) {
+                const int r = idx / DP, d = idx % DP;
+                T qx = T(0), dx = T(0);
+                if (q0 + r < a.Sq && d < a.D) {
+                    const long long off = qbase + (long long)(q0 + r) * a.D + d;
+                    qx = q[off];
+                    dx = dout[off];
+                }
+                Qs[r * RS + d] = qx;
+                dOs[r * RS + d] = dx;
+            }
+            for (int r = tid; r < BM; r += 256) {
+                T lv = pos_inf<T>(), dvv = T(0);
+                if (q0 + r < a.Sq) {
+                    lv = lse[bh * a.Sq + q0 + r];
+                    if (lv == neg_inf<T>()) lv = pos_inf<T>();
+                    dvv = dvec[bh * a.Sq + q0 + r];
+                }
+                lse_s[r] = lv;
+                dvec_s[r] = dvv;
+            }
+            __syncthreads();
+            // thread (key cr, lane-in-row j): queries j, j + TPR, ...
+#pragma unroll
+            for (int i = 0; i < NR; ++i) {
+                const int ql = j + TPR * i;
+                T s = T(0), dp = T(0);
+                for (int d = 0; d < a.D; ++d) {
+                    s += Qs[ql * RS + d] * Ks[cr * RS + d];
+                    dp += dOs[ql * RS + d] * Vs[cr * RS + d];
+                }
+                s *= scale;
+                if (need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv)) s = neg_inf<T>();
+                const T pe = exp_acc(s - lse_s[ql]);
+                Ps[ql * PS + cr] = pe;
+                dSs[ql * PS + cr] = pe * (dp - dvec_s[ql]);
+            }
+            __syncthreads();
+            // dv, dk of key cr, columns j, j + TPR, ...
+            for (int ql = 0; ql < BM; ++ql) {
+                const T pe = Ps[ql * PS + cr], dse = dSs[ql * PS + cr];
+#pragma unroll
+                for (int i = 0; i < ND; ++i) {
+                    const int d = j + TPR * i;
+                    dv_acc[i] += pe * dOs[ql * RS + d];
+                    dk_acc[i] += dse * Qs[ql * RS + d];
+                }
+            }
+            // dq of query row cr (BM == BN), columns j, j + TPR, ...
+            const int row = q0 + cr;
+            if (row < a.Sq) {
+#pragma unroll
+                for (int i = 0; i < ND; ++i) {
+                    const int d = j + TPR * i;
+                    if (d >= a.D) continue;
+                    T acc = T(0);
+                    for (int kc = 0; kc < BN; ++kc) acc += dSs[cr * PS + kc] * Ks[kc * RS + d];
+                    atomicAdd(dq + qbase + (long long)row * a.D + d, acc);
+                }
+            }
+        }
+    }
+    if (!touched || key >= a.Skv) return;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        const int d = j + TPR * i;
+        if (d < a.D) {
+            const long long off = kvbase + (long long)key * a.D + d;
+            dk[off] += dk_acc[i];
+            dv[off] += dv_acc[i];
+        }
+    }
+}

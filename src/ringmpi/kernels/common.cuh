@@ -1,0 +1,182 @@
+// Shared device helpers for the ringmpi kernels (prepended to every source).
+//
+// The sources include no CUDA headers: 16-bit conversions and the tensor-core
+// MMA are written in PTX, so NVRTC needs no include path.  Element kinds:
+//   KIND_F16 / KIND_BF16: 16-bit storage (raw bits in unsigned short), float math
+//   KIND_F32: float storage and math
+//   KIND_F64: double storage and math
+// Index arithmetic that can exceed 2^31 is done in long long.
+
+#define KIND_F16 0
+#define KIND_BF16 1
+#define KIND_F32 2
+#define KIND_F64 3
+
+#define TILE_SKIP 0
+#define TILE_PARTIAL 1
+#define TILE_FULL 2
+
+template <int KIND> struct Kind;
+template <> struct Kind<KIND_F16> { typedef unsigned short storage; typedef float acc; };
+template <> struct Kind<KIND_BF16> { typedef unsigned short storage; typedef float acc; };
+template <> struct Kind<KIND_F32> { typedef float storage; typedef float acc; };
+template <> struct Kind<KIND_F64> { typedef double storage; typedef double acc; };
+
+// ---------------------------------------------------------------- conversions
+__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ float bf16_bits_to_float(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+__device__ __forceinline__ unsigned short float_to_half_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ unsigned short float_to_bf16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+// Two floats packed into one 32-bit register, lo in the low half (the
+// element with the smaller index), as mma.sync expects.
+template <bool BF16>
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int r;
+    if (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+template <bool BF16>
+__device__ __forceinline__ unsigned short to_bits16(float f) {
+    return BF16 ? float_to_bf16_bits(f) : float_to_half_bits(f);
+}
+
+template <int KIND> __device__ __forceinline__ typename Kind<KIND>::acc load_acc(const typename Kind<KIND>::storage* p);
+template <> __device__ __forceinline__ float load_acc<KIND_F16>(const unsigned short* p) { return half_bits_to_float(*p); }
+template <> __device__ __forceinline__ float load_acc<KIND_BF16>(const unsigned short* p) { return bf16_bits_to_float(*p); }
+template <> __device__ __forceinline__ float load_acc<KIND_F32>(const float* p) { return *p; }
+template <> __device__ __forceinline__ double load_acc<KIND_F64>(const double* p) { return *p; }
+
+template <int KIND> __device__ __forceinline__ typename Kind<KIND>::storage from_float(double x);
+template <> __device__ __forceinline__ unsigned short from_float<KIND_F16>(double x) { return float_to_half_bits((float)x); }
+template <> __device__ __forceinline__ unsigned short from_float<KIND_BF16>(double x) { return float_to_bf16_bits((float)x); }
+template <> __device__ __forceinline__ float from_float<KIND_F32>(double x) { return (float)x; }
+template <> __device__ __forceinline__ double from_float<KIND_F64>(double x) { return x; }
+
+// ---------------------------------------------------------------- math
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return __longlong_as_double(0xfff0000000000000LL); }
+template <typename T> __device__ __forceinline__ T pos_inf();
+template <> __device__ __forceinline__ float pos_inf<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double pos_inf<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+
+// ---------------------------------------------------------------- masks
+// Mask rules in global positions (see ringmpi/masks.py): key j is visible
+// from query i when (!has_lo || j >= i + lo_delta) && (!has_hi || j <= i + hi_delta)
+// and, with segment ids, seg_q == seg_kv.  The host folds causal, window and
+// the bottom-right offset into (has_lo, lo_delta, has_hi, hi_delta).
+struct MaskArgs {
+    const long long* q_pos;     // (Sq,)
+    const long long* kv_pos;    // (Skv,)
+    const long long* seg_q;     // (B, Sq) or null
+    const long long* seg_kv;    // (B, Skv) or null
+    const long long* q_bounds;  // per q tile: pos (min, max) then, with segments, (B, ntiles, 2) seg (min, max)
+    const long long* kv_bounds; // same for kv tiles
+    long long lo_delta, hi_delta;
+    int has_lo, has_hi;
+};
+
+// Kernel parameters for the mask (scalars typed on the host: np.int32 flags,
+// np.int64 deltas); seg_q / seg_kv are dummies when has_seg is 0.
+#define MASK_PARAMS                                                                  \
+    const long long* __restrict__ q_pos, const long long* __restrict__ kv_pos,      \
+    const long long* __restrict__ seg_q, const long long* __restrict__ seg_kv,      \
+    const long long* __restrict__ q_bounds, const long long* __restrict__ kv_bounds, \
+    int has_seg, int has_lo, long long lo_delta, int has_hi, long long hi_delta
+#define MASK_INIT(mk)                                                                     \
+    MaskArgs mk;                                                                          \
+    mk.q_pos = q_pos; mk.kv_pos = kv_pos;                                                 \
+    mk.seg_q = has_seg ? seg_q : 0; mk.seg_kv = has_seg ? seg_kv : 0;                     \
+    mk.q_bounds = q_bounds; mk.kv_bounds = kv_bounds;                                     \
+    mk.lo_delta = lo_delta; mk.hi_delta = hi_delta; mk.has_lo = has_lo; mk.has_hi = has_hi
+
+__device__ __forceinline__ bool pos_visible(const MaskArgs& mk, long long qp, long long kp) {
+    return (!mk.has_lo || kp >= qp + mk.lo_delta) && (!mk.has_hi || kp <= qp + mk.hi_delta);
+}
+
+// Classification of one tile from the min/max of its positions and segment
+// ids (conservative: a tile called PARTIAL may turn out fully hidden, which
+// the per-element mask then handles exactly).
+__device__ __forceinline__ int classify_tile(const MaskArgs& mk, int b, int batch,
+                                             int qt, int nqt, int kt, int nkt) {
+    const long long qlo = mk.q_bounds[2 * qt], qhi = mk.q_bounds[2 * qt + 1];
+    const long long klo = mk.kv_bounds[2 * kt], khi = mk.kv_bounds[2 * kt + 1];
+    int state = TILE_FULL;
+    if (mk.has_hi && qhi + mk.hi_delta < klo) return TILE_SKIP;
+    if (mk.has_lo && qlo + mk.lo_delta > khi) return TILE_SKIP;
+    if ((mk.has_lo && qhi + mk.lo_delta > klo) || (mk.has_hi && qlo + mk.hi_delta < khi)) state = TILE_PARTIAL;
+    if (mk.seg_q != 0) {
+        const long long* sq = mk.q_bounds + 2LL * nqt + 2LL * ((long long)b * nqt + qt);
+        const long long* sk = mk.kv_bounds + 2LL * nkt + 2LL * ((long long)b * nkt + kt);
+        if (sq[1] < sk[0] || sq[0] > sk[1]) return TILE_SKIP;
+        if (!(sq[0] == sq[1] && sk[0] == sk[1] && sq[0] == sk[0])) state = TILE_PARTIAL;
+    }
+    return state;
+}
+
+// Visibility of one (query row, key column) of a tile that needs masking;
+// rows past Sq are treated as visible (they are computed but never stored),
+// columns past Skv are hidden.
+__device__ __forceinline__ bool elem_visible(const MaskArgs& mk, int b, int row, int col,
+                                             int Sq, int Skv) {
+    if (col >= Skv) return false;
+    if (row >= Sq) return true;
+    if (!pos_visible(mk, mk.q_pos[row], mk.kv_pos[col])) return false;
+    if (mk.seg_q != 0 && mk.seg_q[(long long)b * Sq + row] != mk.seg_kv[(long long)b * Skv + col]) return false;
+    return true;
+}
+
+// ---------------------------------------------------------------- tensor cores
+// D (16x8 f32) += A (16x16) * B (16x8), f16 or bf16 inputs.  Fragment layout
+// (PTX ISA, mma.m16n8k16), g = lane / 4, c = lane % 4:
+//   a[0]: (row g,   cols 2c, 2c+1)   a[1]: (row g+8, cols 2c, 2c+1)
+//   a[2]: (row g,   cols 2c+8, +9)   a[3]: (row g+8, cols 2c+8, +9)
+//   b[0]: (rows 2c, 2c+1, col g)     b[1]: (rows 2c+8, 2c+9, col g)
+//   d[0], d[1]: (row g, cols 2c, 2c+1)   d[2], d[3]: (row g+8, cols 2c, 2c+1)
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float* d, const unsigned int* a, const unsigned int* b) {
+    if (BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+}
+
+// 32-bit read of two consecutive 16-bit elements in shared memory
+// (the index must be even; every row stride used here is even).
+__device__ __forceinline__ unsigned int lds32(const unsigned short* base, int idx) {
+    return *reinterpret_cast<const unsigned int*>(base + idx);
+}

@@ -1,0 +1,322 @@
+// Forward block kernels: fold one visiting K/V block into the online-softmax
+// state (o_acc, m, l) of the resident queries, in place.  Same arithmetic as
+// NumpyBackend.forward_block, with s = (q k^T) * scale:
+//   m_new = max(m, rowmax(s)); shift = (m_new == -inf) ? 0 : m_new
+//   p = exp(s - shift); alpha = exp(m - shift)
+//   l = l * alpha + rowsum(p); o_acc = o_acc * alpha + p @ v; m = m_new
+// Layouts: q, o_acc (B, H, Sq, D); m, l (B, H, Sq); k, v (B, Hkv, Skv, D);
+// kv head of query head h is h / (H / Hkv).  Grid: (q tiles, B * H).
+
+// Shape parameters; nqt / nkt count q / kv tiles in the kernel's tile sizes.
+struct FwdArgs {
+    int B, H, Hkv, Sq, Skv, D, nqt, nkt;
+};
+#define FWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt
+#define FWD_SHAPE_INIT(a) const FwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt}
+
+// ---------------------------------------------------------------------------
+// Tensor-core kernel for f16 / bf16 K/V: 4 warps, 64 query rows (16 per warp),
+// 64-key tiles, mma.m16n8k16 with float accumulation.  DP: head dim rounded up to a
+// multiple of 32 (zero padded), D <= DP at run time.  q (float) is rounded to
+// the K/V dtype in shared memory; the scale multiplies the float product.
+#define FWD_MMA_BM 64
+#define FWD_MMA_BN 64
+
+template <int DP, bool BF16>
+__global__ void __launch_bounds__(128) ringmpi_forward_mma(
+    const float* __restrict__ q, const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v, float* __restrict__ o_acc,
+    float* __restrict__ m_state, float* __restrict__ l_state, const float scale, MASK_PARAMS,
+    FWD_SHAPE_PARAMS) {
+    MASK_INIT(mk);
+    FWD_SHAPE_INIT(a);
+    constexpr int BM = FWD_MMA_BM, BN = FWD_MMA_BN;
+    constexpr int QS = DP + 8;   // row stride (elements) of Qs and Ks
+    constexpr int VS = BN + 8;   // row stride of Vt (V transposed: [d][key])
+    constexpr int NT = BN / 8;   // n-tiles of S
+    constexpr int DT = DP / 8;   // n-tiles of O
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned short* Qs = reinterpret_cast<unsigned short*>(smem_raw);
+    unsigned short* Ks = Qs + BM * QS;
+    unsigned short* Vt = Ks + BN * QS;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int qt = blockIdx.x, bh = blockIdx.y;
+    const int b = bh / a.H, h = bh % a.H;
+    const int hk = h / (a.H / a.Hkv);
+    const int q0 = qt * BM;
+    const long long qbase = ((long long)bh * a.Sq) * a.D;
+    const long long kvbase = ((long long)b * a.Hkv + hk) * (long long)a.Skv * a.D;
+
+    for (int idx = tid; idx < BM * DP; idx += 128) {
+        const int r = idx / DP, d = idx % DP;
+        float x = 0.f;
+        if (q0 + r < a.Sq && d < a.D) x = q[qbase + (long long)(q0 + r) * a.D + d];
+        Qs[r * QS + d] = to_bits16<BF16>(x);
+    }
+
+    // this thread's two rows: r0 = warp*16 + g, r1 = r0 + 8
+    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+    float m_r[2], l_r[2];
+    float o[DT][4];
+    m_r[0] = row0 < a.Sq ? m_state[(long long)bh * a.Sq + row0] : neg_inf<float>();
+    m_r[1] = row1 < a.Sq ? m_state[(long long)bh * a.Sq + row1] : neg_inf<float>();
+    l_r[0] = row0 < a.Sq ? l_state[(long long)bh * a.Sq + row0] : 0.f;
+    l_r[1] = row1 < a.Sq ? l_state[(long long)bh * a.Sq + row1] : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = e < 2 ? row0 : row1;
+            const int d = dt * 8 + 2 * c + (e & 1);
+            o[dt][e] = (row < a.Sq && d < a.D) ? o_acc[qbase + (long long)row * a.D + d] : 0.f;
+        }
+    }
+
+    bool touched = false;
+    for (int kt = 0; kt < a.nkt; ++kt) {
+        const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
+        if (state == TILE_SKIP) continue;
+        touched = true;
+        const int k0 = kt * BN;
+        const bool need_mask = state == TILE_PARTIAL || k0 + BN > a.Skv;
+        __syncthreads();  // previous tile's Ks / Vt fully consumed
+        for (int idx = tid; idx < BN * DP; idx += 128) {
+            const int r = idx / DP, d = idx % DP;
+            unsigned short kx = 0, vx = 0;
+            if (k0 + r < a.Skv && d < a.D) {
+                const long long off = kvbase + (long long)(k0 + r) * a.D + d;
+                kx = k[off];
+                vx = v[off];
+            }
+            Ks[r * QS + d] = kx;
+            Vt[d * VS + r] = vx;
+        }
+        __syncthreads();
+
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        const unsigned short* Qw = Qs + (warp * 16) * QS;
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) {
+            unsigned int af[4];
+            af[0] = lds32(Qw, g * QS + kk * 16 + 2 * c);
+            af[1] = lds32(Qw, (g + 8) * QS + kk * 16 + 2 * c);
+            af[2] = lds32(Qw, g * QS + kk * 16 + 2 * c + 8);
+            af[3] = lds32(Qw, (g + 8) * QS + kk * 16 + 2 * c + 8);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                unsigned int bf[2];
+                bf[0] = lds32(Ks, (nt * 8 + g) * QS + kk * 16 + 2 * c);
+                bf[1] = lds32(Ks, (nt * 8 + g) * QS + kk * 16 + 2 * c + 8);
+                mma16816<BF16>(s[nt], af, bf);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
+        if (need_mask) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = e < 2 ? row0 : row1;
+                    const int col = k0 + nt * 8 + 2 * c + (e & 1);
+                    if (!elem_visible(mk, b, row, col, a.Sq, a.Skv)) s[nt][e] = neg_inf<float>();
+                }
+            }
+        }
+        // online softmax, rows r0 (e = 0, 1) and r1 (e = 2, 3); a row's 4
+        // values per n-tile live in the 4 lanes of one quad
+        float alpha[2], shift[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = neg_inf<float>();
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_r[i], mx);
+            shift[i] = m_new == neg_inf<float>() ? 0.f : m_new;
+            alpha[i] = expf(m_r[i] - shift[i]);
+            m_r[i] = m_new;
+        }
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nt][e] = expf(s[nt][e] - shift[e >> 1]);
+                rs[e >> 1] += s[nt][e];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
+            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
+            l_r[i] = l_r[i] * alpha[i] + rs[i];
+        }
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            o[dt][0] *= alpha[0];
+            o[dt][1] *= alpha[0];
+            o[dt][2] *= alpha[1];
+            o[dt][3] *= alpha[1];
+        }
+        // O += P V: the S accumulator layout of n-tiles (2j, 2j+1) is the A
+        // fragment layout of k-step j
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned int af[4];
+            af[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
+            af[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
+            af[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            af[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                unsigned int bf[2];
+                bf[0] = lds32(Vt, (dt * 8 + g) * VS + kk * 16 + 2 * c);
+                bf[1] = lds32(Vt, (dt * 8 + g) * VS + kk * 16 + 2 * c + 8);
+                mma16816<BF16>(o[dt], af, bf);
+            }
+        }
+    }
+    if (!touched) return;
+    if (c == 0) {
+        if (row0 < a.Sq) { m_state[(long long)bh * a.Sq + row0] = m_r[0]; l_state[(long long)bh * a.Sq + row0] = l_r[0]; }
+        if (row1 < a.Sq) { m_state[(long long)bh * a.Sq + row1] = m_r[1]; l_state[(long long)bh * a.Sq + row1] = l_r[1]; }
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = e < 2 ? row0 : row1;
+            const int d = dt * 8 + 2 * c + (e & 1);
+            if (row < a.Sq && d < a.D) o_acc[qbase + (long long)row * a.D + d] = o[dt][e];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// SIMT kernel for every dtype (the exact path for float32 and float64):
+// 128 threads, 32 query rows, 4 threads per row; key tiles of BN rows.
+// Shared tiles hold the compute type; D <= DP at run time.
+#define FWD_SIMT_BM 32
+
+template <int DP, int KIND, int BN>
+__global__ void __launch_bounds__(128) ringmpi_forward_simt(
+    const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::storage* __restrict__ k,
+    const typename Kind<KIND>::storage* __restrict__ v, typename Kind<KIND>::acc* __restrict__ o_acc,
+    typename Kind<KIND>::acc* __restrict__ m_state, typename Kind<KIND>::acc* __restrict__ l_state,
+    const typename Kind<KIND>::acc scale, MASK_PARAMS, FWD_SHAPE_PARAMS) {
+    MASK_INIT(mk);
+    FWD_SHAPE_INIT(a);
+    typedef typename Kind<KIND>::acc T;
+    constexpr int BM = FWD_SIMT_BM, TPR = 4;
+    constexpr int RS = DP + 1;   // row stride of Qs, Ks, Vs
+    constexpr int PS = BN + 1;   // row stride of Ps
+    constexpr int NC = BN / TPR; // score columns per thread
+    constexpr int ND = DP / TPR; // output columns per thread
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* Qs = reinterpret_cast<T*>(smem_raw);
+    T* Ks = Qs + BM * RS;
+    T* Vs = Ks + BN * RS;
+    T* Ps = Vs + BN * RS;
+
+    const int tid = threadIdx.x, r = tid / TPR, j = tid % TPR;
+    const int qt = blockIdx.x, bh = blockIdx.y;
+    const int b = bh / a.H, h = bh % a.H;
+    const int hk = h / (a.H / a.Hkv);
+    const int q0 = qt * BM, row = q0 + r;
+    const long long qbase = ((long long)bh * a.Sq) * a.D;
+    const long long kvbase = ((long long)b * a.Hkv + hk) * (long long)a.Skv * a.D;
+
+    for (int idx = tid; idx < BM * DP; idx += 128) {
+        const int rr = idx / DP, d = idx % DP;
+        Qs[rr * RS + d] = (q0 + rr < a.Sq && d < a.D) ? q[qbase + (long long)(q0 + rr) * a.D + d] : T(0);
+    }
+    T m_r = row < a.Sq ? m_state[(long long)bh * a.Sq + row] : neg_inf<T>();
+    T l_r = row < a.Sq ? l_state[(long long)bh * a.Sq + row] : T(0);
+    T o[ND];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        const int d = j + TPR * i;
+        o[i] = (row < a.Sq && d < a.D) ? o_acc[qbase + (long long)row * a.D + d] : T(0);
+    }
+
+    bool touched = false;
+    for (int kt = 0; kt < a.nkt; ++kt) {
+        const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
+        if (state == TILE_SKIP) continue;
+        touched = true;
+        const int k0 = kt * BN;
+        const bool need_mask = state == TILE_PARTIAL || k0 + BN > a.Skv;
+        __syncthreads();
+        for (int idx = tid; idx < BN * DP; idx += 128) {
+            const int rr = idx / DP, d = idx % DP;
+            T kx = T(0), vx = T(0);
+            if (k0 + rr < a.Skv && d < a.D) {
+                const long long off = kvbase + (long long)(k0 + rr) * a.D + d;
+                kx = load_acc<KIND>(k + off);
+                vx = load_acc<KIND>(v + off);
+            }
+            Ks[rr * RS + d] = kx;
+            Vs[rr * RS + d] = vx;
+        }
+        __syncthreads();
+
+        T s[NC];
+#pragma unroll
+        for (int i = 0; i < NC; ++i) s[i] = T(0);
+        for (int d = 0; d < a.D; ++d) {
+            const T qd = Qs[r * RS + d];
+#pragma unroll
+            for (int i = 0; i < NC; ++i) s[i] += qd * Ks[(j + TPR * i) * RS + d];
+        }
+        T mx = neg_inf<T>();
+#pragma unroll
+        for (int i = 0; i < NC; ++i) {
+            s[i] *= scale;
+            if (need_mask && !elem_visible(mk, b, row, k0 + j + TPR * i, a.Sq, a.Skv)) s[i] = neg_inf<T>();
+            mx = max_acc(mx, s[i]);
+        }
+        mx = max_acc(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = max_acc(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const T m_new = max_acc(m_r, mx);
+        const T shift = m_new == neg_inf<T>() ? T(0) : m_new;
+        const T alpha = exp_acc(m_r - shift);
+        m_r = m_new;
+        T rs = T(0);
+#pragma unroll
+        for (int i = 0; i < NC; ++i) {
+            const T p = exp_acc(s[i] - shift);
+            rs += p;
+            Ps[r * PS + j + TPR * i] = p;
+        }
+        rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+        rs += __shfl_xor_sync(0xffffffffu, rs, 2);
+        l_r = l_r * alpha + rs;
+        __syncwarp();  // the row's P values come from the 4 lanes of its quad
+#pragma unroll
+        for (int i = 0; i < ND; ++i) o[i] *= alpha;
+        for (int cc = 0; cc < BN; ++cc) {
+            const T p = Ps[r * PS + cc];
+#pragma unroll
+            for (int i = 0; i < ND; ++i) o[i] += p * Vs[cc * RS + j + TPR * i];
+        }
+        __syncwarp();  // Ps is rewritten by the next tile
+    }
+    if (!touched || row >= a.Sq) return;
+    if (j == 0) {
+        m_state[(long long)bh * a.Sq + row] = m_r;
+        l_state[(long long)bh * a.Sq + row] = l_r;
+    }
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        const int d = j + TPR * i;
+        if (d < a.D) o_acc[qbase + (long long)row * a.D + d] = o[i];
+    }
+}
