@@ -29,13 +29,22 @@ if [ -z "${HDF5_DIR:-}" ]; then
         || need_pkgs+=(libhdf5-openmpi-dev)
 fi
 command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+command -v gcc >/dev/null 2>&1 || need_pkgs+=(build-essential)
+py=${PYTHON:-python3}
+if ! command -v "$py" >/dev/null 2>&1; then
+    need_pkgs+=(python3 python3-venv python3-dev)
+else
+    "$py" -c 'import ensurepip, venv' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
+    "$py" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        || need_pkgs+=(python3-dev)
+fi
 if [ ${#need_pkgs[@]} -gt 0 ]; then
     command -v apt-get >/dev/null 2>&1 || die "missing ${need_pkgs[*]} and no apt-get; set MPICC and HDF5_DIR to your installation"
     [ "$(id -u)" = 0 ] || die "missing ${need_pkgs[*]}: run as root, or install them, or set MPICC/HDF5_DIR"
     say "installing ${need_pkgs[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" build-essential >/dev/null
+    apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
 fi
 export MPICC=${MPICC:-$(command -v mpicc)}
 if [ -z "${HDF5_DIR:-}" ]; then
@@ -46,10 +55,9 @@ export HDF5_DIR
     || die "no HDF5 headers under HDF5_DIR=$HDF5_DIR"
 
 # ---- 2. virtual environment with MPI-built mpi4py and h5py --------------
-py=${PYTHON:-python3}
 if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv"
-    "$py" -m venv "$venv" || { apt-get install -y -qq python3-venv >/dev/null && "$py" -m venv "$venv"; }
+    "$py" -m venv "$venv"
 fi
 vpy=$venv/bin/python
 pipq() { "$vpy" -m pip install -q --disable-pip-version-check "$@"; }

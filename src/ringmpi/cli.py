@@ -62,7 +62,7 @@ def main(argv=None):
 
     try:
         with abort_on_error():
-            cli.main(args=argv, prog_name="ringmpi", standalone_mode=False)
+            rc = cli.main(args=argv, prog_name="ringmpi", standalone_mode=False)
     except ConfigError as exc:
         # raised identically on every rank (after errors.agree): rank 0 speaks, all exit 2
         prefix = _rank_prefix()
@@ -77,7 +77,8 @@ def main(argv=None):
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    sys.exit(0)
+    # standalone_mode=False hands back ctx.exit(n) codes as the return value
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

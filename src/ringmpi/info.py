@@ -1,0 +1,62 @@
+"""``ringmpi info``: what this job sees: MPI, CUDA-aware support, GPUs, parallel HDF5."""
+
+from __future__ import annotations
+
+import click
+
+from . import __version__
+
+
+@click.command("info")
+def info():
+    """MPI library and version, world size, CUDA-aware MPI, GPUs, h5py/HDF5, default backend.
+
+    Under mpirun rank 0 reports (GPU counts from every rank are gathered).
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    try:
+        from . import device
+    except ImportError:
+        device = None
+    if device is not None:
+        gpus = device.gpu_summary()
+        aware, why = device.cuda_aware_mpi(comm)
+        aware_text = f"{'yes' if aware else 'no'} ({why})"
+    else:
+        gpus, aware_text = None, "unknown (ringmpi.device not available)"
+    from .backends import gpu_available
+    auto = "cupy" if gpu_available() else "numpy"
+    gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
+    hosts = comm.gather(MPI.Get_processor_name(), root=0)
+    if rank != 0:
+        return
+    try:
+        import h5py
+        h5 = (f"h5py {h5py.__version__}, HDF5 {'.'.join(map(str, h5py.version.hdf5_version_tuple))}, "
+              f"parallel {'yes' if h5py.get_config().mpi else 'NO (mpio driver unavailable)'}")
+    except Exception as exc:  # a broken h5py should not hide the rest
+        h5 = f"unavailable ({exc})"
+    import mpi4py
+    version = ".".join(map(str, MPI.Get_version()))
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    lines = [
+        f"ringmpi {__version__}",
+        f"MPI: {library} (MPI standard {version}), mpi4py {mpi4py.__version__}",
+        f"world size: {comm.Get_size()} rank(s) on {len(set(hosts))} node(s)",
+        f"CUDA-aware MPI: {aware_text}",
+    ]
+    if gpus is None:
+        lines.append("GPUs: unknown (ringmpi.device not available)")
+    else:
+        seen = ", ".join(f"{d['id']}: {d['name']} (sm {d['compute_capability']}, {d['memory_gib']} GiB)"
+                         for d in gpus["devices"]) or "none"
+        lines.append(f"GPUs seen by rank 0: {gpus['count']} [{seen}]"
+                     + (f"; {gpus['error']}" if gpus.get("error") else ""))
+        if comm.Get_size() > 1:
+            lines.append(f"GPUs seen per rank: {gpu_counts}")
+        lines.append(f"CuPy: {gpus['cupy'] or 'not installed'}")
+    lines += [f"HDF5: {h5}", f"backend 'auto' picks: {auto}"]
+    click.echo("\n".join(lines))

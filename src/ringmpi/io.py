@@ -1,0 +1,414 @@
+"""Parallel HDF5: validate an input file, read shards, write outputs atomically.
+
+Every rank opens the file with h5py's ``mpio`` driver and transfers only its
+own tokens: the rows its :class:`~ringmpi.layout.Layout` gives it, selected as
+one hyperslab per contiguous run (a single strided hyperslab for ``striped``),
+in one collective call per piece of at most ``RINGMPI_IO_PIECE_BYTES`` bytes
+(default 1 GiB).  Ranks agree on the number of pieces with an allreduce, so a
+rank with fewer (or zero) rows still joins every collective call with an empty
+selection: ``N < P`` never hangs.
+
+Outputs are written to a temporary file next to the output path, closed
+collectively, and renamed by rank 0: a failed run leaves no file at the
+output path and never touches an existing one.  The file format is described
+in ``docs/file-format.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import ConfigError, agree
+
+SUPPORTED_DTYPES = ("float16", "float32", "float64")
+DEFAULT_PIECE_BYTES = 1 << 30
+
+
+def piece_bytes() -> int:
+    """Largest transfer of one collective call (``RINGMPI_IO_PIECE_BYTES``, default 1 GiB)."""
+    value = os.environ.get("RINGMPI_IO_PIECE_BYTES")
+    return max(1, int(value)) if value else DEFAULT_PIECE_BYTES
+
+
+# --------------------------------------------------------------------- files
+def open_file(path: str, mode: str, comm):
+    """``h5py.File(path, mode)`` with the ``mpio`` driver over ``comm`` (collective).
+
+    File locking follows ``HDF5_USE_FILE_LOCKING`` when it is set; otherwise
+    locking is tried first and, where the file system refuses locks (Lustre,
+    some NFS), the open is retried without.  Ranks agree on the outcome.
+    """
+    import h5py
+
+    kwargs = dict(driver="mpio", comm=comm)
+    if "HDF5_USE_FILE_LOCKING" in os.environ:
+        return h5py.File(path, mode, **kwargs)
+    try:
+        handle, failure = h5py.File(path, mode, **kwargs), None
+    except OSError as exc:
+        handle, failure = None, str(exc)
+    failures = comm.allgather(failure)
+    if not any(failures):
+        return handle
+    if handle is not None:
+        handle.close()
+    if any("lock" in f.lower() for f in failures if f):
+        return h5py.File(path, mode, locking=False, **kwargs)
+    raise OSError(next(f for f in failures if f))
+
+
+def _peek(path: str):
+    """A serial read-only handle for rank 0's metadata checks."""
+    import h5py
+
+    try:
+        return h5py.File(path, "r", locking=False)
+    except (TypeError, ValueError):  # HDF5 without the locking property
+        return h5py.File(path, "r")
+
+
+# ------------------------------------------------------------------ the input
+@dataclass(frozen=True)
+class InputSpec:
+    """What an input file holds, agreed on every rank.
+
+    ``rank4`` is False for 3-D datasets ``(N, H, D)`` (then ``batch == 1``);
+    ``seg_q``/``seg_kv`` name the segment-id datasets (or None).
+    """
+
+    path: str
+    rank4: bool
+    batch: int
+    n_q: int
+    n_kv: int
+    heads: int
+    kv_heads: int
+    dim: int
+    dtype: str
+    has_do: bool
+    seg_q: Optional[str]
+    seg_kv: Optional[str]
+    shapes: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def _describe_input(f, path: str, backward: bool):
+    """``(InputSpec, None)`` or ``(None, problem)`` for an open file."""
+    where = f"{path}"
+    shapes = {}
+    for name in ("q", "k", "v"):
+        if name not in f:
+            return None, f"{where}: missing dataset '{name}' (need q, k, v shaped (B, N, H, D) or (N, H, D))"
+    for name in ("q", "k", "v", "do", "segment_ids", "segment_ids_q", "segment_ids_kv"):
+        if name in f:
+            obj = f[name]
+            if not hasattr(obj, "shape"):
+                return None, f"{where}: '{name}' is not a dataset"
+            shapes[name] = tuple(int(s) for s in obj.shape)
+    if backward and "do" not in f:
+        return None, f"{where}: --backward needs dataset 'do' (the gradient of o, shaped like q)"
+    ndim = len(shapes["q"])
+    for name in ("q", "k", "v", "do"):
+        if name in shapes and len(shapes[name]) not in (3, 4):
+            return None, (f"{where}: dataset '{name}' has rank {len(shapes[name])} (shape {shapes[name]}); "
+                          f"expected (B, N, H, D) or (N, H, D)")
+        if name in shapes and len(shapes[name]) != ndim:
+            return None, (f"{where}: dataset '{name}' has rank {len(shapes[name])} but 'q' has rank {ndim}: "
+                          f"q, k, v, do must all be 4-D (B, N, H, D) or all 3-D (N, H, D)")
+    dtypes = {name: str(f[name].dtype) for name in ("q", "k", "v", "do") if name in shapes}
+    for name, dt in dtypes.items():
+        if dt not in SUPPORTED_DTYPES:
+            return None, (f"{where}: dataset '{name}' has unsupported dtype {dt}; "
+                          f"expected one of {', '.join(SUPPORTED_DTYPES)}")
+    if len(set(dtypes.values())) > 1:
+        return None, (f"{where}: datasets must share one dtype, got "
+                      + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
+    full = {n: ((1,) + s if ndim == 3 else s) for n, s in shapes.items() if n in ("q", "k", "v", "do")}
+    b, n_q, h, d = full["q"]
+    bk, n_kv, h_kv, dk = full["k"]
+    if full["v"] != full["k"]:
+        return None, f"{where}: datasets 'k' {shapes['k']} and 'v' {shapes['v']} must have the same shape"
+    if bk != b:
+        return None, f"{where}: batch sizes differ: 'q' has B={b}, 'k' has B={bk}"
+    if dk != d:
+        return None, f"{where}: head dims differ: 'q' has D={d}, 'k'/'v' have D={dk}"
+    if min(n_q, n_kv, h, h_kv, d, b) < 1:
+        return None, f"{where}: empty dataset: q {shapes['q']}, k {shapes['k']}"
+    if h % h_kv != 0:
+        return None, (f"{where}: 'q' has H={h} heads, not a multiple of the H_kv={h_kv} heads of 'k'/'v' "
+                      f"(H % H_kv must be 0)")
+    if "do" in full and full["do"] != full["q"]:
+        return None, f"{where}: dataset 'do' has shape {shapes['do']}, expected q's shape {shapes['q']}"
+    seg_q = seg_kv = None
+    if "segment_ids" in shapes:
+        if "segment_ids_q" in shapes or "segment_ids_kv" in shapes:
+            return None, f"{where}: give 'segment_ids' or 'segment_ids_q'/'segment_ids_kv', not both"
+        if n_q != n_kv:
+            return None, (f"{where}: 'segment_ids' needs equal q and k/v lengths (got {n_q} and {n_kv}); "
+                          f"use 'segment_ids_q' and 'segment_ids_kv'")
+        seg_q = seg_kv = "segment_ids"
+    elif "segment_ids_q" in shapes or "segment_ids_kv" in shapes:
+        if not ("segment_ids_q" in shapes and "segment_ids_kv" in shapes):
+            return None, f"{where}: give both 'segment_ids_q' and 'segment_ids_kv', or neither"
+        seg_q, seg_kv = "segment_ids_q", "segment_ids_kv"
+    for name, n in ((seg_q, n_q), (seg_kv, n_kv)):
+        if name is None:
+            continue
+        shape = shapes[name]
+        if shape not in ((n,), (b, n)):
+            return None, f"{where}: dataset '{name}' has shape {shape}; expected ({b}, {n}) or ({n},)"
+        if f[name].dtype.kind not in "iu":
+            return None, f"{where}: dataset '{name}' must hold integers, got dtype {f[name].dtype}"
+    spec = InputSpec(path=path, rank4=(ndim == 4), batch=b, n_q=n_q, n_kv=n_kv, heads=h, kv_heads=h_kv,
+                     dim=d, dtype=dtypes["q"], has_do="do" in shapes, seg_q=seg_q, seg_kv=seg_kv,
+                     shapes=shapes)
+    return spec, None
+
+
+def inspect_input(path: str, comm, backward: bool = False) -> InputSpec:
+    """Validate the input file on rank 0 and share its description (collective).
+
+    Raises the same :class:`ConfigError` on every rank for a missing file, a
+    file that is not HDF5, missing datasets, wrong ranks, mismatched shapes,
+    unsupported dtypes, or a missing ``do`` with ``backward``.
+    """
+    spec, problem = None, None
+    if comm.Get_rank() == 0:
+        spec, problem = _inspect_serial(path, backward)
+    spec, problem = comm.bcast((spec, problem), root=0)
+    agree(comm, problem)
+    return spec
+
+
+def _inspect_serial(path: str, backward: bool):
+    import h5py
+
+    if not os.path.exists(path):
+        return None, f"{path}: input file does not exist"
+    if os.path.isdir(path):
+        return None, f"{path}: input is a directory, not an HDF5 file"
+    if not h5py.is_hdf5(path):
+        return None, f"{path}: not an HDF5 file"
+    try:
+        with _peek(path) as f:
+            return _describe_input(f, path, backward)
+    except OSError as exc:
+        return None, f"{path}: cannot open as HDF5: {exc}"
+
+
+# ------------------------------------------------------------- shard transfer
+def _slabs(idx: np.ndarray):
+    """``[(start, count, stride), ...]`` hyperslabs covering sorted indices ``idx``."""
+    if len(idx) == 0:
+        return []
+    if len(idx) == 1:
+        return [(int(idx[0]), 1, 1)]
+    steps = np.diff(idx)
+    if (steps == steps[0]).all():  # one contiguous run, or striped
+        return [(int(idx[0]), len(idx), int(steps[0]))]
+    breaks = np.flatnonzero(steps != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(idx)]])
+    return [(int(idx[s]), int(e - s), 1) for s, e in zip(starts, ends)]
+
+
+def _collective_dxpl():
+    from h5py import h5fd, h5p
+
+    dxpl = h5p.create(h5p.DATASET_XFER)
+    dxpl.set_dxpl_mpio(h5fd.MPIO_COLLECTIVE)
+    return dxpl
+
+
+class ShardIO:
+    """Collective transfer of each rank's rows of datasets, in bounded pieces.
+
+    Parameters
+    ----------
+    comm : mpi4py communicator
+    indices : (n_local,) int64, ascending
+        The global rows (along the dataset's row axis) this rank owns.
+    """
+
+    def __init__(self, comm, indices: np.ndarray):
+        self.comm = comm
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.dxpl = _collective_dxpl()
+        self.read_s = 0.0
+        self.write_s = 0.0
+
+    def _pieces(self, row_bytes: int):
+        """This rank's row ranges, one per collective call (same count on every rank)."""
+        from mpi4py import MPI
+
+        rows = max(1, piece_bytes() // max(1, row_bytes))
+        mine = math.ceil(len(self.indices) / rows)
+        count = self.comm.allreduce(mine, op=MPI.MAX)
+        return [(min(i * rows, len(self.indices)), min((i + 1) * rows, len(self.indices)))
+                for i in range(count)]
+
+    def _call(self, dset, lo, hi, row_axis, box, buf, write):
+        from h5py import h5s
+
+        fspace = dset.id.get_space()
+        idx = self.indices[lo:hi]
+        if buf.size == 0:
+            fspace.select_none()
+            mspace = h5s.create_simple((1,))
+            mspace.select_none()
+            buf = np.empty(1, dtype=buf.dtype)
+        else:
+            for i, (start, count, stride) in enumerate(_slabs(idx)):
+                starts = [b[0] for b in box]
+                counts = [b[1] - b[0] for b in box]
+                strides = [1] * len(box)
+                starts[row_axis], counts[row_axis], strides[row_axis] = start, count, stride
+                fspace.select_hyperslab(tuple(starts), tuple(counts), tuple(strides),
+                                        op=h5s.SELECT_SET if i == 0 else h5s.SELECT_OR)
+            mspace = h5s.create_simple(buf.shape)
+        if write:
+            dset.id.write(mspace, fspace, buf, dxpl=self.dxpl)
+        else:
+            dset.id.read(mspace, fspace, buf, dxpl=self.dxpl)
+
+    def _box(self, dset, row_axis, box):
+        box = list(box) if box is not None else [(0, s) for s in dset.shape]
+        if len(box) != dset.ndim:
+            raise ValueError(f"box {box} does not match dataset {dset.name} of rank {dset.ndim}")
+        box[row_axis] = (0, 0)
+        return box
+
+    def read(self, dset, row_axis: int, box: Optional[Sequence[Tuple[int, int]]] = None) -> np.ndarray:
+        """This rank's rows of ``dset`` restricted to ``box`` (collective).
+
+        ``box`` gives ``(start, stop)`` per axis (the row axis entry is
+        ignored); None means the whole extent.  The result has the dataset's
+        dtype and ``len(indices)`` along ``row_axis``, in ascending row order.
+        """
+        import time
+
+        self.comm.Barrier()  # time the transfer, not the wait for ranks still computing
+        start = time.perf_counter()
+        box = self._box(dset, row_axis, box)
+        shape = [b[1] - b[0] for b in box]
+        shape[row_axis] = len(self.indices)
+        out = np.empty(shape, dtype=dset.dtype)
+        row_bytes = int(np.prod([s for i, s in enumerate(shape) if i != row_axis], dtype=np.int64)) * out.itemsize
+        moved = np.moveaxis(out, row_axis, 0)
+        for lo, hi in self._pieces(row_bytes):
+            piece = np.empty(tuple(shape[:row_axis]) + (hi - lo,) + tuple(shape[row_axis + 1:]), dtype=out.dtype)
+            self._call(dset, lo, hi, row_axis, box, piece, write=False)
+            moved[lo:hi] = np.moveaxis(piece, row_axis, 0)
+        self.read_s += time.perf_counter() - start
+        return out
+
+    def write(self, dset, row_axis: int, data: np.ndarray,
+              box: Optional[Sequence[Tuple[int, int]]] = None) -> None:
+        """Write this rank's rows ``data`` into ``dset`` within ``box`` (collective)."""
+        import time
+
+        self.comm.Barrier()  # time the transfer, not the wait for ranks still computing
+        start = time.perf_counter()
+        box = self._box(dset, row_axis, box)
+        data = np.asarray(data, dtype=dset.dtype)
+        expect = [b[1] - b[0] for b in box]
+        expect[row_axis] = len(self.indices)
+        if list(data.shape) != expect:
+            raise ValueError(f"writing {dset.name}: data shape {data.shape}, selection {tuple(expect)}")
+        row_bytes = int(np.prod([s for i, s in enumerate(expect) if i != row_axis], dtype=np.int64)) * data.itemsize
+        for lo, hi in self._pieces(row_bytes):
+            index = [slice(None)] * data.ndim
+            index[row_axis] = slice(lo, hi)
+            self._call(dset, lo, hi, row_axis, box, np.ascontiguousarray(data[tuple(index)]), write=True)
+        self.write_s += time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- the output
+class AtomicOutput:
+    """An output file written under a temporary name and renamed when complete.
+
+    Collective.  ``prepare`` checks the output path on rank 0 (exists without
+    ``overwrite``, directory missing or not writable, same as the input) and
+    agrees on a temporary name ``.<name>.tmp-<hex>`` in the same directory;
+    ``open`` creates it with the ``mpio`` driver; ``commit`` closes it
+    collectively and renames it over the output path; ``discard`` removes it.
+    """
+
+    def __init__(self, path: str, comm, overwrite: bool = False, input_path: Optional[str] = None):
+        self.path = os.path.abspath(path)
+        self.comm = comm
+        self.file = None
+        problem, tmp = None, None
+        if comm.Get_rank() == 0:
+            problem, tmp = self._check(overwrite, input_path)
+        problem, tmp = comm.bcast((problem, tmp), root=0)
+        agree(comm, problem)
+        self.tmp = tmp
+
+    def _check(self, overwrite, input_path):
+        directory = os.path.dirname(self.path)
+        if input_path is not None and os.path.exists(input_path) and os.path.exists(self.path) \
+                and os.path.samefile(input_path, self.path):
+            return f"{self.path}: the output path is the input file", None
+        if os.path.isdir(self.path):
+            return f"{self.path}: output path is a directory", None
+        if os.path.exists(self.path) and not overwrite:
+            return f"{self.path}: output file exists (pass --overwrite to replace it)", None
+        if not os.path.isdir(directory):
+            return f"{self.path}: output directory {directory} does not exist", None
+        tmp = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}")
+        try:  # the real test of writability (os.access lies for root and ACLs)
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            return f"{self.path}: output directory {directory} is not writable ({exc.strerror})", None
+        return None, tmp
+
+    def open(self):
+        self.file = open_file(self.tmp, "w", self.comm)
+        return self.file
+
+    def commit(self) -> None:
+        """Close collectively, then rank 0 renames the file over the output path."""
+        self.file.close()
+        self.file = None
+        self.comm.Barrier()
+        failure = None
+        if self.comm.Get_rank() == 0:
+            try:
+                os.replace(self.tmp, self.path)
+            except OSError as exc:
+                failure = f"{self.path}: cannot rename {self.tmp} into place: {exc}"
+        failure = self.comm.bcast(failure, root=0)
+        if failure:
+            raise OSError(failure)
+
+    def discard(self, collective: bool = True) -> None:
+        """Remove the temporary file.  ``collective=False`` from a failing rank alone."""
+        if self.file is not None:
+            try:
+                if collective:
+                    self.file.close()
+            except Exception:
+                pass
+            self.file = None
+        if collective:
+            self.comm.Barrier()
+            if self.comm.Get_rank() != 0:
+                return
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass

@@ -1,0 +1,189 @@
+"""The command line: bad input exits 2 with one clear message and leaves no
+file; failures while writing never damage an existing output; ``--help`` and
+``--version`` never initialise MPI; the job scripts parse."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from mpi_util import ROOT, mpirun, mpirun_env
+from test_file_io import RINGMPI
+
+JOB_SCRIPTS = sorted((ROOT / "jobs").glob("*")) + [ROOT / "scripts" / "main.sh", ROOT / "data" / "make_sample.sh"]
+
+
+def ringmpi(args, timeout=60, env=None):
+    """One process, no mpirun (P = 1): (returncode, stdout, stderr)."""
+    proc = subprocess.Popen([RINGMPI] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env or mpirun_env(), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"ringmpi {args} passed its {timeout} s deadline")
+    return proc.returncode, out, err
+
+
+def write_input(path, n=20, h=4, hkv=2, d=8, b=1, dtype="float32", do=True, **override):
+    rng = np.random.default_rng(1)
+    data = dict(q=rng.standard_normal((b, n, h, d)), k=rng.standard_normal((b, n, hkv, d)),
+                v=rng.standard_normal((b, n, hkv, d)))
+    if do:
+        data["do"] = rng.standard_normal((b, n, h, d))
+    data = {k: v.astype(dtype) for k, v in data.items()}
+    data.update(override)
+    with h5py.File(path, "w") as f:
+        for name, value in data.items():
+            if value is not None:
+                f[name] = value
+    return path
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def leftovers(directory):
+    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name)
+
+
+BAD = {
+    "missing-file": (lambda p: p / "nope.h5", [], "input file does not exist"),
+    "not-hdf5": (lambda p: (p / "text.h5").write_text("hello") and p / "text.h5", [], "not an HDF5 file"),
+    "missing-dataset": (lambda p: write_input(p / "in.h5", v=None), [], "missing dataset 'v'"),
+    "wrong-rank": (lambda p: write_input(p / "in.h5", q=np.zeros((20, 32), "f4")), [],
+                   "dataset 'q' has rank 2"),
+    "mismatched-dim": (lambda p: write_input(p / "in.h5", k=np.zeros((1, 20, 2, 4), "f4"),
+                                             v=np.zeros((1, 20, 2, 4), "f4")), [], "head dims differ"),
+    "mismatched-batch": (lambda p: write_input(p / "in.h5", k=np.zeros((2, 20, 2, 8), "f4"),
+                                               v=np.zeros((2, 20, 2, 8), "f4")), [], "batch sizes differ"),
+    "heads-not-multiple": (lambda p: write_input(p / "in.h5", h=4, hkv=3, do=False), [],
+                           "H % H_kv must be 0"),
+    "bad-dtype": (lambda p: write_input(p / "in.h5", dtype="int32"), [], "unsupported dtype int32"),
+    "mixed-dtype": (lambda p: write_input(p / "in.h5", v=np.zeros((1, 20, 2, 8), "f8")), [],
+                    "must share one dtype"),
+    "no-do-backward": (lambda p: write_input(p / "in.h5", do=False), ["--backward"],
+                       "--backward needs dataset 'do'"),
+    "heads-per-pass": (lambda p: write_input(p / "in.h5"), ["--heads-per-pass", "3"],
+                       "--heads-per-pass 3: must be a positive multiple of"),
+    "output-dir-missing": (lambda p: write_input(p / "in.h5"), ["-o", "{tmp}/no/such/dir/out.h5"],
+                           "output directory"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_exit_2(tmp_path, name):
+    make, extra, message = BAD[name]
+    src = make(tmp_path)
+    out = tmp_path / "out.h5"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    if "-o" not in args:
+        args += ["-o", out]
+    rc, stdout, stderr = ringmpi(["run", src] + args)
+    assert rc == 2, stderr
+    assert message in stderr and stderr.count("ringmpi: error:") == 1, stderr
+    assert not out.exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.mpi
+def test_bad_input_same_message_once_under_mpirun(tmp_path):
+    src = write_input(tmp_path / "in.h5", v=None)
+    rc, out, err, _ = mpirun(3, [RINGMPI, "run", src, "-o", tmp_path / "out.h5"], 60)
+    assert rc == 2, err
+    assert err.count("missing dataset 'v'") == 1 and str(src) in err, err
+    assert not (tmp_path / "out.h5").exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.mpi
+def test_nonfinite_input_names_global_index(tmp_path):
+    q = np.random.default_rng(0).standard_normal((1, 20, 4, 8)).astype("f4")
+    q[0, 13, 2, 5] = np.nan
+    src = write_input(tmp_path / "in.h5", q=q)
+    rc, out, err, _ = mpirun(2, [RINGMPI, "run", src, "-o", tmp_path / "out.h5", "--check-finite",
+                                 "--layout", "striped"], 60)
+    assert rc == 2, err
+    assert "q has a non-finite value (nan) at global index [0, 13, 2, 5]" in err, err
+    assert err.count("ringmpi: error:") == 1
+    assert not (tmp_path / "out.h5").exists() and not leftovers(tmp_path)
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    src = write_input(tmp_path / "in.h5")
+    out = tmp_path / "out.h5"
+    out.write_bytes(b"precious")
+    rc, _, err = ringmpi(["run", src, "-o", out])
+    assert rc == 2 and "output file exists (pass --overwrite" in err, err
+    assert out.read_bytes() == b"precious" and not leftovers(tmp_path)
+    rc, _, err = ringmpi(["run", src, "-o", src, "--overwrite"])
+    assert rc == 2 and "the output path is the input file" in err, err
+    rc, stdout, err = ringmpi(["run", src, "-o", out, "--overwrite"])
+    assert rc == 0, err
+    with h5py.File(out, "r") as f:
+        assert set(f) == {"o", "lse"} and f.attrs["world_size"] == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fault", ["write:1", "ring:0"])
+def test_failure_leaves_existing_output_intact(tmp_path, fault):
+    """A rank failing in the ring or between writing and closing ends the job;
+    the existing output is byte-identical and no temporary file is left."""
+    src = write_input(tmp_path / "in.h5", n=50)
+    out = tmp_path / "out.h5"
+    rc, _, err, _ = mpirun(2, [RINGMPI, "run", src, "-o", out, "--backward"], 60)
+    assert rc == 0, err
+    before = digest(out)
+    rc, _, err, secs = mpirun(2, [RINGMPI, "run", src, "-o", out, "--backward", "--causal", "--overwrite"], 60,
+                              env=mpirun_env(RINGMPI_FAULT=fault))
+    assert rc != 0 and "injected fault" in err, err
+    assert digest(out) == before and not leftovers(tmp_path)
+    fresh = tmp_path / "fresh.h5"
+    rc, _, err, _ = mpirun(2, [RINGMPI, "run", src, "-o", fresh], 60, env=mpirun_env(RINGMPI_FAULT=fault))
+    assert rc != 0 and not fresh.exists() and not leftovers(tmp_path), err
+
+
+def test_verify_refuses_large_n(tmp_path):
+    src = write_input(tmp_path / "in.h5", n=300)
+    rc, _, err = ringmpi(["verify", src, tmp_path / "missing.h5", "--max-n", "100"])
+    assert rc == 2 and "missing or not an HDF5 file" in err, err
+    rc, _, err = ringmpi(["run", src, "-o", tmp_path / "out.h5"])
+    assert rc == 0, err
+    rc, _, err = ringmpi(["verify", src, tmp_path / "out.h5", "--max-n", "100"])
+    assert rc == 2 and "N=300 is above --max-n 100" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version", "run --help", "make-data --help", "verify --help",
+                                  "info --help"])
+def test_help_does_not_initialise_mpi(flag):
+    code = ("import sys\nfrom ringmpi.cli import main\n"
+            f"try:\n    main({flag.split()!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "bad = [m for m in ('mpi4py.MPI', 'h5py', 'cupy') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert ("0.1" in proc.stdout) if flag == "--version" else ("Usage:" in proc.stdout)
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS, ids=lambda p: p.name)
+def test_job_scripts_parse(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_local_sh_usage():
+    proc = subprocess.run([str(ROOT / "jobs" / "local.sh"), "-n", "2"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_info(tmp_path):
+    rc, out, err, _ = mpirun(2, [RINGMPI, "info"], 60)
+    assert rc == 0, err
+    for needle in ("MPI:", "world size: 2", "CUDA-aware MPI:", "GPUs", "parallel yes", "backend 'auto' picks:"):
+        assert needle in out, out
+    assert out.count("world size") == 1
