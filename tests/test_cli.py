@@ -77,15 +77,20 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("nprocs", [1, 4])
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_input_exit_2(tmp_path, name):
+def test_bad_input_exit_2(tmp_path, name, nprocs):
+    """One process without mpirun, and P = 4 under mpirun: the same exit 2 and one message."""
     make, extra, message = BAD[name]
     src = make(tmp_path)
     out = tmp_path / "out.h5"
     args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
     if "-o" not in args:
         args += ["-o", out]
-    rc, stdout, stderr = ringmpi(["run", src] + args)
+    if nprocs == 1:
+        rc, stdout, stderr = ringmpi(["run", src] + args)
+    else:
+        rc, stdout, stderr, _ = mpirun(nprocs, [RINGMPI, "run", src] + args, 60)
     assert rc == 2, stderr
     assert message in stderr and stderr.count("ringmpi: error:") == 1, stderr
     assert not out.exists() and not leftovers(tmp_path)
@@ -129,21 +134,23 @@ def test_existing_output_needs_overwrite(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("fault", ["write:1", "ring:0"])
+@pytest.mark.parametrize("fault", ["write:1", "raise:0:1:bwd", "exit:3:2:fwd"])
 def test_failure_leaves_existing_output_intact(tmp_path, fault):
     """A rank failing in the ring or between writing and closing ends the job;
     the existing output is byte-identical and no temporary file is left."""
     src = write_input(tmp_path / "in.h5", n=50)
     out = tmp_path / "out.h5"
-    rc, _, err, _ = mpirun(2, [RINGMPI, "run", src, "-o", out, "--backward"], 60)
+    rc, _, err, _ = mpirun(4, [RINGMPI, "run", src, "-o", out, "--backward"], 60)
     assert rc == 0, err
     before = digest(out)
-    rc, _, err, secs = mpirun(2, [RINGMPI, "run", src, "-o", out, "--backward", "--causal", "--overwrite"], 60,
+    rc, _, err, secs = mpirun(4, [RINGMPI, "run", src, "-o", out, "--backward", "--causal", "--overwrite"], 60,
                               env=mpirun_env(RINGMPI_FAULT=fault))
-    assert rc != 0 and "injected fault" in err, err
+    assert rc != 0 and secs < 15, err
+    assert fault.startswith("exit") or "injected fault" in err, err
     assert digest(out) == before and not leftovers(tmp_path)
     fresh = tmp_path / "fresh.h5"
-    rc, _, err, _ = mpirun(2, [RINGMPI, "run", src, "-o", fresh], 60, env=mpirun_env(RINGMPI_FAULT=fault))
+    rc, _, err, _ = mpirun(4, [RINGMPI, "run", src, "-o", fresh, "--backward"], 60,
+                           env=mpirun_env(RINGMPI_FAULT=fault))
     assert rc != 0 and not fresh.exists() and not leftovers(tmp_path), err
 
 

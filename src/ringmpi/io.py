@@ -376,10 +376,41 @@ class AtomicOutput:
 
     def open(self):
         self.file = open_file(self.tmp, "w", self.comm)
+        self._guard_termination()
         return self.file
+
+    def _guard_termination(self) -> None:
+        """Remove the temporary file if the launcher terminates us (a peer rank died).
+
+        mpirun/srun send SIGTERM to the surviving ranks before SIGKILL; the handler
+        runs as soon as this rank is back in Python (the ring waits poll there).
+        """
+        import signal
+
+        tmp = self.tmp
+
+        def on_term(signum, frame):
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            os._exit(128 + signum)
+
+        try:
+            self._previous_handler = signal.signal(signal.SIGTERM, on_term)
+        except ValueError:  # not the main thread: no handler, the temporary file may stay
+            self._previous_handler = None
+
+    def _release_termination(self) -> None:
+        import signal
+
+        if getattr(self, "_previous_handler", None) is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
 
     def commit(self) -> None:
         """Close collectively, then rank 0 renames the file over the output path."""
+        self._release_termination()
         self.file.close()
         self.file = None
         self.comm.Barrier()
@@ -395,6 +426,7 @@ class AtomicOutput:
 
     def discard(self, collective: bool = True) -> None:
         """Remove the temporary file.  ``collective=False`` from a failing rank alone."""
+        self._release_termination()
         if self.file is not None:
             try:
                 if collective:
