@@ -1,7 +1,9 @@
 """Ring attention under real mpirun against the float64 dense reference.
 
 One mpirun launch per world size runs the whole case list for that size
-(``ring_cases.py``); each case is then its own pytest item.
+(``ring_cases.py``); each case is then its own pytest item.  One more launch
+at P = 3 uses tiny tiles (``RINGMPI_TILE_Q/KV``) so that every block spans
+many tiles: skipped, full and partial ones, and the running-maximum paths.
 """
 
 import itertools
@@ -9,9 +11,11 @@ import os
 
 import pytest
 
-from mpi_util import run_cases
+from mpi_util import mpirun_env, run_cases
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
+SMALL_TILES = {"RINGMPI_TILE_Q": 32, "RINGMPI_TILE_KV": 48}
+LAUNCHES = [(p, False) for p in WORLD_SIZES] + [(3, True)]
 LENGTHS = (1, 3, 97, 256, 257)
 DIMS = (8, 59, 64, 128)
 HEADS = ((4, 4), (8, 2), (4, 1))
@@ -19,13 +23,14 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 
 
-def cases_for(p):
+def cases_for(p, small_tiles=False):
     cases, spin = [], itertools.count()
+    tag = f"P{p}t" if small_tiles else f"P{p}"
 
     def add(name, **kw):
         i = next(spin)
         h, hkv = HEADS[i % len(HEADS)]
-        case = dict(id=f"P{p}-{name}", B=1, H=h, Hkv=hkv, D=DIMS[i % len(DIMS)], dtype="float32",
+        case = dict(id=f"{tag}-{name}", B=1, H=h, Hkv=hkv, D=DIMS[i % len(DIMS)], dtype="float32",
                     backward=True, seed=1000 * p + i)
         case.update(kw)
         cases.append(case)
@@ -61,22 +66,25 @@ def cases_for(p):
     return cases
 
 
-ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
+ALL = [((p, small), c) for p, small in LAUNCHES for c in cases_for(p, small)]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cache = {}
 
-    def get(p):
-        if p not in cache:
-            cache[p] = run_cases(p, cases_for(p), tmp_path_factory.mktemp(f"p{p}"), timeout=240)
-        return cache[p]
+    def get(launch):
+        if launch not in cache:
+            p, small = launch
+            env = mpirun_env(**SMALL_TILES) if small else None
+            cache[launch] = run_cases(p, cases_for(p, small), tmp_path_factory.mktemp(f"p{p}"),
+                                      timeout=300, env=env)
+        return cache[launch]
     return get
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
-def test_ring_case(results, p, case):
-    ok, msg = results(p)[case["id"]]
+@pytest.mark.parametrize("launch,case", ALL, ids=[c["id"] for _, c in ALL])
+def test_ring_case(results, launch, case):
+    ok, msg = results(launch)[case["id"]]
     assert ok, msg

@@ -5,7 +5,14 @@ and are folded into an online-softmax accumulator.  Importing this package
 does not initialise MPI or touch a GPU.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# One BLAS/OpenMP thread per rank by default: parallelism comes from MPI ranks.
+# Takes effect when ringmpi is imported before NumPy; set the variables to override.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    _os.environ.setdefault(_var, "1")
 
 from .layout import Layout  # noqa: E402
 from .attention import ring_attention, ring_attention_backward  # noqa: E402

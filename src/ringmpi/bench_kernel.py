@@ -16,10 +16,7 @@ import argparse
 import os
 import time
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def _best(fn, repeat):
@@ -89,6 +86,13 @@ def measure_torch(seq, dim, heads, batch, causal, repeat):
 
 
 def main(argv=None):
+    import sys
+
+    if os.environ.get("OPENBLAS_NUM_THREADS") != "1" or os.environ.get("OMP_NUM_THREADS") != "1":
+        # NumPy's BLAS reads its thread count at import: start again with one thread
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        os.execve(sys.executable, [sys.executable, "-m", "ringmpi.bench_kernel"] + list(
+            sys.argv[1:] if argv is None else argv), env)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])

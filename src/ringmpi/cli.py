@@ -7,16 +7,11 @@ Subcommands are imported only when they run, so ``ringmpi --help`` and
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 import click
 
 from . import __version__
-
-# one BLAS/OpenMP thread per rank unless the user says otherwise: parallelism comes from ranks
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
 
 COMMANDS = {
     "run": ("ringmpi.runner", "run", "Attention over an HDF5 file: read shards, run the ring, write outputs."),

@@ -9,15 +9,19 @@ string ``"bfloat16"`` (``to_heads(x, "bfloat16")`` rounds to nearest even and
 returns ``uint16``; ``message.view(..., "bfloat16")`` gives a ``uint16``
 view), and every ``uint16`` K/V array is read as bfloat16.
 
-Streams: every launch happens inside ``with self.stream`` (CuPy launches on
-the current stream).  The compute stream is one per backend, created blocking
-(it orders itself with CuPy's default stream, so arrays the caller prepares
-with ordinary CuPy calls are safe to pass in).  Staged messages copy on a
-second stream.
+Streams: every launch happens on the backend's compute stream (one per
+backend), inside :meth:`CupyBackend._on_stream`: the compute stream first
+waits for the work already queued on the caller's current stream (so arrays
+the caller prepares with ordinary CuPy calls are safe to pass in, whatever
+stream is current -- a blocking stream alone is ordered only with the legacy
+default stream), and the caller's stream then waits for the compute stream
+(so results are safe to use the same way).  Staged messages copy on a second
+stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import weakref
@@ -142,12 +146,28 @@ class CupyBackend:
         with self.device:
             return self.xp.asarray(x)
 
-    def _convert(self, x, out_dtype):
-        """Contiguous copy of ``x`` in ``out_dtype`` (bfloat16-aware)."""
+    @contextlib.contextmanager
+    def _on_stream(self):
+        """Run the body on the compute stream, ordered after the work queued on
+        the caller's current stream; afterwards the caller's stream waits for
+        the compute stream."""
+        with self.device:
+            caller = self.xp.cuda.get_current_stream()
+            same = caller.ptr == self.stream.ptr
+            if not same:
+                self.stream.wait_event(caller.record())
+            with self.stream:
+                yield
+            if not same:
+                caller.wait_event(self.stream.record())
+
+    def _convert(self, x, out_dtype, copy=False):
+        """Contiguous ``x`` in ``out_dtype`` (bfloat16-aware); a new array
+        when the dtype changes or ``copy`` is true."""
         cp = self.xp
         in_kind, out_kind = _kind_of_dtype(x.dtype), _kind_of_dtype(out_dtype)
         if in_kind == out_kind:
-            return cp.ascontiguousarray(x)
+            return cp.array(x, order="C", copy=True) if copy else cp.ascontiguousarray(x)
         if K.BF16 not in (in_kind, out_kind):
             return cp.ascontiguousarray(x, dtype=storage_dtype(out_dtype))
         x = cp.ascontiguousarray(x)
@@ -160,19 +180,19 @@ class CupyBackend:
     def to_heads(self, x, dtype):
         """``(B, S, H, D)`` -> contiguous ``(B, H, S, D)`` in ``dtype``
         (``"bfloat16"`` gives uint16 bits; a uint16 ``x`` is read as bf16)."""
-        with self.device, self.stream:
-            return self._convert(self.asarray(x).transpose(0, 2, 1, 3), dtype)
+        with self._on_stream():
+            return self._convert(self.asarray(x).transpose(0, 2, 1, 3), dtype, copy=True)
 
     def from_heads(self, xh, dtype):
         """``(B, H, S, D)`` -> new contiguous ``(B, S, H, D)`` in ``dtype``."""
-        with self.device, self.stream:
-            return self._convert(self.asarray(xh).transpose(0, 2, 1, 3), dtype)
+        with self._on_stream():
+            return self._convert(self.asarray(xh).transpose(0, 2, 1, 3), dtype, copy=True)
 
     def row_dot(self, x, y):
         """``(x * y).sum(-1)`` of two ``(B, H, S, D)`` compute-dtype arrays:
         the backward's ``dvec = rowsum(do * o)``, as ``(B, H, S)``."""
         cp = self.xp
-        with self.device, self.stream:
+        with self._on_stream():
             ct = self.compute_dtype(x.dtype)
             x = cp.ascontiguousarray(x, dtype=ct)
             y = cp.ascontiguousarray(y, dtype=ct)
@@ -277,7 +297,7 @@ class CupyBackend:
         if heads % kv_heads:
             raise ValueError(f"H={heads} is not a multiple of H_kv={kv_heads}")
         ct = self.compute_dtype(qh.dtype)
-        with self.device, self.stream:
+        with self._on_stream():
             qh = self.xp.ascontiguousarray(qh, dtype=ct)
             used = (kh, vh)
             kh, vh = self._kv_operand(kh, ct), self._kv_operand(vh, ct)
@@ -302,7 +322,7 @@ class CupyBackend:
         cp = self.xp
         batch, heads, sq, d = o_acc.shape
         ct = o_acc.dtype
-        with self.device, self.stream:
+        with self._on_stream():
             o = cp.empty((batch, sq, heads, d), dtype=storage_dtype(out_dtype))
             lse = cp.empty((batch, heads, sq), dtype=ct)
             if o_acc.size:
@@ -328,7 +348,7 @@ class CupyBackend:
             raise ValueError(f"H={heads} is not a multiple of H_kv={kv_heads}")
         ct = self.compute_dtype(qh.dtype)
         cp = self.xp
-        with self.device, self.stream:
+        with self._on_stream():
             qh, doh, lse, dvec = (cp.ascontiguousarray(x, dtype=ct) for x in (qh, doh, lse, dvec))
             used = (kh, vh, dk, dv)
             kh, vh = self._kv_operand(kh, ct), self._kv_operand(vh, ct)

@@ -66,6 +66,35 @@ class _TilePlan:
                     yield rows, cols, b, bias
 
 
+def _extend(x, fill, dtype=None):
+    """``x (..., D)`` with one more last column set to ``fill``, as a new array."""
+    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), dtype=dtype or x.dtype)
+    out[..., :-1] = x
+    out[..., -1] = fill
+    return out
+
+
+def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim):
+    """One tile of the classic online softmax, updating the row state in place."""
+    qe[:, dim] = 0
+    np.matmul(qe, ke.T, out=s)
+    s *= scale
+    if bias is not None:
+        s += bias
+    m_new = np.maximum(m_rows, s.max(axis=1))
+    # rows that have seen nothing yet keep m = -inf; shift them by 0
+    shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
+    s -= shift[:, None]
+    np.exp(s, out=s)
+    np.matmul(s, ve, out=pv)
+    alpha = np.exp(m_rows - shift)
+    l_rows *= alpha
+    l_rows += pv[:, dim]
+    o_rows *= alpha[:, None]
+    o_rows += pv[:, :dim]
+    m_rows[...] = m_new
+
+
 class NumpyBackend:
     """The CPU block kernels (see :mod:`ringmpi.backends` for the interface)."""
 
@@ -99,42 +128,55 @@ class NumpyBackend:
 
     # ------------------------------------------------------------------ forward
     def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None):
-        """Fold one block into the online softmax; return ``(tiles computed, tiles skipped)``."""
-        batch, heads, sq, _ = qh.shape
+        """Fold one block into the online softmax; return ``(tiles computed, tiles skipped)``.
+
+        Each tile's scores come from one GEMM of ``[q, c]`` with ``[k, 1]`` where
+        ``c = -m / scale`` holds the row's running maximum, so ``exp`` runs straight
+        on ``scale * s`` (no max or subtract pass), and ``exp(S) @ [v, 1]`` gives the
+        output and the row sums in one GEMM.  The shift may lag the true maximum:
+        weights above 1 are fine in floating point, rows whose sum grows large are
+        renormalised, and a tile that overflows (or a row with no shift yet) takes
+        the exact path: row max, subtract, exp, rescale.
+        """
+        batch, heads, sq, dim = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if sq == 0 or skv == 0:
             return 0, 0
         ct = qh.dtype
-        kh = kh if kh.dtype == ct else kh.astype(ct)
-        vh = vh if vh.dtype == ct else vh.astype(ct)
+        q_ext, k_ext, v_ext = _extend(qh, 0), _extend(kh, 1, ct), _extend(vh, 1, ct)
         group = heads // kv_heads
         scale = ct.type(scale)
+        renorm = ct.type(2.0 ** 40)
         scratch = np.empty(min(sq, TILE_Q) * min(skv, TILE_KV), dtype=ct)
+        pv_scratch = np.empty(min(sq, TILE_Q) * (dim + 1), dtype=ct)
         tiles = _TilePlan(mask, sq, skv, batch, ct)
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             s = scratch[: nq * nk].reshape(nq, nk)
+            pv = pv_scratch[: nq * (dim + 1)].reshape(nq, dim + 1)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
-                    np.matmul(qh[b, h, rows], kh[b, kvh, cols].T, out=s)
-                    s *= scale
-                    if bias is not None:
-                        s += bias
-                    m_old = m[b, h, rows]
-                    m_new = np.maximum(m_old, s.max(axis=1))
-                    # rows that have seen nothing yet keep m = -inf; shift them by 0
-                    shift = np.where(np.isneginf(m_new), 0.0, m_new).astype(ct, copy=False)
-                    s -= shift[:, None]
-                    np.exp(s, out=s)
-                    alpha = np.exp(m_old - shift)
-                    l_rows = l[b, h, rows]
-                    l_rows *= alpha
-                    l_rows += s.sum(axis=1)
-                    o_rows = o_acc[b, h, rows]
-                    o_rows *= alpha[:, None]
-                    o_rows += s @ vh[b, kvh, cols]
-                    m[b, h, rows] = m_new
+                    qe, ke, ve = q_ext[b, h, rows], k_ext[b, kvh, cols], v_ext[b, kvh, cols]
+                    m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
+                    if np.isfinite(m_rows).all():
+                        qe[:, dim] = -m_rows / scale
+                        np.matmul(qe, ke.T, out=s)
+                        s *= scale
+                        if bias is not None:
+                            s += bias
+                        np.exp(s, out=s)
+                        np.matmul(s, ve, out=pv)
+                        if np.isfinite(pv).all():
+                            o_rows += pv[:, :dim]
+                            l_rows += pv[:, dim]
+                            big = l_rows > renorm
+                            if big.any():
+                                o_rows[big] /= l_rows[big, None]
+                                m_rows[big] += np.log(l_rows[big])
+                                l_rows[big] = 1
+                            continue
+                    _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)
             if tick is not None:
                 tick()
         return tiles.counts()
