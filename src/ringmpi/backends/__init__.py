@@ -21,7 +21,8 @@ backend object provides:
     ``qh (B, H, Sq, D)`` compute dtype; ``kh, vh (B, Hkv, Skv, D)`` any float dtype (the transfer dtype);
     ``o_acc (B, H, Sq, D)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a
     :class:`ringmpi.masks.BlockMask`; ``tick()`` is called between tiles so
-    that MPI can progress the pending ring transfers.
+    that MPI can progress the pending ring transfers.  Returns
+    ``(tiles_computed, tiles_skipped)`` (``backward_block`` too).
 ``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D) out_dtype, lse (B, H, Sq))``
     ``o = o_acc / l``, ``lse = m + log(l)``; rows with ``l == 0`` give
     ``o = 0``, ``lse = -inf``.

@@ -18,6 +18,7 @@ from . import HostMessage
 
 TILE_Q = int(os.environ.get("RINGMPI_TILE_Q", "512"))
 TILE_KV = int(os.environ.get("RINGMPI_TILE_KV", "512"))
+_RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf only past ~2^127)
 
 
 def _tiles(n: int, size: int):
@@ -72,6 +73,31 @@ def _extend(x, fill, dtype=None):
     out[..., :-1] = x
     out[..., -1] = fill
     return out
+
+
+def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim) -> bool:
+    """One tile with the running maximum as the shift, folded into the GEMM.
+
+    Returns False, having changed nothing, when the tile overflows; the caller
+    then takes the exact path.
+    """
+    qe[:, dim] = -m_rows / scale
+    np.matmul(qe, ke.T, out=s)
+    s *= scale
+    if bias is not None:
+        s += bias
+    np.exp(s, out=s)
+    np.matmul(s, ve, out=pv)
+    if not np.isfinite(pv).all():
+        return False
+    o_rows += pv[:, :dim]
+    l_rows += pv[:, dim]
+    big = l_rows > _RENORM
+    if big.any():  # keep the state far from overflow: move the shift up to the sum
+        o_rows[big] /= l_rows[big, None]
+        m_rows[big] += np.log(l_rows[big])
+        l_rows[big] = 1
+    return True
 
 
 def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim):
@@ -146,7 +172,6 @@ class NumpyBackend:
         q_ext, k_ext, v_ext = _extend(qh, 0), _extend(kh, 1, ct), _extend(vh, 1, ct)
         group = heads // kv_heads
         scale = ct.type(scale)
-        renorm = ct.type(2.0 ** 40)
         scratch = np.empty(min(sq, TILE_Q) * min(skv, TILE_KV), dtype=ct)
         pv_scratch = np.empty(min(sq, TILE_Q) * (dim + 1), dtype=ct)
         tiles = _TilePlan(mask, sq, skv, batch, ct)
@@ -159,26 +184,11 @@ class NumpyBackend:
                     kvh = h // group
                     qe, ke, ve = q_ext[b, h, rows], k_ext[b, kvh, cols], v_ext[b, kvh, cols]
                     m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
-                    if np.isfinite(m_rows).all():
-                        qe[:, dim] = -m_rows / scale
-                        np.matmul(qe, ke.T, out=s)
-                        s *= scale
-                        if bias is not None:
-                            s += bias
-                        np.exp(s, out=s)
-                        np.matmul(s, ve, out=pv)
-                        if np.isfinite(pv).all():
-                            o_rows += pv[:, :dim]
-                            l_rows += pv[:, dim]
-                            big = l_rows > renorm
-                            if big.any():
-                                o_rows[big] /= l_rows[big, None]
-                                m_rows[big] += np.log(l_rows[big])
-                                l_rows[big] = 1
-                            continue
-                    _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)
-            if tick is not None:
-                tick()
+                    if not (np.isfinite(m_rows).all() and _shifted_tile(
+                            qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)):
+                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)
+                    if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
+                        tick()
         return tiles.counts()
 
     @staticmethod
@@ -229,6 +239,6 @@ class NumpyBackend:
                     dp *= p
                     dq[b, h, rows] += dp @ k_t
                     dk[b, kvh, cols] += dp.T @ q_t
-            if tick is not None:
-                tick()
+                    if tick is not None:
+                        tick()
         return tiles.counts()
