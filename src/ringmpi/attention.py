@@ -221,8 +221,9 @@ class _KVChannel:
 
 def _timed(plan: _Plan, ring: Ring, step: int, fn, *args) -> None:
     start = time.perf_counter()
-    tiles = fn(*args, tick=ring.tick)
-    plan.backend.synchronize()
+    with plan.backend.annotate(f"ring step {step} compute"):
+        tiles = fn(*args, tick=ring.tick)
+        plan.backend.synchronize(tick=ring.tick)
     record = ring.record(step)
     record.compute_s += time.perf_counter() - start
     if tiles is not None:  # (computed, skipped) from the block kernel
@@ -293,7 +294,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         kh, vh, src = kv.begin_step(step)
         _timed(plan, ring, step, be.forward_block, qh, kh, vh, o_acc, m, l, plan.scale,
                plan.block_mask(src))
-        ring.wait("kv")
+        with be.annotate(f"ring step {step} wait"):
+            ring.wait("kv")
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     if stats is not None:
         stats.extend(ring.records)
@@ -370,7 +372,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
             dv += dv_in
         grad_out[step % 2].ready_to_send(dirty=True)
         ring.post(slot, send=grad_out[step % 2].mpi[: grad_bytes(int(counts[src]))], stream="grad")
-        ring.wait("kv")
+        with be.annotate(f"ring step {step} wait"):
+            ring.wait("kv")
     # the finished dK/dV of our own block arrive from prev after the last step
     ring.step = plan.size
     ring.post("grad_in", recv=grad_in.mpi[: grad_bytes(int(counts[plan.rank]))], stream="grad")

@@ -34,8 +34,11 @@ backend object provides:
     ``dq (B, H, Sq, D)``, ``dk, dv (B, Hkv, Skv, D)`` in compute dtype.
 ``message(nbytes) -> Message``
     One ring buffer of ``nbytes``; see :class:`HostMessage`.
-``synchronize()``
-    Wait for all queued work (timing and hand-off to the host).
+``synchronize(tick=None)``
+    Wait for all queued work (timing and hand-off to the host), calling
+    ``tick()`` while waiting so the ring's transfers keep moving.
+``annotate(name)``
+    A context manager marking host code for a profiler (NVTX on GPU).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 import weakref
 from collections import OrderedDict
 
@@ -213,11 +214,26 @@ class CupyBackend:
         self._messages.add(msg)
         return msg
 
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-        self.copy_stream.synchronize()
+    def synchronize(self, tick=None) -> None:
+        """Wait for all queued work; with ``tick``, keep MPI progressing meanwhile."""
         with self.device:
-            self.xp.cuda.get_current_stream().synchronize()
+            events = []
+            for stream in (self.stream, self.copy_stream, self.xp.cuda.get_current_stream()):
+                event = self.xp.cuda.Event(disable_timing=True)
+                event.record(stream)
+                events.append(event)
+        if tick is not None:
+            while not all(event.done for event in events):
+                tick()
+                time.sleep(2e-5)
+        for event in events:
+            event.synchronize()
+
+    @staticmethod
+    def annotate(name: str):
+        """An NVTX range (visible in Nsight Systems) around host code."""
+        from ..device import nvtx_range
+        return nvtx_range(name)
 
     # ------------------------------------------------------------ helpers
     def _kernel(self, filename, expr, smem=0):

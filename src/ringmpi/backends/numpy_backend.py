@@ -9,6 +9,7 @@ per rank (``OPENBLAS_NUM_THREADS=1``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -149,8 +150,12 @@ class NumpyBackend:
         return HostMessage(nbytes)
 
     @staticmethod
-    def synchronize() -> None:
+    def synchronize(tick=None) -> None:
         pass
+
+    @staticmethod
+    def annotate(name: str):
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ forward
     def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None):
