@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 
 from .backends import get_backend
-from .errors import agree, ring_fault
+from .errors import agree, fault_point
 from .layout import KINDS, Layout
 from .masks import BlockMask, MaskSpec
 from .ring import Ring, StepRecord, default_timeout, resolve_comm
@@ -290,7 +290,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     kv = _KVChannel(plan, ring, be.asarray(k), be.asarray(v))
     for step in range(plan.size):
         ring.step = step
-        ring_fault("fwd", plan.rank, step)
+        fault_point("fwd", plan.rank, step)
         kh, vh, src = kv.begin_step(step)
         _timed(plan, ring, step, be.forward_block, qh, kh, vh, o_acc, m, l, plan.scale,
                plan.block_mask(src))
@@ -353,7 +353,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
 
     for step in range(plan.size):
         ring.step = step
-        ring_fault("bwd", plan.rank, step)
+        fault_point("bwd", plan.rank, step)
         kh, vh, src = kv.begin_step(step)
         if step > 0:  # partial dK/dV of this block, from the ranks that saw it before
             ring.post("grad_in", recv=grad_in.mpi[: grad_bytes(int(counts[src]))], stream="grad")

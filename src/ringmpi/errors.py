@@ -104,48 +104,38 @@ class InjectedFault(RingmpiError):
     """Raised by :func:`fault_point` when ``RINGMPI_FAULT`` asks for it (tests only)."""
 
 
-def fault_point(name: str, rank: int) -> None:
-    """Testing aid: raise :class:`InjectedFault` at point ``name`` on a chosen rank.
+def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
+    """Testing aid: misbehave here when ``RINGMPI_FAULT`` asks for it.
 
-    ``RINGMPI_FAULT=<name>:<rank>`` (or ``<name>`` for every rank) makes the
-    named point fail, e.g. ``write:1`` fails rank 1 after it wrote its outputs
-    and before the output file is closed.  Unset in normal use.
+    ``where`` is ``"fwd"``/``"bwd"`` with the ring ``step``, or a named point
+    such as ``"write"`` (after a rank wrote its outputs, before the file is
+    closed).  ``RINGMPI_FAULT`` is one of
+
+    * ``write:<rank>`` - raise :class:`InjectedFault` at that point (``write``
+      alone: on every rank);
+    * ``<action>:<rank>:<step>[:fwd|bwd]`` at a ring step (both phases when
+      omitted), with action ``raise`` (raise :class:`InjectedFault`), ``exit``
+      (``os._exit(3)``: a rank that dies without a word) or ``hang`` (stop
+      sending and sleep forever: a stuck rank).
+
+    Unset in normal use; then this costs one environment lookup.
     """
     import os
 
     want = os.environ.get("RINGMPI_FAULT", "")
     if not want:
         return
-    point, _, who = want.partition(":")
-    if point == name and (who == "" or int(who) == rank):
-        raise InjectedFault(f"injected fault at '{name}' on rank {rank} (RINGMPI_FAULT={want})")
-
-
-def ring_fault(phase: str, rank: int, step: int) -> None:
-    """Testing aid: misbehave at a ring step when ``RINGMPI_FAULT`` asks for it.
-
-    ``RINGMPI_FAULT=<action>:<rank>:<step>[:<phase>]`` with action
-
-    * ``raise`` - raise :class:`InjectedFault` (an ordinary error on one rank);
-    * ``exit``  - ``os._exit(3)`` (a rank that dies without a word);
-    * ``hang``  - stop sending and sleep forever (a stuck rank);
-
-    at ring step ``step`` on rank ``rank``, in ``phase`` ``fwd`` or ``bwd``
-    (both when omitted).  Unset in normal use; parsing costs nothing then.
-    """
-    import os
-
-    want = os.environ.get("RINGMPI_FAULT", "")
-    if not want:
+    action, *fields = want.split(":")
+    if step is None:
+        if action == where and (not fields or int(fields[0]) == rank):
+            raise InjectedFault(f"injected fault at '{where}' on rank {rank} (RINGMPI_FAULT={want})")
         return
-    fields = want.split(":")
-    if len(fields) < 3 or fields[0] not in ("raise", "exit", "hang"):
+    if action not in ("raise", "exit", "hang") or len(fields) < 2:
         return
-    action, who, when = fields[0], int(fields[1]), int(fields[2])
-    if who != rank or when != step or (len(fields) > 3 and fields[3] != phase):
+    if int(fields[0]) != rank or int(fields[1]) != step or (len(fields) > 2 and fields[2] != where):
         return
     if action == "raise":
-        raise InjectedFault(f"injected fault on rank {rank} at {phase} ring step {step} (RINGMPI_FAULT={want})")
+        raise InjectedFault(f"injected fault on rank {rank} at {where} ring step {step} (RINGMPI_FAULT={want})")
     if action == "exit":
         os._exit(3)
     import time

@@ -53,11 +53,13 @@ class StepRecord:
 
 
 @dataclass
-class _Pending:
-    requests: list
-    peers: Dict[str, int]
-    nbytes: Dict[str, int]
-    labels: List[str]
+class _Transfer:
+    """One posted Isend or Irecv, with what a timeout message needs to name."""
+
+    direction: str  # "recv from" or "send to"
+    request: object
+    peer: int
+    nbytes: int
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Ring:
         self.size = self.comm.Get_size()
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
-        self._pending: Dict[str, _Pending] = {}
+        self._pending: Dict[str, List[_Transfer]] = {}
         self._tags: Dict[str, int] = {"kv": 7101, "grad": 7102}
         self.step = 0
 
@@ -103,49 +105,43 @@ class Ring:
         if channel in self._pending:
             raise RuntimeError(f"ring channel {channel!r} posted while a transfer on it is pending")
         tag = self._tag(stream or channel)
-        reqs, peers, nbytes, labels = [], {}, {}, []
+        transfers = []
         rec = self.record(self.step)
         if recv is not None:
-            reqs.append(self.comm.Irecv([recv, MPI.BYTE], source=self.prev, tag=tag))
-            peers["recv from"], nbytes["recv"] = self.prev, _nbytes(recv)
-            labels.append("recv")
-            rec.bytes_recv += nbytes["recv"]
+            request = self.comm.Irecv([recv, MPI.BYTE], source=self.prev, tag=tag)
+            transfers.append(_Transfer("recv from", request, self.prev, int(recv.nbytes)))
+            rec.bytes_recv += int(recv.nbytes)
         if send is not None:
-            reqs.append(self.comm.Isend([send, MPI.BYTE], dest=self.next, tag=tag))
-            peers["send to"], nbytes["send"] = self.next, _nbytes(send)
-            labels.append("send")
-            rec.bytes_sent += nbytes["send"]
-        if reqs:
-            self._pending[channel] = _Pending(reqs, peers, nbytes, labels)
+            request = self.comm.Isend([send, MPI.BYTE], dest=self.next, tag=tag)
+            transfers.append(_Transfer("send to", request, self.next, int(send.nbytes)))
+            rec.bytes_sent += int(send.nbytes)
+        if transfers:
+            self._pending[channel] = transfers
 
     def tick(self) -> None:
         """Let MPI progress every pending transfer (cheap; call between tiles)."""
         from mpi4py import MPI
 
-        for pending in self._pending.values():
-            MPI.Request.Testall(pending.requests)
-
-    def pending(self, channel: str) -> bool:
-        return channel in self._pending
+        for transfers in self._pending.values():
+            MPI.Request.Testall([t.request for t in transfers])
 
     def wait(self, channel: str) -> None:
         """Complete the transfers of ``channel`` (no-op when none is pending)."""
         from mpi4py import MPI
 
-        pending = self._pending.pop(channel, None)
-        if pending is None:
+        transfers = self._pending.pop(channel, None)
+        if transfers is None:
             return
+        requests = [t.request for t in transfers]
         start = time.perf_counter()
         deadline = None if self.timeout is None else start + self.timeout
         nap = 0.0
-        while not MPI.Request.Testall(pending.requests):
-            now = time.perf_counter()
-            if deadline is not None and now > deadline:
-                self._pending[channel] = pending
-                # name only the transfers that are still incomplete
-                stuck = [label for label, req in zip(pending.labels, pending.requests) if not req.Test()]
-                peers = ", ".join(f"{k} rank {v}" for k, v in pending.peers.items() if k.split()[0] in stuck)
-                sizes = ", ".join(f"{k} {v} bytes" for k, v in pending.nbytes.items() if k in stuck)
+        while not MPI.Request.Testall(requests):
+            if deadline is not None and time.perf_counter() > deadline:
+                self._pending[channel] = transfers
+                stuck = [t for t in transfers if not t.request.Test()]  # name only what is incomplete
+                peers = ", ".join(f"{t.direction} rank {t.peer}" for t in stuck)
+                sizes = ", ".join(f"{t.direction.split()[0]} {t.nbytes} bytes" for t in stuck)
                 raise RingTimeout(
                     f"rank {self.rank}: ring step {self.step} channel {channel!r} did not complete "
                     f"within {self.timeout:g} s ({peers}; expected {sizes}); "
@@ -158,6 +154,3 @@ class Ring:
         for channel in list(self._pending):
             self.wait(channel)
 
-
-def _nbytes(buf) -> int:
-    return int(buf.nbytes)

@@ -76,17 +76,22 @@ def _extend(x, fill, dtype=None):
     return out
 
 
+def _scores(qe, ke, s, bias, scale, shift_column, dim):
+    """``s = scale * ([q, shift_column] . [k, 1]) + bias``, in place: the tile's scores."""
+    qe[:, dim] = shift_column
+    np.matmul(qe, ke.T, out=s)
+    s *= scale
+    if bias is not None:
+        s += bias
+
+
 def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim) -> bool:
     """One tile with the running maximum as the shift, folded into the GEMM.
 
     Returns False, having changed nothing, when the tile overflows; the caller
     then takes the exact path.
     """
-    qe[:, dim] = -m_rows / scale
-    np.matmul(qe, ke.T, out=s)
-    s *= scale
-    if bias is not None:
-        s += bias
+    _scores(qe, ke, s, bias, scale, -m_rows / scale, dim)
     np.exp(s, out=s)
     np.matmul(s, ve, out=pv)
     if not np.isfinite(pv).all():
@@ -103,11 +108,7 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim) -
 
 def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim):
     """One tile of the classic online softmax, updating the row state in place."""
-    qe[:, dim] = 0
-    np.matmul(qe, ke.T, out=s)
-    s *= scale
-    if bias is not None:
-        s += bias
+    _scores(qe, ke, s, bias, scale, 0, dim)
     m_new = np.maximum(m_rows, s.max(axis=1))
     # rows that have seen nothing yet keep m = -inf; shift them by 0
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
