@@ -95,6 +95,17 @@ def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts))
 
 
+def _nothing_to_do(batch, heads, kv_heads, sq, skv, tick) -> bool:
+    """Shared check of the block kernels: an empty block only ticks the ring."""
+    if heads % kv_heads:
+        raise ValueError(f"H={heads} is not a multiple of H_kv={kv_heads}")
+    if sq == 0 or skv == 0 or batch == 0:
+        if tick is not None:
+            tick()
+        return True
+    return False
+
+
 class CupyBackend:
     """The GPU block kernels (see :mod:`ringmpi.backends` for the interface).
 
@@ -306,12 +317,8 @@ class CupyBackend:
         """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device."""
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
-        if sq == 0 or skv == 0 or batch == 0:
-            if tick is not None:
-                tick()
+        if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):
             return
-        if heads % kv_heads:
-            raise ValueError(f"H={heads} is not a multiple of H_kv={kv_heads}")
         ct = self.compute_dtype(qh.dtype)
         with self._on_stream():
             qh = self.xp.ascontiguousarray(qh, dtype=ct)
@@ -356,12 +363,8 @@ class CupyBackend:
         """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device."""
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
-        if sq == 0 or skv == 0 or batch == 0:
-            if tick is not None:
-                tick()
+        if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):
             return
-        if heads % kv_heads:
-            raise ValueError(f"H={heads} is not a multiple of H_kv={kv_heads}")
         ct = self.compute_dtype(qh.dtype)
         cp = self.xp
         with self._on_stream():
