@@ -9,6 +9,7 @@
 #
 #   scripts/setup.sh            # runtime + test extras
 #   RINGMPI_EXTRAS=test,gpu scripts/setup.sh
+#   RINGMPI_TORCH_SPEC='torch==2.13.0' (default) chooses the torch build the tests get
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -91,6 +92,15 @@ fi
     || die "h5py in $venv is not built with MPI (h5py.get_config().mpi is False)"
 
 # ---- 3. the project, editable -----------------------------------------
+# torch (the PyTorch interop and its tests): pin the build before the extras ask for
+# "torch>=2.1", so that pip does not pick a newer, much larger build
+case ",$extras," in
+    *,test,*|*,torch,*|*,bench,*)
+        if ! have torch; then
+            say "installing ${RINGMPI_TORCH_SPEC:-torch==2.13.0}"
+            pipq "${RINGMPI_TORCH_SPEC:-torch==2.13.0}"
+        fi ;;
+esac
 stamp=$venv/.ringmpi-installed
 want="$(cat pyproject.toml | sha1sum | cut -c1-12) $extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! have ringmpi; then
