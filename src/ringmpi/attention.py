@@ -1,11 +1,11 @@
-"""Ring attention: the forward and backward ring schedules.
+"""Ring attention: the public forward and backward calls.
 
 Every rank passes its own shard; queries stay home and key/value blocks
-travel around the ring ``prev -> rank -> next``, one hop per step.  At step
-``s`` rank ``r`` holds the K/V block of rank ``(r - s) mod P``.  Each step
-posts the transfer of the next block, computes on the current one (calling
-``Ring.tick`` between tiles), then waits for the transfer: the next block's
-transfer hides behind the current block's compute.
+travel around the ring (:class:`ringmpi.schedule.RingSchedule`), one hop per
+step, while the block ops of a backend (:mod:`ringmpi.backends`) fold each
+visiting block into this rank's state.  This module plans a call (checks
+agreed across ranks, layouts, the mask spec) and runs one short loop over
+the schedule per direction.
 
 Backward: K/V travel exactly as in the forward.  Each visiting block's
 float32 ``dK, dV`` contributions are added to the partial sums that arrive
@@ -17,17 +17,17 @@ to their owner.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Union
 
 import numpy as np
 
 from .backends import get_backend
-from .errors import agree, fault_point
+from .errors import agree
 from .layout import KINDS, Layout
-from .masks import BlockMask, MaskSpec
-from .ring import Ring, StepRecord, default_timeout, resolve_comm
+from .masks import MaskSpec
+from .ring import default_timeout, resolve_comm
+from .schedule import RingSchedule
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -50,17 +50,18 @@ class _Plan:
     layout_kv: Layout
     spec: MaskSpec
     scale: float
-    seg_q: Optional[np.ndarray]
-    seg_kv_by_rank: Optional[List[np.ndarray]]
+    seg_q: Optional[np.ndarray]   # (B, S_q_local) int64
+    seg_kv: Optional[np.ndarray]  # (B, S_kv_local) int64, this rank's only
     timeout: Optional[float]
 
-    def block_mask(self, src: int) -> BlockMask:
-        return BlockMask(
-            self.spec, self.layout_q.indices(self.rank), self.layout_kv.indices(src),
-            self.seg_q, None if self.seg_kv_by_rank is None else self.seg_kv_by_rank[src])
-
-    def kv_shape(self, src: int) -> Tuple[int, int, int, int]:
-        return (self.batch, self.kv_heads, int(self.layout_kv.counts()[src]), self.dim)
+    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
+        """The ring schedule of this call, loaded with this rank's ``k, v (B, S_kv_local, H_kv, D)``."""
+        be = self.backend
+        return RingSchedule(
+            self.comm, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype),
+            kv_counts=self.layout_kv.counts(), q_pos=self.layout_q.indices(self.rank),
+            kv_pos=self.layout_kv.indices(self.rank), spec=self.spec, seg_q=self.seg_q,
+            seg_kv=self.seg_kv, grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
 
 
 def _describe(x) -> str:
@@ -161,10 +162,9 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                 break
         agree(comm, finite_problem)
 
-    seg_kv_by_rank = None
     if seg_q is not None:
         seg_q = seg_q.astype(np.int64, copy=False)
-        seg_kv_by_rank = [np.asarray(s, dtype=np.int64) for s in comm.allgather(seg_kv)]
+        seg_kv = seg_kv.astype(np.int64, copy=False)
     dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
     spec = MaskSpec(causal=bool(causal),
@@ -173,62 +173,12 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     return _Plan(comm=comm, backend=be, rank=rank, size=size, batch=q.shape[0], heads=q.shape[2],
                  kv_heads=k.shape[2], dim=dim, dtype=q.dtype, compute_dtype=be.compute_dtype(q.dtype),
                  layout_q=layout_q, layout_kv=layout_kv, spec=spec, scale=scale, seg_q=seg_q,
-                 seg_kv_by_rank=seg_kv_by_rank,
+                 seg_kv=seg_kv,
                  timeout=default_timeout() if timeout is None else timeout)
 
 
 def _host(x):
     return x.get() if hasattr(x, "get") else x
-
-
-class _KVChannel:
-    """The double-buffered K/V messages of one call (allocated once)."""
-
-    def __init__(self, plan: _Plan, ring: Ring, k, v):
-        self.plan, self.ring, self.dtype = plan, ring, k.dtype
-        self.itemsize = np.dtype(k.dtype).itemsize
-        counts = plan.layout_kv.counts()
-        self.msgs = [plan.backend.message(self.nbytes(int(counts.max()))) for _ in range(2)]
-        kh, vh = self.views(0, plan.rank)
-        kh[...] = plan.backend.to_heads(k, k.dtype)
-        vh[...] = plan.backend.to_heads(v, v.dtype)
-
-    def nbytes(self, rows: int) -> int:
-        p = self.plan
-        return 2 * p.batch * p.kv_heads * rows * p.dim * self.itemsize
-
-    def views(self, slot: int, src: int):
-        shape = self.plan.kv_shape(src)
-        half = self.nbytes(shape[2]) // 2
-        msg = self.msgs[slot]
-        return msg.view(0, shape, self.dtype), msg.view(half, shape, self.dtype)
-
-    def begin_step(self, step: int):
-        """Make step ``step``'s block current, start moving the next; return (kh, vh, src)."""
-        p, slot = self.plan, step % 2
-        src = (p.rank - step) % p.size
-        cur = self.msgs[slot]
-        if step > 0:
-            cur.arrived()
-        if step < p.size - 1:
-            cur.ready_to_send(dirty=(step == 0))
-            nxt = (p.rank - step - 1) % p.size
-            self.ring.post("kv", send=cur.mpi[: self.nbytes(p.kv_shape(src)[2])],
-                           recv=self.msgs[1 - slot].mpi[: self.nbytes(p.kv_shape(nxt)[2])])
-        kh, vh = self.views(slot, src)
-        return kh, vh, src
-
-
-def _timed(plan: _Plan, ring: Ring, step: int, fn, *args) -> None:
-    start = time.perf_counter()
-    with plan.backend.annotate(f"ring step {step} compute"):
-        tiles = fn(*args, tick=ring.tick)
-        plan.backend.synchronize(tick=ring.tick)
-    record = ring.record(step)
-    record.compute_s += time.perf_counter() - start
-    if tiles is not None:  # (computed, skipped) from the block kernel
-        record.tiles_computed += tiles[0]
-        record.tiles_skipped += tiles[1]
 
 
 def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguous",
@@ -286,19 +236,12 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     m = xp.full(shape[:3], -np.inf, dtype=ct)
     l = xp.zeros(shape[:3], dtype=ct)
 
-    ring = Ring(plan.comm, timeout=plan.timeout)
-    kv = _KVChannel(plan, ring, be.asarray(k), be.asarray(v))
-    for step in range(plan.size):
-        ring.step = step
-        fault_point("fwd", plan.rank, step)
-        kh, vh, src = kv.begin_step(step)
-        _timed(plan, ring, step, be.forward_block, qh, kh, vh, o_acc, m, l, plan.scale,
-               plan.block_mask(src))
-        with be.annotate(f"ring step {step} wait"):
-            ring.wait("kv")
+    schedule = plan.schedule(be.asarray(k), be.asarray(v))
+    for block in schedule:
+        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask)
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     if stats is not None:
-        stats.extend(ring.records)
+        stats.extend(schedule.records)
     return o, lse
 
 
@@ -335,56 +278,19 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
           f"lse must have shape (B, H, S_q_local) = {want}, got {tuple(lse.shape)}")
     qh = be.to_heads(be.asarray(q), ct)
     doh = be.to_heads(be.asarray(do), ct)
-    dvec = (doh * be.to_heads(be.asarray(o), ct)).sum(axis=-1)
+    dvec = be.row_dot(doh, be.to_heads(be.asarray(o), ct))
     lse = lse.astype(ct, copy=False)
     dq = xp.zeros_like(qh)
 
-    ring = Ring(plan.comm, timeout=plan.timeout)
-    kv = _KVChannel(plan, ring, be.asarray(k), be.asarray(v))
-    counts = plan.layout_kv.counts()
-    grad_bytes = lambda rows: 2 * plan.batch * plan.kv_heads * rows * plan.dim * ct.itemsize  # noqa: E731
-    grad_out = [be.message(grad_bytes(int(counts.max()))) for _ in range(2)]
-    grad_in = be.message(grad_bytes(int(counts.max())))
-
-    def grads(msg, src):
-        shape = plan.kv_shape(src)
-        half = grad_bytes(shape[2]) // 2
-        return msg.view(0, shape, ct), msg.view(half, shape, ct)
-
-    for step in range(plan.size):
-        ring.step = step
-        fault_point("bwd", plan.rank, step)
-        kh, vh, src = kv.begin_step(step)
-        if step > 0:  # partial dK/dV of this block, from the ranks that saw it before
-            ring.post("grad_in", recv=grad_in.mpi[: grad_bytes(int(counts[src]))], stream="grad")
-        slot = f"grad_out{step % 2}"
-        ring.wait(slot)  # its buffer may still be on its way from two steps ago
-        dk, dv = grads(grad_out[step % 2], src)
-        dk[...] = 0
-        dv[...] = 0
-        _timed(plan, ring, step, be.backward_block, qh, doh, lse, dvec, kh, vh, dq, dk, dv,
-               plan.scale, plan.block_mask(src))
-        if step > 0:
-            ring.wait("grad_in")
-            grad_in.arrived()
-            dk_in, dv_in = grads(grad_in, src)
-            dk += dk_in
-            dv += dv_in
-        grad_out[step % 2].ready_to_send(dirty=True)
-        ring.post(slot, send=grad_out[step % 2].mpi[: grad_bytes(int(counts[src]))], stream="grad")
-        with be.annotate(f"ring step {step} wait"):
-            ring.wait("kv")
-    # the finished dK/dV of our own block arrive from prev after the last step
-    ring.step = plan.size
-    ring.post("grad_in", recv=grad_in.mpi[: grad_bytes(int(counts[plan.rank]))], stream="grad")
-    ring.wait("grad_in")
-    grad_in.arrived()
-    ring.wait_all()
-    dk, dv = grads(grad_in, plan.rank)
+    schedule = plan.schedule(be.asarray(k), be.asarray(v), grad_dtype=ct, phase="bwd")
+    for block in schedule:
+        schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
+                         plan.scale, block.mask)
+    dk, dv = schedule.finished_grads()
     dq *= ct.type(plan.scale)
     dk *= ct.type(plan.scale)
     out_dtype = q.dtype
     result = (be.from_heads(dq, out_dtype), be.from_heads(dk, out_dtype), be.from_heads(dv, out_dtype))
     if stats is not None:
-        stats.extend(ring.records)
+        stats.extend(schedule.records)
     return result

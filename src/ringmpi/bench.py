@@ -363,19 +363,16 @@ def _instrumentation_unit_costs(be):
     """Measured seconds per instrumentation operation, for the overhead account.
 
     The ring's instrumentation is always on, so its cost is accounted rather than
-    switched off: per ring step ``_timed`` (measured here around a kernel that does
+    switched off: per ring step ``timed_compute`` (measured here around a kernel that does
     nothing), the wait timer (two clock reads and a record update) and the byte
     counters of ``post``; per tile one counter increment.
     """
-    from types import SimpleNamespace
-
     from mpi4py import MPI
 
-    from .attention import _timed
     from .ring import Ring
+    from .schedule import timed_compute
 
     ring = Ring(MPI.COMM_SELF)
-    plan = SimpleNamespace(backend=be)
     reps = 20000
 
     def per_call(fn):
@@ -408,7 +405,7 @@ def _instrumentation_unit_costs(be):
         counter.computed += 1
 
     bare = per_call(lambda: kernel(tick=ring.tick))
-    return {"timed_s": max(per_call(lambda: _timed(plan, ring, 0, kernel)) - bare, 0.0),
+    return {"timed_s": max(per_call(lambda: timed_compute(be, ring, kernel)) - bare, 0.0),
             "wait_timer_s": per_call(wait_timer), "byte_counters_s": per_call(byte_counters),
             "tile_counter_s": max(per_call(tile) - per_call(lambda: None), 0.0)}
 

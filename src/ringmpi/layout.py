@@ -14,6 +14,7 @@ empty.  Local order is ascending global position for every kind.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -71,18 +72,14 @@ class Layout:
         return np.arange(rank, self.n, p, dtype=np.int64)
 
     def counts(self) -> np.ndarray:
-        """Number of tokens on each rank, ``(world_size,)`` int64."""
-        return np.array([len(self.indices(r)) for r in range(self.world_size)], dtype=np.int64)
+        """Number of tokens on each rank, ``(world_size,)`` int64 (computed once; read-only)."""
+        return self._counts
 
-    def runs(self, rank: int):
-        """Contiguous runs ``[(global_start, local_start, length), ...]`` of a rank's tokens."""
-        idx = self.indices(rank)
-        if len(idx) == 0:
-            return []
-        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-        starts = np.concatenate([[0], breaks])
-        ends = np.concatenate([breaks, [len(idx)]])
-        return [(int(idx[s]), int(s), int(e - s)) for s, e in zip(starts, ends)]
+    @functools.cached_property
+    def _counts(self) -> np.ndarray:
+        counts = np.array([len(self.indices(r)) for r in range(self.world_size)], dtype=np.int64)
+        counts.flags.writeable = False
+        return counts
 
     def shard(self, x, rank: int, axis: int = 1):
         """The part of a global array ``x`` that ``rank`` owns along ``axis``."""

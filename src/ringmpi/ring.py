@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Union
 
 from .errors import RingTimeout
 
 _DEFAULT_COMM = None
+_TAGS = {"kv": 7101, "grad": 7102}  # further streams get the next free tags, in order of first use
 
 
 def resolve_comm(comm=None):
@@ -62,6 +63,12 @@ class _Transfer:
     nbytes: int
 
 
+def _parts(buffers) -> list:
+    if buffers is None:
+        return []
+    return list(buffers) if isinstance(buffers, (list, tuple)) else [buffers]
+
+
 @dataclass
 class Ring:
     """Nonblocking neighbour exchange on a communicator.
@@ -80,11 +87,23 @@ class Ring:
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._pending: Dict[str, List[_Transfer]] = {}
-        self._tags: Dict[str, int] = {"kv": 7101, "grad": 7102}
-        self.step = 0
+        self._tags: Dict[str, int] = dict(_TAGS)
+        self._step = 0
+
+    @property
+    def step(self) -> int:
+        """The current ring step (records and timeout messages name it)."""
+        return self._step
+
+    def next_step(self) -> int:
+        """Move to the next step and return it (only the schedule calls this)."""
+        self._step += 1
+        return self._step
 
     def _tag(self, stream: str) -> int:
-        return self._tags.setdefault(stream, 7100 + len(self._tags))
+        if stream not in self._tags:
+            self._tags[stream] = max(self._tags.values()) + 1
+        return self._tags[stream]
 
     def record(self, step: int) -> StepRecord:
         """The record of ``step``, created on first use."""
@@ -92,13 +111,15 @@ class Ring:
             self.records.append(StepRecord(step=len(self.records)))
         return self.records[step]
 
-    def post(self, channel: str, send=None, recv=None, stream: Optional[str] = None) -> None:
+    def post(self, channel: str, send: Union[None, object, Sequence] = None,
+             recv: Union[None, object, Sequence] = None, stream: Optional[str] = None) -> None:
         """Start ``Irecv(recv from prev)`` and ``Isend(send to next)`` on ``channel``.
 
         ``send``/``recv`` are buffers exposing the (CUDA) buffer protocol, sliced to
-        the exact message length, or None.  Messages of one ``stream`` (default:
-        the channel's name) share an MPI tag, so a send on one channel can
-        match a receive on another channel of the same stream.
+        the exact message length, or a list of such buffers (the parts of one
+        message, sent and received in list order), or None.  Messages of one
+        ``stream`` (default: the channel's name) share an MPI tag, so a send on
+        one channel can match a receive on another channel of the same stream.
         """
         from mpi4py import MPI
 
@@ -107,14 +128,14 @@ class Ring:
         tag = self._tag(stream or channel)
         transfers = []
         rec = self.record(self.step)
-        if recv is not None:
-            request = self.comm.Irecv([recv, MPI.BYTE], source=self.prev, tag=tag)
-            transfers.append(_Transfer("recv from", request, self.prev, int(recv.nbytes)))
-            rec.bytes_recv += int(recv.nbytes)
-        if send is not None:
-            request = self.comm.Isend([send, MPI.BYTE], dest=self.next, tag=tag)
-            transfers.append(_Transfer("send to", request, self.next, int(send.nbytes)))
-            rec.bytes_sent += int(send.nbytes)
+        for buf in _parts(recv):
+            request = self.comm.Irecv([buf, MPI.BYTE], source=self.prev, tag=tag)
+            transfers.append(_Transfer("recv from", request, self.prev, int(buf.nbytes)))
+            rec.bytes_recv += int(buf.nbytes)
+        for buf in _parts(send):
+            request = self.comm.Isend([buf, MPI.BYTE], dest=self.next, tag=tag)
+            transfers.append(_Transfer("send to", request, self.next, int(buf.nbytes)))
+            rec.bytes_sent += int(buf.nbytes)
         if transfers:
             self._pending[channel] = transfers
 
@@ -151,6 +172,7 @@ class Ring:
         self.record(self.step).wait_s += time.perf_counter() - start
 
     def wait_all(self) -> None:
+        """Complete every pending transfer."""
         for channel in list(self._pending):
             self.wait(channel)
 

@@ -1,0 +1,283 @@
+"""The ring schedule: which K/V block each rank holds at each step, and the buffers that move it.
+
+:class:`RingSchedule` owns what a ring loop needs besides the math: the
+double-buffered K/V channel (each message carries the block's keys and values
+*and* its global positions and segment ids, so no rank ever holds an O(N)
+array), optionally the gradient channel that carries the ``dK, dV`` partial
+sums one step behind the K/V, the step counter, the fault points, and the
+timing and per-step records (:class:`ringmpi.ring.StepRecord`).  Iterating
+over it yields one :class:`Block` per step; the caller only does the math::
+
+    schedule = RingSchedule(comm, backend, kh_local, vh_local, ...)
+    for block in schedule:
+        schedule.compute(backend.forward_block, qh, block.k, block.v, o_acc, m, l, scale, block.mask)
+
+Order within a step: post the next block's transfer, yield (the caller
+computes on the current block, calling ``Ring.tick`` between tiles), then, in
+the backward, add the partial ``dK, dV`` that arrived from ``prev`` and send
+the sums on, and finally wait for the next block.  At step ``s`` rank ``r``
+holds the block of ring rank ``(r - s) mod P``.  After the last step of a
+schedule with gradients, the finished ``dK, dV`` take one more hop home
+(:meth:`RingSchedule.finished_grads`).
+
+The schedule knows only its communicator (any communicator: a head x ring
+schedule passes a sub-communicator), the row count of every ring rank's
+block, and this rank's own block; positions, segment ids and the mask rule
+arrive with each block.  Further schedules (two-level, decode) reuse
+:class:`RingSchedule` on a sub-communicator, or its parts: :class:`KVChannel`,
+:class:`GradChannel` and :func:`timed_compute`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .backends import HostMessage
+from .errors import fault_point
+from .masks import BlockMask, MaskSpec
+from .ring import Ring
+
+
+@dataclass
+class Block:
+    """What the math needs at one ring step.
+
+    step : the ring step (0 is this rank's own block).
+    src : the ring rank whose K/V block this is.
+    k, v : (B, H_kv, S_src, D), the transfer dtype (views into the ring buffer:
+        read-only, valid until the step ends).
+    mask : the :class:`BlockMask` of (this rank's queries, this block).
+    dk, dv : (B, H_kv, S_src, D) compute dtype, zeroed, for this block's gradient
+        contributions (schedules with gradients only, else None).
+    """
+
+    step: int
+    src: int
+    k: object
+    v: object
+    mask: BlockMask
+    dk: object = None
+    dv: object = None
+
+
+def timed_compute(backend, ring: Ring, fn, *args):
+    """Run the block op ``fn(*args, tick=ring.tick)`` as the compute of the ring's
+    current step: NVTX range, synchronised wall time and tile counts go into
+    ``ring.record(ring.step)``.  ``fn`` returns ``(tiles computed, tiles skipped)``."""
+    step = ring.step
+    start = time.perf_counter()
+    with backend.annotate(f"ring step {step} compute"):
+        tiles = fn(*args, tick=ring.tick)
+        backend.synchronize(tick=ring.tick)
+    record = ring.record(step)
+    record.compute_s += time.perf_counter() - start
+    record.tiles_computed += tiles[0]
+    record.tiles_skipped += tiles[1]
+    return tiles
+
+
+class KVChannel:
+    """The double-buffered K/V messages of one call (allocated once).
+
+    Each of the two slots is a backend message with ``K`` then ``V``
+    (``(B, H_kv, rows, D)`` each, transfer dtype) and a host message of int64
+    with the block's global positions ``(rows,)`` then, with segment ids,
+    ``(B, rows)`` segment ids.  Both parts travel as one ring message on
+    channel ``"kv"``.
+    """
+
+    def __init__(self, ring: Ring, backend, counts: np.ndarray, kh, vh, pos: np.ndarray,
+                 seg: Optional[np.ndarray]):
+        self.ring, self.backend = ring, backend
+        self.counts = counts
+        self.batch, self.kv_heads, _, self.dim = kh.shape
+        self.dtype = kh.dtype
+        self.itemsize = np.dtype(kh.dtype).itemsize
+        self.has_seg = seg is not None
+        rows = int(counts.max())
+        self.msgs = [backend.message(self.nbytes(rows)) for _ in range(2)]
+        self.meta = [HostMessage(self.meta_nbytes(rows)) for _ in range(2)]
+        k0, v0 = self.views(0, ring.rank)
+        k0[...] = kh
+        v0[...] = vh
+        pos0, seg0 = self.meta_views(0, ring.rank)
+        pos0[...] = pos
+        if self.has_seg:
+            seg0[...] = seg
+
+    def nbytes(self, rows: int) -> int:
+        return 2 * self.batch * self.kv_heads * rows * self.dim * self.itemsize
+
+    def meta_nbytes(self, rows: int) -> int:
+        return 8 * rows * (1 + (self.batch if self.has_seg else 0))
+
+    def views(self, slot: int, src: int):
+        """``(k, v)`` of ring rank ``src``'s block in ``slot``."""
+        shape = (self.batch, self.kv_heads, int(self.counts[src]), self.dim)
+        msg = self.msgs[slot]
+        return msg.view(0, shape, self.dtype), msg.view(self.nbytes(shape[2]) // 2, shape, self.dtype)
+
+    def meta_views(self, slot: int, src: int):
+        """``(positions (rows,), segment ids (B, rows) or None)`` of ``src``'s block in ``slot``."""
+        rows = int(self.counts[src])
+        meta = self.meta[slot]
+        pos = meta.view(0, (rows,), np.int64)
+        seg = meta.view(8 * rows, (self.batch, rows), np.int64) if self.has_seg else None
+        return pos, seg
+
+    def begin_step(self, step: int) -> Tuple[int, int]:
+        """Make step ``step``'s block current and start moving the next; return ``(slot, src)``."""
+        ring, slot = self.ring, step % 2
+        src = (ring.rank - step) % ring.size
+        cur = self.msgs[slot]
+        if step > 0:
+            cur.arrived()
+        if step < ring.size - 1:
+            cur.ready_to_send(dirty=(step == 0))
+            nxt = (ring.rank - step - 1) % ring.size
+            rows_cur, rows_nxt = int(self.counts[src]), int(self.counts[nxt])
+            send = [cur.mpi_buffer()[: self.nbytes(rows_cur)],
+                    self.meta[slot].mpi_buffer()[: self.meta_nbytes(rows_cur)]]
+            recv = [self.msgs[1 - slot].mpi_buffer()[: self.nbytes(rows_nxt)],
+                    self.meta[1 - slot].mpi_buffer()[: self.meta_nbytes(rows_nxt)]]
+            ring.post("kv", send=send, recv=recv)
+        return slot, src
+
+
+class GradChannel:
+    """The ``dK, dV`` partial sums travelling one step behind the K/V (compute dtype).
+
+    Two outgoing buffers (one may still be on its way while the next is
+    filled) and one incoming, each ``dK`` then ``dV`` ``(B, H_kv, rows, D)``.
+    Channels ``"grad_out0"``, ``"grad_out1"`` and ``"grad_in"`` share the
+    stream ``"grad"``.
+    """
+
+    def __init__(self, ring: Ring, backend, counts: np.ndarray, batch: int, kv_heads: int, dim: int,
+                 dtype):
+        self.ring, self.counts = ring, counts
+        self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
+        rows = int(counts.max())
+        self.out = [backend.message(self.nbytes(rows)) for _ in range(2)]
+        self.incoming = backend.message(self.nbytes(rows))
+
+    def nbytes(self, rows: int) -> int:
+        return 2 * self.batch * self.kv_heads * rows * self.dim * self.dtype.itemsize
+
+    def views(self, msg, src: int):
+        shape = (self.batch, self.kv_heads, int(self.counts[src]), self.dim)
+        return msg.view(0, shape, self.dtype), msg.view(self.nbytes(shape[2]) // 2, shape, self.dtype)
+
+    def begin_step(self, step: int, src: int):
+        """Post the receive of ``src``'s partial sums (after step 0) and return this
+        step's zeroed outgoing ``(dk, dv)``."""
+        ring = self.ring
+        if step > 0:  # partial dK/dV of this block, from the ranks that saw it before
+            ring.post("grad_in", recv=self.incoming.mpi_buffer()[: self.nbytes(int(self.counts[src]))],
+                      stream="grad")
+        ring.wait(f"grad_out{step % 2}")  # its buffer may still be on its way from two steps ago
+        dk, dv = self.views(self.out[step % 2], src)
+        dk[...] = 0
+        dv[...] = 0
+        return dk, dv
+
+    def end_step(self, step: int, src: int, dk, dv) -> None:
+        """Add the partial sums that arrived for ``src``'s block and send the total on."""
+        ring = self.ring
+        if step > 0:
+            ring.wait("grad_in")
+            self.incoming.arrived()
+            dk_in, dv_in = self.views(self.incoming, src)
+            dk += dk_in
+            dv += dv_in
+        out = self.out[step % 2]
+        out.ready_to_send(dirty=True)
+        ring.post(f"grad_out{step % 2}", send=out.mpi_buffer()[: self.nbytes(int(self.counts[src]))],
+                  stream="grad")
+
+    def receive_home(self):
+        """The finished ``(dk, dv)`` of this rank's own block, after one more hop."""
+        ring = self.ring
+        ring.post("grad_in", recv=self.incoming.mpi_buffer()[: self.nbytes(int(self.counts[ring.rank]))],
+                  stream="grad")
+        ring.wait("grad_in")
+        self.incoming.arrived()
+        ring.wait_all()
+        return self.views(self.incoming, ring.rank)
+
+
+class RingSchedule:
+    """One pass of every K/V block around the ring of ``comm``.
+
+    Parameters
+    ----------
+    comm : mpi4py communicator (the ring: ``prev -> rank -> next`` in its rank order).
+    backend : a block-op backend (:mod:`ringmpi.backends`).
+    kh, vh : (B, H_kv, S_local, D) this rank's keys/values, head-major, in the
+        transfer dtype (as ``backend.to_heads`` gives them).
+    kv_counts : (P,) int, rows of every ring rank's block.
+    q_pos : (S_q_local,) int64 global positions of this rank's queries.
+    kv_pos : (S_local,) int64 global positions of this rank's keys.
+    spec : the call's :class:`MaskSpec`.
+    seg_q, seg_kv : (B, S_q_local), (B, S_local) int64 segment ids, or None.
+    grad_dtype : None for a forward schedule; the compute dtype when the
+        schedule carries ``dK, dV`` partial sums (backward).
+    timeout : deadline of each ring wait in seconds (None: none).
+    phase : ``"fwd"`` or ``"bwd"``, the fault-injection phase.
+    """
+
+    def __init__(self, comm, backend, kh, vh, *, kv_counts: Sequence[int], q_pos: np.ndarray,
+                 kv_pos: np.ndarray, spec: MaskSpec, seg_q: Optional[np.ndarray] = None,
+                 seg_kv: Optional[np.ndarray] = None, grad_dtype=None, timeout: Optional[float] = None,
+                 phase: str = "fwd"):
+        self.backend, self.spec, self.phase = backend, spec, phase
+        self.q_pos, self.seg_q = q_pos, seg_q
+        self.ring = Ring(comm, timeout=timeout)
+        counts = np.asarray(kv_counts, dtype=np.int64)
+        if len(counts) != self.ring.size:
+            raise ValueError(f"kv_counts has {len(counts)} entries for a ring of {self.ring.size} ranks")
+        self.kv = KVChannel(self.ring, backend, counts, kh, vh, kv_pos, seg_kv)
+        self.grads = None if grad_dtype is None else GradChannel(
+            self.ring, backend, counts, self.kv.batch, self.kv.kv_heads, self.kv.dim, grad_dtype)
+        self._home_grads = None
+
+    @property
+    def records(self):
+        """One :class:`ringmpi.ring.StepRecord` per ring step (plus the final gradient hop)."""
+        return self.ring.records
+
+    def __iter__(self) -> Iterator[Block]:
+        ring, be = self.ring, self.backend
+        for step in range(ring.size):
+            if step > 0:
+                ring.next_step()
+            fault_point(self.phase, ring.rank, step)
+            slot, src = self.kv.begin_step(step)
+            k, v = self.kv.views(slot, src)
+            kv_pos, seg_kv = self.kv.meta_views(slot, src)
+            block = Block(step, src, k, v, BlockMask(self.spec, self.q_pos, kv_pos, self.seg_q, seg_kv))
+            if self.grads is not None:
+                block.dk, block.dv = self.grads.begin_step(step, src)
+            yield block
+            if self.grads is not None:
+                self.grads.end_step(step, src, block.dk, block.dv)
+            with be.annotate(f"ring step {step} wait"):
+                ring.wait("kv")
+        if self.grads is not None:
+            ring.next_step()  # the finished dK/dV of our own block arrive from prev
+            self._home_grads = self.grads.receive_home()
+
+    def compute(self, fn, *args):
+        """Run the block op ``fn(*args, tick=...)`` as this step's timed compute."""
+        return timed_compute(self.backend, self.ring, fn, *args)
+
+    def finished_grads(self):
+        """``(dk, dv)`` (B, H_kv, S_local, D) compute dtype: this rank's finished, unscaled
+        K/V gradients, once iteration has ended."""
+        if self._home_grads is None:
+            raise RuntimeError("finished_grads() needs a schedule with grad_dtype, iterated to its end")
+        return self._home_grads

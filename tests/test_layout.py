@@ -1,0 +1,61 @@
+"""Layout: which global tokens each rank owns (in-process, no MPI)."""
+
+import numpy as np
+import pytest
+
+from ringmpi.layout import KINDS, Layout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, p", [(1, 1), (1, 4), (7, 3), (16, 4), (97, 8), (5, 5)])
+def test_ranks_partition_the_sequence_in_ascending_local_order(kind, n, p):
+    layout = Layout(kind, n, p)
+    parts = [layout.indices(r) for r in range(p)]
+    assert all(part.dtype == np.int64 and np.all(np.diff(part) > 0) for part in parts)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(n))
+    assert layout.counts().tolist() == [len(part) for part in parts]
+    assert max(layout.counts()) - min(layout.counts()) <= (2 if kind == "zigzag" else 1)
+
+
+def test_kinds_place_tokens_as_documented():
+    assert Layout("contiguous", 7, 3).indices(0).tolist() == [0, 1, 2]
+    assert Layout("contiguous", 7, 3).indices(2).tolist() == [5, 6]
+    assert Layout("zigzag", 8, 2).indices(0).tolist() == [0, 1, 6, 7]
+    assert Layout("zigzag", 8, 2).indices(1).tolist() == [2, 3, 4, 5]
+    assert Layout("striped", 7, 3).indices(1).tolist() == [1, 4]
+
+
+def test_counts_are_computed_once(monkeypatch):
+    layout = Layout("zigzag", 50, 4)
+    calls = []
+    original = Layout.indices
+    monkeypatch.setattr(Layout, "indices", lambda self, r: calls.append(r) or original(self, r))
+    first = layout.counts()
+    for _ in range(5):
+        assert layout.counts() is first
+    assert len(calls) == 4
+    with pytest.raises(ValueError):
+        first[0] = 1  # shared, so read-only
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shard_unshard_round_trip(kind):
+    x = np.arange(2 * 11 * 3).reshape(2, 11, 3)
+    layout = Layout(kind, 11, 4)
+    shards = [layout.shard(x, r) for r in range(4)]
+    assert np.array_equal(layout.unshard(shards), x)
+
+
+def test_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="unknown layout"):
+        Layout("spiral", 4, 2)
+    with pytest.raises(ValueError, match="n >= 1"):
+        Layout("contiguous", 0, 2)
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        Layout("contiguous", 4, 0)
+    with pytest.raises(ValueError, match="outside world"):
+        Layout("contiguous", 4, 2).indices(2)
+    with pytest.raises(ValueError, match="layout expects 5"):
+        Layout("contiguous", 5, 2).shard(np.zeros((1, 4)), 0)
+    with pytest.raises(ValueError, match="expected 2 shards"):
+        Layout("contiguous", 5, 2).unshard([np.zeros((1, 3))])
