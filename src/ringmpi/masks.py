@@ -15,6 +15,17 @@ Rules, for query position ``i`` and key position ``j`` with
 
 All given rules must hold.  Tiles are classified as ``SKIP`` (nothing visible),
 ``FULL`` (everything visible, no elementwise mask needed) or ``PARTIAL``.
+
+This module is the one Python source of the rule: the NumPy tiles call
+:meth:`MaskSpec.classify` / :meth:`MaskSpec.visible`, and the CuPy backend
+builds its launch arguments with :meth:`MaskSpec.key_deltas`,
+:func:`kernel_scalars`, :func:`tile_bounds` and counts its tiles with
+:func:`classify_tiles` -- the host twin of ``classify_tile`` in
+``kernels/common.cuh``, the one place the CUDA code states the rule.
+
+A :class:`BlockMask` is the one object through which a block's mask (and,
+later, score modifiers such as softcap, sinks or dropout: a new field on
+:class:`MaskSpec`) reaches the block kernels.
 """
 
 from __future__ import annotations
@@ -52,22 +63,29 @@ class MaskSpec:
                 if side is not None and int(side) < 0:
                     raise ValueError(f"window sides must be >= 0 or None, got {self.window}")
 
-    # -- the bounds of visible keys for a query position, as (lo, hi) inclusive
+    def key_deltas(self) -> Tuple[Optional[int], Optional[int]]:
+        """``(lo_delta, hi_delta)``: key ``j`` is visible from query ``i`` by position
+        when ``j >= i + lo_delta`` and ``j <= i + hi_delta`` (``None``: unbounded side).
+        Causal, window and the bottom-right offset folded into two numbers."""
+        off = int(self.offset)
+        los, his = [], []
+        if self.causal:
+            his.append(off)
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                los.append(off - int(left))
+            if right is not None:
+                his.append(off + int(right))
+        return (max(los) if los else None), (min(his) if his else None)
+
     def key_bounds(self, q_pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Inclusive ``[lo, hi]`` key-position bounds per query position (int64)."""
         q_pos = np.asarray(q_pos, dtype=np.int64)
         big = np.iinfo(np.int64).max // 4
-        lo = np.full(q_pos.shape, -big, dtype=np.int64)
-        hi = np.full(q_pos.shape, big, dtype=np.int64)
-        anchor = q_pos + self.offset
-        if self.causal:
-            hi = np.minimum(hi, anchor)
-        if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                lo = np.maximum(lo, anchor - int(left))
-            if right is not None:
-                hi = np.minimum(hi, anchor + int(right))
+        lo_delta, hi_delta = self.key_deltas()
+        lo = np.full(q_pos.shape, -big, dtype=np.int64) if lo_delta is None else q_pos + lo_delta
+        hi = np.full(q_pos.shape, big, dtype=np.int64) if hi_delta is None else q_pos + hi_delta
         return lo, hi
 
     @property
@@ -115,7 +133,9 @@ class MaskSpec:
 
 @dataclass(frozen=True)
 class BlockMask:
-    """The mask for one (resident Q shard, visiting K/V block) pair.
+    """The mask for one (resident Q shard, visiting K/V block) pair: the one
+    object a block kernel receives about which scores survive (see the module
+    docstring for where a new score modifier goes).
 
     q_pos : (S_q_local,) int64, global positions of the resident queries.
     kv_pos : (S_kv_block,) int64, global positions of the visiting keys.
@@ -129,3 +149,61 @@ class BlockMask:
     kv_pos: np.ndarray
     seg_q: Optional[np.ndarray] = None
     seg_kv: Optional[np.ndarray] = None
+
+
+# ------------------------------------------------------------ the kernels' view of the rule
+def kernel_scalars(spec: MaskSpec):
+    """``(has_lo int32, lo_delta int64, has_hi int32, hi_delta int64)``: the typed
+    launch scalars of :meth:`MaskSpec.key_deltas` (``MASK_PARAMS`` in common.cuh)."""
+    lo, hi = spec.key_deltas()
+    return (np.int32(lo is not None), np.int64(0 if lo is None else lo),
+            np.int32(hi is not None), np.int64(0 if hi is None else hi))
+
+
+def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
+    """Per-tile (min, max) of positions, then per (batch, tile) of segment ids.
+
+    ``pos (S,)`` int, ``seg (B, S)`` int or None, ``tile`` rows per tile.
+    Layout (int64, flat): ``[ntiles, 2]`` for positions followed, when ``seg``
+    is given, by ``[B, ntiles, 2]`` -- as ``classify_tile`` in common.cuh reads it.
+    """
+    pos = np.asarray(pos, dtype=np.int64)
+    starts = np.arange(0, len(pos), tile)
+    parts = [np.stack([np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)], axis=-1).ravel()]
+    if seg is not None:
+        seg = np.asarray(seg, dtype=np.int64)
+        parts.append(np.stack([np.minimum.reduceat(seg, starts, axis=1),
+                               np.maximum.reduceat(seg, starts, axis=1)], axis=-1).ravel())
+    return np.ascontiguousarray(np.concatenate(parts))
+
+
+def classify_tiles(spec: MaskSpec, q_bounds: np.ndarray, kv_bounds: np.ndarray,
+                   nqt: int, nkt: int, batch: int, has_seg: bool) -> np.ndarray:
+    """Every tile's class as the kernels compute it (``classify_tile`` in common.cuh).
+
+    ``q_bounds``/``kv_bounds`` from :func:`tile_bounds` with ``nqt``/``nkt`` tiles.
+    Returns ``(B or 1, nqt, nkt)`` int8 of ``SKIP``/``PARTIAL``/``FULL`` (one
+    batch entry stands for all when there are no segment ids).  Conservative
+    like the kernel: a ``PARTIAL`` tile may turn out fully hidden.
+    """
+    q_bounds, kv_bounds = np.asarray(q_bounds, np.int64), np.asarray(kv_bounds, np.int64)
+    qlo, qhi = q_bounds[0:2 * nqt:2, None], q_bounds[1:2 * nqt:2, None]
+    klo, khi = kv_bounds[0:2 * nkt:2][None, :], kv_bounds[1:2 * nkt:2][None, :]
+    lo, hi = spec.key_deltas()
+    skip = np.zeros((nqt, nkt), dtype=bool)
+    partial = np.zeros((nqt, nkt), dtype=bool)
+    if hi is not None:
+        skip |= qhi + hi < klo
+        partial |= qlo + hi < khi
+    if lo is not None:
+        skip |= qlo + lo > khi
+        partial |= qhi + lo > klo
+    skip, partial = skip[None], partial[None]
+    if has_seg:
+        sq = q_bounds[2 * nqt:].reshape(batch, nqt, 1, 2)
+        sk = kv_bounds[2 * nkt:].reshape(batch, 1, nkt, 2)
+        skip = skip | (sq[..., 1] < sk[..., 0]) | (sq[..., 0] > sk[..., 1])
+        partial = partial | ~((sq[..., 0] == sq[..., 1]) & (sk[..., 0] == sk[..., 1]) & (sq[..., 0] == sk[..., 0]))
+    out = np.where(partial, PARTIAL, FULL).astype(np.int8)
+    out[np.broadcast_to(skip, out.shape)] = SKIP
+    return out

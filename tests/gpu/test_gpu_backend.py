@@ -268,10 +268,10 @@ def test_message_round_trip(cuda_aware):
     view = msg.view(0, (64,), np.float32)
     view[...] = cp.arange(64, dtype=cp.float32)
     msg.ready_to_send(dirty=True)
-    host = cp.asnumpy(msg.mpi).view(np.float32) if cuda_aware else np.asarray(msg.mpi).view(np.float32)
+    host = cp.asnumpy(msg.mpi_buffer()).view(np.float32) if cuda_aware else np.asarray(msg.mpi_buffer()).view(np.float32)
     assert np.array_equal(host, np.arange(64, dtype=np.float32))
     if not cuda_aware:
-        msg.mpi[:] = np.arange(256, dtype=np.uint8)
+        msg.mpi_buffer()[:] = np.arange(256, dtype=np.uint8)
         msg.arrived()
         be.synchronize()
         assert np.array_equal(cp.asnumpy(msg.view(0, (256,), np.uint8)), np.arange(256, dtype=np.uint8))

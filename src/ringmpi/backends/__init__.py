@@ -1,8 +1,9 @@
 """Block-kernel backends behind one small interface.
 
 A backend computes one (resident Q shard, visiting K/V block) pair; the ring
-schedule in :mod:`ringmpi.attention` is the same for every backend.  Every
-backend object provides:
+schedule (:mod:`ringmpi.schedule`) is the same for every backend.  Every
+backend object provides (``INTERFACE`` lists the names; one test,
+``tests/test_backend_interface.py``, checks every backend that can run):
 
 ``name``, ``xp``
     Its name (``"numpy"``/``"cupy"``) and array module.
@@ -20,9 +21,13 @@ backend object provides:
     to q, so rounding matches a plain dense computation).
     ``qh (B, H, Sq, D)`` compute dtype; ``kh, vh (B, Hkv, Skv, D)`` any float dtype (the transfer dtype);
     ``o_acc (B, H, Sq, D)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a
-    :class:`ringmpi.masks.BlockMask`; ``tick()`` is called between tiles so
+    :class:`ringmpi.masks.BlockMask` (the one object carrying positions, segment
+    ids and the mask rules -- and later score modifiers -- to the kernel); ``tick()`` is called between tiles so
     that MPI can progress the pending ring transfers.  Returns
     ``(tiles_computed, tiles_skipped)`` (``backward_block`` too).
+``row_dot(x, y) -> (B, H, S)``
+    ``(x * y).sum(-1)`` of two ``(B, H, S, D)`` compute-dtype arrays: the
+    backward's ``dvec = rowsum(do * o)``.
 ``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D) out_dtype, lse (B, H, Sq))``
     ``o = o_acc / l``, ``lse = m + log(l)``; rows with ``l == 0`` give
     ``o = 0``, ``lse = -inf``.
@@ -33,7 +38,8 @@ backend object provides:
     (both unscaled: the caller multiplies the finished sums by the scale).  ``lse``/``dvec (B, H, Sq)``,
     ``dq (B, H, Sq, D)``, ``dk, dv (B, Hkv, Skv, D)`` in compute dtype.
 ``message(nbytes) -> Message``
-    One ring buffer of ``nbytes``; see :class:`HostMessage`.
+    One ring buffer of ``nbytes``; see :class:`HostMessage` for its methods
+    (``MESSAGE_INTERFACE``).
 ``synchronize(tick=None)``
     Wait for all queued work (timing and hand-off to the host), calling
     ``tick()`` while waiting so the ring's transfers keep moving.
@@ -45,30 +51,39 @@ from __future__ import annotations
 
 import numpy as np
 
+INTERFACE = ("name", "xp", "compute_dtype", "asarray", "to_heads", "from_heads", "row_dot",
+             "forward_block", "finalize", "backward_block", "message", "synchronize", "annotate")
+MESSAGE_INTERFACE = ("mpi_buffer", "view", "arrived", "ready_to_send")
+
 
 class HostMessage:
     """A ring message buffer that MPI and the compute share (host memory).
 
-    ``mpi``
-        The buffer handed to ``Isend``/``Irecv`` (a uint8 array).
+    ``mpi_buffer()``
+        The uint8 buffer to hand to ``Isend``/``Irecv``; a device backend
+        first waits for queued GPU work on that memory, so call it right
+        before posting.
     ``view(offset, shape, dtype)``
         A compute-side array over ``nbytes(shape, dtype)`` bytes at ``offset``.
     ``arrived()``
-        Called once the ``Irecv`` into ``mpi`` completed; makes the compute
+        Called once the ``Irecv`` into the MPI buffer completed; makes the compute
         side current (a staging backend copies host -> device here).
     ``ready_to_send(dirty)``
-        Called before ``Isend`` of ``mpi``; ``dirty`` says the compute side
+        Called before ``Isend`` of the MPI buffer; ``dirty`` says the compute side
         was written since the last ``arrived()`` (a staging backend copies
         device -> host; a CUDA-aware one synchronises the producing stream).
     """
 
     def __init__(self, nbytes: int):
-        self.mpi = np.empty(max(int(nbytes), 1), dtype=np.uint8)
+        self._buffer = np.empty(max(int(nbytes), 1), dtype=np.uint8)
+
+    def mpi_buffer(self):
+        return self._buffer
 
     def view(self, offset: int, shape, dtype):
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
-        return self.mpi[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+        return self._buffer[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
 
     def arrived(self) -> None:
         pass

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import time
 import weakref
 from collections import OrderedDict
@@ -31,9 +30,9 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import kernels as K
-from ..masks import BlockMask
+from ..masks import SKIP, BlockMask, classify_tiles, tile_bounds
+from ..masks import kernel_scalars as mask_scalars
 
-BFLOAT16 = "bfloat16"
 _THREADS_1D = 256
 
 
@@ -59,40 +58,6 @@ def storage_dtype(dtype) -> np.dtype:
 
 def _grid_1d(n: int) -> int:
     return max(1, min((int(n) + _THREADS_1D - 1) // _THREADS_1D, 65535 * 8))
-
-
-def mask_scalars(spec):
-    """``(has_lo, lo_delta, has_hi, hi_delta)`` of a MaskSpec: key j is visible
-    from query i when ``j >= i + lo_delta`` (if has_lo) and ``j <= i + hi_delta``
-    (if has_hi)."""
-    off = int(spec.offset)
-    his, los = [], []
-    if spec.causal:
-        his.append(off)
-    if spec.window is not None:
-        left, right = spec.window
-        if left is not None:
-            los.append(off - int(left))
-        if right is not None:
-            his.append(off + int(right))
-    return (np.int32(bool(los)), np.int64(max(los) if los else 0),
-            np.int32(bool(his)), np.int64(min(his) if his else 0))
-
-
-def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
-    """Per-tile (min, max) of positions, then per (batch, tile) of segment ids.
-
-    Layout (int64): ``[ntiles, 2]`` for positions followed, when ``seg``
-    (B, S) is given, by ``[B, ntiles, 2]`` -- as ``classify_tile`` reads it.
-    """
-    pos = np.asarray(pos, dtype=np.int64)
-    starts = np.arange(0, len(pos), tile)
-    parts = [np.stack([np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)], axis=-1).ravel()]
-    if seg is not None:
-        seg = np.asarray(seg, dtype=np.int64)
-        parts.append(np.stack([np.minimum.reduceat(seg, starts, axis=1),
-                               np.maximum.reduceat(seg, starts, axis=1)], axis=-1).ravel())
-    return np.ascontiguousarray(np.concatenate(parts))
 
 
 def _nothing_to_do(batch, heads, kv_heads, sq, skv, tick) -> bool:
@@ -251,8 +216,8 @@ class CupyBackend:
         return K.get_kernel(filename, expr, self.device.id, int(smem))
 
     def _upload(self, host: np.ndarray, tile=None, seg=None):
-        """Device copy of a host int64 array (or of its tile bounds when
-        ``tile`` is given), cached by content."""
+        """``(host int64 data, device copy)`` of a host array (or of its tile
+        bounds when ``tile`` is given), cached by content."""
         h = hashlib.blake2b(digest_size=16)
         h.update(np.ascontiguousarray(host, dtype=np.int64).tobytes())
         if seg is not None:
@@ -266,29 +231,36 @@ class CupyBackend:
         data = tile_bounds(host, seg, tile) if tile is not None else np.ascontiguousarray(host, dtype=np.int64)
         with self.device:
             dev = self.xp.asarray(data)
-        self._uploads[key] = dev
+        self._uploads[key] = (data, dev)
         while len(self._uploads) > 64:
             self._uploads.popitem(last=False)
-        return dev
+        return data, dev
 
-    def _mask_args(self, mask: BlockMask, batch: int, q_tile: int, kv_tile: int):
+    def _mask_args(self, mask: BlockMask, batch: int, kernel: "K.BlockKernel", sq: int, skv: int):
+        """The kernel's ``MASK_PARAMS`` values and the block's ``(tiles computed,
+        tiles skipped)``, counted as the kernel classifies them."""
         has_seg = mask.seg_q is not None
         if has_seg and mask.seg_kv is None:
             raise ValueError("seg_q given without seg_kv")
-        q_pos = self._upload(mask.q_pos)
-        kv_pos = self._upload(mask.kv_pos)
+        q_pos = self._upload(mask.q_pos)[1]
+        kv_pos = self._upload(mask.kv_pos)[1]
         if has_seg:
             seg_q = np.asarray(mask.seg_q, dtype=np.int64).reshape(batch, -1)
             seg_kv = np.asarray(mask.seg_kv, dtype=np.int64).reshape(batch, -1)
-            dseg_q, dseg_kv = self._upload(seg_q.ravel()), self._upload(seg_kv.ravel())
+            dseg_q, dseg_kv = self._upload(seg_q.ravel())[1], self._upload(seg_kv.ravel())[1]
         else:
             seg_q = seg_kv = None
             dseg_q, dseg_kv = q_pos, kv_pos  # never read: has_seg = 0
-        q_bounds = self._upload(mask.q_pos, q_tile, seg_q)
-        kv_bounds = self._upload(mask.kv_pos, kv_tile, seg_kv)
+        (bm, bn), (nqt, nkt) = kernel.tiles, kernel.tile_counts(sq, skv)
+        q_bounds, dq_bounds = self._upload(mask.q_pos, bm, seg_q)
+        kv_bounds, dkv_bounds = self._upload(mask.kv_pos, bn, seg_kv)
+        classes = classify_tiles(mask.spec, q_bounds, kv_bounds, nqt, nkt, batch, has_seg)
+        per_class = 1 if has_seg else batch
+        skipped = int(np.count_nonzero(classes == SKIP)) * per_class
+        counts = (classes.size * per_class - skipped, skipped)
         has_lo, lo_delta, has_hi, hi_delta = mask_scalars(mask.spec)
-        return (q_pos, kv_pos, dseg_q, dseg_kv, q_bounds, kv_bounds,
-                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta)
+        return (q_pos, kv_pos, dseg_q, dseg_kv, dq_bounds, dkv_bounds,
+                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta), counts
 
     def _kv_operand(self, x, ct):
         """K/V as a contiguous array the kernels for compute dtype ``ct`` read."""
@@ -318,7 +290,7 @@ class CupyBackend:
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):
-            return
+            return 0, 0
         ct = self.compute_dtype(qh.dtype)
         with self._on_stream():
             qh = self.xp.ascontiguousarray(qh, dtype=ct)
@@ -327,17 +299,18 @@ class CupyBackend:
             self._check_state("o_acc", o_acc, (batch, heads, sq, d), ct)
             self._check_state("m", m, (batch, heads, sq), ct)
             self._check_state("l", l, (batch, heads, sq), ct)
-            kind = _kind_of_dtype(kh.dtype)
-            fname, expr, (bm, bn), threads, smem = K.forward_kernel(kind, d)
-            nqt, nkt = -(-sq // bm), -(-skv // bn)
-            margs = self._mask_args(mask, batch, bm, bn)
-            kern = self._kernel(fname, expr, smem)
-            shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt))
-            kern((nqt, batch * heads), (threads,), (qh, kh, vh, o_acc, m, l, ct.type(scale)) + margs + shape,
-                 shared_mem=smem)
+            kernel = K.forward_kernel(_kind_of_dtype(kh.dtype), d)
+            margs, counts = self._mask_args(mask, batch, kernel, sq, skv)
+            smem = kernel.shared_mem_bytes()
+            self._kernel(kernel.filename, kernel.expr, smem)(
+                kernel.grid(batch, heads, kv_heads, sq, skv), kernel.block(),
+                kernel.args((qh, kh, vh, o_acc, m, l), ct.type(scale), margs,
+                            batch, heads, kv_heads, sq, skv, d),
+                shared_mem=smem)
             self._mark_use(*used)
         if tick is not None:
             tick()
+        return counts
 
     def finalize(self, o_acc, m, l, out_dtype):
         """``o (B, Sq, H, D)`` in ``out_dtype`` (bfloat16 as uint16) and
@@ -364,7 +337,7 @@ class CupyBackend:
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):
-            return
+            return 0, 0
         ct = self.compute_dtype(qh.dtype)
         cp = self.xp
         with self._on_stream():
@@ -374,31 +347,31 @@ class CupyBackend:
             self._check_state("dq", dq, (batch, heads, sq, d), ct)
             self._check_state("dk", dk, (batch, kv_heads, skv, d), ct)
             self._check_state("dv", dv, (batch, kv_heads, skv, d), ct)
-            kind = _kind_of_dtype(kh.dtype)
-            fname, expr, (bm, bn), threads, smem = K.backward_kernel(kind, d)
-            nqt, nkt = -(-sq // bm), -(-skv // bn)
-            margs = self._mask_args(mask, batch, bm, bn)
-            kern = self._kernel(fname, expr, smem)
-            shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt))
-            kern((nkt, batch * kv_heads), (threads,),
-                 (qh, doh, lse, dvec, kh, vh, dq, dk, dv, ct.type(scale)) + margs + shape,
-                 shared_mem=smem)
+            kernel = K.backward_kernel(_kind_of_dtype(kh.dtype), d)
+            margs, counts = self._mask_args(mask, batch, kernel, sq, skv)
+            smem = kernel.shared_mem_bytes()
+            self._kernel(kernel.filename, kernel.expr, smem)(
+                kernel.grid(batch, heads, kv_heads, sq, skv), kernel.block(),
+                kernel.args((qh, doh, lse, dvec, kh, vh, dq, dk, dv), ct.type(scale), margs,
+                            batch, heads, kv_heads, sq, skv, d),
+                shared_mem=smem)
             self._mark_use(*used)
         if tick is not None:
             tick()
+        return counts
 
 
 class DeviceMessage:
     """A ring message buffer on the GPU (interface of
     :class:`ringmpi.backends.HostMessage`).
 
-    CUDA-aware mode: ``mpi`` is the device buffer itself.  Staged mode:
-    ``mpi`` is a pinned host buffer and the compute side a device buffer;
+    CUDA-aware mode: ``mpi_buffer()`` is the device buffer itself.  Staged
+    mode: it is a pinned host buffer and the compute side a device buffer;
     ``arrived()`` copies host -> device asynchronously (the compute stream
     waits on it), ``ready_to_send(True)`` copies device -> host.
 
-    Reading ``mpi`` is a fence: it waits until no queued GPU work still
-    reads or writes the memory MPI is about to use, so a buffer handed to
+    ``mpi_buffer()`` blocks: it waits until no queued GPU work still reads
+    or writes the memory MPI is about to use, so a buffer handed to
     ``Irecv`` is never overwritten under a running kernel or copy.
     """
 
@@ -406,7 +379,6 @@ class DeviceMessage:
         import cupy
         import cupyx
         self._backend = backend
-        self.cuda_aware = cuda_aware
         n = max(int(nbytes), 1)
         with backend.device:
             self._dev = cupy.empty(n, dtype=np.uint8)
@@ -417,7 +389,13 @@ class DeviceMessage:
         self._range = (lo, lo + n)
 
     @property
-    def mpi(self):
+    def cuda_aware(self) -> bool:
+        """True when MPI reads and writes the device buffer itself (no pinned staging buffer)."""
+        return self._host is None
+
+    def mpi_buffer(self):
+        """The buffer to hand to ``Isend``/``Irecv``, after waiting for the GPU
+        work that still uses its memory."""
         if self.cuda_aware:
             if self._compute_event is not None:
                 self._compute_event.synchronize()

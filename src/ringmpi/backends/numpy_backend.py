@@ -147,6 +147,11 @@ class NumpyBackend:
         return np.array(xh.transpose(0, 2, 1, 3), dtype=dtype, order="C", copy=True)
 
     @staticmethod
+    def row_dot(x, y):
+        """``(x * y).sum(-1)``: ``(B, H, S, D)`` twice -> ``(B, H, S)``, same dtype."""
+        return (x * y).sum(axis=-1)
+
+    @staticmethod
     def message(nbytes: int) -> HostMessage:
         return HostMessage(nbytes)
 

@@ -14,7 +14,11 @@ Nothing here imports CuPy at module level.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Tuple
+
+import numpy as np
 
 KERNEL_DIR = Path(__file__).resolve().parent
 PREAMBLE = "common.cuh"
@@ -22,7 +26,6 @@ SOURCES = ("forward.cu", "backward.cu", "finalize.cu")
 
 # element kinds (must match KIND_* in common.cuh)
 F16, BF16, F32, F64 = 0, 1, 2, 3
-KIND_NAMES = {F16: "float16", BF16: "bfloat16", F32: "float32", F64: "float64"}
 KIND_SIZE = {F16: 2, BF16: 2, F32: 4, F64: 8}
 
 # Head dims are padded (with zeros, in shared memory) to one of these; the
@@ -59,29 +62,75 @@ def source(filename: str) -> str:
 
 
 # ------------------------------------------------------------ kernel choice
-# Each returns (filename, name_expression, tiles, threads, dynamic smem bytes).
+@dataclass(frozen=True)
+class BlockKernel:
+    """One compiled block kernel and how to launch it (no CuPy needed to plan).
 
-def forward_kernel(kind: int, d: int):
+    ``direction`` is ``"forward"`` (one CTA per query tile and (batch, head))
+    or ``"backward"`` (one CTA per key tile and (batch, kv head)).  ``tiles`` is
+    (query rows, keys) per CTA step; ``threads`` the CTA size; ``smem`` the
+    dynamic shared memory in bytes.
+    """
+
+    direction: str
+    filename: str
+    expr: str
+    tiles: Tuple[int, int]
+    threads: int
+    smem: int
+
+    @property
+    def instantiation(self) -> Tuple[str, str]:
+        """``(filename, name_expression)``, as :func:`instantiations` lists it."""
+        return self.filename, self.expr
+
+    def tile_counts(self, sq: int, skv: int) -> Tuple[int, int]:
+        """``(query tiles, key tiles)`` of an ``sq x skv`` block."""
+        bm, bn = self.tiles
+        return -(-int(sq) // bm), -(-int(skv) // bn)
+
+    def grid(self, batch: int, heads: int, kv_heads: int, sq: int, skv: int) -> Tuple[int, int]:
+        """The launch grid of one block."""
+        nqt, nkt = self.tile_counts(sq, skv)
+        if self.direction == "forward":
+            return nqt, batch * heads
+        return nkt, batch * kv_heads
+
+    def block(self) -> Tuple[int]:
+        return (self.threads,)
+
+    def shared_mem_bytes(self) -> int:
+        return self.smem
+
+    def args(self, tensors: tuple, scale, mask_args: tuple, batch: int, heads: int, kv_heads: int,
+             sq: int, skv: int, d: int) -> tuple:
+        """The kernel's argument tuple: ``tensors`` (forward: ``qh, kh, vh, o_acc, m, l``;
+        backward: ``qh, doh, lse, dvec, kh, vh, dq, dk, dv``), the typed ``scale``,
+        the ``MASK_PARAMS`` values, then the int32 shape scalars."""
+        nqt, nkt = self.tile_counts(sq, skv)
+        shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt))
+        return tuple(tensors) + (scale,) + tuple(mask_args) + shape
+
+
+def forward_kernel(kind: int, d: int) -> BlockKernel:
     """Forward kernel for K/V kind ``kind`` and head dim ``d``.
 
     f16/bf16 use tensor cores; f32/f64 the exact SIMT kernel.
-    ``tiles`` is (query rows, keys) per CTA step.
     """
     dp = padded_dim(d)
     if kind in (F16, BF16):
         bm, bn = FWD_MMA_TILES
         smem = 2 * (bm * (dp + 8) + bn * (dp + 8) + dp * (bn + 8))
         expr = f"ringmpi_forward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
-        return "forward.cu", expr, (bm, bn), 128, smem
+        return BlockKernel("forward", "forward.cu", expr, (bm, bn), 128, smem)
     bn = _simt_bn(dp, kind)
     bm, t = 32, KIND_SIZE[kind]
     smem = t * (bm * (dp + 1) + 2 * bn * (dp + 1) + bm * (bn + 1))
-    return "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}>", (bm, bn), 128, smem
+    return BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}>", (bm, bn), 128, smem)
 
 
-def backward_kernel(kind: int, d: int):
-    """Backward kernel for K/V kind ``kind`` and head dim ``d``; ``tiles`` as
-    in :func:`forward_kernel` (query rows, keys)."""
+def backward_kernel(kind: int, d: int) -> BlockKernel:
+    """Backward kernel for K/V kind ``kind`` and head dim ``d``."""
     dp = padded_dim(d)
     if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM:
         bn = 64
@@ -89,11 +138,12 @@ def backward_kernel(kind: int, d: int):
         smem = 4 * 2 * bm + 2 * (2 * bn * (dp + 8) + dp * (bn + 8) + 2 * bm * (dp + 8)
                                  + 2 * dp * (bm + 8) + bm * (bn + 8))
         expr = f"ringmpi_backward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
-        return "backward.cu", expr, (bm, bn), 128, smem
+        return BlockKernel("backward", "backward.cu", expr, (bm, bn), 128, smem)
     bn = _simt_bn(dp, kind)
     t = 8 if kind == F64 else 4
     smem = t * (4 * bn * (dp + 1) + 2 * bn * (bn + 1) + 2 * bn)
-    return "backward.cu", f"ringmpi_backward_simt<{dp}, {kind}, {bn}>", (bn, bn), 256, smem
+    return BlockKernel("backward", "backward.cu", f"ringmpi_backward_simt<{dp}, {kind}, {bn}>",
+                       (bn, bn), 256, smem)
 
 
 def finalize_kernel(acc_kind: int, out_kind: int):
@@ -113,8 +163,8 @@ def instantiations():
     out = []
     for kind in (F16, BF16, F32, F64):
         for dp in PADDED_DIMS:
-            out.append(forward_kernel(kind, dp)[:2])
-            out.append(backward_kernel(kind, dp)[:2])
+            out.append(forward_kernel(kind, dp).instantiation)
+            out.append(backward_kernel(kind, dp).instantiation)
     for acc in (F32, F64):
         for o in (F16, BF16, F32, F64):
             out.append(finalize_kernel(acc, o))
