@@ -89,7 +89,10 @@ __device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b
 // Mask rules in global positions (see ringmpi/masks.py): key j is visible
 // from query i when (!has_lo || j >= i + lo_delta) && (!has_hi || j <= i + hi_delta)
 // and, with segment ids, seg_q == seg_kv.  The host folds causal, window and
-// the bottom-right offset into (has_lo, lo_delta, has_hi, hi_delta).
+// the bottom-right offset into (has_lo, lo_delta, has_hi, hi_delta)
+// (MaskSpec.key_deltas / kernel_scalars).  This section is the one place the
+// CUDA code states the rule; masks.classify_tiles is classify_tile's host twin
+// (the CuPy backend counts tiles with it), so change the two together.
 struct MaskArgs {
     const long long* q_pos;     // (Sq,)
     const long long* kv_pos;    // (Skv,)
