@@ -39,12 +39,8 @@ class _Plan:
     comm: object
     backend: object
     rank: int
-    size: int
     batch: int
     heads: int
-    kv_heads: int
-    dim: int
-    dtype: np.dtype
     compute_dtype: np.dtype
     layout_q: Layout
     layout_kv: Layout
@@ -170,8 +166,8 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     spec = MaskSpec(causal=bool(causal),
                     window=None if window is None else tuple(None if w is None else int(w) for w in window),
                     offset=n_kv - n_q)
-    return _Plan(comm=comm, backend=be, rank=rank, size=size, batch=q.shape[0], heads=q.shape[2],
-                 kv_heads=k.shape[2], dim=dim, dtype=q.dtype, compute_dtype=be.compute_dtype(q.dtype),
+    return _Plan(comm=comm, backend=be, rank=rank, batch=q.shape[0], heads=q.shape[2],
+                 compute_dtype=be.compute_dtype(q.dtype),
                  layout_q=layout_q, layout_kv=layout_kv, spec=spec, scale=scale, seg_q=seg_q,
                  seg_kv=seg_kv,
                  timeout=default_timeout() if timeout is None else timeout)
