@@ -24,7 +24,8 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 
 from .backends import get_backend
-from .errors import agree, fault_point
+from .errors import agree
+from .faults import fault_point
 from .layout import KINDS, Layout
 from .masks import BlockMask, MaskSpec
 from .ring import Ring, StepRecord, default_timeout, resolve_comm

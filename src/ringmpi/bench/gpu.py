@@ -1,6 +1,6 @@
 """GPU kernel benchmark: TFLOP/s of the local block kernels.
 
-    python -m ringmpi.bench_gpu [--seqlens 4096 16384] [--dims 64 128] [--quick]
+    python -m ringmpi.bench.gpu [--seqlens 4096 16384] [--dims 64 128] [--quick]
 
 FLOPs as FlashAttention counts them: forward 4*B*H*S*S*D (halved for
 causal), backward 2.5x forward.  One block covers the whole sequence
@@ -31,8 +31,8 @@ def _time(fn, stream, repeats):
 
 def bench_ours(batch, heads, seqlen, d, causal, repeats):
     import cupy as cp
-    from .backends.cupy_backend import CupyBackend
-    from .masks import BlockMask, MaskSpec
+    from ..backends.cupy_backend import CupyBackend
+    from ..masks import BlockMask, MaskSpec
 
     be = CupyBackend.instance()
     rng = cp.random.default_rng(0)
@@ -110,7 +110,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.repeats = [4096], 2
-    from .backends import gpu_available
+    from ..backends import gpu_available
     if not gpu_available():
         raise SystemExit("bench_gpu: no CUDA GPU visible to CuPy")
 

@@ -20,8 +20,8 @@ from typing import List, Optional, Tuple
 import click
 import numpy as np
 
-from . import __version__
-from .layout import KINDS
+from .. import __version__
+from ..layout import KINDS
 
 DEFAULT_PASS_BYTES = 4 << 30
 
@@ -88,8 +88,8 @@ class _Progress:
 
 
 def _resolve_backend(name: str, comm):
-    from .backends import gpu_available
-    from .errors import agree
+    from ..backends import gpu_available
+    from ..errors import agree
 
     if name == "auto":
         name = "cupy" if gpu_available() else "numpy"
@@ -97,7 +97,7 @@ def _resolve_backend(name: str, comm):
         agree(comm, None if len(set(names)) == 1 else
               "backend auto: some ranks see a GPU and some do not; pass --backend numpy or cupy")
     if name == "cupy":
-        from .device import select_device
+        from ..device import select_device
         select_device(comm)
     return name
 
@@ -171,10 +171,11 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     """
     from mpi4py import MPI
 
-    from .errors import ConfigError, fault_point
-    from .io import AtomicOutput, ShardIO, inspect_input, open_file
-    from .layout import Layout
-    from . import ring_attention, ring_attention_backward
+    from ..errors import ConfigError
+    from ..faults import fault_point
+    from ..io import AtomicOutput, ShardIO, inspect_input, open_file
+    from ..layout import Layout
+    from .. import ring_attention, ring_attention_backward
 
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD.Dup()

@@ -46,7 +46,7 @@ import time
 
 import click
 
-from .layout import KINDS
+from ..layout import KINDS
 
 INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 
@@ -85,9 +85,9 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
     """
     from mpi4py import MPI
 
-    from .backends import get_backend
-    from .errors import agree
-    from .ring import resolve_comm
+    from ..backends import get_backend
+    from ..errors import agree
+    from ..ring import resolve_comm
 
     comm = resolve_comm(None)
     kv_heads = heads if kv_heads is None else kv_heads
@@ -152,7 +152,7 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
         _write_json(report, json_path)
         click.echo(f"wrote {json_path}")
     if plot_path:
-        from .timeline import plot_scaling, plot_timeline
+        from .plots import plot_scaling, plot_timeline
         (plot_timeline if sweep is None else plot_scaling)(report, plot_path)
         click.echo(f"wrote {plot_path}")
 
@@ -187,8 +187,8 @@ def _measure(comm, be, cfg, n):
     """This rank's raw timings for one configuration on ``comm`` (collective)."""
     import numpy as np
 
-    from .attention import ring_attention, ring_attention_backward
-    from .layout import Layout
+    from ..attention import ring_attention, ring_attention_backward
+    from ..layout import Layout
 
     rank, p = comm.Get_rank(), comm.Get_size()
     memory = _PeakMemory(be)
@@ -371,8 +371,8 @@ def _instrumentation_unit_costs(be):
 
     from mpi4py import MPI
 
-    from .attention import _timed
-    from .ring import Ring
+    from ..attention import _timed
+    from ..ring import Ring
 
     ring = Ring(MPI.COMM_SELF)
     plan = SimpleNamespace(backend=be)
@@ -507,8 +507,8 @@ def _environment(be, ranks, gemm):
     import numpy as np
     from mpi4py import MPI
 
-    from . import __version__
-    from .backends import numpy_backend
+    from .. import __version__
+    from ..backends import numpy_backend
 
     env = {
         "ringmpi_version": __version__, "python": sys.version.split()[0], "platform": platform.platform(),

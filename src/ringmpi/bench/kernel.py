@@ -1,6 +1,6 @@
 """Local block throughput of the CPU backend, one rank, against torch SDPA.
 
-    python -m ringmpi.bench_kernel [--seq 4096] [--dims 64 128] [--repeat 3]
+    python -m ringmpi.bench.kernel [--seq 4096] [--dims 64 128] [--repeat 3]
 
 Runs ``ring_attention`` / ``ring_attention_backward`` on a single rank (the
 ring degenerates to the local block) with one BLAS thread, and, when torch is
@@ -91,7 +91,7 @@ def main(argv=None):
     if os.environ.get("OPENBLAS_NUM_THREADS") != "1" or os.environ.get("OMP_NUM_THREADS") != "1":
         # NumPy's BLAS reads its thread count at import: start again with one thread
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        os.execve(sys.executable, [sys.executable, "-m", "ringmpi.bench_kernel"] + list(
+        os.execve(sys.executable, [sys.executable, "-m", "ringmpi.bench.kernel"] + list(
             sys.argv[1:] if argv is None else argv), env)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)

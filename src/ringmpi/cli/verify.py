@@ -111,8 +111,8 @@ def _check(in_path: str, out_path: str, max_n: int):
     """Rank 0's work: ``(exit status, report text)``; raises ConfigError for unusable files."""
     import h5py
 
-    from .errors import ConfigError
-    from .io import _inspect_serial, _peek
+    from ..errors import ConfigError
+    from ..io import _inspect_serial, _peek
 
     spec, problem = _inspect_serial(in_path, backward=False)
     if problem:
@@ -195,7 +195,7 @@ def verify(input_path, output_path, max_n):
     """
     from mpi4py import MPI
 
-    from .errors import ConfigError, agree
+    from ..errors import ConfigError, agree
 
     comm = MPI.COMM_WORLD
     status, text, problem = 0, "", None
