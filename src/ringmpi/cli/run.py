@@ -21,6 +21,7 @@ import click
 import numpy as np
 
 from .. import __version__
+from ..flops import attention_flops
 from ..layout import KINDS
 
 DEFAULT_PASS_BYTES = 4 << 30
@@ -54,14 +55,6 @@ def plan_passes(spec, world_size: int, heads_per_pass: Optional[int], budget: in
     b_per = max(1, min(spec.batch, budget // max(1, per_entry)))
     return [Pass(b0, min(b0 + b_per, spec.batch), g0, min(g0 + kv_per, spec.kv_heads))
             for b0 in range(0, spec.batch, b_per) for g0 in range(0, spec.kv_heads, kv_per)]
-
-
-def flop_count(spec, causal: bool, backward: bool) -> float:
-    """FlashAttention's count: forward 4*B*H*Nq*Nkv*D (halved for causal), backward 2.5x."""
-    fwd = 4.0 * spec.batch * spec.heads * spec.n_q * spec.n_kv * spec.dim
-    if causal:
-        fwd /= 2
-    return fwd * (3.5 if backward else 1.0)
 
 
 class _Progress:
@@ -285,7 +278,8 @@ def _converters(backend: str):
 def _summary(spec, size, layout, causal, window, backward, backend, passes, every, path):
     walls, rings, computes, waits, reads, writes = (np.array(col) for col in zip(*every))
     wall = float(walls.max())
-    flops = flop_count(spec, causal, backward)
+    flops = attention_flops(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.dim, causal,
+                            "forward+backward" if backward else "forward")
     mask = "causal" if causal else "full"
     if window is not None:
         mask += f" window {window}"
