@@ -118,6 +118,20 @@ def test_nonfinite_input_names_global_index(tmp_path):
     assert not (tmp_path / "out.h5").exists() and not leftovers(tmp_path)
 
 
+def test_check_finite_scans_every_pass_before_any_compute(tmp_path):
+    """Four passes (one batch entry, one kv head each); the Inf is in the last.  The
+    scan must reject it before the first ring step (where RINGMPI_FAULT would
+    fire) and name the batch entry and head globally, not within the pass."""
+    q = np.random.default_rng(0).standard_normal((2, 20, 4, 8)).astype("f4")
+    q[1, 13, 3, 5] = np.inf
+    src = write_input(tmp_path / "in.h5", b=2, q=q)
+    rc, _, err = ringmpi(["run", src, "-o", tmp_path / "out.h5", "--check-finite", "--heads-per-pass", "2"],
+                         env=mpirun_env(RINGMPI_PASS_BYTES="1", RINGMPI_FAULT="raise:0:0:fwd"))
+    assert rc == 2, err
+    assert "q has a non-finite value (inf) at global index [1, 13, 3, 5]" in err, err
+    assert not (tmp_path / "out.h5").exists() and not leftovers(tmp_path)
+
+
 def test_existing_output_needs_overwrite(tmp_path):
     src = write_input(tmp_path / "in.h5")
     out = tmp_path / "out.h5"
