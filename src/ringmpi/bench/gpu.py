@@ -81,7 +81,7 @@ def main(argv=None):
         args.seqlens, args.repeats = [4096], 2
     from ..backends import gpu_available
     if not gpu_available():
-        raise SystemExit("bench_gpu: no CUDA GPU visible to CuPy")
+        raise SystemExit("ringmpi.bench.gpu: no CUDA GPU visible to CuPy")
 
     rows = []
     for seqlen in args.seqlens:

@@ -134,7 +134,7 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
     points = []
     for i, p in enumerate(sizes):
         per_rank = [g[1][i] for g in gathered[:p]]
-        points.append(_point(per_rank, cfg, be.name, gemm, instrument))
+        points.append(_point(per_rank, cfg, gemm, instrument))
     base = {"world_size": size, "backend": be.name, "n": n,
             **{k: v for k, v in cfg.items() if k != "backward"}, "environment": env}
     if sweep is None:
@@ -430,7 +430,7 @@ def _instrumentation(summary, costs):
     return max(shares)
 
 
-def _point(per_rank, cfg, backend, gemm, costs):
+def _point(per_rank, cfg, gemm, costs):
     p = len(per_rank)
     n = sum(r["s_local"] for r in per_rank)
     flops = _flops(cfg, n)

@@ -96,7 +96,7 @@ def flash_sdpa_cuda_seconds(batch: int, heads: int, seqlen: int, dim: int, causa
         return None
     if not torch.cuda.is_available():
         return None
-    shape = (batch, heads, seqlen, d)
+    shape = (batch, heads, seqlen, dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     f = torch.nn.functional.scaled_dot_product_attention
