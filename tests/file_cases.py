@@ -13,9 +13,9 @@ import json
 import os
 import sys
 
-from ringmpi.datagen import make_data
+from ringmpi.cli.make_data import make_data
 from ringmpi.errors import abort_on_error
-from ringmpi.runner import run
+from ringmpi.cli.run import run
 
 
 def main():

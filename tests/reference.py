@@ -3,7 +3,7 @@
 ``dense_forward``/``dense_backward`` compute on whole global arrays in the
 dtype given (float64 for the reference, the input dtype for the "naive
 same-dtype" computation that sets the tolerance).  ``tolerance_check``
-applies DESIGN.md's rule.
+applies the tolerance rule of docs/design.md.
 """
 
 import numpy as np
@@ -98,7 +98,7 @@ def max_err(x, ref):
 
 
 def tolerance_check(name, ours, ref64, naive, gradient=False):
-    """DESIGN.md's rule: err <= 2x naive + 1e-6 (3x + 1e-5 for gradients).
+    """The rule of docs/design.md: err <= 2x naive + 1e-6 (3x + 1e-5 for gradients).
 
     Returns (ok, message)."""
     factor, floor = (3.0, 1e-5) if gradient else (2.0, 1e-6)

@@ -5,7 +5,7 @@
 Every rank builds the same global inputs from the case's seed, runs
 ``ring_attention`` (and the backward) on its own shard, and rank 0 gathers
 the shards, compares them with the float64 dense reference of
-``reference.py`` under DESIGN.md's tolerance rule, and prints one line per
+``reference.py`` under the tolerance rule of docs/design.md, and prints one line per
 case: ``CASE <json>``.  The backend comes from ``RINGMPI_TEST_BACKEND``
 (default numpy).
 """

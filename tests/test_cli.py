@@ -3,6 +3,7 @@ file; failures while writing never damage an existing output; ``--help`` and
 ``--version`` never initialise MPI; the job scripts parse."""
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -77,32 +78,53 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("nprocs", [1, 4])
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_input_exit_2(tmp_path, name, nprocs):
-    """One process without mpirun, and P = 4 under mpirun: the same exit 2 and one message."""
+def bad_input_case(directory, name):
+    """Create case ``name``'s input under ``directory``: (argv after ``ringmpi``, output path, message)."""
+    directory.mkdir()
     make, extra, message = BAD[name]
-    src = make(tmp_path)
-    out = tmp_path / "out.h5"
-    args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    src = make(directory)
+    out = directory / "out.h5"
+    args = [a.replace("{tmp}", str(directory)) for a in extra]
     if "-o" not in args:
-        args += ["-o", out]
-    if nprocs == 1:
-        rc, stdout, stderr = ringmpi(["run", src] + args)
-    else:
-        rc, stdout, stderr, _ = mpirun(nprocs, [RINGMPI, "run", src] + args, 60)
+        args += ["-o", str(out)]
+    if name == "missing-dataset":
+        message = [message, str(src)]  # the message names the file
+    return ["run", str(src)] + args, out, message if isinstance(message, list) else [message]
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_exit_2_one_process(tmp_path, name):
+    """One process without mpirun: exit 2, one message, no file."""
+    argv, out, messages = bad_input_case(tmp_path / name, name)
+    rc, stdout, stderr = ringmpi(argv)
     assert rc == 2, stderr
-    assert message in stderr and stderr.count("ringmpi: error:") == 1, stderr
-    assert not out.exists() and not leftovers(tmp_path)
+    assert all(m in stderr for m in messages) and stderr.count("ringmpi: error:") == 1, stderr
+    assert not out.exists() and not leftovers(out.parent)
 
 
 @pytest.mark.mpi
-def test_bad_input_same_message_once_under_mpirun(tmp_path):
-    src = write_input(tmp_path / "in.h5", v=None)
-    rc, out, err, _ = mpirun(3, [RINGMPI, "run", src, "-o", tmp_path / "out.h5"], 60)
-    assert rc == 2, err
-    assert err.count("missing dataset 'v'") == 1 and str(src) in err, err
-    assert not (tmp_path / "out.h5").exists() and not leftovers(tmp_path)
+def test_bad_input_exit_2_under_mpirun(tmp_path):
+    """P = 4, every case in one launch: every rank exits 2, rank 0 alone prints the one message, no file."""
+    cases, expect = [], {}
+    for name in sorted(BAD):
+        argv, out, messages = bad_input_case(tmp_path / name, name)
+        cases.append({"id": name, "argv": argv})
+        expect[name] = (out, messages)
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
+    rc, stdout, stderr, _ = mpirun(4, [sys.executable, ROOT / "tests" / "cli_cases.py", path], 120)
+    results = {}
+    for line in stdout.splitlines():
+        if line.startswith("CASE "):
+            rec = json.loads(line[5:])
+            results[rec["id"]] = rec
+    assert rc == 0 and set(results) == set(BAD), (rc, sorted(results), stderr[-3000:])
+    for name, (out, messages) in expect.items():
+        rcs, errs = results[name]["rc"], results[name]["stderr"]
+        assert rcs == [2, 2, 2, 2], (name, rcs, errs)
+        assert all(m in errs[0] for m in messages), (name, errs)
+        assert sum(e.count("ringmpi: error:") for e in errs) == 1, (name, errs)
+        assert not out.exists() and not leftovers(out.parent), name
 
 
 @pytest.mark.mpi
@@ -115,6 +137,20 @@ def test_nonfinite_input_names_global_index(tmp_path):
     assert rc == 2, err
     assert "q has a non-finite value (nan) at global index [0, 13, 2, 5]" in err, err
     assert err.count("ringmpi: error:") == 1
+    assert not (tmp_path / "out.h5").exists() and not leftovers(tmp_path)
+
+
+def test_check_finite_scans_every_pass_before_any_compute(tmp_path):
+    """Four passes (one batch entry, one kv head each); the Inf is in the last.  The
+    scan must reject it before the first ring step (where RINGMPI_FAULT would
+    fire) and name the batch entry and head globally, not within the pass."""
+    q = np.random.default_rng(0).standard_normal((2, 20, 4, 8)).astype("f4")
+    q[1, 13, 3, 5] = np.inf
+    src = write_input(tmp_path / "in.h5", b=2, q=q)
+    rc, _, err = ringmpi(["run", src, "-o", tmp_path / "out.h5", "--check-finite", "--heads-per-pass", "2"],
+                         env=mpirun_env(RINGMPI_PASS_BYTES="1", RINGMPI_FAULT="raise:0:0:fwd"))
+    assert rc == 2, err
+    assert "q has a non-finite value (inf) at global index [1, 13, 3, 5]" in err, err
     assert not (tmp_path / "out.h5").exists() and not leftovers(tmp_path)
 
 
@@ -174,6 +210,23 @@ def test_help_does_not_initialise_mpi(flag):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert ("0.1" in proc.stdout) if flag == "--version" else ("Usage:" in proc.stdout)
+
+
+def test_import_leaves_the_environment_alone_and_the_cli_sets_one_thread():
+    """``import ringmpi`` changes no variable and loads no NumPy; the command line sets
+    one BLAS/OpenMP thread per rank before NumPy loads, keeping what the user set."""
+    code = ("import os, sys\n"
+            "before = dict(os.environ)\n"
+            "import ringmpi, ringmpi.cli\n"
+            "assert dict(os.environ) == before and 'numpy' not in sys.modules\n"
+            "try:\n    ringmpi.cli.main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "assert 'numpy' not in sys.modules\n"
+            "print(os.environ['OPENBLAS_NUM_THREADS'], os.environ['OMP_NUM_THREADS'], os.environ['MKL_NUM_THREADS'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    env["MKL_NUM_THREADS"] = "3"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "1 1 3"
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS, ids=lambda p: p.name)

@@ -1,7 +1,7 @@
 """Failure handling under real mpirun (P = 4): nothing hangs, errors end the job.
 
 Each test asserts the exit status, the message and the elapsed time; faults
-are injected with ``RINGMPI_FAULT`` (a testing aid, see ringmpi.errors).
+are injected with ``RINGMPI_FAULT`` (a testing aid, see ringmpi.faults).
 """
 
 import re

@@ -143,10 +143,13 @@ def test_make_data_same_bytes_for_any_rank_count(launch):
 
 
 @pytest.mark.mpi
-def test_passes_and_pieces_were_used(launch):
-    where = launch(2)
-    with h5py.File(where / "passes.out.h5", "r") as f:
-        assert f.attrs["heads_per_pass"] == 2
+def test_passes_were_used(launch):
+    """The "passes" case (B=3, two kv-head groups, a 1-byte budget) ran as six passes."""
+    launch(2)
+    _, out, err, _ = _LAUNCHES[2]
+    summary = [line for line in out.splitlines() if line.startswith("ringmpi run: N=40 B=3 ")]
+    assert len(summary) == 1 and summary[0].endswith(", 6 pass(es)"), out[-3000:]
+    assert "[ringmpi] 12/12 backward batch 2:3 kv heads 1:2" in err, err[-3000:]
 
 
 @pytest.mark.mpi

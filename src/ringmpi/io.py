@@ -24,7 +24,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import ConfigError, agree
+from .errors import agree
 
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
 DEFAULT_PIECE_BYTES = 1 << 30
@@ -78,12 +78,12 @@ def _peek(path: str):
 class InputSpec:
     """What an input file holds, agreed on every rank.
 
-    ``rank4`` is False for 3-D datasets ``(N, H, D)`` (then ``batch == 1``);
-    ``seg_q``/``seg_kv`` name the segment-id datasets (or None).
+    ``batch`` is 1 for 3-D datasets ``(N, H, D)``; ``seg_q``/``seg_kv`` name
+    the segment-id datasets (or None); ``shapes`` holds every dataset's shape
+    as stored.
     """
 
     path: str
-    rank4: bool
     batch: int
     n_q: int
     n_kv: int
@@ -91,7 +91,6 @@ class InputSpec:
     kv_heads: int
     dim: int
     dtype: str
-    has_do: bool
     seg_q: Optional[str]
     seg_kv: Optional[str]
     shapes: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
@@ -99,6 +98,21 @@ class InputSpec:
     @property
     def group(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def rank4(self) -> bool:
+        """True for ``(B, N, H, D)`` datasets, False for ``(N, H, D)``."""
+        return len(self.shapes["q"]) == 4
+
+    @property
+    def has_do(self) -> bool:
+        """True when the file holds ``do`` (the gradient of ``o``)."""
+        return "do" in self.shapes
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of q, k, v (and do)."""
+        return np.dtype(self.dtype).itemsize
 
 
 def _describe_input(f, path: str, backward: bool):
@@ -168,9 +182,8 @@ def _describe_input(f, path: str, backward: bool):
             return None, f"{where}: dataset '{name}' has shape {shape}; expected ({b}, {n}) or ({n},)"
         if f[name].dtype.kind not in "iu":
             return None, f"{where}: dataset '{name}' must hold integers, got dtype {f[name].dtype}"
-    spec = InputSpec(path=path, rank4=(ndim == 4), batch=b, n_q=n_q, n_kv=n_kv, heads=h, kv_heads=h_kv,
-                     dim=d, dtype=dtypes["q"], has_do="do" in shapes, seg_q=seg_q, seg_kv=seg_kv,
-                     shapes=shapes)
+    spec = InputSpec(path=path, batch=b, n_q=n_q, n_kv=n_kv, heads=h, kv_heads=h_kv,
+                     dim=d, dtype=dtypes["q"], seg_q=seg_q, seg_kv=seg_kv, shapes=shapes)
     return spec, None
 
 

@@ -37,7 +37,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from .backends import HostMessage
-from .errors import fault_point
+from .faults import fault_point
 from .masks import BlockMask, MaskSpec
 from .ring import Ring
 

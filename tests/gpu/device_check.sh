@@ -31,7 +31,7 @@ timeout 300 "$py" -m pytest tests/gpu -q -rfEs -p no:cacheprovider 2>&1 | tee "$
 test_rc=${PIPESTATUS[0]}
 
 echo "[check] benchmark"
-timeout 170 "$py" -m ringmpi.bench_gpu --repeats 3 2>&1 | tee "$log/bench.txt"
+timeout 170 "$py" -m ringmpi.bench.gpu --repeats 3 2>&1 | tee "$log/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
 echo

@@ -46,7 +46,9 @@ import time
 
 import click
 
-from .layout import KINDS
+from ..flops import attention_flops
+from ..layout import KINDS
+from .sdpa import measure_sdpa
 
 INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 
@@ -85,9 +87,9 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
     """
     from mpi4py import MPI
 
-    from .backends import get_backend
-    from .errors import agree
-    from .ring import resolve_comm
+    from ..backends import get_backend
+    from ..errors import agree
+    from ..ring import resolve_comm
 
     comm = resolve_comm(None)
     kv_heads = heads if kv_heads is None else kv_heads
@@ -132,7 +134,7 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
     points = []
     for i, p in enumerate(sizes):
         per_rank = [g[1][i] for g in gathered[:p]]
-        points.append(_point(per_rank, cfg, be.name, gemm, instrument))
+        points.append(_point(per_rank, cfg, gemm, instrument))
     base = {"world_size": size, "backend": be.name, "n": n,
             **{k: v for k, v in cfg.items() if k != "backward"}, "environment": env}
     if sweep is None:
@@ -152,7 +154,7 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
         _write_json(report, json_path)
         click.echo(f"wrote {json_path}")
     if plot_path:
-        from .timeline import plot_scaling, plot_timeline
+        from .plots import plot_scaling, plot_timeline
         (plot_timeline if sweep is None else plot_scaling)(report, plot_path)
         click.echo(f"wrote {plot_path}")
 
@@ -187,8 +189,8 @@ def _measure(comm, be, cfg, n):
     """This rank's raw timings for one configuration on ``comm`` (collective)."""
     import numpy as np
 
-    from .attention import ring_attention, ring_attention_backward
-    from .layout import Layout
+    from ..attention import ring_attention, ring_attention_backward
+    from ..layout import Layout
 
     rank, p = comm.Get_rank(), comm.Get_size()
     memory = _PeakMemory(be)
@@ -217,7 +219,10 @@ def _measure(comm, be, cfg, n):
         _repeat(comm, be, backward_call, cfg, out, "backward")
         out["backward"]["peak_memory_bytes"], out["backward"]["peak_rss_bytes"] = memory.peak()
     if p == 1:
-        out["torch_sdpa"] = _torch_sdpa(be, n, cfg)
+        threads = int(os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or 1)
+        out["torch_sdpa"] = measure_sdpa(cfg["batch"], cfg["heads"], cfg["kv_heads"], n, cfg["dim"], cfg["dtype"],
+                                         cfg["causal"], cfg["backward"], cfg["warmup"], cfg["repeat"], threads,
+                                         device="cuda" if be.name == "cupy" else "cpu")
     return out
 
 
@@ -305,60 +310,6 @@ def _gemm_rate(be, dtype):
     return {"tflops": 2 * n ** 3 / best / 1e12, "n": n, "dtype": str(be.compute_dtype(dtype))}
 
 
-_TORCH_SCRIPT = r"""
-import json, sys, time, statistics
-import torch
-cfg = json.loads(sys.argv[1])
-torch.set_num_threads(cfg["threads"])
-dev = cfg["device"]
-dt = getattr(torch, cfg["dtype"])
-b, h, hkv, n, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["n"], cfg["dim"]
-g = torch.Generator(device="cpu").manual_seed(0)
-mk = lambda heads: torch.randn(b, heads, n, d, generator=g).to(device=dev, dtype=dt)
-q, k, v, do = mk(h), mk(hkv), mk(hkv), mk(h)
-if hkv != h:  # expand once, outside the timed region
-    k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
-sdpa = torch.nn.functional.scaled_dot_product_attention
-sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-def timed(fn):
-    out = []
-    for i in range(cfg["warmup"] + cfg["repeat"]):
-        sync(); t = time.perf_counter(); fn(); sync()
-        if i >= cfg["warmup"]:
-            out.append(time.perf_counter() - t)
-    return statistics.median(out)
-res = {"torch_version": torch.__version__, "threads": torch.get_num_threads(), "device": dev}
-with torch.no_grad():
-    res["forward_seconds"] = timed(lambda: sdpa(q, k, v, is_causal=cfg["causal"]))
-if cfg["backward"]:
-    rq, rk, rv = (x.clone().requires_grad_() for x in (q, k, v))
-    ro = sdpa(rq, rk, rv, is_causal=cfg["causal"])
-    res["backward_seconds"] = timed(lambda: torch.autograd.grad(ro, (rq, rk, rv), do, retain_graph=True))
-print("TORCH_SDPA " + json.dumps(res))
-"""
-
-
-def _torch_sdpa(be, n, cfg):
-    """torch SDPA on the same shape and threads, in a child process (importing torch here
-    would change this process's BLAS threading); ``{"available": False, ...}`` without torch."""
-    import importlib.util
-    import subprocess
-
-    if importlib.util.find_spec("torch") is None:
-        return {"available": False, "reason": "torch is not importable (pip install 'ringmpi[bench]')"}
-    threads = int(os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or 1)
-    args = dict(cfg, n=n, threads=threads, device="cuda" if be.name == "cupy" else "cpu")
-    try:
-        proc = subprocess.run([sys.executable, "-c", _TORCH_SCRIPT, json.dumps(args)],
-                              capture_output=True, text=True, timeout=3600)
-    except subprocess.TimeoutExpired:
-        return {"available": False, "reason": "torch SDPA measurement timed out"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("TORCH_SDPA "):
-            return {"available": True, **json.loads(line[len("TORCH_SDPA "):])}
-    return {"available": False, "reason": f"torch SDPA failed: {proc.stderr.strip()[-500:]}"}
-
-
 def _instrumentation_unit_costs(be):
     """Measured seconds per instrumentation operation, for the overhead account.
 
@@ -369,8 +320,8 @@ def _instrumentation_unit_costs(be):
     """
     from mpi4py import MPI
 
-    from .ring import Ring
-    from .schedule import timed_compute
+    from ..ring import Ring
+    from ..schedule import timed_compute
 
     ring = Ring(MPI.COMM_SELF)
     reps = 20000
@@ -412,9 +363,8 @@ def _instrumentation_unit_costs(be):
 
 # ---------------------------------------------------------------------------- summaries
 def _flops(cfg, n):
-    fwd = 4.0 * cfg["batch"] * cfg["heads"] * n * n * cfg["dim"]
-    fwd = fwd / 2 if cfg["causal"] else fwd
-    return {"forward": fwd, "backward": 2.5 * fwd}
+    return {phase: attention_flops(cfg["batch"], cfg["heads"], n, n, cfg["dim"], cfg["causal"], phase)
+            for phase in ("forward", "backward")}
 
 
 def _median_index(values):
@@ -477,7 +427,7 @@ def _instrumentation(summary, costs):
     return max(shares)
 
 
-def _point(per_rank, cfg, backend, gemm, costs):
+def _point(per_rank, cfg, gemm, costs):
     p = len(per_rank)
     n = sum(r["s_local"] for r in per_rank)
     flops = _flops(cfg, n)
@@ -504,8 +454,8 @@ def _environment(be, ranks, gemm):
     import numpy as np
     from mpi4py import MPI
 
-    from . import __version__
-    from .backends import numpy_backend
+    from .. import __version__
+    from ..backends import numpy_backend
 
     env = {
         "ringmpi_version": __version__, "python": sys.version.split()[0], "platform": platform.platform(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from . import __version__
+from .. import __version__
 
 
 @click.command("info")
@@ -18,7 +18,7 @@ def info():
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     try:
-        from . import device
+        from .. import device
     except ImportError:
         device = None
     if device is not None:
@@ -27,7 +27,7 @@ def info():
         aware_text = f"{'yes' if aware else 'no'} ({why})"
     else:
         gpus, aware_text = None, "unknown (ringmpi.device not available)"
-    from .backends import gpu_available
+    from ..backends import gpu_available
     auto = "cupy" if gpu_available() else "numpy"
     gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
     hosts = comm.gather(MPI.Get_processor_name(), root=0)

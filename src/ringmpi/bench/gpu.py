@@ -1,6 +1,6 @@
 """GPU kernel benchmark: TFLOP/s of the local block kernels.
 
-    python -m ringmpi.bench_gpu [--seqlens 4096 16384] [--dims 64 128] [--quick]
+    python -m ringmpi.bench.gpu [--seqlens 4096 16384] [--dims 64 128] [--quick]
 
 FLOPs as FlashAttention counts them: forward 4*B*H*S*S*D (halved for
 causal), backward 2.5x forward.  One block covers the whole sequence
@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+
+from ..flops import attention_flops
+from .sdpa import flash_sdpa_cuda_seconds
 
 
 def _time(fn, stream, repeats):
@@ -31,8 +34,8 @@ def _time(fn, stream, repeats):
 
 def bench_ours(batch, heads, seqlen, d, causal, repeats):
     import cupy as cp
-    from .backends.cupy_backend import CupyBackend
-    from .masks import BlockMask, MaskSpec
+    from ..backends.cupy_backend import CupyBackend
+    from ..masks import BlockMask, MaskSpec
 
     be = CupyBackend.instance()
     rng = cp.random.default_rng(0)
@@ -65,40 +68,6 @@ def bench_ours(batch, heads, seqlen, d, causal, repeats):
     return t_fwd, t_bwd
 
 
-def bench_torch(batch, heads, seqlen, d, causal, repeats):
-    """Forward and backward seconds of torch's flash SDPA, or None."""
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except Exception:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    shape = (batch, heads, seqlen, d)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    f = torch.nn.functional.scaled_dot_product_attention
-
-    def timed(fn):
-        fn()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop) / 1e3 / repeats
-
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        with torch.no_grad():
-            t_fwd = timed(lambda: f(q, k, v, is_causal=causal))
-        out = f(q, k, v, is_causal=causal)
-        t_both = timed(lambda: torch.autograd.grad(f(q, k, v, is_causal=causal), (q, k, v), do))
-    del out
-    return t_fwd, max(t_both - t_fwd, 1e-9)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -110,18 +79,20 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.repeats = [4096], 2
-    from .backends import gpu_available
+    from ..backends import gpu_available
     if not gpu_available():
-        raise SystemExit("bench_gpu: no CUDA GPU visible to CuPy")
+        raise SystemExit("ringmpi.bench.gpu: no CUDA GPU visible to CuPy")
 
     rows = []
     for seqlen in args.seqlens:
         for d in args.dims:
             for causal in (False, True):
-                flops = 4.0 * args.batch * args.heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
+                flops = {phase: attention_flops(args.batch, args.heads, seqlen, seqlen, d, causal, phase)
+                         for phase in ("forward", "backward")}
                 t_fwd, t_bwd = bench_ours(args.batch, args.heads, seqlen, d, causal, args.repeats)
-                ref = bench_torch(args.batch, args.heads, seqlen, d, causal, args.repeats)
-                row = [seqlen, d, "yes" if causal else "no", flops / t_fwd / 1e12, 2.5 * flops / t_bwd / 1e12]
+                ref = flash_sdpa_cuda_seconds(args.batch, args.heads, seqlen, d, causal, args.repeats)
+                row = [seqlen, d, "yes" if causal else "no", flops["forward"] / t_fwd / 1e12,
+                       flops["backward"] / t_bwd / 1e12]
                 if ref is not None:
                     row += [ref[0] / t_fwd, ref[1] / t_bwd]
                 else:

@@ -2,7 +2,8 @@
 
 The reference is recomputed on one process, per batch entry, per head and per
 block of query rows (memory ``O(rows_block * N_kv)``), once in float64 and once
-naively in the input dtype; DESIGN.md's rule then bounds every output:
+naively in the input dtype (:mod:`ringmpi.reference`); the tolerance rule of
+docs/design.md then bounds every output:
 ``max err <= 2 x naive err + 1e-6`` for ``o``/``lse`` and ``3 x naive err +
 1e-5`` for ``dq``/``dk``/``dv``.
 """
@@ -17,87 +18,8 @@ from typing import Dict, Optional, Tuple
 import click
 import numpy as np
 
-ROW_BLOCK = 1024
-
-
-class DenseReference:
-    """Dense attention of one batch entry, computed in ``dtype`` block by block.
-
-    ``q (N_q, H, D)``, ``k, v (N_kv, H_kv, D)``, ``do`` like ``q`` or None;
-    ``seg_q (N_q,)``/``seg_kv (N_kv,)`` ints or None.  Masks as in
-    :mod:`ringmpi.masks` (bottom-right aligned).
-    """
-
-    def __init__(self, causal: bool, window, scale: float, dtype):
-        self.causal, self.window, self.scale = causal, window, scale
-        self.dtype = np.dtype(dtype)
-
-    def _visible(self, rows, n_q, n_kv, seg_q, seg_kv):
-        i = rows[:, None] + (n_kv - n_q)
-        j = np.arange(n_kv)[None, :]
-        vis = np.ones((len(rows), n_kv), dtype=bool)
-        if self.causal:
-            vis &= j <= i
-        if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                vis &= j >= i - left
-            if right is not None:
-                vis &= j <= i + right
-        if seg_q is not None:
-            vis &= seg_q[rows][:, None] == seg_kv[None, :]
-        return vis
-
-    def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None):
-        """``{"o", "lse", and with do "dq", "dk", "dv"}`` in ``dtype``; lse ``(H, N_q)``."""
-        dt = self.dtype
-        n_q, heads, dim = q.shape
-        n_kv, kv_heads, _ = k.shape
-        group = heads // kv_heads
-        scale = dt.type(self.scale)
-        out = {"o": np.zeros(q.shape, dt), "lse": np.full((heads, n_q), -np.inf, dt)}
-        if do is not None:
-            out.update(dq=np.zeros(q.shape, dt), dk=np.zeros(k.shape, dt), dv=np.zeros(v.shape, dt))
-        for h in range(heads):
-            g = h // group
-            kh, vh = k[:, g, :].astype(dt), v[:, g, :].astype(dt)
-            for r0 in range(0, n_q, ROW_BLOCK):
-                rows = np.arange(r0, min(r0 + ROW_BLOCK, n_q))
-                qb = q[rows, h, :].astype(dt)
-                vis = self._visible(rows, n_q, n_kv, seg_q, seg_kv)
-                s = np.where(vis, (qb @ kh.T) * scale, dt.type(-np.inf))
-                m = s.max(axis=-1, keepdims=True)
-                m = np.where(np.isfinite(m), m, 0).astype(dt)
-                p = np.exp(s - m)
-                l = p.sum(axis=-1, keepdims=True)
-                seen = l > 0
-                l_safe = np.where(seen, l, 1).astype(dt)
-                p = np.where(seen, p / l_safe, 0).astype(dt)
-                out["o"][rows, h, :] = p @ vh
-                with np.errstate(divide="ignore"):
-                    out["lse"][h, rows] = np.where(seen[:, 0], m[:, 0] + np.log(l_safe[:, 0]), -np.inf)
-                if do is None:
-                    continue
-                dob = do[rows, h, :].astype(dt)
-                out["dv"][:, g, :] += p.T @ dob
-                dp = dob @ vh.T
-                ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-                out["dq"][rows, h, :] = (ds @ kh) * scale
-                out["dk"][:, g, :] += (ds.T @ qb) * scale
-        return out
-
-
-def max_err(x, ref) -> float:
-    """Max abs error; equal infinities count as exact, NaN or mismatched infinities as inf."""
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if np.isnan(x).any():
-        return math.inf
-    same_inf = np.isinf(ref) & (x == ref)
-    if (np.isinf(ref) & ~same_inf).any() or (np.isinf(x) & ~np.isinf(ref)).any():
-        return math.inf
-    with np.errstate(invalid="ignore"):
-        diff = np.where(same_inf, 0.0, np.abs(x - ref))
-    return float(diff.max()) if diff.size else 0.0
+from ..masks import MaskSpec
+from ..reference import GRADIENTS, DenseReference, max_err, tolerance
 
 
 def _window_from_attr(value) -> Optional[Tuple[Optional[int], Optional[int]]]:
@@ -111,8 +33,8 @@ def _check(in_path: str, out_path: str, max_n: int):
     """Rank 0's work: ``(exit status, report text)``; raises ConfigError for unusable files."""
     import h5py
 
-    from .errors import ConfigError
-    from .io import _inspect_serial, _peek
+    from ..errors import ConfigError
+    from ..io import _inspect_serial, _peek
 
     spec, problem = _inspect_serial(in_path, backward=False)
     if problem:
@@ -148,13 +70,14 @@ def _check(in_path: str, out_path: str, max_n: int):
             for i, (name, n_) in enumerate(((spec.seg_q, spec.n_q), (spec.seg_kv, spec.n_kv))):
                 ids = fi[name][()].astype(np.int64)
                 segs[i] = np.broadcast_to(ids, (spec.batch, n_))
+    mask = MaskSpec(causal=causal, window=window, offset=spec.n_kv - spec.n_q)
     refs: Dict[str, list] = {name: [] for name in names}
     naives: Dict[str, list] = {name: [] for name in names}
     for b in range(spec.batch):
         args = [load["q"][b], load["k"][b], load["v"][b], load["do"][b] if backward else None,
                 None if segs[0] is None else segs[0][b], None if segs[1] is None else segs[1][b]]
         for dtype, into in ((np.float64, refs), (spec.dtype, naives)):
-            result = DenseReference(causal, window, scale, dtype).compute(*args)
+            result = DenseReference(mask, scale, dtype).compute(*args)
             for name in names:
                 into[name].append(result[name])
     lines = [f"verify {out_path} against a float64 dense reference of {in_path} "
@@ -166,11 +89,9 @@ def _check(in_path: str, out_path: str, max_n: int):
         mine = ours[name]
         if mine.shape != ref.shape:
             raise ConfigError(f"{out_path}: dataset '{name}' has shape {mine.shape}, expected {ref.shape}")
-        gradient = name in ("dq", "dk", "dv")
-        factor, floor = (3.0, 1e-5) if gradient else (2.0, 1e-6)
         err, base = max_err(mine, ref), max_err(naive, ref)
         base = base if math.isfinite(base) else 0.0
-        bound = factor * base + floor
+        bound = tolerance(base, gradient=name in GRADIENTS)
         finite = np.isfinite(ref)
         scale_ref = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
         rel = err / scale_ref if scale_ref > 0 else err
@@ -189,13 +110,13 @@ def _check(in_path: str, out_path: str, max_n: int):
 def verify(input_path, output_path, max_n):
     """Compare OUT.h5 (from `ringmpi run`) with a float64 dense reference of IN.h5.
 
-    Exit status 0 when every output is within DESIGN.md's tolerance, 1 when
+    Exit status 0 when every output is within the tolerance of docs/design.md, 1 when
     not, 2 for unusable files.  Mask settings come from OUT.h5's attributes.
     Under mpirun only rank 0 computes.
     """
     from mpi4py import MPI
 
-    from .errors import ConfigError, agree
+    from ..errors import ConfigError, agree
 
     comm = MPI.COMM_WORLD
     status, text, problem = 0, "", None

@@ -1,6 +1,6 @@
 """Local block throughput of the CPU backend, one rank, against torch SDPA.
 
-    python -m ringmpi.bench_kernel [--seq 4096] [--dims 64 128] [--repeat 3]
+    python -m ringmpi.bench.kernel [--seq 4096] [--dims 64 128] [--repeat 3]
 
 Runs ``ring_attention`` / ``ring_attention_backward`` on a single rank (the
 ring degenerates to the local block) with one BLAS thread, and, when torch is
@@ -17,6 +17,9 @@ import os
 import time
 
 import numpy as np
+
+from ..flops import attention_flops
+from .sdpa import measure_sdpa
 
 
 def _best(fn, repeat):
@@ -35,54 +38,24 @@ def measure_ours(seq, dim, heads, batch, causal, repeat):
 
     rng = np.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((batch, seq, heads, dim), dtype=np.float32) for _ in range(4))
-    flops = 4.0 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
+    flops = {phase: attention_flops(batch, heads, seq, seq, dim, causal, phase) for phase in ("forward", "backward")}
     o, lse = ringmpi.ring_attention(q, k, v, causal=causal, backend="numpy")
-    fwd = flops / _best(lambda: ringmpi.ring_attention(q, k, v, causal=causal, backend="numpy"), repeat)
-    bwd = 2.5 * flops / _best(lambda: ringmpi.ring_attention_backward(
+    fwd = flops["forward"] / _best(lambda: ringmpi.ring_attention(q, k, v, causal=causal, backend="numpy"), repeat)
+    bwd = flops["backward"] / _best(lambda: ringmpi.ring_attention_backward(
         do, q, k, v, o, lse, causal=causal, backend="numpy"), repeat)
     return fwd, bwd
 
 
-# torch runs in a child process: importing it into ours slows NumPy's BLAS by several times
-_TORCH_CHILD = """
-import json, sys, time
-import torch
-torch.set_num_threads(1)
-seq, dim, heads, batch, causal, repeat = json.loads(sys.argv[1])
-def best(fn):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
-    return min(times)
-g = torch.Generator().manual_seed(0)
-q, k, v, do = (torch.randn(batch, heads, seq, dim, generator=g) for _ in range(4))
-sdpa = torch.nn.functional.scaled_dot_product_attention
-flops = 4.0 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
-with torch.no_grad():
-    fwd = flops / best(lambda: sdpa(q, k, v, is_causal=causal))
-rq, rk, rv = (t.clone().requires_grad_(True) for t in (q, k, v))
-ro = sdpa(rq, rk, rv, is_causal=causal)
-bwd = 2.5 * flops / best(lambda: torch.autograd.grad(ro, (rq, rk, rv), do, retain_graph=True))
-print(json.dumps([fwd, bwd]))
-"""
-
-
 def measure_torch(seq, dim, heads, batch, causal, repeat):
     """(forward, backward) FLOP/s of torch SDPA with one thread, or None without torch."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _TORCH_CHILD,
-                           json.dumps([seq, dim, heads, batch, causal, repeat])],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        if "No module named 'torch'" in proc.stderr:
+    res = measure_sdpa(batch, heads, heads, seq, dim, "float32", causal, True, warmup=1, repeat=repeat,
+                       threads=1, statistic="min")
+    if not res["available"]:
+        if "not importable" in res["reason"]:
             return None
-        raise RuntimeError(f"torch measurement failed:\n{proc.stderr[-2000:]}")
-    return tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
+        raise RuntimeError(f"torch measurement failed:\n{res['reason']}")
+    flops = {phase: attention_flops(batch, heads, seq, seq, dim, causal, phase) for phase in ("forward", "backward")}
+    return flops["forward"] / res["forward_seconds"], flops["backward"] / res["backward_seconds"]
 
 
 def main(argv=None):
@@ -91,7 +64,7 @@ def main(argv=None):
     if os.environ.get("OPENBLAS_NUM_THREADS") != "1" or os.environ.get("OMP_NUM_THREADS") != "1":
         # NumPy's BLAS reads its thread count at import: start again with one thread
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        os.execve(sys.executable, [sys.executable, "-m", "ringmpi.bench_kernel"] + list(
+        os.execve(sys.executable, [sys.executable, "-m", "ringmpi.bench.kernel"] + list(
             sys.argv[1:] if argv is None else argv), env)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)

@@ -14,55 +14,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 import click
 import numpy as np
 
-from . import __version__
-from .layout import KINDS
-
-DEFAULT_PASS_BYTES = 4 << 30
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One slice of the work: batch entries ``[b0, b1)`` and kv heads ``[g0, g1)``."""
-
-    b0: int
-    b1: int
-    g0: int
-    g1: int
-
-
-def plan_passes(spec, world_size: int, heads_per_pass: Optional[int], budget: int) -> List[Pass]:
-    """Split (batch, kv-head groups) into passes whose per-rank shard fits ``budget`` bytes.
-
-    ``heads_per_pass`` counts query heads and must be a multiple of the GQA group
-    ``H // H_kv`` so each group stays whole; None keeps all heads together.  Batch
-    entries are then grouped as many per pass as the budget allows (at least one).
-    """
-    group = spec.group
-    kv_per = spec.kv_heads if heads_per_pass is None else max(1, heads_per_pass // group)
-    rows_q = math.ceil(spec.n_q / world_size)
-    rows_kv = math.ceil(spec.n_kv / world_size)
-    # q, o, do, dq in the input dtype plus float32 head-major copies and accumulators;
-    # k, v, dk, dv plus two ring buffers of each and float32 gradient messages
-    per_entry = (rows_q * kv_per * group * spec.dim * 4 * 10
-                 + rows_kv * kv_per * spec.dim * 4 * 14 + rows_q * kv_per * group * 8)
-    b_per = max(1, min(spec.batch, budget // max(1, per_entry)))
-    return [Pass(b0, min(b0 + b_per, spec.batch), g0, min(g0 + kv_per, spec.kv_heads))
-            for b0 in range(0, spec.batch, b_per) for g0 in range(0, spec.kv_heads, kv_per)]
-
-
-def flop_count(spec, causal: bool, backward: bool) -> float:
-    """FlashAttention's count: forward 4*B*H*Nq*Nkv*D (halved for causal), backward 2.5x."""
-    fwd = 4.0 * spec.batch * spec.heads * spec.n_q * spec.n_kv * spec.dim
-    if causal:
-        fwd /= 2
-    return fwd * (3.5 if backward else 1.0)
-
+from .. import __version__
+from ..flops import attention_flops
+from ..layout import KINDS
+from ..passes import DEFAULT_PASS_BYTES, Pass, pass_boxes, plan_passes
 
 class _Progress:
     """click's progress bar on rank 0 when stderr is a terminal, plain lines otherwise."""
@@ -88,8 +47,8 @@ class _Progress:
 
 
 def _resolve_backend(name: str, comm):
-    from .backends import gpu_available
-    from .errors import agree
+    from ..backends import gpu_available
+    from ..errors import agree
 
     if name == "auto":
         name = "cupy" if gpu_available() else "numpy"
@@ -97,30 +56,43 @@ def _resolve_backend(name: str, comm):
         agree(comm, None if len(set(names)) == 1 else
               "backend auto: some ranks see a GPU and some do not; pass --backend numpy or cupy")
     if name == "cupy":
-        from .device import select_device
+        from ..device import select_device
         select_device(comm)
     return name
 
 
-def _boxes(spec, p: Pass):
-    """Per-dataset (row_axis, box) for one pass; the row axis entry is a placeholder."""
-    h0, h1 = p.g0 * spec.group, p.g1 * spec.group
-    d = (0, spec.dim)
-    if spec.rank4:
-        b = (p.b0, p.b1)
-        return {"q": (1, [b, (0, 0), (h0, h1), d]), "kv": (1, [b, (0, 0), (p.g0, p.g1), d]),
-                "lse": (2, [b, (h0, h1), (0, 0)])}
-    return {"q": (0, [(0, 0), (h0, h1), d]), "kv": (0, [(0, 0), (p.g0, p.g1), d]),
-            "lse": (1, [(h0, h1), (0, 0)])}
-
-
-def _read_segments(fin, name, shard_io, p: Pass, spec):
+def _read_segments(fin, name, shard_io, p: Pass):
     dset = fin[name]
     if dset.ndim == 2:
         ids = shard_io.read(dset, 1, [(p.b0, p.b1), (0, 0)])
     else:
         ids = np.broadcast_to(shard_io.read(dset, 0, [(0, 0)]), (p.b1 - p.b0, len(shard_io.indices)))
     return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def _first_nonfinite(fin, spec, passes, io_q, io_kv, backward: bool):
+    """This rank's first NaN/Inf in its shards of q, k, v (and do), named by global index, or None.
+
+    Collective: every rank reads every pass's shards (one pass at a time).
+    """
+    names = ("q", "k", "v") + (("do",) if backward else ())
+    problem = None
+    for p in passes:
+        for name in names:
+            shard_io = io_kv if name in ("k", "v") else io_q
+            axis, box = pass_boxes(spec, p)["kv" if name in ("k", "v") else "q"]
+            x = shard_io.read(fin[name], axis, box)
+            if problem is not None:
+                continue  # keep joining the collective reads
+            finite = np.isfinite(x)
+            if finite.all():
+                continue
+            at = np.unravel_index(int(np.argmin(finite)), x.shape)
+            b, s, h, d = at if spec.rank4 else (0,) + tuple(at)
+            head0 = p.g0 if name in ("k", "v") else p.g0 * spec.group
+            problem = (f"{name} has a non-finite value ({x[at]}) at global index "
+                       f"[{p.b0 + b}, {shard_io.indices[s]}, {head0 + h}, {d}] (b, token, head, dim)")
+    return problem
 
 
 def _window_attr(window):
@@ -171,10 +143,11 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     """
     from mpi4py import MPI
 
-    from .errors import ConfigError, fault_point
-    from .io import AtomicOutput, ShardIO, inspect_input, open_file
-    from .layout import Layout
-    from . import ring_attention, ring_attention_backward
+    from ..errors import ConfigError, agree
+    from ..faults import fault_point
+    from ..io import AtomicOutput, ShardIO, inspect_input, open_file
+    from ..layout import Layout
+    from .. import ring_attention, ring_attention_backward
 
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD.Dup()
@@ -211,15 +184,17 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     }
     to_device, to_host = _converters(backend)
     kw = dict(comm=comm, layout=layout, causal=causal, window=win, softmax_scale=softmax_scale,
-              backend=backend, timeout=timeout, check_finite=check_finite)
+              backend=backend, timeout=timeout)
     ring_s, compute_s, wait_s = 0.0, 0.0, 0.0
     progress = _Progress(rank, len(passes) * (2 if backward else 1), "ring passes")
     fin = open_file(input_path, "r", comm)
     try:
+        if check_finite:  # every input of every pass, before any compute
+            agree(comm, _first_nonfinite(fin, spec, passes, io_q, io_kv, backward))
         fout = out.open()
         _create_outputs(fout, spec, backward, attrs)
         for p in passes:
-            boxes = _boxes(spec, p)
+            boxes = pass_boxes(spec, p)
             ax_q, box_q = boxes["q"]
             ax_kv, box_kv = boxes["kv"]
             ax_lse, box_lse = boxes["lse"]
@@ -230,8 +205,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             v = lift(io_kv.read(fin["v"], ax_kv, box_kv))
             seg = {}
             if spec.seg_q:
-                seg = dict(segment_ids_q=_read_segments(fin, spec.seg_q, io_q, p, spec),
-                           segment_ids_kv=_read_segments(fin, spec.seg_kv, io_kv, p, spec))
+                seg = dict(segment_ids_q=_read_segments(fin, spec.seg_q, io_q, p),
+                           segment_ids_kv=_read_segments(fin, spec.seg_kv, io_kv, p))
             stats: list = []
             t0 = time.perf_counter()
             qd, kd, vd = to_device(q), to_device(k), to_device(v)
@@ -284,7 +259,8 @@ def _converters(backend: str):
 def _summary(spec, size, layout, causal, window, backward, backend, passes, every, path):
     walls, rings, computes, waits, reads, writes = (np.array(col) for col in zip(*every))
     wall = float(walls.max())
-    flops = flop_count(spec, causal, backward)
+    flops = attention_flops(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.dim, causal,
+                            "forward+backward" if backward else "forward")
     mask = "causal" if causal else "full"
     if window is not None:
         mask += f" window {window}"

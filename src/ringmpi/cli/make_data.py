@@ -13,7 +13,7 @@ import math
 import click
 import numpy as np
 
-from . import __version__
+from .. import __version__
 
 CHUNK_ROWS = 2048
 _STREAMS = {"q": 0, "k": 1, "v": 2, "do": 3}
@@ -59,8 +59,8 @@ def make_data(output_path, n, heads, kv_heads, dim, batch, n_kv, dtype, seed, wi
     """
     from mpi4py import MPI
 
-    from .errors import ConfigError
-    from .io import AtomicOutput, ShardIO
+    from ..errors import ConfigError
+    from ..io import AtomicOutput, ShardIO
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -7,18 +7,31 @@ Subcommands are imported only when they run, so ``ringmpi --help`` and
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
 
-from . import __version__
+from .. import __version__
+
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def one_thread_per_rank() -> None:
+    """Default every BLAS/OpenMP pool to one thread: parallelism comes from MPI ranks.
+
+    Takes effect only before NumPy is imported (this module imports none);
+    variables the user set are kept.
+    """
+    for var in THREAD_VARIABLES:
+        os.environ.setdefault(var, "1")
 
 COMMANDS = {
-    "run": ("ringmpi.runner", "run", "Attention over an HDF5 file: read shards, run the ring, write outputs."),
-    "make-data": ("ringmpi.datagen", "make_data", "Write a reproducible random input file."),
-    "verify": ("ringmpi.verify", "verify", "Compare a result file with a float64 dense reference."),
-    "bench": ("ringmpi.bench", "bench", "Measure the ring: per-step timeline, exposed communication, scaling."),
-    "info": ("ringmpi.info", "info", "MPI library, CUDA-aware support, GPUs, parallel HDF5."),
+    "run": ("ringmpi.cli.run", "run", "Attention over an HDF5 file: read shards, run the ring, write outputs."),
+    "make-data": ("ringmpi.cli.make_data", "make_data", "Write a reproducible random input file."),
+    "verify": ("ringmpi.cli.verify", "verify", "Compare a result file with a float64 dense reference."),
+    "bench": ("ringmpi.bench.ring", "bench", "Measure the ring: per-step timeline, exposed communication, scaling."),
+    "info": ("ringmpi.cli.info", "info", "MPI library, CUDA-aware support, GPUs, parallel HDF5."),
 }
 
 
@@ -53,7 +66,8 @@ def cli():
 
 def main(argv=None):
     """Console entry point: errors end the whole job, bad input exits 2 on every rank."""
-    from .errors import ConfigError, abort_on_error, _rank_prefix
+    one_thread_per_rank()
+    from ..errors import ConfigError, abort_on_error, _rank_prefix
 
     try:
         with abort_on_error():

@@ -1,0 +1,98 @@
+"""The dense attention reference and the tolerance rule every accuracy check uses.
+
+:class:`DenseReference` recomputes attention of one batch entry densely, per
+head and per block of query rows; in float64 it is the reference, in the
+input's dtype it is the naive computation whose error sets the bound.
+:func:`tolerance` is the rule (docs/design.md): an output is accurate when
+its max abs error against the float64 reference is at most ``2 x`` the naive
+same-dtype error ``+ 1e-6`` (``o``, ``lse``) or ``3 x + 1e-5`` (``dq``,
+``dk``, ``dv``).  ``ringmpi verify`` and the GPU tests use both; the tests
+under ``tests/`` otherwise keep their own independent reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .masks import MaskSpec
+
+ROW_BLOCK = 1024
+GRADIENTS = ("dq", "dk", "dv")
+
+
+def tolerance(naive_err: float, gradient: bool) -> float:
+    """The largest accepted max abs error, given the naive same-dtype error."""
+    factor, floor = (3.0, 1e-5) if gradient else (2.0, 1e-6)
+    return factor * naive_err + floor
+
+
+class DenseReference:
+    """Dense attention of one batch entry, computed in ``dtype`` block by block.
+
+    ``q (N_q, H, D)``, ``k, v (N_kv, H_kv, D)``, ``do`` like ``q`` or None;
+    ``seg_q (N_q,)``/``seg_kv (N_kv,)`` ints or None.  Which pairs are visible
+    is ``mask.visible`` (:class:`ringmpi.masks.MaskSpec`) over positions
+    ``0 .. N_q - 1`` and ``0 .. N_kv - 1``; ``mask.offset`` aligns them
+    (``N_kv - N_q`` for bottom-right alignment, as ``ringmpi run`` uses).
+    Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
+    """
+
+    def __init__(self, mask: MaskSpec, scale: float, dtype):
+        self.mask, self.scale = mask, scale
+        self.dtype = np.dtype(dtype)
+
+    def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None):
+        """``{"o", "lse", and with do "dq", "dk", "dv"}`` in ``dtype``; lse ``(H, N_q)``."""
+        dt = self.dtype
+        n_q, heads, dim = q.shape
+        n_kv, kv_heads, _ = k.shape
+        group = heads // kv_heads
+        kv_pos = np.arange(n_kv)
+        scale = dt.type(self.scale)
+        out = {"o": np.zeros(q.shape, dt), "lse": np.full((heads, n_q), -np.inf, dt)}
+        if do is not None:
+            out.update(dq=np.zeros(q.shape, dt), dk=np.zeros(k.shape, dt), dv=np.zeros(v.shape, dt))
+        for h in range(heads):
+            g = h // group
+            kh, vh = k[:, g, :].astype(dt), v[:, g, :].astype(dt)
+            for r0 in range(0, n_q, ROW_BLOCK):
+                rows = np.arange(r0, min(r0 + ROW_BLOCK, n_q))
+                qb = q[rows, h, :].astype(dt)
+                vis = self.mask.visible(rows, kv_pos, None if seg_q is None else seg_q[rows], seg_kv)
+                s = np.where(vis, (qb @ kh.T) * scale, dt.type(-np.inf))
+                m = s.max(axis=-1, keepdims=True)
+                m = np.where(np.isfinite(m), m, 0).astype(dt)
+                p = np.exp(s - m)
+                l = p.sum(axis=-1, keepdims=True)
+                seen = l > 0
+                l_safe = np.where(seen, l, 1).astype(dt)
+                p = np.where(seen, p / l_safe, 0).astype(dt)
+                out["o"][rows, h, :] = p @ vh
+                with np.errstate(divide="ignore"):
+                    out["lse"][h, rows] = np.where(seen[:, 0], m[:, 0] + np.log(l_safe[:, 0]), -np.inf)
+                if do is None:
+                    continue
+                dob = do[rows, h, :].astype(dt)
+                out["dv"][:, g, :] += p.T @ dob
+                dp = dob @ vh.T
+                ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+                out["dq"][rows, h, :] = (ds @ kh) * scale
+                out["dk"][:, g, :] += (ds.T @ qb) * scale
+        return out
+
+
+def max_err(x, ref) -> float:
+    """Max abs error; equal infinities count as exact, NaN or mismatched infinities as inf."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if np.isnan(x).any():
+        return math.inf
+    same_inf = np.isinf(ref) & (x == ref)
+    if (np.isinf(ref) & ~same_inf).any() or (np.isinf(x) & ~np.isinf(ref)).any():
+        return math.inf
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same_inf, 0.0, np.abs(x - ref))
+    return float(diff.max()) if diff.size else 0.0
+
+
