@@ -110,9 +110,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.repeats = [4096], 2
-    from .backends import gpu_available
-    if not gpu_available():
-        raise SystemExit("bench_gpu: no CUDA GPU visible to CuPy")
+    from .device import gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"bench_gpu: {reason}")
 
     rows = []
     for seqlen in args.seqlens:
