@@ -70,18 +70,29 @@ def install(timeout: float = 600.0) -> Optional[str]:
     command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
     deadline = time.monotonic() + timeout
     log = ""
-    # a fresh machine may have no package lists yet: update once and retry
-    for attempt in (command, ["apt-get", "update", "-q"], command):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            proc = subprocess.run(attempt, capture_output=True, text=True, env=env, timeout=left)
-        except subprocess.TimeoutExpired:
-            raise ClusterError(f"{' '.join(attempt)} did not finish within {timeout:.0f} s")
-        log += f"$ {' '.join(attempt)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-        if attempt is command and proc.returncode == 0 and not missing_programs():
-            return None
+    # the packages' scripts must not start system-wide munge/slurm services: Debian's
+    # policy-rc.d hook (as container images ship it) refuses, for the install only
+    policy = Path("/usr/sbin/policy-rc.d")
+    added_policy = not policy.exists()
+    if added_policy:
+        policy.write_text("#!/bin/sh\n# added by ringmpi's tests while apt-get installs Slurm\nexit 101\n")
+        policy.chmod(0o755)
+    try:
+        # a fresh machine may have no package lists yet: update once and retry
+        for attempt in (command, ["apt-get", "update", "-q"], command):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                proc = subprocess.run(attempt, capture_output=True, text=True, env=env, timeout=left)
+            except subprocess.TimeoutExpired:
+                raise ClusterError(f"{' '.join(attempt)} did not finish within {timeout:.0f} s")
+            log += f"$ {' '.join(attempt)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            if attempt is command and proc.returncode == 0 and not missing_programs():
+                return None
+    finally:
+        if added_policy:
+            policy.unlink()
     raise ClusterError(f"could not install {' '.join(PACKAGES)}:\n{log}")
 
 
