@@ -1,8 +1,10 @@
-"""GPU binding per node-local rank, CUDA-aware MPI detection, NVTX ranges.
+"""GPU availability, binding per node-local rank, CUDA-aware MPI detection, NVTX ranges.
 
 Nothing here initialises MPI or CUDA at import time; every function imports
 mpi4py / CuPy lazily and the ones used by ``ringmpi info`` never raise when
-no GPU (or no CuPy) is present.
+no GPU (or no CuPy) is present.  :func:`gpu_unavailable_reason` is the one
+check of whether this process can use a GPU: ``ringmpi info``, the backend
+choice (``auto``) and every ``--backend cupy`` ask it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,77 @@ import contextlib
 import ctypes
 import os
 from typing import Optional, Tuple
+
+
+def _cuda_version(code: Optional[int]) -> str:
+    """CUDA's integer version (``12090``) as ``12.9``."""
+    if not code:
+        return "unknown"
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def cuda_error_reason(error: str, driver_version: Optional[int], runtime_version: Optional[int],
+                      visible_devices: Optional[str] = None) -> str:
+    """The cause of a failed CUDA device query, as one sentence that quotes CUDA's error.
+
+    ``error`` is the text of CuPy's ``CUDARuntimeError`` (``cudaErrorXxx: ...``);
+    ``driver_version``/``runtime_version`` are CUDA's integers
+    (``cudaDriverGetVersion``: 0 when no driver is loaded; ``cudaRuntimeGetVersion``);
+    ``visible_devices`` is ``CUDA_VISIBLE_DEVICES`` when set.
+    """
+    if "InsufficientDriver" in error:
+        if not driver_version:
+            return f"no NVIDIA driver is loaded on this node, so CUDA sees no GPU ({error})"
+        return (f"the NVIDIA driver is too old: it supports CUDA {_cuda_version(driver_version)}, CuPy's CUDA "
+                f"runtime is {_cuda_version(runtime_version)} ({error}); update the driver or install the "
+                f"CuPy build for CUDA {driver_version // 1000} (cupy-cuda{driver_version // 1000}x)")
+    if "NoDevice" in error or "InvalidDevice" in error:
+        return f"{_no_device(visible_devices)} ({error})"
+    return f"CUDA cannot use a device ({error})"
+
+
+def _no_device(visible_devices: Optional[str]) -> str:
+    where = "" if visible_devices is None else f" with CUDA_VISIBLE_DEVICES={visible_devices!r}"
+    return f"no CUDA device is visible to this process{where}"
+
+
+def gpu_unavailable_reason() -> Optional[str]:
+    """None when CuPy imports and this process sees a CUDA device; else the cause, as a sentence.
+
+    The causes named: CuPy missing (or failing to import), no NVIDIA driver, a
+    driver too old for CuPy's CUDA runtime (with both versions), no device
+    visible (``CUDA_VISIBLE_DEVICES``), each with CUDA's own error text.
+    Never raises; initialises CUDA's runtime but allocates nothing.
+    """
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CuPy that fails while loading CUDA libraries
+        return (f"CuPy is not importable ({type(exc).__name__}: {exc}); install the GPU extra "
+                f"(RINGMPI_EXTRAS=gpu scripts/setup.sh, i.e. cupy-cuda12x)")
+    runtime = cupy.cuda.runtime
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        count = runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError
+        versions = []
+        for query in (runtime.driverGetVersion, runtime.runtimeGetVersion):
+            try:
+                versions.append(int(query()))
+            except Exception:
+                versions.append(None)
+        return cuda_error_reason(str(exc), versions[0], versions[1], visible)
+    if count < 1:
+        return f"{_no_device(visible)} (cudaGetDeviceCount returned 0)"
+    return None
+
+
+def require_gpu(comm, what: str = "--backend cupy") -> None:
+    """Raise the same :class:`~ringmpi.errors.ConfigError` on every rank of ``comm``
+    unless every rank can use a GPU (:func:`gpu_unavailable_reason`).  Collective."""
+    from .errors import agree
+
+    reason = gpu_unavailable_reason()
+    agree(comm, None if reason is None else f"{what} needs a usable CUDA GPU, but {reason}")
 
 
 def select_device(comm) -> int:
@@ -133,15 +206,17 @@ def gpu_summary() -> dict:
     """GPUs this process sees, for ``ringmpi info``; never raises.
 
     ``{"cupy": version or None, "count": n, "devices": [{"id", "name",
-    "compute_capability", "memory_gib"}], "error": str or None}``.
+    "compute_capability", "memory_gib"}], "error": str or None}``; ``error``
+    is :func:`gpu_unavailable_reason`.
     """
-    out = {"cupy": None, "count": 0, "devices": [], "error": None}
+    out = {"cupy": None, "count": 0, "devices": [], "error": gpu_unavailable_reason()}
     try:
         import cupy
-    except Exception as exc:  # ImportError, or a broken CUDA install
-        out["error"] = f"CuPy not importable: {exc}"
+    except Exception:
         return out
     out["cupy"] = cupy.__version__
+    if out["error"] is not None:
+        return out
     try:
         count = cupy.cuda.runtime.getDeviceCount()
         out["count"] = count
@@ -155,7 +230,7 @@ def gpu_summary() -> dict:
                 "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
             })
     except Exception as exc:
-        out["error"] = f"no usable CUDA device: {exc}"
+        out["error"] = f"CUDA cannot describe its devices ({exc})"
     return out
 
 

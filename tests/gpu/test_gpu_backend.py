@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from ringmpi.backends import gpu_available
+from ringmpi.device import gpu_unavailable_reason
 from ringmpi.backends.cupy_backend import mask_scalars, tile_bounds
 from ringmpi.backends.numpy_backend import NumpyBackend
 from ringmpi.masks import FULL, SKIP, BlockMask, MaskSpec
 from ringmpi.reference import DenseReference, tolerance
 
-NO_GPU = "no CUDA GPU visible to CuPy"
+NO_GPU = f"no usable CUDA GPU: {gpu_unavailable_reason()}"
 
 
 # ------------------------------------------------------------------ helpers

@@ -120,9 +120,8 @@ def get_backend(name: str = "auto", arrays=()):
 
 
 def gpu_available() -> bool:
-    """True when CuPy imports and at least one CUDA device is visible."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    """True when CuPy imports and at least one CUDA device is visible
+    (:func:`ringmpi.device.gpu_unavailable_reason` says why not)."""
+    from ..device import gpu_unavailable_reason
+
+    return gpu_unavailable_reason() is None

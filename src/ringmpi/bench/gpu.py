@@ -79,9 +79,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.repeats = [4096], 2
-    from ..backends import gpu_available
-    if not gpu_available():
-        raise SystemExit("ringmpi.bench.gpu: no CUDA GPU visible to CuPy")
+    from ..device import gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"ringmpi.bench.gpu: {reason}")
 
     rows = []
     for seqlen in args.seqlens:

@@ -99,6 +99,9 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
     agree(comm, problem)
+    if backend == "cupy":
+        from ..device import require_gpu
+        require_gpu(comm)
     be = get_backend(backend)
 
     cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, causal=causal,

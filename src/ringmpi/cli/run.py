@@ -56,7 +56,8 @@ def _resolve_backend(name: str, comm):
         agree(comm, None if len(set(names)) == 1 else
               "backend auto: some ranks see a GPU and some do not; pass --backend numpy or cupy")
     if name == "cupy":
-        from ..device import select_device
+        from ..device import require_gpu, select_device
+        require_gpu(comm)  # the same ConfigError (exit 2) on every rank before any data moves
         select_device(comm)
     return name
 
