@@ -29,7 +29,6 @@ try:
     import torch
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
-from torch.autograd.function import once_differentiable
 
 import ringmpi
 from .errors import agree
@@ -132,14 +131,32 @@ class _RingAttention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        with _on_torch_stream(q.device):
+        with torch.no_grad(), _on_torch_stream(q.device):
             grads = ringmpi.ring_attention_backward(
                 *(to_array(x) for x in (do.contiguous(), q, k, v, o, lse)), **ctx.opts)
-            wanted = ctx.needs_input_grad[:3]
-            return tuple(to_tensor(g, q.device) if want else None for g, want in zip(grads, wanted)) + (None,)
+            grads = [to_tensor(g, q.device) if want else None for g, want in zip(grads, ctx.needs_input_grad)]
+        if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
+            wanted = [g for g in grads if g is not None]
+            refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in wanted)))
+            grads = [None if g is None else next(refused) for g in grads]
+        return tuple(grads) + (None,)
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """Identity whose backward raises: the gradients of :class:`_RingAttention`
+    under ``create_graph=True``, so that a double backward fails loudly instead
+    of treating them as constants."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("ringmpi.torch.ring_attention cannot be differentiated twice: its backward "
+                           "(ringmpi.ring_attention_backward) has no derivative of its own")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=None,
