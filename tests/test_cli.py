@@ -16,7 +16,7 @@ import pytest
 from mpi_util import ROOT, mpirun, mpirun_env
 from test_file_io import RINGMPI
 
-JOB_SCRIPTS = sorted((ROOT / "jobs").glob("*")) + [ROOT / "scripts" / "main.sh", ROOT / "data" / "make_sample.sh"]
+JOB_SCRIPTS = sorted(p for p in (ROOT / "jobs").glob("*") if p.suffix != ".py") + [ROOT / "scripts" / "main.sh", ROOT / "data" / "make_sample.sh"]
 
 
 def ringmpi(args, timeout=60, env=None):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check, for a machine with a CUDA GPU and no network (< 8 minutes):
-# GPU backend tests, then the kernel benchmark; prints a short table last.
+# GPU check, for a machine with a CUDA GPU and no network (< 10 minutes):
+# GPU backend tests, ringmpi.torch on CUDA tensors, then the kernel benchmark;
+# prints a short table last.
 #
 #   tests/gpu/device_check.sh [WHEEL_DIR]
 #
@@ -30,6 +31,10 @@ echo "[check] GPU tests"
 timeout 300 "$py" -m pytest tests/gpu -q -rfEs -p no:cacheprovider 2>&1 | tee "$log/tests.txt"
 test_rc=${PIPESTATUS[0]}
 
+echo "[check] ringmpi.torch on CUDA tensors (mpirun, P = 2)"
+timeout 120 "$py" -m pytest tests/test_torch.py -k cuda -q -rfEs -p no:cacheprovider 2>&1 | tee "$log/torch.txt"
+torch_rc=${PIPESTATUS[0]}
+
 echo "[check] benchmark"
 timeout 170 "$py" -m ringmpi.bench.gpu --repeats 3 2>&1 | tee "$log/bench.txt"
 bench_rc=${PIPESTATUS[0]}
@@ -38,6 +43,8 @@ echo
 echo "================ device check summary ================"
 echo "tests  (rc=$test_rc): $(tail -n 1 "$log/tests.txt")"
 grep -E '^(FAILED|ERROR)' "$log/tests.txt" | head -n 20
+echo "torch  (rc=$torch_rc): $(tail -n 1 "$log/torch.txt")"
+grep -E '^(FAILED|ERROR|SKIPPED)' "$log/torch.txt" | head -n 10
 echo "bench  (rc=$bench_rc):"
 sed -n '/^bf16, B=/,$p' "$log/bench.txt"
-[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
+[ "$test_rc" = 0 ] && [ "$torch_rc" = 0 ] && [ "$bench_rc" = 0 ]
