@@ -60,11 +60,11 @@ def mpirun(nprocs, args, timeout, env=None, cwd=None):
     return proc.returncode, out, err, time.monotonic() - start
 
 
-def run_cases(nprocs, cases, tmp_path, timeout, env=None):
-    """Run ring cases on ``nprocs`` ranks in one launch; return {id: (ok, msg)}."""
+def run_cases(nprocs, cases, tmp_path, timeout, env=None, driver="ring_cases.py"):
+    """Run a driver's cases (default ring cases) on ``nprocs`` ranks in one launch; return {id: (ok, msg)}."""
     path = tmp_path / f"cases_{nprocs}.json"
     path.write_text(json.dumps(cases))
-    rc, out, err, _ = mpirun(nprocs, [sys.executable, ROOT / "tests" / "ring_cases.py", path], timeout, env=env)
+    rc, out, err, _ = mpirun(nprocs, [sys.executable, ROOT / "tests" / driver, path], timeout, env=env)
     results = {}
     for line in out.splitlines():
         if line.startswith("CASE "):

@@ -17,6 +17,8 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 from .layout import Layout  # noqa: E402
 from .attention import ring_attention, ring_attention_backward  # noqa: E402
 from .errors import ConfigError, RingTimeout, abort_on_error  # noqa: E402
+from .decode import decode_attention  # noqa: E402
+from .kvcache import KVCache  # noqa: E402
 
-__all__ = ["Layout", "ring_attention", "ring_attention_backward", "abort_on_error",
+__all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "abort_on_error",
            "ConfigError", "RingTimeout", "__version__"]
