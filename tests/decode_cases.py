@@ -152,7 +152,11 @@ def cache_case(comm, case):
             v_all[e, lengths[e]:lengths[e] + s_new] = v_new[e]
         lengths += s_new
         cache.append(k_new, v_new)
-        res = ringmpi.decode_attention(q, sinks=sinks, **cache.views(), **kw)
+        views = cache.views()
+        if not (np.shares_memory(views["k_cache"], cache._k) or cache.local_rows == 0):
+            oks.append(False)
+            msgs.append(f"step {step}: the cache view is a copy")
+        res = ringmpi.decode_attention(q, sinks=sinks, **views, **kw)
         gathered = comm.gather(res, root=0)
         if rank == 0:
             if not np.array_equal(cache.lengths, lengths):

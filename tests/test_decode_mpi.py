@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from mpi_util import run_cases
+from mpi_util import mpirun_env, run_cases
 
 WORLD_SIZES = (1, 2, 3, 4)
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -53,23 +53,42 @@ def cases_for(p):
     return cases
 
 
-ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
+# Open MPI's allreduce algorithms, each forced in turn (other MPIs ignore the variables): the
+# merge must give the same bits on every rank whichever one the library picks
+ALLREDUCE_ALGORITHMS = {1: "linear", 2: "reduce-bcast", 3: "recursive-doubling", 4: "ring",
+                        5: "segmented-ring", 6: "rabenseifner"}
+FORCED_P = 3
+
+
+def forced_cases(algorithm):
+    keep = ("static-chunk-zigzag", "static-ragged-striped", "static-large-merge", "cache-contiguous",
+            "static-float16", "static-mqa-sinks-striped")
+    return [dict(c, id=c["id"].replace(f"P{FORCED_P}-", f"P{FORCED_P}a{algorithm}-"))
+            for c in cases_for(FORCED_P) if c["id"].split("-", 1)[1] in keep]
+
+
+LAUNCHES = [(p, None) for p in WORLD_SIZES] + [(FORCED_P, a) for a in ALLREDUCE_ALGORITHMS]
+ALL = [((p, a), c) for p, a in LAUNCHES for c in (cases_for(p) if a is None else forced_cases(a))]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cache = {}
 
-    def get(p):
-        if p not in cache:
-            cache[p] = run_cases(p, cases_for(p), tmp_path_factory.mktemp(f"decode{p}"), timeout=240,
-                                 driver="decode_cases.py")
-        return cache[p]
+    def get(launch):
+        if launch not in cache:
+            p, algorithm = launch
+            cases = cases_for(p) if algorithm is None else forced_cases(algorithm)
+            env = None if algorithm is None else mpirun_env(OMPI_MCA_coll_tuned_use_dynamic_rules=1,
+                                                            OMPI_MCA_coll_tuned_allreduce_algorithm=algorithm)
+            cache[launch] = run_cases(p, cases, tmp_path_factory.mktemp(f"decode{p}"), timeout=240, env=env,
+                                      driver="decode_cases.py")
+        return cache[launch]
     return get
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
-def test_decode_case(results, p, case):
-    ok, msg = results(p)[case["id"]]
+@pytest.mark.parametrize("launch,case", ALL, ids=[c["id"] for _, c in ALL])
+def test_decode_case(results, launch, case):
+    ok, msg = results(launch)[case["id"]]
     assert ok, msg

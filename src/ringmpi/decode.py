@@ -229,9 +229,9 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     if problem:  # q is the same on every rank: every rank finds the same problem
         raise ConfigError(problem)
 
-    start = time.perf_counter()
     n_local = k_cache.shape[1] if getattr(k_cache, "ndim", 0) == 4 else -1
     n_cache, pos, problem = _positions(layout, comm, n_local)
+    start = time.perf_counter()
     lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
     sinks_h = None if sinks is None else np.asarray(_host(sinks), dtype=np.float64)
     if problem is None:
