@@ -23,6 +23,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 import ringmpi  # noqa: E402
+import ringmpi.kvcache  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
 
@@ -167,9 +168,15 @@ def cache_case(comm, case):
             if not ok or step == len(case["steps"]) - 1:
                 msgs.append(msg)
     rows = comm.gather((cache.local_rows, cache.capacity), root=0)
+    owned = comm.gather(cache.placement.indices(rank), root=0)
     if rank != 0:
         return None
     n = int(lengths.max())
+    fresh = ringmpi.kvcache.CachePlacement(case["layout"], case["prefill"], n, size)
+    if any(not np.array_equal(o, fresh.indices(r)) for r, o in enumerate(owned)) or \
+            not np.array_equal(np.sort(np.concatenate(owned)), np.arange(n)):
+        oks.append(False)
+        msgs.append(f"slots held {[o.tolist() for o in owned]} are not the placement's partition of {n}")
     chunk, cap0 = case.get("chunk", 4), case.get("capacity", 0)
     if sum(r for r, _ in rows) != n or any(c < r or (c > cap0 and c - r >= chunk) for r, c in rows):
         oks.append(False)

@@ -88,6 +88,8 @@ class KVCache:
         self.lengths = np.zeros(batch, dtype=np.int64)
         self._k = xp.zeros((batch, kv_heads, capacity, dim), dtype=self.dtype)
         self._v = xp.zeros_like(self._k)
+        self._pos = np.zeros(capacity, dtype=np.int64)  # global slot of each local row
+        self._rows = 0
 
     # ---------------------------------------------------------------- views
     @property
@@ -97,7 +99,7 @@ class KVCache:
 
     @property
     def local_rows(self) -> int:
-        return len(self.placement.indices(self.rank))
+        return self._rows
 
     @property
     def capacity(self) -> int:
@@ -128,6 +130,12 @@ class KVCache:
             new = self.xp.zeros(old.shape[:2] + (grown,) + old.shape[3:], dtype=old.dtype)
             new[:, :, :old.shape[2]] = old
             setattr(self, name, new)
+        self._pos = np.concatenate([self._pos, np.zeros(grown - len(self._pos), dtype=np.int64)])
+
+    def _own(self, rows: int, n_prefill: int, n: int) -> None:
+        """Hold ``rows`` local rows (slots in ``_pos``) of ``n`` global slots; a new placement."""
+        self._rows = rows
+        self.placement = CachePlacement(self.kind, n_prefill, n, self.size, {self.rank: self._pos[:rows]})
 
     def _check_rows(self, name, x, rows=None):
         want = (self.batch, x.shape[1] if rows is None else rows, self.kv_heads, self.dim)
@@ -144,8 +152,9 @@ class KVCache:
         rows = int(Layout(self.kind, n, self.size).counts()[self.rank])
         self._check_rows("k_local", k_local, rows)
         self._check_rows("v_local", v_local, rows)
-        self.placement = CachePlacement(self.kind, int(n), int(n), self.size)
         self._reserve(rows)
+        self._pos[:rows] = Layout(self.kind, n, self.size).indices(self.rank)
+        self._own(rows, int(n), int(n))
         self._k[:, :, :rows] = self.xp.asarray(k_local).transpose(0, 2, 1, 3)
         self._v[:, :, :rows] = self.xp.asarray(v_local).transpose(0, 2, 1, 3)
         self.lengths[:] = n if lengths is None else np.asarray(lengths, dtype=np.int64)
@@ -160,9 +169,13 @@ class KVCache:
         self._check_rows("v_new", v_new)
         s_new = k_new.shape[1]
         n_new = max(self.n, int(self.lengths.max()) + s_new)
-        if n_new > self.n:
-            self.placement = CachePlacement(self.kind, self.placement.n_prefill, n_new, self.size)
-            self._reserve(self.local_rows)
+        if n_new > self.n:  # new slots: only this rank's are recorded, nothing is rebuilt
+            fresh = np.arange(self.n, n_new, dtype=np.int64)
+            fresh = fresh[self.placement.owner(fresh) == self.rank]
+            rows = self._rows + len(fresh)
+            self._reserve(rows)
+            self._pos[self._rows:rows] = fresh
+            self._own(rows, self.placement.n_prefill, n_new)
         mine = self.placement.indices(self.rank)
         k_new, v_new = self.xp.asarray(k_new), self.xp.asarray(v_new)
         for b in range(self.batch):
