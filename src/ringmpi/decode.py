@@ -8,10 +8,11 @@ user-defined MPI operation on packed rows ``[o (D), lse, flag, sig, -sig]``:
 
 * ``o, lse``: merged as ``lse = log(e^lse_a + e^lse_b)``,
   ``o = (e^(lse_a - lse) o_a + e^(lse_b - lse) o_b)``.  The operation is written
-  symmetrically, so ``op(a, b)`` and ``op(b, a)`` are the same bits; every
-  element is then combined along the same tree on every rank (recursive
-  doubling, ring and reduce+broadcast all qualify), so every rank gets the
-  same bits (the tests check it at P = 2, 3, 4).
+  symmetrically, so ``op(a, b)`` and ``op(b, a)`` are the same bits; then an
+  allreduce whose ranks combine the same pairs (recursive doubling) or that
+  computes each element once and distributes it (ring, Rabenseifner,
+  reduce+broadcast) gives every rank the same bits.  The tests check it at
+  P = 1..4 and under each of Open MPI's six allreduce algorithms.
 * ``flag, sig, -sig`` (max-reduced): a rank whose own inputs are bad sets
   ``flag``; ``sig`` is a 24-bit digest of the call's arguments (q, sinks,
   cache_lengths, mask, scale, N_cache), so ``max(sig) != -max(-sig)`` means
@@ -125,6 +126,16 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths, sinks) -> Optional[str]:
     return None
 
 
+def _option_problem(window, softcap) -> Optional[str]:
+    if softcap is not None:
+        return ("softcap is not supported by decode_attention yet (the block kernels have no score cap; "
+                "see issue 13): pass softcap=None")
+    if window is not None and (len(window) != 2 or any(
+            w is not None and (int(w) != w or w < 0) for w in window)):
+        return f"window must be (left, right) with non-negative ints or None, got {window!r}"
+    return None
+
+
 def _signature(q, lengths, sinks, spec, scale, n_cache) -> float:
     """A 24-bit digest of what every rank must agree on (exact in float32)."""
     head = repr((tuple(q.shape), str(q.dtype), spec.causal, spec.window, scale, n_cache)).encode()
@@ -171,8 +182,10 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     Parameters
     ----------
     q : (B, S_new, H, D) float16/bfloat16/float32/float64
-        The new tokens' queries, the same on every rank; with ``root``, only
-        root's ``q`` is read (others may pass None) and it is broadcast.
+        The new tokens' queries, the same on every rank (its shape sizes the
+        collective, so a rank with another shape is an erroneous MPI program;
+        other differences raise ConfigError); with ``root``, only root's ``q``
+        is read (others may pass None) and it is broadcast.
     k_cache, v_cache : (B, S_cache_local, H_kv, D), q's dtype; ``H % H_kv == 0``
         This rank's cache shard, rows in ascending global position.
     comm : mpi4py communicator, optional (None: a library-owned dup of COMM_WORLD).
@@ -184,7 +197,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         Which global positions this rank's rows are.  A kind name spreads
         ``N_cache = sum of the shard lengths`` (one extra allgather of the
         lengths); an object with ``n``, ``world_size`` and ``indices(rank)``
-        (a :class:`~ringmpi.layout.Layout`, ``KVCache.layout``) costs nothing.
+        (a :class:`~ringmpi.layout.Layout`, ``KVCache.placement``) costs nothing.
     causal : bool
         Query ``i`` sees keys ``j <= i`` (default True).
     window : (left, right) or None
@@ -202,7 +215,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     backend : "auto" | "numpy" | "cupy"
     stats : dict, optional
         Filled with ``compute_s`` (local attention) and ``merge_s`` (packing,
-        the collective, unpacking) of this call.
+        the collective, unpacking; it includes waiting for the slowest rank).
 
     Returns
     -------
@@ -213,12 +226,6 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     """
     comm = resolve_comm(comm)
     rank = comm.Get_rank()
-    if softcap is not None:
-        raise ConfigError("decode_attention: softcap is not supported yet (the block kernels have no "
-                          "score cap; see issue 13); pass softcap=None")
-    if window is not None and (len(window) != 2 or any(
-            w is not None and (int(w) != w or w < 0) for w in window)):
-        raise ConfigError(f"window must be (left, right) with non-negative ints or None, got {window!r}")
     if root is not None:
         if not 0 <= int(root) < comm.Get_size():
             raise ConfigError(f"root {root} outside the communicator of size {comm.Get_size()}")
@@ -231,6 +238,9 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
 
     n_local = k_cache.shape[1] if getattr(k_cache, "ndim", 0) == 4 else -1
     n_cache, pos, problem = _positions(layout, comm, n_local)
+    problem = problem or _option_problem(window, softcap)
+    if problem:
+        window = None
     start = time.perf_counter()
     lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
     sinks_h = None if sinks is None else np.asarray(_host(sinks), dtype=np.float64)
