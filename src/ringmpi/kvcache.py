@@ -56,6 +56,13 @@ class CachePlacement:
         return self._cached[rank]
 
 
+def _dtype(name) -> np.dtype:
+    if str(name) == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 class KVCache:
     """This rank's shard of a sharded KV cache.
 
@@ -82,7 +89,7 @@ class KVCache:
         self.comm = resolve_comm(comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.batch, self.kv_heads, self.dim, self.chunk, self.xp = batch, kv_heads, dim, chunk, xp
-        self.dtype = np.dtype(dtype) if str(dtype) != "bfloat16" else np.dtype(__import__("ml_dtypes").bfloat16)
+        self.dtype = _dtype(dtype)
         self.kind = layout
         self.placement = CachePlacement(layout, 0, 0, self.size)
         self.lengths = np.zeros(batch, dtype=np.int64)
@@ -152,12 +159,15 @@ class KVCache:
         rows = int(Layout(self.kind, n, self.size).counts()[self.rank])
         self._check_rows("k_local", k_local, rows)
         self._check_rows("v_local", v_local, rows)
+        lengths = np.full(self.batch, n, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
+        if lengths.shape != (self.batch,) or lengths.min() < 0 or lengths.max() > n:
+            raise ConfigError(f"lengths must be {self.batch} ints in [0, {n}], got {lengths.tolist()}")
         self._reserve(rows)
         self._pos[:rows] = Layout(self.kind, n, self.size).indices(self.rank)
         self._own(rows, int(n), int(n))
         self._k[:, :, :rows] = self.xp.asarray(k_local).transpose(0, 2, 1, 3)
         self._v[:, :, :rows] = self.xp.asarray(v_local).transpose(0, 2, 1, 3)
-        self.lengths[:] = n if lengths is None else np.asarray(lengths, dtype=np.int64)
+        self.lengths[:] = lengths
 
     def append(self, k_new, v_new) -> None:
         """Append ``S_new`` rows ``(B, S_new, H_kv, D)`` (the same on every rank) to every entry.
@@ -180,9 +190,8 @@ class KVCache:
         k_new, v_new = self.xp.asarray(k_new), self.xp.asarray(v_new)
         for b in range(self.batch):
             slots = self.lengths[b] + np.arange(s_new, dtype=np.int64)
-            local = np.searchsorted(mine, slots)
-            owned = (local < len(mine)) & (mine[np.minimum(local, len(mine) - 1)] == slots) if len(mine) else \
-                np.zeros(s_new, dtype=bool)
+            local = np.minimum(np.searchsorted(mine, slots), max(len(mine) - 1, 0))
+            owned = mine[local] == slots if len(mine) else np.zeros(s_new, dtype=bool)
             if owned.any():
                 t = np.flatnonzero(owned)
                 self._k[b, :, local[owned]] = k_new[b, t]
