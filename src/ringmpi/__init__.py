@@ -23,9 +23,11 @@ _PUBLIC = {
     "ConfigError": "errors",
     "RingTimeout": "errors",
     "abort_on_error": "errors",
+    "decode_attention": "decode",
+    "KVCache": "kvcache",
 }
 
-__all__ = ["Layout", "ring_attention", "ring_attention_backward", "abort_on_error",
+__all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "abort_on_error",
            "ConfigError", "RingTimeout", "__version__"]
 
 

@@ -78,8 +78,14 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="Write every figure and the environment to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help=f"Write a PNG: per-rank step timeline, or efficiency against P with --sweep ({INSTALL_PLOT}).")
+@click.option("--decode", is_flag=True, help="Time decode_attention over a sharded cache against the ring "
+              "(ringmpi.bench.decode; P = 1, 2, 4, ... of the job).")
+@click.option("--cache", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="With --decode: cache length N.")
+@click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --decode: new tokens per call S_new.")
 def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path):
+          sweep, json_path, plot_path, decode, cache, new):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -91,8 +97,12 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
     from ..errors import agree
     from ..ring import resolve_comm
 
-    comm = resolve_comm(None)
     kv_heads = heads if kv_heads is None else kv_heads
+    if decode:
+        from .decode import run
+        return run(dict(cache=cache, new=new, batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype,
+                        layout=layout, repeat=repeat, warmup=warmup, backend=backend, seed=seed), json_path)
+    comm = resolve_comm(None)
     problem = None
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"

@@ -1,0 +1,306 @@
+"""Decode: attention of a few new tokens over a KV cache sharded across ranks.
+
+The cache never moves.  Every rank holds the same new queries, folds its own
+cache shard into an online-softmax state with the backend's block kernel
+(global positions, as in the ring), finalises a partial ``(o_r, lse_r)`` and
+the partials are merged by the log-sum-exp rule in one ``Allreduce`` with a
+user-defined MPI operation on packed rows ``[o (D), lse, flag, sig, -sig]``:
+
+* ``o, lse``: merged as ``lse = log(e^lse_a + e^lse_b)``,
+  ``o = (e^(lse_a - lse) o_a + e^(lse_b - lse) o_b)``.  The operation is written
+  symmetrically, so ``op(a, b)`` and ``op(b, a)`` are the same bits; then an
+  allreduce whose ranks combine the same pairs (recursive doubling) or that
+  computes each element once and distributes it (ring, Rabenseifner,
+  reduce+broadcast) gives every rank the same bits.  The tests check it at
+  P = 1..4 and under each of Open MPI's six allreduce algorithms.
+* ``flag, sig, -sig`` (max-reduced): a rank whose own inputs are bad sets
+  ``flag``; ``sig`` is a 24-bit digest of the call's arguments (q, sinks,
+  cache_lengths, mask, scale, N_cache), so ``max(sig) != -max(-sig)`` means
+  the ranks disagree.  Only then does a second collective agree on the message:
+  a good call costs exactly one collective (plus one length exchange when
+  ``layout`` is a kind name, and one broadcast of q with ``root``).
+
+Positions: the new token ``t`` of batch entry ``b`` is at global position
+``i = L_b - S_new + t`` where ``L_b`` is the entry's cache length including the
+new tokens (``cache_lengths[b]``, default ``N_cache``), bottom-right aligned as
+the ring's causal mask; keys at positions ``>= L_b`` are not part of entry
+``b``'s cache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from typing import Optional
+
+import numpy as np
+
+from .backends import get_backend
+from .errors import ConfigError, agree
+from .layout import KINDS, Layout
+from .masks import BlockMask, MaskSpec
+from .ring import resolve_comm
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_EXTRA = 4  # lse, flag, sig, -sig after the D output columns
+
+
+def merge_partials(a, b) -> None:
+    """``b[...] = merge(a, b)`` for packed rows ``(n, D + 4)``; symmetric in ``a`` and ``b``.
+
+    Columns ``[:D]`` are a normalised output, ``D`` its natural-log
+    normaliser (``-inf``: saw nothing), the last three are max-reduced.
+    """
+    d = a.shape[1] - _EXTRA
+    la, lb = a[:, d], b[:, d]
+    top = np.maximum(la, lb)
+    shift = np.where(np.isneginf(top), 0, top).astype(a.dtype, copy=False)
+    wa, wb = np.exp(la - shift), np.exp(lb - shift)
+    total = wa + wb
+    seen = total > 0
+    safe = np.where(seen, total, 1).astype(a.dtype, copy=False)
+    b[:, :d] = (a[:, :d] * wa[:, None] + b[:, :d] * wb[:, None]) / safe[:, None]
+    with np.errstate(divide="ignore"):
+        b[:, d] = np.where(seen, shift + np.log(safe), -np.inf)
+    np.maximum(a[:, d + 1:], b[:, d + 1:], out=b[:, d + 1:])
+
+
+_OPS = {}
+
+
+def _merge_op(width: int, dtype: np.dtype):
+    """The committed row datatype and the user-defined MPI operation for rows of ``width``."""
+    key = (width, dtype.str)
+    if key not in _OPS:
+        from mpi4py import MPI
+
+        base = MPI.DOUBLE if dtype == np.float64 else MPI.FLOAT
+        row = base.Create_contiguous(width).Commit()  # MPI never splits a row between op calls
+
+        def op(inbuf, inoutbuf, datatype):
+            merge_partials(np.frombuffer(inbuf, dtype=dtype).reshape(-1, width),
+                           np.frombuffer(inoutbuf, dtype=dtype).reshape(-1, width))
+
+        _OPS[key] = (row, MPI.Op.Create(op, commute=True))
+    return _OPS[key]
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)} dtype {x.dtype}" if hasattr(x, "shape") else type(x).__name__
+
+
+def _q_problem(q) -> Optional[str]:
+    if getattr(q, "ndim", None) != 4:
+        return f"q must be 4-D (B, S_new, H, D), got {_describe(q)}"
+    if str(q.dtype) not in FLOAT_DTYPES:
+        return f"q has unsupported dtype {q.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+    if q.shape[1] < 1 or q.shape[3] < 1:
+        return f"q needs S_new >= 1 and D >= 1, got shape {tuple(q.shape)}"
+    return None
+
+
+def _cache_problem(q, k, v, n_local, n_cache, lengths, sinks) -> Optional[str]:
+    """This rank's own problem with its cache shard (q already checked), or None."""
+    for name, x in (("k_cache", k), ("v_cache", v)):
+        if getattr(x, "ndim", None) != 4:
+            return f"{name} must be 4-D (B, S_cache_local, H_kv, D), got {_describe(x)}"
+        if x.dtype != q.dtype:
+            return f"{name} dtype {x.dtype} differs from q's {q.dtype}"
+    if k.shape != v.shape:
+        return f"k_cache and v_cache must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    b, _, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        return f"k_cache {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim"
+    if k.shape[2] == 0 or h % k.shape[2]:
+        return f"q heads ({h}) must be a multiple of cache heads ({k.shape[2]})"
+    if k.shape[1] != n_local:
+        return f"the cache shard holds {k.shape[1]} rows, the layout gives this rank {n_local}"
+    if lengths is not None:
+        if lengths.shape != (b,):
+            return f"cache_lengths must have shape (B,) = ({b},), got {lengths.shape}"
+        if lengths.min() < 0 or lengths.max() > n_cache:
+            return f"cache_lengths must lie in [0, N_cache = {n_cache}], got {lengths.tolist()}"
+    if sinks is not None and sinks.shape != (h,):
+        return f"sinks must have shape (H,) = ({h},), got {sinks.shape}"
+    return None
+
+
+def _option_problem(window, softcap) -> Optional[str]:
+    if softcap is not None:
+        return ("softcap is not supported by decode_attention yet (the block kernels have no score cap; "
+                "see issue 13): pass softcap=None")
+    if window is not None and (len(window) != 2 or any(
+            w is not None and (int(w) != w or w < 0) for w in window)):
+        return f"window must be (left, right) with non-negative ints or None, got {window!r}"
+    return None
+
+
+def _signature(q, lengths, sinks, spec, scale, n_cache) -> float:
+    """A 24-bit digest of what every rank must agree on (exact in float32)."""
+    head = repr((tuple(q.shape), str(q.dtype), spec.causal, spec.window, scale, n_cache)).encode()
+    crc = zlib.crc32(head)
+    for x in (q, lengths, sinks):
+        if x is not None:
+            crc = zlib.crc32(np.ascontiguousarray(x).view(np.uint8), crc)
+    return float(crc & 0xFFFFFF)
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def _positions(layout, comm, n_local):
+    """(N_cache, this rank's global positions, a problem or None); a kind name costs one allgather."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if isinstance(layout, str):
+        if layout not in KINDS:
+            raise ConfigError(f"unknown layout {layout!r}: expected one of {', '.join(KINDS)}")
+        counts = comm.allgather(int(n_local))
+        n = sum(counts)
+        if n == 0:
+            return 0, np.zeros(0, dtype=np.int64), None
+        want = Layout(layout, n, size).counts()
+        if list(want) != counts:
+            raise ConfigError(f"cache shard lengths {counts} do not match the {layout} layout of "
+                              f"N_cache={n} over {size} ranks ({want.tolist()})")
+        return n, Layout(layout, n, size).indices(rank), None
+    if getattr(layout, "world_size", size) != size:
+        return 0, np.zeros(0, dtype=np.int64), f"layout {layout} is for {layout.world_size} ranks, not {size}"
+    return int(layout.n), np.asarray(layout.indices(rank), dtype=np.int64), None
+
+
+def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layout="contiguous",
+                     causal: bool = True, window=None, softmax_scale: Optional[float] = None, sinks=None,
+                     softcap: Optional[float] = None, root: Optional[int] = None, backend: str = "auto",
+                     stats: Optional[dict] = None):
+    """Attention of ``S_new`` new tokens over a KV cache sharded across the ranks of ``comm``.
+
+    Collective.  No K/V leaves its rank: each rank attends to its own shard and
+    the partial results are merged in one ``Allreduce``.
+
+    Parameters
+    ----------
+    q : (B, S_new, H, D) float16/bfloat16/float32/float64
+        The new tokens' queries, the same on every rank (its shape sizes the
+        collective, so a rank with another shape is an erroneous MPI program;
+        other differences raise ConfigError); with ``root``, only root's ``q``
+        is read (others may pass None) and it is broadcast.
+    k_cache, v_cache : (B, S_cache_local, H_kv, D), q's dtype; ``H % H_kv == 0``
+        This rank's cache shard, rows in ascending global position.
+    comm : mpi4py communicator, optional (None: a library-owned dup of COMM_WORLD).
+    cache_lengths : (B,) ints in ``[0, N_cache]``, optional
+        Ragged caches: entry ``b`` holds positions ``< L_b`` (its new tokens
+        included) and its new token ``t`` sits at ``L_b - S_new + t``.
+        Default: every entry is ``N_cache`` long.
+    layout : "contiguous" | "zigzag" | "striped" | Layout | KVCache placement
+        Which global positions this rank's rows are.  A kind name spreads
+        ``N_cache = sum of the shard lengths`` (one extra allgather of the
+        lengths); an object with ``n``, ``world_size`` and ``indices(rank)``
+        (a :class:`~ringmpi.layout.Layout`, ``KVCache.placement``) costs nothing.
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` (default True).
+    window : (left, right) or None
+        Keys ``i - left <= j <= i + right``; None on a side is unbounded.
+    softmax_scale : float, optional (default ``1 / sqrt(D)``).
+    sinks : (H,) floats, optional
+        One extra logit per head in every softmax denominator (attention sink,
+        no value): the result is ``o * 1 / (1 + e^(sink - lse))`` and ``lse``
+        includes the sink.
+    softcap : None
+        Not supported yet (needs the kernel support of issue 13); a value
+        raises :class:`ConfigError`.
+    root : int, optional
+        Return the result on ``root`` only (``(None, None)`` elsewhere).
+    backend : "auto" | "numpy" | "cupy"
+    stats : dict, optional
+        Filled with ``compute_s`` (local attention) and ``merge_s`` (packing,
+        the collective, unpacking; it includes waiting for the slowest rank).
+
+    Returns
+    -------
+    o : (B, S_new, H, D), q's dtype
+    lse : (B, H, S_new), float32 (float64 for float64 inputs); ``-inf`` and
+        ``o = 0`` for a query that sees no key (and no sink).
+    Identical bits on every rank.
+    """
+    comm = resolve_comm(comm)
+    rank = comm.Get_rank()
+    if root is not None:
+        if not 0 <= int(root) < comm.Get_size():
+            raise ConfigError(f"root {root} outside the communicator of size {comm.Get_size()}")
+        q = comm.bcast(_host(q) if rank == root else None, root=root)
+    be = get_backend(backend, (q, k_cache, v_cache))
+    q, k_cache, v_cache = be.asarray(q), be.asarray(k_cache), be.asarray(v_cache)
+    problem = _q_problem(q)
+    if problem:  # q is the same on every rank: every rank finds the same problem
+        raise ConfigError(problem)
+
+    n_local = k_cache.shape[1] if getattr(k_cache, "ndim", 0) == 4 else -1
+    n_cache, pos, problem = _positions(layout, comm, n_local)
+    problem = problem or _option_problem(window, softcap)
+    if problem:
+        window = None
+    start = time.perf_counter()
+    lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
+    sinks_h = None if sinks is None else np.asarray(_host(sinks), dtype=np.float64)
+    if problem is None:
+        problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths, sinks_h)
+    batch, s_new, heads, dim = q.shape
+    ct = be.compute_dtype(q.dtype)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    spec = MaskSpec(causal=bool(causal),
+                    window=None if window is None else tuple(None if w is None else int(w) for w in window))
+
+    xp = be.xp
+    qh = be.to_heads(q, ct)
+    o_acc = xp.zeros(qh.shape, dtype=ct)
+    m = xp.full(qh.shape[:3], -np.inf, dtype=ct)
+    l = xp.zeros(qh.shape[:3], dtype=ct)
+    if problem is None and len(pos):
+        kh, vh = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)  # views of the shard
+        if lengths is None or (lengths == lengths[0]).all():
+            groups = [(slice(None), n_cache if lengths is None else int(lengths[0]))]
+        else:
+            groups = [(slice(b, b + 1), int(lengths[b])) for b in range(batch)]
+        for rows, length in groups:
+            valid = int(np.searchsorted(pos, length))  # local rows are in ascending position
+            if valid == 0:
+                continue
+            mask = BlockMask(spec, np.arange(length - s_new, length, dtype=np.int64), pos[:valid])
+            be.forward_block(qh[rows], kh[rows, :, :valid], vh[rows, :, :valid], o_acc[rows], m[rows],
+                             l[rows], scale, mask)
+    o_part, lse_part = be.finalize(o_acc, m, l, ct)
+    be.synchronize()
+    merge_start = time.perf_counter()
+
+    packed = np.empty((batch, s_new, heads, dim + _EXTRA), dtype=ct)
+    packed[..., :dim] = _host(o_part)
+    packed[..., dim] = _host(lse_part).transpose(0, 2, 1)
+    sig = _signature(_host(q), lengths, sinks_h, spec, scale, n_cache)
+    packed[..., dim + 1] = 0.0 if problem is None else 1.0
+    packed[..., dim + 2] = sig
+    packed[..., dim + 3] = -sig
+    row, op = _merge_op(dim + _EXTRA, ct)
+    merged = np.empty_like(packed)
+    comm.Allreduce([packed, batch * s_new * heads, row], [merged, batch * s_new * heads, row], op=op)
+    flat = merged.reshape(-1, dim + _EXTRA)
+    if flat[0, dim + 1] > 0 or flat[0, dim + 2] != -flat[0, dim + 3]:
+        agree(comm, problem)  # raises: some rank failed its checks
+        raise ConfigError("ranks disagree on decode_attention's arguments (q, sinks, cache_lengths, "
+                          "causal, window, softmax_scale or N_cache must be the same on every rank)")
+    if sinks_h is not None:
+        sink_rows = np.zeros_like(merged)
+        sink_rows[..., dim] = sinks_h.astype(ct)[None, None, :]
+        merge_partials(sink_rows.reshape(-1, dim + _EXTRA), flat)
+    if stats is not None:
+        stats["compute_s"] = merge_start - start
+        stats["merge_s"] = time.perf_counter() - merge_start
+    if root is not None and rank != root:
+        return None, None
+    o = merged[..., :dim].astype(q.dtype if be.name == "numpy" else ct)
+    lse = np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1))
+    if be.name != "numpy":
+        o = be.from_heads(be.asarray(o).transpose(0, 2, 1, 3), q.dtype)
+        lse = be.asarray(lse)
+    return o, lse

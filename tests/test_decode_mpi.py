@@ -1,0 +1,95 @@
+"""decode_attention and KVCache under real mpirun against a float64 dense reference.
+
+One mpirun launch per world size runs every case for it (``decode_cases.py``);
+each case is its own pytest item.  Every case also checks that all ranks got
+the same bits.
+"""
+
+import itertools
+
+import pytest
+
+from mpi_util import mpirun_env, run_cases
+
+WORLD_SIZES = (1, 2, 3, 4)
+LAYOUTS = ("contiguous", "zigzag", "striped")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def cases_for(p):
+    cases, spin = [], itertools.count()
+
+    def add(name, kind, **kw):
+        i = next(spin)
+        case = dict(id=f"P{p}-{name}", kind=kind, B=1, H=4, Hkv=2, D=16, dtype="float32", seed=100 * p + i)
+        case.update(kw)
+        cases.append(case)
+
+    for layout in LAYOUTS:
+        for n in (2, 61):  # 2 < P: empty shards; 61 % P != 0: uneven ones
+            add(f"static-n{n}-{layout}", "static", N=n, S=1, layout=layout)
+        add(f"static-chunk-{layout}", "static", N=61, S=5, layout=layout, H=6, Hkv=3, D=13)
+        add(f"static-window-{layout}", "static", N=61, S=3, layout=layout, window=[9, 0])
+        add(f"static-full-{layout}", "static", N=40, S=4, layout=layout, causal=False, window=[None, 2])
+        add(f"static-mqa-sinks-{layout}", "static", N=50, S=2, layout=layout, H=4, Hkv=1, sinks=True,
+            layout_obj=True, scale=0.3)
+        add(f"static-ragged-{layout}", "static", N=45, S=2, B=3, layout=layout, lengths=[45, 17, 2])
+        add(f"static-ragged-full-{layout}", "static", N=45, S=2, B=3, layout=layout, lengths=[0, 30, 45],
+            causal=False, sinks=True)
+        add(f"cache-{layout}", "cache", layout=layout, prefill=0, steps=[3, 1, 1, 2, 1], B=2, sinks=True)
+        add(f"cache-prefill-ragged-{layout}", "cache", layout=layout, prefill=23, prefill_lengths=[23, 11],
+            steps=[1, 1, 4, 1], B=2, window=[12, 0], capacity=3, chunk=5)
+    for dtype in DTYPES:
+        add(f"static-{dtype}", "static", N=70, S=2, layout="striped", dtype=dtype, B=2, sinks=True)
+        add(f"cache-{dtype}", "cache", layout="zigzag", prefill=9, steps=[2, 1], dtype=dtype)
+    add("static-large-merge", "static", N=33, S=64, B=2, H=8, Hkv=8, D=64, layout="zigzag")  # ~140 KiB rows
+    add("static-root", "static", N=30, S=2, layout="contiguous", root=p - 1)
+    add("cache-contiguous-owner", "cache", layout="contiguous", prefill=10, steps=[2, 3],
+        expect_rows=[10 // p + (r < 10 % p) + 5 * (r == p - 1) for r in range(p)])  # appends: last rank
+    for what, expect in (("softcap", "softcap is not supported"), ("softcap_one_rank", "softcap is not supported"),
+                         ("dtype_one_rank", "k_cache dtype"),
+                         ("q_differs", "ranks disagree"), ("lengths", "cache_lengths")):
+        if p > 1 or what != "q_differs":
+            add(f"error-{what}", "error", what=what, expect=expect)
+    return cases
+
+
+# Open MPI's allreduce algorithms, each forced in turn (other MPIs ignore the variables): the
+# merge must give the same bits on every rank whichever one the library picks
+ALLREDUCE_ALGORITHMS = {1: "linear", 2: "reduce-bcast", 3: "recursive-doubling", 4: "ring",
+                        5: "segmented-ring", 6: "rabenseifner"}
+FORCED_P = 3
+
+
+def forced_cases(algorithm):
+    keep = ("static-chunk-zigzag", "static-ragged-striped", "static-large-merge", "cache-contiguous",
+            "static-float16", "static-mqa-sinks-striped")
+    return [dict(c, id=c["id"].replace(f"P{FORCED_P}-", f"P{FORCED_P}a{algorithm}-"))
+            for c in cases_for(FORCED_P) if c["id"].split("-", 1)[1] in keep]
+
+
+LAUNCHES = [(p, None) for p in WORLD_SIZES] + [(FORCED_P, a) for a in ALLREDUCE_ALGORITHMS]
+ALL = [((p, a), c) for p, a in LAUNCHES for c in (cases_for(p) if a is None else forced_cases(a))]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(launch):
+        if launch not in cache:
+            p, algorithm = launch
+            cases = cases_for(p) if algorithm is None else forced_cases(algorithm)
+            env = None if algorithm is None else mpirun_env(OMPI_MCA_coll_tuned_use_dynamic_rules=1,
+                                                            OMPI_MCA_coll_tuned_allreduce_algorithm=algorithm)
+            cache[launch] = run_cases(p, cases, tmp_path_factory.mktemp(f"decode{p}"), timeout=240, env=env,
+                                      driver="decode_cases.py")
+        return cache[launch]
+    return get
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launch,case", ALL, ids=[c["id"] for _, c in ALL])
+def test_decode_case(results, launch, case):
+    ok, msg = results(launch)[case["id"]]
+    assert ok, msg
