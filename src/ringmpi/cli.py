@@ -87,22 +87,32 @@ def _main_or_usage_error(argv):
         return exc
 
 
-def launcher_rank() -> int:
-    """This process's rank from the launcher's environment (mpirun, srun), 0 when
-    there is none; never initialises MPI (a usage error happens before it)."""
+def launcher_rank():
+    """This process's rank from the launcher's environment (mpirun, srun), or None
+    when there is no launcher; reads the environment only."""
     import os
 
     for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)
-    return 0
+    return None
 
 
 def _usage_error(exc) -> None:
-    """click's usage message, from rank 0 only; every rank exits 2 (no MPI_Abort)."""
-    if launcher_rank() == 0:
+    """click's usage message, from rank 0 only; every rank exits 2 (no MPI_Abort).
+
+    Under a launcher the ranks meet in a barrier after rank 0 printed: the
+    launcher ends the job at the first non-zero exit, which must not come first.
+    """
+    rank = launcher_rank()
+    if not rank:
         exc.show()
+        sys.stderr.flush()
+    if rank is not None:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()
     sys.exit(exc.exit_code)
 
 

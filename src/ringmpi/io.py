@@ -152,6 +152,10 @@ def _describe_input(f, path: str, backward: bool):
         if dtypes[name] is None:
             return None, (f"{where}: dataset '{name}' has unsupported dtype {f[name].dtype}; "
                           f"expected floating point: one of {', '.join(SUPPORTED_DTYPES)} (any byte order)")
+        if f[name].compression == "lzf":
+            # h5py's LZF filter fails ('Invalid data for LZF decompression') under the mpio driver
+            return None, (f"{where}: dataset '{name}' is LZF-compressed, which parallel HDF5 cannot read here; "
+                          f"repack it, e.g. h5repack -f GZIP=4 {path} repacked.h5")
     if len(set(dtypes.values())) > 1:
         return None, (f"{where}: datasets must share one dtype, got "
                       + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
