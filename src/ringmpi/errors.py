@@ -113,8 +113,9 @@ def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
 
     * ``write:<rank>`` - raise :class:`InjectedFault` at that point (``write``
       alone: on every rank);
-    * ``<action>:<rank>:<step>[:fwd|bwd]`` at a ring step (both phases when
-      omitted), with action ``raise`` (raise :class:`InjectedFault`), ``exit``
+    * ``<action>:<rank>:<step>[:fwd|bwd|pass]`` at a ring step (both ring
+      phases when omitted), or with ``pass`` at the start of pass ``<step>`` of
+      ``ringmpi run`` (``where="pass"``), with action ``raise`` (raise :class:`InjectedFault`), ``exit``
       (``os._exit(3)``: a rank that dies without a word) or ``hang`` (stop
       sending and sleep forever: a stuck rank).
 
