@@ -12,7 +12,9 @@ inputs with that element replaced by a finite value, and rank 0 checks:
 * every query that sees no bad value (not in its own q/do row, not in the
   k/v row of a key visible to it) has ``o``, ``lse``, ``dq`` bitwise equal to
   the clean run's; every key seen by no such query has bitwise equal
-  ``dk``, ``dv``.
+  ``dk``, ``dv`` (on CuPy the gradients, summed with float atomics, to 1e-5).
+
+``RINGMPI_TEST_BACKEND=cupy`` runs the cases on the GPU kernels.
 
 Prints one ``CASE <json>`` line per case.
 """
@@ -128,7 +130,11 @@ def check(case, bad_out, clean_out, tensors, seg, touched_q, touched_kv):
         touched, heads_first = per_q[name]
         a, c = heads_first(ours), heads_first(clean)
         keep = ~touched
-        if a[keep].tobytes() != c[keep].tobytes():
+        if BACKEND == "cupy" and name in ("dq", "dk", "dv"):  # float atomics: the order of the sum varies
+            same = np.allclose(a[keep], c[keep], rtol=1e-5, atol=1e-6)
+        else:
+            same = a[keep].tobytes() == c[keep].tobytes()
+        if not same:
             problems.append(f"{name}: an output no bad value can reach differs from the clean run")
     return not problems, "; ".join(problems) or "ok"
 
