@@ -332,8 +332,9 @@ class NumpyBackend:
                     if careful:  # a state can turn non-finite within this block: look again
                         bad_rows = bad_q[b, h, rows] | np.isnan(l_rows) | np.isnan(m_rows) | np.isposinf(m_rows)
                     if careful and (bad_rows.any() or bad_k[b, kvh, cols].any() or bad_v[b, kvh, cols].any()):
-                        _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                                              bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols])
+                        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are expected here
+                            _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
+                                                  bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols])
                     elif not (np.isfinite(m_rows).all() and _shifted_tile(
                             qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)):
                         _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)
@@ -383,7 +384,8 @@ class NumpyBackend:
                             lse_use[b, h, rows], dvec[b, h, rows], p, dp, bias, scale,
                             dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
                     if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
-                        _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols])
+                        with np.errstate(invalid="ignore", over="ignore"):
+                            _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols])
                     else:
                         _backward_tile(*args)
                     if tick is not None:
