@@ -213,6 +213,11 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         Deadline in seconds for each ring wait (default: ``RINGMPI_TIMEOUT`` or none).
     check_finite : bool
         Reject NaN/Inf inputs, naming the global index of the first one.
+        Without the check (the default) a NaN/Inf reaches exactly the queries
+        that see it: a query's ``o``, ``lse`` are dense attention over its
+        visible keys alone (a masked key never influences it; a NaN or +Inf
+        score makes its row NaN, a -Inf score is a weight of zero), and every
+        other query's outputs are bitwise those of a run without the bad value.
     stats : list, optional
         When given, one :class:`ringmpi.ring.StepRecord` per ring step is appended.
 

@@ -26,8 +26,9 @@ def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
 
     * ``write:<rank>`` - raise :class:`InjectedFault` at that point (``write``
       alone: on every rank);
-    * ``<action>:<rank>:<step>[:fwd|bwd]`` at a ring step (both phases when
-      omitted), with action ``raise`` (raise :class:`InjectedFault`), ``exit``
+    * ``<action>:<rank>:<step>[:fwd|bwd|pass]`` at a ring step (both ring phases when
+      omitted; with ``pass``: at the start of that pass of ``ringmpi run``),
+      with action ``raise`` (raise :class:`InjectedFault`), ``exit``
       (``os._exit(3)``: a rank that dies without a word) or ``hang`` (stop
       sending and sleep forever: a stuck rank).
 
@@ -45,7 +46,7 @@ def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
         return
     if action not in ("raise", "exit", "hang") or len(fields) < 2:
         return
-    if int(fields[0]) != rank or int(fields[1]) != step or (len(fields) > 2 and fields[2] != where):
+    if int(fields[0]) != rank or int(fields[1]) != step or (fields[2] != where if len(fields) > 2 else where == "pass"):
         return
     if action == "raise":
         raise InjectedFault(f"injected fault on rank {rank} at {where} ring step {step} (RINGMPI_FAULT={want})")

@@ -27,6 +27,26 @@ import numpy as np
 from .errors import agree
 
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
+
+
+def memory_dtype(stored) -> Optional[np.dtype]:
+    """The native-endian NumPy dtype that a stored floating-point dataset reads into.
+
+    Any byte order of IEEE float16/32/64 (``>f4``, ``<f8`` ...) maps to the
+    native dtype of that precision (HDF5 converts while reading); None when
+    ``stored`` is not one of the supported floating-point types.  The one
+    place that decides which stored types ringmpi reads.
+    """
+    stored = np.dtype(stored)
+    if stored.kind == "f" and stored.itemsize in (2, 4, 8):
+        return stored.newbyteorder("=")
+    return None
+
+
+def memory_dtype_name(stored) -> Optional[str]:
+    """``str(memory_dtype(stored))`` (e.g. ``"float32"``), or None when unsupported."""
+    native = memory_dtype(stored)
+    return None if native is None else str(native)
 DEFAULT_PIECE_BYTES = 1 << 30
 
 
@@ -138,11 +158,18 @@ def _describe_input(f, path: str, backward: bool):
         if name in shapes and len(shapes[name]) != ndim:
             return None, (f"{where}: dataset '{name}' has rank {len(shapes[name])} but 'q' has rank {ndim}: "
                           f"q, k, v, do must all be 4-D (B, N, H, D) or all 3-D (N, H, D)")
-    dtypes = {name: str(f[name].dtype) for name in ("q", "k", "v", "do") if name in shapes}
-    for name, dt in dtypes.items():
-        if dt not in SUPPORTED_DTYPES:
-            return None, (f"{where}: dataset '{name}' has unsupported dtype {dt}; "
-                          f"expected one of {', '.join(SUPPORTED_DTYPES)}")
+    dtypes = {}
+    for name in ("q", "k", "v", "do"):
+        if name not in shapes:
+            continue
+        dtypes[name] = memory_dtype_name(f[name].dtype)
+        if dtypes[name] is None:
+            return None, (f"{where}: dataset '{name}' has unsupported dtype {f[name].dtype}; "
+                          f"expected floating point: one of {', '.join(SUPPORTED_DTYPES)} (any byte order)")
+        if f[name].compression == "lzf":
+            # h5py's LZF filter fails ('Invalid data for LZF decompression') under the mpio driver
+            return None, (f"{where}: dataset '{name}' is LZF-compressed, which parallel HDF5 cannot read here; "
+                          f"repack it, e.g. h5repack -f GZIP=4 {path} repacked.h5")
     if len(set(dtypes.values())) > 1:
         return None, (f"{where}: datasets must share one dtype, got "
                       + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
@@ -305,7 +332,8 @@ class ShardIO:
 
         ``box`` gives ``(start, stop)`` per axis (the row axis entry is
         ignored); None means the whole extent.  The result has the dataset's
-        dtype and ``len(indices)`` along ``row_axis``, in ascending row order.
+        dtype in native byte order (HDF5 converts; chunked and filtered
+        datasets read the same way) and ``len(indices)`` along ``row_axis``, in ascending row order.
         """
         import time
 
@@ -314,7 +342,7 @@ class ShardIO:
         box = self._box(dset, row_axis, box)
         shape = [b[1] - b[0] for b in box]
         shape[row_axis] = len(self.indices)
-        out = np.empty(shape, dtype=dset.dtype)
+        out = np.empty(shape, dtype=memory_dtype(dset.dtype) or dset.dtype)  # native byte order
         row_bytes = int(np.prod([s for i, s in enumerate(shape) if i != row_axis], dtype=np.int64)) * out.itemsize
         moved = np.moveaxis(out, row_axis, 0)
         for lo, hi in self._pieces(row_bytes):
@@ -345,27 +373,54 @@ class ShardIO:
         self.write_s += time.perf_counter() - start
 
 
+def first_nonfinite(data: np.ndarray, indices: np.ndarray, box):
+    """The first NaN/Inf of this rank's rows, as ``(global index, value)``, or None.
+
+    ``data (B, S_local, H, D)`` holds rows ``indices`` (ascending) of the
+    dataset region ``box`` (``(start, stop)`` per axis; the row axis entry is
+    ignored): the index returned is in the whole dataset's coordinates, and
+    the first in C order over this rank's rows.  One pass over data in memory.
+    """
+    finite = np.isfinite(data)
+    if finite.all():
+        return None
+    b, s, h, d = np.unravel_index(int(np.argmin(finite)), data.shape)
+    index = (int(box[0][0] + b), int(indices[s]), int(box[2][0] + h), int(box[3][0] + d))
+    return index, float(data[b, s, h, d])
+
+
 # ---------------------------------------------------------------- the output
 class AtomicOutput:
     """An output file written under a temporary name and renamed when complete.
 
     Collective.  ``prepare`` checks the output path on rank 0 (exists without
     ``overwrite``, directory missing or not writable, same as the input) and
-    agrees on a temporary name ``.<name>.tmp-<hex>`` in the same directory;
+    agrees on a temporary name ``.<name>.tmp-<hex>`` in the same directory
+    (``.<name>.partial`` when ``resumable``: a later run can find it and
+    continue; once ``keep_on_failure`` is set, a failing rank leaves it);
     ``open`` creates it with the ``mpio`` driver; ``commit`` closes it
     collectively and renames it over the output path; ``discard`` removes it.
     """
 
-    def __init__(self, path: str, comm, overwrite: bool = False, input_path: Optional[str] = None):
+    def __init__(self, path: str, comm, overwrite: bool = False, input_path: Optional[str] = None,
+                 resumable: bool = False):
         self.path = os.path.abspath(path)
         self.comm = comm
         self.file = None
+        self.resumable = resumable
+        self.keep_on_failure = False  # set once the partial file holds finished work
         problem, tmp = None, None
         if comm.Get_rank() == 0:
             problem, tmp = self._check(overwrite, input_path)
         problem, tmp = comm.bcast((problem, tmp), root=0)
         agree(comm, problem)
         self.tmp = tmp
+
+    @staticmethod
+    def partial_path(path: str) -> str:
+        """The fixed temporary name of a resumable output: ``.<name>.partial`` beside it."""
+        path = os.path.abspath(path)
+        return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
 
     def _check(self, overwrite, input_path):
         directory = os.path.dirname(self.path)
@@ -378,17 +433,20 @@ class AtomicOutput:
             return f"{self.path}: output file exists (pass --overwrite to replace it)", None
         if not os.path.isdir(directory):
             return f"{self.path}: output directory {directory} does not exist", None
-        tmp = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}")
+        tmp = self.partial_path(self.path) if self.resumable else \
+            os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}")
+        probe = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}")
         try:  # the real test of writability (os.access lies for root and ACLs)
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             os.close(fd)
-            os.unlink(tmp)
+            os.unlink(probe)
         except OSError as exc:
             return f"{self.path}: output directory {directory} is not writable ({exc.strerror})", None
         return None, tmp
 
-    def open(self):
-        self.file = open_file(self.tmp, "w", self.comm)
+    def open(self, resume: bool = False):
+        """Create the temporary file (replacing any), or with ``resume`` reopen it for writing."""
+        self.file = open_file(self.tmp, "r+" if resume else "w", self.comm)
         self._guard_termination()
         return self.file
 
@@ -400,13 +458,12 @@ class AtomicOutput:
         """
         import signal
 
-        tmp = self.tmp
-
         def on_term(signum, frame):
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            if not self.keep_on_failure:
+                try:
+                    os.unlink(self.tmp)
+                except OSError:
+                    pass
             os._exit(128 + signum)
 
         try:
@@ -438,8 +495,11 @@ class AtomicOutput:
             raise OSError(failure)
 
     def discard(self, collective: bool = True) -> None:
-        """Remove the temporary file.  ``collective=False`` from a failing rank alone."""
+        """Remove the temporary file.  ``collective=False`` from a failing rank alone,
+        which keeps a resumable file that holds finished work (``keep_on_failure``)."""
         self._release_termination()
+        if not collective and self.keep_on_failure:
+            return
         if self.file is not None:
             try:
                 if collective:

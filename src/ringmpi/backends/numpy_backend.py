@@ -85,17 +85,20 @@ def _scores(qe, ke, s, bias, scale, shift_column, dim):
         s += bias
 
 
-def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim) -> bool:
+def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None) -> bool:
     """One tile with the running maximum as the shift, folded into the GEMM.
 
     Returns False, having changed nothing, when the tile overflows; the caller
-    then takes the exact path.
+    then takes the exact path.  ``fix_pv(weights, pv)``, when given, adds the
+    contributions of non-finite ``v`` rows (see :func:`_careful_forward_tile`).
     """
     _scores(qe, ke, s, bias, scale, -m_rows / scale, dim)
     np.exp(s, out=s)
     np.matmul(s, ve, out=pv)
     if not np.isfinite(pv).all():
         return False
+    if fix_pv is not None:
+        fix_pv(s, pv)
     o_rows += pv[:, :dim]
     l_rows += pv[:, dim]
     big = l_rows > _RENORM
@@ -106,7 +109,7 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim) -
     return True
 
 
-def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim):
+def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None):
     """One tile of the classic online softmax, updating the row state in place."""
     _scores(qe, ke, s, bias, scale, 0, dim)
     m_new = np.maximum(m_rows, s.max(axis=1))
@@ -115,12 +118,144 @@ def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim):
     s -= shift[:, None]
     np.exp(s, out=s)
     np.matmul(s, ve, out=pv)
+    if fix_pv is not None:
+        fix_pv(s, pv)
     alpha = np.exp(m_rows - shift)
     l_rows *= alpha
     l_rows += pv[:, dim]
     o_rows *= alpha[:, None]
     o_rows += pv[:, :dim]
     m_rows[...] = m_new
+
+
+# ------------------------------------------------------------ non-finite values
+# A masked key is not part of a query's sum.  Blocks with NaN/Inf somewhere take
+# a careful path per tile (the clean path is untouched): the tile is computed
+# on copies with the bad rows zeroed, which for every query that sees no bad
+# value is bitwise the computation of a clean run, and the queries that do see
+# one are then recomputed from the raw values over their visible keys only.
+
+def _bad_rows(x):
+    """``(..., S)`` bool: rows of ``x (..., S, D)`` holding a NaN or Inf."""
+    return ~np.isfinite(x).all(axis=-1)
+
+
+def _visible(bias, shape):
+    return np.ones(shape, dtype=bool) if bias is None else bias == 0
+
+
+def _visible_matmul(a, b, vis):
+    """``sum_k a[i, k] * b[k, :]`` over the pairs with ``vis[i, k]`` only.
+
+    A hidden pair adds nothing, even when ``a[i, k]`` or ``b[k]`` is NaN/Inf
+    (a plain product would add ``0 * NaN``).
+    """
+    a = np.where(vis, a, 0).astype(a.dtype, copy=False)
+    bad = _bad_rows(b)
+    if not bad.any():
+        return a @ b
+    out = a[:, ~bad] @ b[~bad]
+    terms = a[:, bad, None] * b[None, bad, :]
+    out += np.where(vis[:, bad, None], terms, 0).sum(axis=1)
+    return out
+
+
+def _clean_copy(x, bad, dim=None):
+    """A copy of ``x`` with the bad rows' first ``dim`` columns (all when None) set to 0."""
+    x = x.copy()
+    x[bad, :dim] = 0
+    return x
+
+
+def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
+                          bad_q, bad_k, bad_v):
+    """One tile when its rows or columns hold non-finite values (forward).
+
+    ``bad_q`` (rows: a NaN/Inf in q, or a row state already non-finite),
+    ``bad_k``, ``bad_v`` (columns) are bool masks.  Queries that see no bad
+    value get exactly a clean run's arithmetic; queries that see a bad ``v``
+    only keep the clean shift and sums and add ``p * v`` of their visible bad
+    rows; the others are recomputed exactly over their visible keys.
+    """
+    vis = _visible(bias, s.shape)
+    redo = bad_q | vis[:, bad_k].any(axis=1)
+    saved = m_rows[redo].copy(), l_rows[redo].copy(), o_rows[redo].copy()
+    fresh = np.isneginf(saved[0]) & (saved[1] == 0)
+    m_rows[redo] = np.where(fresh, -np.inf, 0)  # a clean run's path choice for this tile
+    l_rows[redo] = 0
+    o_rows[redo] = 0
+    q_clean = _clean_copy(qe, bad_q, dim)
+    k_clean, v_clean = _clean_copy(ke, bad_k, dim), _clean_copy(ve, bad_v, dim)
+    fix_pv = None
+    if bad_v.any():
+        see_v = vis[:, bad_v] & ~redo[:, None]
+        v_raw = ve[bad_v, :dim]
+
+        def fix_pv(weights, pv_tile):
+            terms = weights[:, bad_v, None] * v_raw[None]
+            pv_tile[:, :dim] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
+
+    if not (np.isfinite(m_rows).all() and _shifted_tile(
+            q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)):
+        _exact_tile(q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)
+    if not redo.any():
+        return
+    m_old, l_old, o_old = saved
+    with np.errstate(invalid="ignore", over="ignore"):
+        sc = (qe[redo, :dim] @ ke[:, :dim].T) * scale
+        sc = np.where(vis[redo], sc, -np.inf).astype(s.dtype, copy=False)
+        m_new = np.maximum(m_old, sc.max(axis=1))
+        shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
+        p = np.where(vis[redo], np.exp(sc - shift[:, None]), 0).astype(s.dtype, copy=False)
+        alpha = np.exp(m_old - shift)
+        l_rows[redo] = l_old * alpha + p.sum(axis=1)
+        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p, ve[:, :dim], vis[redo])
+        # a row whose visible scores were all -inf has weight 0 so far (l = 0) but is no longer
+        # fresh: a finite shift keeps later tiles on a clean run's path
+        m_rows[redo] = np.where(np.isneginf(m_new) & vis[redo].any(axis=1), 0, m_new)
+
+
+def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale,
+                           dq_t, dk_t, dv_t, bad_rows, bad_cols):
+    """One backward tile when its rows or columns hold non-finite values.
+
+    ``bad_rows``: a NaN/Inf in q, do, lse or ``dvec``; ``bad_cols``: in k or v.
+    Every query that sees a bad value (and every bad one) is left out of the
+    clean-run arithmetic and its pairs are then added over visible keys only.
+    """
+    vis = _visible(bias, p.shape)
+    redo = bad_rows | vis[:, bad_cols].any(axis=1)
+    lse_clean = np.where(redo, np.inf, lse_t).astype(lse_t.dtype, copy=False)  # P = 0 on those rows
+    dvec_clean = np.where(redo, 0, dvec_t).astype(dvec_t.dtype, copy=False)
+    _backward_tile(_clean_copy(q_t, bad_rows), _clean_copy(do_t, bad_rows), _clean_copy(k_t, bad_cols),
+                   _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, bias, scale, dq_t, dk_t, dv_t)
+    if not redo.any():
+        return
+    vis_r = vis[redo]
+    q_r, do_r = q_t[redo], do_t[redo]
+    with np.errstate(invalid="ignore", over="ignore"):
+        sc = (q_r @ k_t.T) * scale
+        p_r = np.where(vis_r, np.exp(sc - lse_t[redo, None]), 0).astype(p.dtype, copy=False)
+        ds = np.where(vis_r, p_r * ((do_r @ v_t.T) - dvec_t[redo, None]), 0).astype(p.dtype, copy=False)
+        dv_t += _visible_matmul(p_r.T, do_r, vis_r.T)
+        dq_t[redo] += _visible_matmul(ds, k_t, vis_r)
+        dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
+
+
+def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t):
+    """One backward tile, accumulating into the ``dq_t``, ``dk_t``, ``dv_t`` views in place."""
+    np.matmul(q_t, k_t.T, out=p)
+    p *= scale
+    if bias is not None:
+        p += bias
+    p -= lse_t[:, None]
+    np.exp(p, out=p)
+    dv_t += p.T @ do_t
+    np.matmul(do_t, v_t.T, out=dp)
+    dp -= dvec_t[:, None]
+    dp *= p
+    dq_t += dp @ k_t
+    dk_t += dp.T @ q_t
 
 
 class NumpyBackend:
@@ -185,6 +320,10 @@ class NumpyBackend:
         scale = ct.type(scale)
         scratch = np.empty(min(sq, TILE_Q) * min(skv, TILE_KV), dtype=ct)
         pv_scratch = np.empty(min(sq, TILE_Q) * (dim + 1), dtype=ct)
+        # one scan per block: rows with NaN/Inf (or a state made non-finite by them)
+        bad_q = _bad_rows(qh) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
+        bad_k, bad_v = _bad_rows(kh), _bad_rows(vh)
+        careful = bool(bad_q.any() or bad_k.any() or bad_v.any())
         tiles = _TilePlan(mask, sq, skv, batch, ct)
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
@@ -195,7 +334,13 @@ class NumpyBackend:
                     kvh = h // group
                     qe, ke, ve = q_ext[b, h, rows], k_ext[b, kvh, cols], v_ext[b, kvh, cols]
                     m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
-                    if not (np.isfinite(m_rows).all() and _shifted_tile(
+                    if careful:  # a state can turn non-finite within this block: look again
+                        bad_rows = bad_q[b, h, rows] | np.isnan(l_rows) | np.isnan(m_rows) | np.isposinf(m_rows)
+                    if careful and (bad_rows.any() or bad_k[b, kvh, cols].any() or bad_v[b, kvh, cols].any()):
+                        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are expected here
+                            _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
+                                                  bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols])
+                    elif not (np.isfinite(m_rows).all() and _shifted_tile(
                             qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)):
                         _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)
                     if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
@@ -204,7 +349,7 @@ class NumpyBackend:
 
     @staticmethod
     def finalize(o_acc, m, l, out_dtype):
-        seen = l > 0
+        seen = l != 0  # a NaN sum (the row saw NaN/Inf) is seen: o and lse come out NaN
         safe_l = np.where(seen, l, 1.0)
         o = o_acc / safe_l[..., None]
         o[~seen] = 0.0
@@ -228,6 +373,10 @@ class NumpyBackend:
         lse_use = np.where(np.isneginf(lse), np.inf, lse).astype(ct, copy=False)
         size = min(sq, TILE_Q) * min(skv, TILE_KV)
         scratch_p, scratch_dp = np.empty(size, dtype=ct), np.empty(size, dtype=ct)
+        # one scan per block: rows with NaN/Inf in q, do, lse or dvec; keys with NaN/Inf in k or v
+        bad_rows = _bad_rows(qh) | _bad_rows(doh) | np.isnan(lse_use) | ~np.isfinite(dvec)
+        bad_cols = _bad_rows(kh) | _bad_rows(vh)
+        careful = bool(bad_rows.any() or bad_cols.any())
         tiles = _TilePlan(mask, sq, skv, batch, ct)
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
@@ -236,20 +385,14 @@ class NumpyBackend:
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
-                    q_t, do_t = qh[b, h, rows], doh[b, h, rows]
-                    k_t, v_t = kh[b, kvh, cols], vh[b, kvh, cols]
-                    np.matmul(q_t, k_t.T, out=p)
-                    p *= scale
-                    if bias is not None:
-                        p += bias
-                    p -= lse_use[b, h, rows, None]
-                    np.exp(p, out=p)
-                    dv[b, kvh, cols] += p.T @ do_t
-                    np.matmul(do_t, v_t.T, out=dp)
-                    dp -= dvec[b, h, rows, None]
-                    dp *= p
-                    dq[b, h, rows] += dp @ k_t
-                    dk[b, kvh, cols] += dp.T @ q_t
+                    args = (qh[b, h, rows], doh[b, h, rows], kh[b, kvh, cols], vh[b, kvh, cols],
+                            lse_use[b, h, rows], dvec[b, h, rows], p, dp, bias, scale,
+                            dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
+                    if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
+                        with np.errstate(invalid="ignore", over="ignore"):
+                            _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols])
+                    else:
+                        _backward_tile(*args)
                     if tick is not None:
                         tick()
         return tiles.counts()

@@ -71,7 +71,9 @@ def main(argv=None):
 
     try:
         with abort_on_error():
-            rc = cli.main(args=argv, prog_name="ringmpi", standalone_mode=False)
+            rc = _main_or_usage_error(argv)
+        if isinstance(rc, click.UsageError):
+            _usage_error(rc)
     except ConfigError as exc:
         # raised identically on every rank (after errors.agree): rank 0 speaks, all exit 2
         prefix = _rank_prefix()
@@ -88,6 +90,44 @@ def main(argv=None):
         sys.exit(exc.exit_code)
     # standalone_mode=False hands back ctx.exit(n) codes as the return value
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _main_or_usage_error(argv):
+    """``cli.main``'s result, or the click usage error that stopped it (returned,
+    not raised, so that it never reaches the abort path)."""
+    try:
+        return cli.main(args=argv, prog_name="ringmpi", standalone_mode=False)
+    except click.UsageError as exc:
+        return exc
+
+
+def launcher_rank():
+    """This process's rank from the launcher's environment (mpirun, srun), or None
+    when there is no launcher; reads the environment only."""
+    import os
+
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _usage_error(exc) -> None:
+    """click's usage message, from rank 0 only; every rank exits 2 (no MPI_Abort).
+
+    Under a launcher the ranks meet in a barrier after rank 0 printed: the
+    launcher ends the job at the first non-zero exit, which must not come first.
+    """
+    rank = launcher_rank()
+    if not rank:
+        exc.show()
+        sys.stderr.flush()
+    if rank is not None:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()
+    sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

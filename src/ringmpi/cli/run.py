@@ -40,6 +40,14 @@ class _Progress:
         elif self.rank == 0:
             click.echo(f"[ringmpi] {self.done}/{self.total} {what}", err=True)
 
+    def skip(self, what: str, steps: int) -> None:
+        """Count ``steps`` units that need no work (finished before a ``--resume``)."""
+        self.done += steps
+        if self.bar is not None:
+            self.bar.update(steps)
+        elif self.rank == 0:
+            click.echo(f"[ringmpi] {self.done}/{self.total} {what}", err=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
@@ -69,31 +77,6 @@ def _read_segments(fin, name, shard_io, p: Pass):
     else:
         ids = np.broadcast_to(shard_io.read(dset, 0, [(0, 0)]), (p.b1 - p.b0, len(shard_io.indices)))
     return np.ascontiguousarray(ids, dtype=np.int64)
-
-
-def _first_nonfinite(fin, spec, passes, io_q, io_kv, backward: bool):
-    """This rank's first NaN/Inf in its shards of q, k, v (and do), named by global index, or None.
-
-    Collective: every rank reads every pass's shards (one pass at a time).
-    """
-    names = ("q", "k", "v") + (("do",) if backward else ())
-    problem = None
-    for p in passes:
-        for name in names:
-            shard_io = io_kv if name in ("k", "v") else io_q
-            axis, box = pass_boxes(spec, p)["kv" if name in ("k", "v") else "q"]
-            x = shard_io.read(fin[name], axis, box)
-            if problem is not None:
-                continue  # keep joining the collective reads
-            finite = np.isfinite(x)
-            if finite.all():
-                continue
-            at = np.unravel_index(int(np.argmin(finite)), x.shape)
-            b, s, h, d = at if spec.rank4 else (0,) + tuple(at)
-            head0 = p.g0 if name in ("k", "v") else p.g0 * spec.group
-            problem = (f"{name} has a non-finite value ({x[at]}) at global index "
-                       f"[{p.b0 + b}, {shard_io.indices[s]}, {head0 + h}, {d}] (b, token, head, dim)")
-    return problem
 
 
 def _window_attr(window):
@@ -126,13 +109,17 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
 @click.option("--scale", type=float, default=None, help="Softmax scale [default: 1/sqrt(D)].")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
-@click.option("--check-finite", is_flag=True, help="Reject NaN/Inf inputs (exit 2), naming the index.")
+@click.option("--check-finite/--no-check-finite", default=True, show_default=True,
+              help="Reject NaN/Inf inputs (exit 2), naming dataset and global index; "
+                   "without the check they propagate as documented.")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted job from its partial output (same input and options).")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Deadline in seconds for each ring wait; a peer that never answers ends the job.")
 @click.option("--heads-per-pass", type=int, default=None, metavar="K",
               help="Query heads per pass (a multiple of H/H_kv) to bound memory [default: all].")
 def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
-        check_finite, timeout, heads_per_pass):
+        check_finite, resume, timeout, heads_per_pass):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
     \b
@@ -147,6 +134,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     from ..errors import ConfigError, agree
     from ..faults import fault_point
     from ..io import AtomicOutput, ShardIO, inspect_input, open_file
+    from .. import resume as resume_log
     from ..layout import Layout
     from .. import ring_attention, ring_attention_backward
 
@@ -169,9 +157,13 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         raise ConfigError(f"--heads-per-pass {heads_per_pass}: must be a positive multiple of "
                           f"H/H_kv = {spec.heads}/{spec.kv_heads} = {spec.group} (GQA groups stay whole)")
     backend = _resolve_backend(backend, comm)
-    out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path)
+    out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
     budget = int(os.environ.get("RINGMPI_PASS_BYTES", DEFAULT_PASS_BYTES))
     passes = plan_passes(spec, size, heads_per_pass, budget)
+    job = _job_record(spec, input_path, size, passes, layout=layout, causal=bool(causal),
+                      window=None if win is None else list(win), backward=bool(backward),
+                      softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass)
+    passes, done = _resume_state(out, comm, job, resume)
     lay_q, lay_kv = Layout(layout, spec.n_q, size), Layout(layout, spec.n_kv, size)
     io_q, io_kv = ShardIO(comm, lay_q.indices(rank)), ShardIO(comm, lay_kv.indices(rank))
     softmax_scale = scale if scale is not None else 1.0 / math.sqrt(spec.dim)
@@ -191,10 +183,18 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     fin = open_file(input_path, "r", comm)
     try:
         if check_finite:  # every input of every pass, before any compute
-            agree(comm, _first_nonfinite(fin, spec, passes, io_q, io_kv, backward))
-        fout = out.open()
-        _create_outputs(fout, spec, backward, attrs)
-        for p in passes:
+            _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward)
+        fout = out.open(resume=done is not None)
+        if done is None:
+            _create_outputs(fout, spec, backward, attrs)
+            resume_log.start(fout, job)
+            done = np.zeros(len(passes), dtype=np.uint8)
+        for index, p in enumerate(passes):
+            if done[index]:
+                progress.skip(f"batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1} done before (--resume)",
+                              2 if backward else 1)
+                continue
+            fault_point("pass", rank, index)
             boxes = pass_boxes(spec, p)
             ax_q, box_q = boxes["q"]
             ax_kv, box_kv = boxes["kv"]
@@ -230,6 +230,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
                                  f"({time.perf_counter() - t0:.2f} s)")
             compute_s += sum(r.compute_s for r in stats)
             wait_s += sum(r.wait_s for r in stats)
+            resume_log.mark_done(fout, index)
+            out.keep_on_failure = True  # from now on a failure leaves a resumable partial file
         progress.close()
         fault_point("write", rank)
         fin.close()
@@ -248,6 +250,70 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     if rank == 0:
         _summary(spec, size, layout, causal, win, backward, backend, passes, every, out.path)
     comm.Free()
+
+
+def _job_record(spec, input_path, world_size, passes, **options):
+    """The :class:`ringmpi.resume.JobRecord` of this run (options: what changes the numbers)."""
+    from ..resume import JobRecord, input_fingerprint
+
+    return JobRecord(version=__version__, world_size=world_size, options=options,
+                     input=input_fingerprint(input_path, spec),
+                     passes=[[p.b0, p.b1, p.g0, p.g1] for p in passes])
+
+
+def _resume_state(out, comm, job, resume: bool):
+    """``(passes, done marks)`` to run: the stored plan and marks with ``--resume`` and a
+    matching partial file, else this run's plan and None (start afresh).  Collective."""
+    from ..errors import agree
+    from ..resume import check_resume
+
+    if not resume:
+        return [Pass(*p) for p in job.passes], None
+    stored = done = problem = None
+    if comm.Get_rank() == 0:
+        stored, done, problem = check_resume(out.tmp, job)
+    stored, done, problem = comm.bcast((stored, done, problem), root=0)
+    agree(comm, problem)
+    if stored is None:
+        if comm.Get_rank() == 0:
+            click.echo(f"[ringmpi] --resume: no partial output at {out.tmp}; starting from the beginning",
+                       err=True)
+        return [Pass(*p) for p in job.passes], None
+    if comm.Get_rank() == 0:
+        click.echo(f"[ringmpi] --resume: {int(done.sum())} of {len(done)} pass(es) already complete "
+                   f"(written with {stored.world_size} rank(s))", err=True)
+    return [Pass(*p) for p in stored.passes], done
+
+
+def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bool) -> None:
+    """Exit-2 error on every rank naming the first NaN/Inf (lowest global index) of q, k, v
+    (and do), read pass by pass before any compute.  Collective: every rank reads every
+    pass's shards, one pass at a time."""
+    from ..errors import agree
+    from ..io import first_nonfinite
+
+    names = ("q", "k", "v") + (("do",) if backward else ())
+    found = None
+    for p in passes:
+        for name in names:
+            shard_io = io_kv if name in ("k", "v") else io_q
+            axis, box = pass_boxes(spec, p)["kv" if name in ("k", "v") else "q"]
+            data = shard_io.read(fin[name], axis, box)
+            if found is not None:
+                continue  # keep joining the collective reads
+            data = data if spec.rank4 else data[None]
+            hit = first_nonfinite(data, shard_io.indices, box if spec.rank4 else [(0, 1)] + list(box))
+            if hit is not None:
+                found = (name, hit)
+    every = [f for f in comm.allgather(found) if f is not None]
+    if not every:
+        return
+    order = {"q": 0, "k": 1, "v": 2, "do": 3}
+    name, (index, value) = min(every, key=lambda f: (order[f[0]], f[1][0]))
+    shown = list(index) if spec.rank4 else list(index[1:])
+    agree(comm, f"{input_path}: dataset {name} has a non-finite value ({value}) at global index "
+                f"{shown} ({'b, token, head, dim' if spec.rank4 else 'token, head, dim'}); "
+                f"fix the input or pass --no-check-finite")
 
 
 def _converters(backend: str):

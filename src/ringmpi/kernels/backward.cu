@@ -282,6 +282,7 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
     const int k0 = kt * BN, key = k0 + cr;
     const long long kvbase = (long long)bhk * a.Skv * a.D;
 
+    int bad_kv = 0;
     for (int idx = tid; idx < BN * DP; idx += 256) {
         const int r = idx / DP, d = idx % DP;
         T kx = T(0), vx = T(0);
@@ -289,10 +290,12 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
             const long long off = kvbase + (long long)(k0 + r) * a.D + d;
             kx = load_acc<KIND>(k + off);
             vx = load_acc<KIND>(v + off);
+            bad_kv |= !(finite_acc(kx) && finite_acc(vx));
         }
         Ks[r * RS + d] = kx;
         Vs[r * RS + d] = vx;
     }
+    bad_kv = __syncthreads_or(bad_kv);  // a NaN/Inf in this key tile's K or V
     T dk_acc[ND], dv_acc[ND];
 #pragma unroll
     for (int i = 0; i < ND; ++i) dk_acc[i] = dv_acc[i] = T(0);
@@ -310,6 +313,7 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
             const bool need_mask = state == TILE_PARTIAL || ragged_kv;
             const int q0 = qt * BM;
             __syncthreads();
+            int bad = 0;
             for (int idx = tid; idx < BM * DP; idx += 256) {
                 const int r = idx / DP, d = idx % DP;
                 T qx = T(0), dx = T(0);
@@ -317,6 +321,7 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
                     const long long off = qbase + (long long)(q0 + r) * a.D + d;
                     qx = q[off];
                     dx = dout[off];
+                    bad |= !(finite_acc(qx) && finite_acc(dx));
                 }
                 Qs[r * RS + d] = qx;
                 dOs[r * RS + d] = dx;
@@ -327,11 +332,12 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
                     lv = lse[bh * a.Sq + q0 + r];
                     if (lv == neg_inf<T>()) lv = pos_inf<T>();
                     dvv = dvec[bh * a.Sq + q0 + r];
+                    bad |= (lv != lv) || !finite_acc(dvv);
                 }
                 lse_s[r] = lv;
                 dvec_s[r] = dvv;
             }
-            __syncthreads();
+            const bool careful = __syncthreads_or(bad) || bad_kv;
             // thread (key cr, lane-in-row j): queries j, j + TPR, ...
 #pragma unroll
             for (int i = 0; i < NR; ++i) {
@@ -342,20 +348,34 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
                     dp += dOs[ql * RS + d] * Vs[cr * RS + d];
                 }
                 s *= scale;
-                if (need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv)) s = neg_inf<T>();
-                const T pe = exp_acc(s - lse_s[ql]);
+                const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
+                if (hidden) s = neg_inf<T>();
+                const T pe = (careful && hidden) ? T(0) : exp_acc(s - lse_s[ql]);  // even for a NaN lse
                 Ps[ql * PS + cr] = pe;
-                dSs[ql * PS + cr] = pe * (dp - dvec_s[ql]);
+                // a hidden pair: dS = 0 even when do v^T is NaN
+                dSs[ql * PS + cr] = (careful && hidden) ? T(0) : pe * (dp - dvec_s[ql]);
             }
             __syncthreads();
             // dv, dk of key cr, columns j, j + TPR, ...
-            for (int ql = 0; ql < BM; ++ql) {
-                const T pe = Ps[ql * PS + cr], dse = dSs[ql * PS + cr];
+            if (!careful) {
+                for (int ql = 0; ql < BM; ++ql) {
+                    const T pe = Ps[ql * PS + cr], dse = dSs[ql * PS + cr];
 #pragma unroll
-                for (int i = 0; i < ND; ++i) {
-                    const int d = j + TPR * i;
-                    dv_acc[i] += pe * dOs[ql * RS + d];
-                    dk_acc[i] += dse * Qs[ql * RS + d];
+                    for (int i = 0; i < ND; ++i) {
+                        const int d = j + TPR * i;
+                        dv_acc[i] += pe * dOs[ql * RS + d];
+                        dk_acc[i] += dse * Qs[ql * RS + d];
+                    }
+                }
+            } else {
+                for (int ql = 0; ql < BM; ++ql) {
+                    const T pe = Ps[ql * PS + cr], dse = dSs[ql * PS + cr];
+#pragma unroll
+                    for (int i = 0; i < ND; ++i) {
+                        const int d = j + TPR * i;
+                        dv_acc[i] = careful_add(dv_acc[i], pe, dOs[ql * RS + d]);
+                        dk_acc[i] = careful_add(dk_acc[i], dse, Qs[ql * RS + d]);
+                    }
                 }
             }
             // dq of query row cr (BM == BN), columns j, j + TPR, ...
@@ -366,7 +386,11 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
                     const int d = j + TPR * i;
                     if (d >= a.D) continue;
                     T acc = T(0);
-                    for (int kc = 0; kc < BN; ++kc) acc += dSs[cr * PS + kc] * Ks[kc * RS + d];
+                    if (!careful) {
+                        for (int kc = 0; kc < BN; ++kc) acc += dSs[cr * PS + kc] * Ks[kc * RS + d];
+                    } else {
+                        for (int kc = 0; kc < BN; ++kc) acc = careful_add(acc, dSs[cr * PS + kc], Ks[kc * RS + d]);
+                    }
                     atomicAdd(dq + qbase + (long long)row * a.D + d, acc);
                 }
             }

@@ -84,6 +84,18 @@ __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ bool finite_acc(float x) { return isfinite(x); }
+__device__ __forceinline__ bool finite_acc(double x) { return isfinite(x); }
+
+// ---------------------------------------------------------------- non-finite values
+// A masked key is not part of a query's sum, not even through NaN or Inf.
+// Scores are masked by selection (s = -inf), so P = 0 there; the products
+// that sum over keys or queries (P V, P^T dO, dS^T Q, dS K) would still add
+// 0 * NaN.  Kernels scan the tiles they load (__syncthreads_or) and, only
+// for a tile that holds a NaN/Inf, add a product only where its weight is
+// nonzero (careful_add); the clean path is unchanged.
+template <typename T>
+__device__ __forceinline__ T careful_add(T acc, T w, T x) { return w != T(0) ? acc + w * x : acc; }
 
 // ---------------------------------------------------------------- masks
 // Mask rules in global positions (see ringmpi/masks.py): key j is visible

@@ -3,7 +3,7 @@
 // uint16 arrays).
 
 // o (B, Sq, H, D) in OUT_KIND = o_acc / l; lse (B, H, Sq) = m + log l.
-// Rows with l == 0 saw no key: o = 0, lse = -inf.  One thread per element
+// Rows with l == 0 saw no key: o = 0, lse = -inf; a NaN l gives NaN o and lse.  One thread per element
 // of o_acc (B, H, Sq, D), grid-stride.
 template <int ACC_KIND, int OUT_KIND>
 __global__ void ringmpi_finalize(const typename Kind<ACC_KIND>::acc* __restrict__ o_acc,
@@ -21,7 +21,7 @@ __global__ void ringmpi_finalize(const typename Kind<ACC_KIND>::acc* __restrict_
         const long long bh = row / Sq;
         const int h = (int)(bh % H), b = (int)(bh / H);
         const T lr = l[row];
-        const bool seen = lr > T(0);
+        const bool seen = lr != T(0);  // a NaN sum (the row saw NaN/Inf) gives NaN, never "saw no key"
         const T val = seen ? o_acc[idx] / lr : T(0);
         o[(((long long)b * Sq + s) * H + h) * D + d] = from_float<OUT_KIND>((double)val);
         if (d == 0) lse[row] = seen ? m[row] + log_acc(lr) : neg_inf<T>();

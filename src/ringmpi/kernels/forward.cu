@@ -22,6 +22,45 @@ struct FwdArgs {
 #define FWD_MMA_BM 64
 #define FWD_MMA_BN 64
 
+// The products p * v of the V elements that are NaN/Inf (stored as 0 in the
+// tile for the MMA), added for visible keys only: o[row][d] += p[row][key] *
+// v[key][d].  p of a key lives in one lane of the row's quad (shuffled over);
+// the loop runs uniformly over the tile's keys, only for a tile with such values.
+template <int NT, int DT, bool BF16>
+__device__ __forceinline__ void fwd_mma_add_bad_v(float (*o)[4], const float (*s)[4],
+                                                  const unsigned short* __restrict__ v, long long kvbase,
+                                                  int k0, int row0, int row1, int g, int c, int lane,
+                                                  bool need_mask, const MaskArgs& mk, int b, const FwdArgs& a) {
+    for (int cc = 0; cc < NT * 8; ++cc) {
+        const int key = k0 + cc, nt = cc >> 3, owner = (lane & ~3) | ((cc & 7) >> 1), e_lo = cc & 1;
+        float mine0 = 0.f, mine1 = 0.f;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t == nt) {
+                mine0 = e_lo ? s[t][1] : s[t][0];
+                mine1 = e_lo ? s[t][3] : s[t][2];
+            }
+        }
+        const float p0 = __shfl_sync(0xffffffffu, mine0, owner);
+        const float p1 = __shfl_sync(0xffffffffu, mine1, owner);
+        if (key >= a.Skv) continue;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int d = dt * 8 + 2 * c + (e & 1);
+                if (d >= a.D) continue;
+                const unsigned short bits = v[kvbase + (long long)key * a.D + d];
+                if ((bits & 0x7fffu) < (BF16 ? 0x7f80u : 0x7c00u)) continue;
+                const int row = e < 2 ? row0 : row1;
+                if (need_mask && !elem_visible(mk, b, row, key, a.Sq, a.Skv)) continue;
+                const float vd = BF16 ? bf16_bits_to_float(bits) : half_bits_to_float(bits);
+                o[dt][e] += (e < 2 ? p0 : p1) * vd;
+            }
+        }
+    }
+}
+
 template <int DP, bool BF16>
 __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     const float* __restrict__ q, const unsigned short* __restrict__ k,
@@ -82,6 +121,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         const int k0 = kt * BN;
         const bool need_mask = state == TILE_PARTIAL || k0 + BN > a.Skv;
         __syncthreads();  // previous tile's Ks / Vt fully consumed
+        int bad_v = 0;
         for (int idx = tid; idx < BN * DP; idx += 128) {
             const int r = idx / DP, d = idx % DP;
             unsigned short kx = 0, vx = 0;
@@ -89,11 +129,15 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
                 const long long off = kvbase + (long long)(k0 + r) * a.D + d;
                 kx = k[off];
                 vx = v[off];
+                if ((vx & 0x7fffu) >= (BF16 ? 0x7f80u : 0x7c00u)) {  // NaN/Inf: its product is added below
+                    bad_v = 1;
+                    vx = 0;
+                }
             }
             Ks[r * QS + d] = kx;
             Vt[d * VS + r] = vx;
         }
-        __syncthreads();
+        const bool careful = __syncthreads_or(bad_v);
 
         float s[NT][4];
 #pragma unroll
@@ -183,6 +227,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
                 mma16816<BF16>(o[dt], af, bf);
             }
         }
+        if (careful) fwd_mma_add_bad_v<NT, DT, BF16>(o, s, v, kvbase, k0, row0, row1, g, c, lane, need_mask, mk, b, a);
     }
     if (!touched) return;
     if (c == 0) {
@@ -255,6 +300,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
         const int k0 = kt * BN;
         const bool need_mask = state == TILE_PARTIAL || k0 + BN > a.Skv;
         __syncthreads();
+        int bad_v = 0;
         for (int idx = tid; idx < BN * DP; idx += 128) {
             const int rr = idx / DP, d = idx % DP;
             T kx = T(0), vx = T(0);
@@ -262,11 +308,12 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
                 const long long off = kvbase + (long long)(k0 + rr) * a.D + d;
                 kx = load_acc<KIND>(k + off);
                 vx = load_acc<KIND>(v + off);
+                bad_v |= !finite_acc(vx);
             }
             Ks[rr * RS + d] = kx;
             Vs[rr * RS + d] = vx;
         }
-        __syncthreads();
+        const bool careful = __syncthreads_or(bad_v);  // a NaN/Inf in this V tile
 
         T s[NC];
 #pragma unroll
@@ -302,10 +349,18 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
         __syncwarp();  // the row's P values come from the 4 lanes of its quad
 #pragma unroll
         for (int i = 0; i < ND; ++i) o[i] *= alpha;
-        for (int cc = 0; cc < BN; ++cc) {
-            const T p = Ps[r * PS + cc];
+        if (!careful) {
+            for (int cc = 0; cc < BN; ++cc) {
+                const T p = Ps[r * PS + cc];
 #pragma unroll
-            for (int i = 0; i < ND; ++i) o[i] += p * Vs[cc * RS + j + TPR * i];
+                for (int i = 0; i < ND; ++i) o[i] += p * Vs[cc * RS + j + TPR * i];
+            }
+        } else {  // a hidden key (p = 0) must not add 0 * NaN
+            for (int cc = 0; cc < BN; ++cc) {
+                const T p = Ps[r * PS + cc];
+#pragma unroll
+                for (int i = 0; i < ND; ++i) o[i] = careful_add(o[i], p, Vs[cc * RS + j + TPR * i]);
+            }
         }
         __syncwarp();  // Ps is rewritten by the next tile
     }
