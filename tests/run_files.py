@@ -11,7 +11,7 @@ import os
 import sys
 
 from ringmpi.errors import abort_on_error
-from ringmpi.runner import run
+from ringmpi.cli.run import run
 
 
 def main():
