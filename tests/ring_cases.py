@@ -26,11 +26,17 @@ from ringmpi import Layout  # noqa: E402
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 
 
+def dtype_of(case):
+    """The case's dtype; "bfloat16" is ml_dtypes.bfloat16."""
+    name = case.get("dtype", "float32")
+    return reference.BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
 def make_inputs(case):
     rng = np.random.default_rng(case.get("seed", 0))
     b, h, hkv, d = case["B"], case["H"], case["Hkv"], case["D"]
     n_q, n_kv = case["n_q"], case.get("n_kv", case["n_q"])
-    dtype = np.dtype(case.get("dtype", "float32"))
+    dtype = dtype_of(case)
     q = rng.standard_normal((b, n_q, h, d)) * case.get("q_scale", 1.0) + case.get("q_offset", 0.0)
     k = rng.standard_normal((b, n_kv, hkv, d)) * case.get("k_scale", 1.0)
     v = rng.standard_normal((b, n_kv, hkv, d))
@@ -49,7 +55,7 @@ def make_inputs(case):
         if b > 1:  # a different packing per batch entry
             seg_q[1:] = (seg_q[1:] + 1) // 2
             seg_kv[1:] = (seg_kv[1:] + 1) // 2
-    cast = lambda x: x.astype(dtype)  # noqa: E731
+    cast = lambda x: ringmpi.dtypes.to_dtype(x, dtype)  # noqa: E731  (bfloat16 rounded once)
     return cast(q), cast(k), cast(v), cast(do), seg_q, seg_kv
 
 
@@ -65,7 +71,9 @@ def run_case(comm, case):
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
     local = dict(q=lay_q.shard(q, rank), k=lay_kv.shard(k, rank), v=lay_kv.shard(v, rank),
                  do=lay_q.shard(do, rank))
-    to_backend, to_host = _converters()
+    to_backend, to_host = _converters(case.get("bits", False))
+    if case.get("bits"):  # bfloat16 passed as uint16 bit patterns, declared with dtype=
+        kw["dtype"] = "bfloat16"
     args = [to_backend(local[n]) for n in ("q", "k", "v")]
     o, lse = ringmpi.ring_attention(*args, **kw)
     results = {"o": to_host(o), "lse": to_host(lse)}
@@ -77,6 +85,11 @@ def run_case(comm, case):
     if case.get("backward"):
         dq, dk, dv = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
         results.update(dq=to_host(dq), dk=to_host(dk), dv=to_host(dv))
+        returned = (o, dq, dk, dv)
+    else:
+        returned = (o,)
+    if case.get("bits") and any(str(x.dtype) != "uint16" for x in returned):
+        results["not_bits"] = [str(x.dtype) for x in returned]
         for _ in range(repeat - 1):
             again = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
             if not all(np.array_equal(to_host(a), results[n]) for a, n in zip(again, ("dq", "dk", "dv"))):
@@ -87,15 +100,32 @@ def run_case(comm, case):
     return check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window)
 
 
-def _converters():
+def _converters(bits=False):
+    """(to backend, to host); with ``bits`` bfloat16 arrays travel as uint16 bit
+    patterns and every uint16 result must come back that way."""
     if BACKEND == "cupy":
         import cupy
-        return cupy.asarray, cupy.asnumpy
-    return (lambda x: x), (lambda x: np.asarray(x))
+        up, down = cupy.asarray, cupy.asnumpy
+    else:
+        up, down = (lambda x: x), (lambda x: np.asarray(x))
+    if not bits:
+        return up, down
+
+    def to_backend(x):
+        assert x.dtype == reference.BFLOAT16
+        return up(x.view(np.uint16))
+
+    def to_host(x):
+        x = down(x)
+        return x.view(reference.BFLOAT16) if x.dtype == np.uint16 else x
+    return to_backend, to_host
 
 
 def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window):
     messages, ok = [], True
+    if any(g.get("not_bits") for g in gathered):
+        ok = False
+        messages.append(f"uint16 inputs gave {gathered[0].get('not_bits')}, not uint16 outputs")
     if any(g.get("not_bitwise") for g in gathered):
         ok = False
         messages.append("repeated runs differ bitwise")

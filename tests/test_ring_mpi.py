@@ -49,6 +49,12 @@ def cases_for(p, small_tiles=False):
         add(f"kvlong-window-{layout}", n_q=64, n_kv=200, layout=layout, window=[10, 10], causal=True)
         add(f"float64-{layout}", n_q=97, layout=layout, causal=True, dtype="float64")
         add(f"float16-{layout}", n_q=97, layout=layout, causal=True, dtype="float16")
+        add(f"bfloat16-causal-{layout}", n_q=97, layout=layout, causal=True, dtype="bfloat16", B=2)
+        add(f"bfloat16-full-{layout}", n_q=256, n_kv=200, layout=layout, dtype="bfloat16")
+        add(f"bfloat16-window-{layout}", n_q=200, layout=layout, causal=True, window=[16, 0],
+            dtype="bfloat16")
+        add(f"bfloat16-segments-{layout}", n_q=256, layout=layout, segments=5, B=2, dtype="bfloat16")
+        add(f"bfloat16-bits-{layout}", n_q=97, layout=layout, window=[8, 8], dtype="bfloat16", bits=True)
         # scores ~1e4 (or a large common offset): float32 forward; the float32 LSE hand-off bounds
         # backward accuracy to |lse| * 2^-24 in P, so those backwards are checked in float64
         add(f"extreme-{layout}", n_q=97, layout=layout, causal=True, q_scale=100.0, k_scale=100.0,
