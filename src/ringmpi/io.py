@@ -24,10 +24,30 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .dtypes import from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
 from .errors import ConfigError, agree
 
-SUPPORTED_DTYPES = ("float16", "float32", "float64")
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 DEFAULT_PIECE_BYTES = 1 << 30
+
+
+def create_float_dataset(f, name: str, shape, dtype, **kwargs):
+    """Create dataset ``name`` holding ``dtype`` (collective under mpio).
+
+    bfloat16 is stored as its 16-bit patterns with the attribute
+    ``dtype = "bfloat16"`` (HDF5 has no bfloat16 type); :class:`ShardIO`
+    reads such a dataset back as ``ml_dtypes.bfloat16``.
+    """
+    storage, attrs = hdf5_storage(dtype)
+    dset = f.create_dataset(name, shape=shape, dtype=storage, **kwargs)
+    for key, value in attrs.items():
+        dset.attrs[key] = value
+    return dset
+
+
+def read_float_dataset(dset) -> np.ndarray:
+    """A whole dataset in the dtype it holds (bfloat16 for the marked uint16 patterns)."""
+    return from_hdf5_storage(dset[()], hdf5_logical_dtype(dset))
 
 
 def piece_bytes() -> int:
@@ -124,7 +144,7 @@ def _describe_input(f, path: str, backward: bool):
         if name in shapes and len(shapes[name]) != ndim:
             return None, (f"{where}: dataset '{name}' has rank {len(shapes[name])} but 'q' has rank {ndim}: "
                           f"q, k, v, do must all be 4-D (B, N, H, D) or all 3-D (N, H, D)")
-    dtypes = {name: str(f[name].dtype) for name in ("q", "k", "v", "do") if name in shapes}
+    dtypes = {name: str(hdf5_logical_dtype(f[name])) for name in ("q", "k", "v", "do") if name in shapes}
     for name, dt in dtypes.items():
         if dt not in SUPPORTED_DTYPES:
             return None, (f"{where}: dataset '{name}' has unsupported dtype {dt}; "
@@ -309,7 +329,7 @@ class ShardIO:
             self._call(dset, lo, hi, row_axis, box, piece, write=False)
             moved[lo:hi] = np.moveaxis(piece, row_axis, 0)
         self.read_s += time.perf_counter() - start
-        return out
+        return from_hdf5_storage(out, hdf5_logical_dtype(dset))
 
     def write(self, dset, row_axis: int, data: np.ndarray,
               box: Optional[Sequence[Tuple[int, int]]] = None) -> None:
@@ -319,7 +339,7 @@ class ShardIO:
         self.comm.Barrier()  # time the transfer, not the wait for ranks still computing
         start = time.perf_counter()
         box = self._box(dset, row_axis, box)
-        data = np.asarray(data, dtype=dset.dtype)
+        data = to_hdf5_storage(np.asarray(data, dtype=hdf5_logical_dtype(dset)))
         expect = [b[1] - b[0] for b in box]
         expect[row_axis] = len(self.indices)
         if list(data.shape) != expect:

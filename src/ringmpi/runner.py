@@ -135,7 +135,7 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
     if backward:
         names += [("dq", q_shape, spec.dtype), ("dk", kv_shape, spec.dtype), ("dv", kv_shape, spec.dtype)]
     for name, shape, dtype in names:  # collective: identical arguments on every rank
-        fout.create_dataset(name, shape=shape, dtype=dtype, fill_time="never")
+        create_float_dataset(fout, name, shape, dtype, fill_time="never")
     for key, value in attrs.items():
         fout.attrs[key] = value
 
@@ -172,7 +172,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     from mpi4py import MPI
 
     from .errors import ConfigError, fault_point
-    from .io import AtomicOutput, ShardIO, inspect_input, open_file
+    from .io import AtomicOutput, ShardIO, create_float_dataset, inspect_input, open_file
     from .layout import Layout
     from . import ring_attention, ring_attention_backward
 

@@ -17,6 +17,8 @@ from typing import Dict, Optional, Tuple
 import click
 import numpy as np
 
+from .dtypes import resolve as resolve_dtype
+
 ROW_BLOCK = 1024
 
 
@@ -30,7 +32,7 @@ class DenseReference:
 
     def __init__(self, causal: bool, window, scale: float, dtype):
         self.causal, self.window, self.scale = causal, window, scale
-        self.dtype = np.dtype(dtype)
+        self.dtype = resolve_dtype(dtype)
 
     def _visible(self, rows, n_q, n_kv, seg_q, seg_kv):
         i = rows[:, None] + (n_kv - n_q)
@@ -112,7 +114,7 @@ def _check(in_path: str, out_path: str, max_n: int):
     import h5py
 
     from .errors import ConfigError
-    from .io import _inspect_serial, _peek
+    from .io import _inspect_serial, _peek, read_float_dataset
 
     spec, problem = _inspect_serial(in_path, backward=False)
     if problem:
@@ -141,8 +143,8 @@ def _check(in_path: str, out_path: str, max_n: int):
         if backward and not spec.has_do:
             raise ConfigError(f"{in_path}: has no 'do', but {out_path} holds gradients")
         lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
-        load = {name: lift(fi[name][()]) for name in ("q", "k", "v") + (("do",) if backward else ())}
-        ours = {name: lift(fo[name][()]) for name in names}
+        load = {name: lift(read_float_dataset(fi[name])) for name in ("q", "k", "v") + (("do",) if backward else ())}
+        ours = {name: lift(read_float_dataset(fo[name])) for name in names}
         segs = [None, None]
         if spec.seg_q:
             for i, (name, n_) in enumerate(((spec.seg_q, spec.n_q), (spec.seg_kv, spec.n_kv))):
