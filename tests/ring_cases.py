@@ -188,13 +188,49 @@ def fd_case(comm, case):
     return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
 
 
+def bf16_errors_case(comm, case):
+    """bfloat16 input errors: one ConfigError, the same on every rank, before any compute."""
+    from ringmpi.errors import ConfigError
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    case = dict(case, dtype="bfloat16")
+    q, k, v, _, _, _ = make_inputs(case)
+    lay = Layout(case["layout"], q.shape[1], size)
+    q_bad = q.copy()
+    q_bad[0, case["nan_at"], 1, 2] = np.nan  # a bfloat16 NaN on whichever rank owns that token
+    shards = lambda *xs: [lay.shard(x, rank) for x in xs]  # noqa: E731
+    to_backend, _ = _converters()
+    bits = lambda x: to_backend(x.view(np.uint16))  # noqa: E731
+    f32 = lambda x: to_backend(x.astype(np.float32))  # noqa: E731
+    attempts = {
+        "uint16 without dtype=": ([bits(x) for x in shards(q, k, v)], {},
+                                  "q has unsupported dtype uint16"),
+        "float32 declared bfloat16": ([f32(x) for x in shards(q, k, v)], {"dtype": "bfloat16"},
+                                      "q has dtype float32 but dtype='bfloat16' was given"),
+        "bfloat16 NaN": ([to_backend(x) for x in shards(q_bad, k, v)], {"check_finite": True},
+                         f"q has a non-finite value (nan) at global index [0, {case['nan_at']}, 1, 2]"),
+    }
+    problems = []
+    for what, (args, extra, want) in attempts.items():
+        try:
+            ringmpi.ring_attention(*args, comm=comm, layout=case["layout"], backend=BACKEND, **extra)
+            got = None
+        except ConfigError as exc:
+            got = str(exc)
+        every = comm.allgather(got)
+        if got is None or want not in got or len(set(every)) != 1:
+            problems.append(f"{what}: wanted one ConfigError containing {want!r}, ranks got {every}")
+    return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
+
+
 def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
     for case in cases:
         try:
-            result = (fd_case if case.get("kind") == "fd" else run_case)(comm, case)
+            kinds = {"fd": fd_case, "bf16_errors": bf16_errors_case}
+            result = kinds.get(case.get("kind"), run_case)(comm, case)
         except Exception as exc:  # report and go on: one broken case must not hide the others
             result = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             if comm.Get_rank() != 0:

@@ -66,6 +66,8 @@ def cases_for(p, small_tiles=False):
         add(f"offset64-{layout}", n_q=97, layout=layout, q_offset=40.0, dtype="float64")
         add(f"scale-{layout}", n_q=64, layout=layout, scale=0.5)
         add(f"bitwise-{layout}", n_q=257, layout=layout, causal=True, repeat=3)
+    if p == 3:
+        add("bf16-errors", kind="bf16_errors", n_q=20, layout="zigzag", nan_at=11)
     if p in (1, 3):
         for layout in LAYOUTS:
             add(f"fd-{layout}", kind="fd", n_q=11, n_kv=13, B=1, H=2, Hkv=1, D=5, layout=layout, causal=True)

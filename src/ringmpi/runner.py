@@ -128,6 +128,8 @@ def _window_attr(window):
 
 
 def _create_outputs(fout, spec, backward: bool, attrs: dict):
+    from .io import create_float_dataset
+
     lse_dtype = np.float64 if spec.dtype == "float64" else np.float32
     q_shape, kv_shape = spec.shapes["q"], spec.shapes["k"]
     lse_shape = (spec.batch, spec.heads, spec.n_q) if spec.rank4 else (spec.heads, spec.n_q)
@@ -172,7 +174,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     from mpi4py import MPI
 
     from .errors import ConfigError, fault_point
-    from .io import AtomicOutput, ShardIO, create_float_dataset, inspect_input, open_file
+    from .io import AtomicOutput, ShardIO, inspect_input, open_file
     from .layout import Layout
     from . import ring_attention, ring_attention_backward
 
