@@ -75,7 +75,8 @@ def run_case(comm, case):
     if case.get("bits"):  # bfloat16 passed as uint16 bit patterns, declared with dtype=
         kw["dtype"] = "bfloat16"
     args = [to_backend(local[n]) for n in ("q", "k", "v")]
-    o, lse = ringmpi.ring_attention(*args, **kw)
+    fwd_stats, bwd_stats = [], []
+    o, lse = ringmpi.ring_attention(*args, stats=fwd_stats, **kw)
     results = {"o": to_host(o), "lse": to_host(lse)}
     repeat = case.get("repeat", 1)
     for _ in range(repeat - 1):
@@ -83,7 +84,7 @@ def run_case(comm, case):
         if not (np.array_equal(to_host(o2), results["o"]) and np.array_equal(to_host(lse2), results["lse"])):
             results["not_bitwise"] = True
     if case.get("backward"):
-        dq, dk, dv = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
+        dq, dk, dv = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, stats=bwd_stats, **kw)
         results.update(dq=to_host(dq), dk=to_host(dk), dv=to_host(dv))
         returned = (o, dq, dk, dv)
     else:
@@ -94,6 +95,13 @@ def run_case(comm, case):
             again = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
             if not all(np.array_equal(to_host(a), results[n]) for a, n in zip(again, ("dq", "dk", "dv"))):
                 results["not_bitwise"] = True
+    # what travelled: K/V in the input dtype (P-1 hops each), dK/dV in the compute dtype (P hops)
+    sent = [comm.allreduce(sum(r.bytes_sent for r in st)) for st in (fwd_stats, bwd_stats)]
+    kv_bytes = 2 * k.size * q.dtype.itemsize
+    grad_bytes = 2 * k.size * (8 if q.dtype == np.float64 else 4)
+    want = [(size - 1) * kv_bytes, ((size - 1) * kv_bytes + size * grad_bytes) if case.get("backward") else 0]
+    if sent != want:
+        results["traffic"] = f"ring bytes sent (forward, backward) {sent}, expected {want}"
     gathered = comm.gather(results, root=0)
     if rank != 0:
         return None
@@ -123,6 +131,9 @@ def _converters(bits=False):
 
 def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window):
     messages, ok = [], True
+    if gathered[0].get("traffic"):
+        ok = False
+        messages.append(gathered[0]["traffic"])
     if any(g.get("not_bits") for g in gathered):
         ok = False
         messages.append(f"uint16 inputs gave {gathered[0].get('not_bits')}, not uint16 outputs")

@@ -118,3 +118,59 @@ def test_bfloat16_ring_multi_rank_one_gpu(tmp_path, p, cuda_aware):
                         env=mpirun_env(RINGMPI_TEST_BACKEND="cupy", RINGMPI_CUDA_AWARE=cuda_aware))
     bad = [f"{c['id']}: {results[c['id']][1]}" for c in cases if not results[c["id"]][0]]
     assert not bad, "\n".join(bad)
+
+
+def test_float64_to_bfloat16_on_gpu_rounds_once():
+    """The convert kernel rounds float64 straight to bfloat16, like
+    ringmpi.dtypes.float64_to_bfloat16; via float32 these would differ."""
+    import cupy as cp
+
+    from ringmpi.backends.cupy_backend import CupyBackend
+    from ringmpi.dtypes import float64_to_bfloat16
+
+    rng = np.random.default_rng(9)
+    halfway = (rng.integers(1 << 7, 1 << 8, 4096) * 2 + 1) / 2.0 ** 8 * 2.0 ** rng.integers(-60, 60, 4096)
+    x = np.concatenate([halfway * (1 + 2.0 ** -40), halfway * (1 - 2.0 ** -40), rng.standard_normal(4096),
+                        [np.inf, -np.inf, 1e300, -1e-300, 0.0]])
+    be = CupyBackend.instance()
+    as_heads = lambda a: cp.asarray(a.reshape(1, -1, 1, 1))  # noqa: E731  (B, S, H, D) -> to_heads
+    got = cp.asnumpy(be.to_heads(as_heads(x), "bfloat16")).ravel()
+    assert got.dtype == BF16
+    assert np.array_equal(got.view(np.uint16), float64_to_bfloat16(x).view(np.uint16))
+
+
+@pytest.mark.parametrize("d", [64, 192])  # MMA backward (D <= 128) and SIMT backward
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_cupy_backend_rounds_q_and_do_like_numpy(kv, d):
+    """With 16-bit K/V the CuPy kernels use qh/doh rounded to that dtype (the
+    interface contract), so float32 qh gives exactly what its rounded copy gives."""
+    import cupy as cp
+
+    from ringmpi.backends.cupy_backend import CupyBackend
+    from ringmpi.dtypes import resolve
+    from ringmpi.masks import BlockMask, MaskSpec
+
+    kvt = resolve(kv)
+    be = CupyBackend.instance()
+    rng = np.random.default_rng(4)
+    b, h, sq, skv = 1, 2, 70, 90
+    qh = rng.standard_normal((b, h, sq, d)).astype(np.float32)
+    doh = rng.standard_normal((b, h, sq, d)).astype(np.float32)
+    kh, vh = (cp.asarray(rng.standard_normal((b, h, skv, d)).astype(kvt)) for _ in range(2))
+    mask = BlockMask(MaskSpec(causal=True, offset=skv - sq), np.arange(sq), np.arange(skv), None, None)
+    lse = cp.asarray(rng.standard_normal((b, h, sq)).astype(np.float32) + 5)
+    dvec = cp.asarray(rng.standard_normal((b, h, sq)).astype(np.float32))
+
+    def run(q, do):
+        q, do = cp.asarray(q), cp.asarray(do)
+        o, m, l = cp.zeros_like(q), cp.full(q.shape[:3], -np.inf, np.float32), cp.zeros(q.shape[:3], np.float32)
+        be.forward_block(q, kh, vh, o, m, l, 0.125, mask)
+        dq = cp.zeros_like(q)
+        dk, dv = cp.zeros(kh.shape, np.float32), cp.zeros(kh.shape, np.float32)
+        be.backward_block(q, do, lse, dvec, kh, vh, dq, dk, dv, 0.125, mask)
+        be.synchronize()
+        return [cp.asnumpy(x) for x in (o, m, l, dq, dk, dv)]
+
+    rounded = [x.astype(kvt).astype(np.float32) for x in (qh, doh)]
+    for name, a, c in zip(("o", "m", "l", "dq", "dk", "dv"), run(qh, doh), run(*rounded)):
+        assert np.array_equal(a, c), name
