@@ -63,10 +63,12 @@ def test_resolve_and_declared_bits():
     with pytest.raises(TypeError):
         dtypes.resolve("int8")
     bits = np.array([0x3F80, 0xC000], dtype=np.uint16)
-    assert dtypes.as_float(bits, "bfloat16").astype(np.float32).tolist() == [1.0, -2.0]
-    assert dtypes.as_float(bits) is bits  # never guessed
-    with pytest.raises(TypeError):
-        dtypes.as_float(bits, "float16")
+    (viewed, other), any_bits = dtypes.view_declared("bfloat16", bits, np.ones(2, np.float32))
+    assert any_bits and viewed.astype(np.float32).tolist() == [1.0, -2.0] and other.dtype == np.float32
+    for declared in (None, "float16", "int8"):  # never guessed
+        (same,), any_bits = dtypes.view_declared(declared, bits)
+        assert same is bits and not any_bits
+    assert dtypes.declared_name("bf16") == "bfloat16" and dtypes.declared_name("int8") is None
     assert not dtypes.isfinite(np.array([1, np.nan, np.inf], dtype=BF16))[1:].any()
 
 

@@ -70,7 +70,7 @@ def _describe(x) -> str:
 
 def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str]:
     """This rank's shape/dtype problem, or None."""
-    if declared is not None and not _dtypes.is_float(_declared_name(declared)):
+    if declared is not None and _dtypes.declared_name(declared) is None:
         return f"dtype={declared!r} is not one of {', '.join(FLOAT_DTYPES)}"
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(extra):
         if getattr(x, "ndim", None) != 4:
@@ -78,7 +78,7 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
         if str(x.dtype) not in FLOAT_DTYPES:
             return (f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
                     + (" (pass dtype='bfloat16' to read uint16 bfloat16 bit patterns)" if str(x.dtype) == "uint16" else ""))
-        if declared is not None and str(x.dtype) != _declared_name(declared):
+        if declared is not None and str(x.dtype) != _dtypes.declared_name(declared):
             return f"{name} has dtype {x.dtype} but dtype={declared!r} was given"
     if k.shape != v.shape:
         return f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
@@ -104,23 +104,6 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
             if seg.dtype.kind not in "iu":
                 return f"{name} must be integers, got dtype {seg.dtype}"
     return None
-
-
-def _declared_name(declared) -> Optional[str]:
-    try:
-        return _dtypes.resolve(declared).name
-    except TypeError:
-        return None
-
-
-def _read_declared(declared, *arrays):
-    """The arrays, uint16 ones viewed as bfloat16 when ``declared`` is "bfloat16"
-    (never guessed), and whether any was; anything else unchanged
-    (``_local_problem`` judges it)."""
-    if _declared_name(declared) != "bfloat16":
-        return arrays, False
-    is_bits = [str(getattr(x, "dtype", "")) == "uint16" for x in arrays]
-    return tuple(x.view(_dtypes.BFLOAT16) if b else x for x, b in zip(arrays, is_bits)), any(is_bits)
 
 
 def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
@@ -266,7 +249,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     Parameters
     ----------
     q : (B, S_q_local, H, D) float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
-        float64; NumPy on CPU, CuPy on GPU.  This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
+        float64; NumPy on CPU, CuPy on GPU.  This rank's queries: the global
+        tokens ``Layout(layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D), same dtype as ``q``; ``H % H_kv == 0`` (GQA/MQA).
         This rank's keys/values, sharded like ``q`` by a layout of the same kind
         over their own global length ``N_kv`` (which may differ from ``N_q``).
@@ -303,7 +287,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     lse : (B, H, S_q_local) natural-log softmax normaliser, float32 (float64 for
         float64 inputs); ``-inf`` (and ``o = 0``) for a query that sees no key.
     """
-    (q, k, v), bits = _read_declared(dtype, q, k, v)
+    (q, k, v), bits = _dtypes.view_declared(dtype, q, k, v)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                  softmax_scale, backend, timeout, check_finite, declared=dtype)
     be, ct = plan.backend, plan.compute_dtype
@@ -355,7 +339,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     dtype (bfloat16: 2 bytes per element); their gradients are accumulated in
     float32 (float64 for float64 inputs) as they travel.
     """
-    (do, q, k, v, o), bits = _read_declared(dtype, do, q, k, v, o)
+    (do, q, k, v, o), bits = _dtypes.view_declared(dtype, do, q, k, v, o)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                  softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)),
                  declared=dtype)

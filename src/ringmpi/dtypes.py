@@ -5,7 +5,7 @@ The one place that knows float16, bfloat16, float32 and float64:
 - ``bfloat16`` is ``ml_dtypes.bfloat16`` on NumPy and CuPy alike (CuPy >= 14
   allocates, views and transfers it; ``cupy.from_dlpack`` maps DLPack bf16 to
   it).  A ``uint16`` array holding bfloat16 bit patterns is accepted only when
-  the caller says so with ``dtype="bfloat16"`` (:func:`as_float`), never by
+  the caller says so with ``dtype="bfloat16"`` (:func:`view_declared`), never by
   guessing.
 - 16-bit inputs compute and accumulate in float32, float64 in float64
   (:func:`compute_dtype`).
@@ -28,14 +28,6 @@ NAMES = ("float16", "bfloat16", "float32", "float64")
 HDF5_DTYPE_ATTR = "dtype"
 
 
-def is_float(dtype) -> bool:
-    """True for the four dtypes ringmpi computes with."""
-    try:
-        return np.dtype(dtype).name in NAMES
-    except TypeError:
-        return False
-
-
 def resolve(name) -> np.dtype:
     """The NumPy dtype of a name (``"bfloat16"`` -> ``ml_dtypes.bfloat16``)."""
     if isinstance(name, str) and name.lower() in ("bfloat16", "bf16"):
@@ -47,32 +39,31 @@ def resolve(name) -> np.dtype:
 
 
 def compute_dtype(dtype) -> np.dtype:
-    """float64 for float64 inputs, float32 for float32, float16 and bfloat16."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+    """float64 for float64 inputs, float32 for float32, float16 and bfloat16 (names too)."""
+    return np.dtype(np.float64) if resolve(dtype) == np.float64 else np.dtype(np.float32)
 
 
 def is_16bit(dtype) -> bool:
     return np.dtype(dtype).name in ("float16", "bfloat16")
 
 
-def as_float(x, dtype: Optional[str] = None, name: str = "array"):
-    """``x`` (NumPy or CuPy) as an array of a supported float dtype, no copy.
+def declared_name(declared) -> Optional[str]:
+    """The dtype name a caller's ``dtype=`` argument means, or None if it means none."""
+    try:
+        return resolve(declared).name
+    except TypeError:
+        return None
 
-    ``dtype=None`` takes ``x`` as it is.  ``dtype="bfloat16"`` additionally
-    reads a ``uint16`` array as bfloat16 bit patterns (a view); any other
-    combination of ``dtype`` and ``x.dtype`` must agree.  Raises TypeError
-    with a message naming ``name`` otherwise.
-    """
-    have = x.dtype
-    if dtype is None:
-        return x
-    want = resolve(dtype)
-    if have == want:
-        return x
-    if want == BFLOAT16 and have == np.uint16:
-        return x.view(BFLOAT16)
-    raise TypeError(f"{name} has dtype {have} but dtype={dtype!r} was given"
-                    + (" (only uint16 bit patterns may be read as bfloat16)" if want == BFLOAT16 else ""))
+
+def view_declared(declared, *arrays):
+    """``(arrays, bits)``: with ``declared == "bfloat16"`` every ``uint16`` array
+    (NumPy or CuPy) viewed as bfloat16, no copy, and whether any was; anything
+    else unchanged for the caller to judge.  uint16 is never read as bfloat16
+    without the declaration."""
+    if declared is None or declared_name(declared) != "bfloat16":
+        return arrays, False
+    is_bits = [str(getattr(x, "dtype", "")) == "uint16" for x in arrays]
+    return tuple(x.view(BFLOAT16) if b else x for x, b in zip(arrays, is_bits)), any(is_bits)
 
 
 def isfinite(x) -> np.ndarray:

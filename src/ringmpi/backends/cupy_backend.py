@@ -30,6 +30,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import kernels as K
+from ..dtypes import compute_dtype
 from ..dtypes import resolve as resolve_dtype
 from ..masks import BlockMask
 
@@ -141,9 +142,7 @@ class CupyBackend:
     # ------------------------------------------------------------ arrays
     @staticmethod
     def compute_dtype(dtype) -> np.dtype:
-        if not isinstance(dtype, str) and np.dtype(dtype) == np.float64:
-            return np.dtype(np.float64)
-        return np.dtype(np.float32)
+        return compute_dtype(dtype)
 
     def asarray(self, x):
         with self.device:

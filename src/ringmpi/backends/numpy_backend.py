@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from ..dtypes import is_16bit
+from ..dtypes import compute_dtype, is_16bit
 from ..masks import FULL, SKIP, BlockMask
 from . import HostMessage
 
@@ -138,7 +138,7 @@ class NumpyBackend:
 
     @staticmethod
     def compute_dtype(dtype) -> np.dtype:
-        return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+        return compute_dtype(dtype)
 
     @staticmethod
     def asarray(x):
