@@ -2,11 +2,24 @@
 
 ``dense_forward``/``dense_backward`` compute on whole global arrays in the
 dtype given (float64 for the reference, the input dtype for the "naive
-same-dtype" computation that sets the tolerance).  ``tolerance_check``
-applies the tolerance rule of docs/design.md.
+same-dtype" computation that sets the tolerance).  In float16 and bfloat16
+(``ml_dtypes.bfloat16``) every intermediate is rounded to that dtype, as a
+plain framework computation in it does (a GEMM accumulates in float32 and
+rounds its result; NumPy's bfloat16 matmul would return float32).
+``tolerance_check`` applies the tolerance rule of docs/design.md.
 """
 
+import ml_dtypes
 import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _mm(a, b, dtype):
+    """``a @ b`` rounded to ``dtype`` (float32 accumulation for 16-bit inputs)."""
+    if dtype.itemsize == 2:
+        return (a.astype(np.float32) @ b.astype(np.float32)).astype(dtype)
+    return a @ b
 
 
 def visible(n_q, n_kv, causal=False, window=None, seg_q=None, seg_kv=None):
@@ -40,7 +53,7 @@ def dense_forward(q, k, v, vis, scale, dtype):
     qh = q.transpose(0, 2, 1, 3).astype(dtype)
     kh = _expand_kv(k, q.shape[2]).astype(dtype)
     vh = _expand_kv(v, q.shape[2]).astype(dtype)
-    s = (qh @ kh.transpose(0, 1, 3, 2)) * dtype.type(scale)
+    s = _mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale)
     mask = vis[:, None]
     s = np.where(mask, s, dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True)
@@ -48,7 +61,7 @@ def dense_forward(q, k, v, vis, scale, dtype):
     p = np.exp(s - m_safe)
     l = p.sum(axis=-1, keepdims=True)
     l_safe = np.where(l > 0, l, 1).astype(dtype)
-    o = np.where(l > 0, (p / l_safe) @ vh, 0).astype(dtype)
+    o = np.where(l > 0, _mm((p / l_safe).astype(dtype), vh, dtype), 0).astype(dtype)
     with np.errstate(divide="ignore"):
         lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l_safe[..., 0]), -np.inf).astype(dtype)
     return o.transpose(0, 2, 1, 3), lse
@@ -63,21 +76,21 @@ def dense_backward(do, q, k, v, vis, scale, dtype):
     kh = _expand_kv(k, heads).astype(dtype)
     vh = _expand_kv(v, heads).astype(dtype)
     doh = do.transpose(0, 2, 1, 3).astype(dtype)
-    s = (qh @ kh.transpose(0, 1, 3, 2)) * dtype.type(scale)
+    s = _mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale)
     s = np.where(vis[:, None], s, dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0).astype(dtype)
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
     p = np.where(l > 0, p / np.where(l > 0, l, 1), 0).astype(dtype)
-    dv = p.transpose(0, 1, 3, 2) @ doh
-    dp = doh @ vh.transpose(0, 1, 3, 2)
-    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-    dq = (ds @ kh) * dtype.type(scale)
-    dk = (ds.transpose(0, 1, 3, 2) @ qh) * dtype.type(scale)
+    dv = _mm(p.transpose(0, 1, 3, 2), doh, dtype)
+    dp = _mm(doh, vh.transpose(0, 1, 3, 2), dtype)
+    ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True))).astype(dtype)
+    dq = _mm(ds, kh, dtype) * dtype.type(scale)
+    dk = _mm(ds.transpose(0, 1, 3, 2), qh, dtype) * dtype.type(scale)
     b, _, n_kv, d = dk.shape
-    dk = dk.reshape(b, kv_heads, group, n_kv, d).sum(axis=2)
-    dv = dv.reshape(b, kv_heads, group, n_kv, d).sum(axis=2)
+    dk = dk.reshape(b, kv_heads, group, n_kv, d).sum(axis=2).astype(dtype)
+    dv = dv.reshape(b, kv_heads, group, n_kv, d).sum(axis=2).astype(dtype)
     return dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
 
 

@@ -26,11 +26,17 @@ from ringmpi import Layout  # noqa: E402
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 
 
+def dtype_of(case):
+    """The case's dtype; "bfloat16" is ml_dtypes.bfloat16."""
+    name = case.get("dtype", "float32")
+    return reference.BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
 def make_inputs(case):
     rng = np.random.default_rng(case.get("seed", 0))
     b, h, hkv, d = case["B"], case["H"], case["Hkv"], case["D"]
     n_q, n_kv = case["n_q"], case.get("n_kv", case["n_q"])
-    dtype = np.dtype(case.get("dtype", "float32"))
+    dtype = dtype_of(case)
     q = rng.standard_normal((b, n_q, h, d)) * case.get("q_scale", 1.0) + case.get("q_offset", 0.0)
     k = rng.standard_normal((b, n_kv, hkv, d)) * case.get("k_scale", 1.0)
     v = rng.standard_normal((b, n_kv, hkv, d))
@@ -49,7 +55,7 @@ def make_inputs(case):
         if b > 1:  # a different packing per batch entry
             seg_q[1:] = (seg_q[1:] + 1) // 2
             seg_kv[1:] = (seg_kv[1:] + 1) // 2
-    cast = lambda x: x.astype(dtype)  # noqa: E731
+    cast = lambda x: ringmpi.dtypes.to_dtype(x, dtype)  # noqa: E731  (bfloat16 rounded once)
     return cast(q), cast(k), cast(v), cast(do), seg_q, seg_kv
 
 
@@ -65,9 +71,12 @@ def run_case(comm, case):
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
     local = dict(q=lay_q.shard(q, rank), k=lay_kv.shard(k, rank), v=lay_kv.shard(v, rank),
                  do=lay_q.shard(do, rank))
-    to_backend, to_host = _converters()
+    to_backend, to_host = _converters(case.get("bits", False))
+    if case.get("bits"):  # bfloat16 passed as uint16 bit patterns, declared with dtype=
+        kw["dtype"] = "bfloat16"
     args = [to_backend(local[n]) for n in ("q", "k", "v")]
-    o, lse = ringmpi.ring_attention(*args, **kw)
+    fwd_stats, bwd_stats = [], []
+    o, lse = ringmpi.ring_attention(*args, stats=fwd_stats, **kw)
     results = {"o": to_host(o), "lse": to_host(lse)}
     repeat = case.get("repeat", 1)
     for _ in range(repeat - 1):
@@ -75,27 +84,59 @@ def run_case(comm, case):
         if not (np.array_equal(to_host(o2), results["o"]) and np.array_equal(to_host(lse2), results["lse"])):
             results["not_bitwise"] = True
     if case.get("backward"):
-        dq, dk, dv = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
+        dq, dk, dv = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, stats=bwd_stats, **kw)
         results.update(dq=to_host(dq), dk=to_host(dk), dv=to_host(dv))
+        returned = (o, dq, dk, dv)
+    else:
+        returned = (o,)
+    if case.get("bits") and any(str(x.dtype) != "uint16" for x in returned):
+        results["not_bits"] = [str(x.dtype) for x in returned]
         for _ in range(repeat - 1):
             again = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
             if not all(np.array_equal(to_host(a), results[n]) for a, n in zip(again, ("dq", "dk", "dv"))):
                 results["not_bitwise"] = True
+    # what travelled: K/V in the input dtype (P-1 hops each), dK/dV in the compute dtype (P hops)
+    sent = [comm.allreduce(sum(r.bytes_sent for r in st)) for st in (fwd_stats, bwd_stats)]
+    kv_bytes = 2 * k.size * q.dtype.itemsize
+    grad_bytes = 2 * k.size * (8 if q.dtype == np.float64 else 4)
+    want = [(size - 1) * kv_bytes, ((size - 1) * kv_bytes + size * grad_bytes) if case.get("backward") else 0]
+    if sent != want:
+        results["traffic"] = f"ring bytes sent (forward, backward) {sent}, expected {want}"
     gathered = comm.gather(results, root=0)
     if rank != 0:
         return None
     return check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window)
 
 
-def _converters():
+def _converters(bits=False):
+    """(to backend, to host); with ``bits`` bfloat16 arrays travel as uint16 bit
+    patterns and every uint16 result must come back that way."""
     if BACKEND == "cupy":
         import cupy
-        return cupy.asarray, cupy.asnumpy
-    return (lambda x: x), (lambda x: np.asarray(x))
+        up, down = cupy.asarray, cupy.asnumpy
+    else:
+        up, down = (lambda x: x), (lambda x: np.asarray(x))
+    if not bits:
+        return up, down
+
+    def to_backend(x):
+        assert x.dtype == reference.BFLOAT16
+        return up(x.view(np.uint16))
+
+    def to_host(x):
+        x = down(x)
+        return x.view(reference.BFLOAT16) if x.dtype == np.uint16 else x
+    return to_backend, to_host
 
 
 def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window):
     messages, ok = [], True
+    if gathered[0].get("traffic"):
+        ok = False
+        messages.append(gathered[0]["traffic"])
+    if any(g.get("not_bits") for g in gathered):
+        ok = False
+        messages.append(f"uint16 inputs gave {gathered[0].get('not_bits')}, not uint16 outputs")
     if any(g.get("not_bitwise") for g in gathered):
         ok = False
         messages.append("repeated runs differ bitwise")
@@ -158,13 +199,49 @@ def fd_case(comm, case):
     return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
 
 
+def bf16_errors_case(comm, case):
+    """bfloat16 input errors: one ConfigError, the same on every rank, before any compute."""
+    from ringmpi.errors import ConfigError
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    case = dict(case, dtype="bfloat16")
+    q, k, v, _, _, _ = make_inputs(case)
+    lay = Layout(case["layout"], q.shape[1], size)
+    q_bad = q.copy()
+    q_bad[0, case["nan_at"], 1, 2] = np.nan  # a bfloat16 NaN on whichever rank owns that token
+    shards = lambda *xs: [lay.shard(x, rank) for x in xs]  # noqa: E731
+    to_backend, _ = _converters()
+    bits = lambda x: to_backend(x.view(np.uint16))  # noqa: E731
+    f32 = lambda x: to_backend(x.astype(np.float32))  # noqa: E731
+    attempts = {
+        "uint16 without dtype=": ([bits(x) for x in shards(q, k, v)], {},
+                                  "q has unsupported dtype uint16"),
+        "float32 declared bfloat16": ([f32(x) for x in shards(q, k, v)], {"dtype": "bfloat16"},
+                                      "q has dtype float32 but dtype='bfloat16' was given"),
+        "bfloat16 NaN": ([to_backend(x) for x in shards(q_bad, k, v)], {"check_finite": True},
+                         f"q has a non-finite value (nan) at global index [0, {case['nan_at']}, 1, 2]"),
+    }
+    problems = []
+    for what, (args, extra, want) in attempts.items():
+        try:
+            ringmpi.ring_attention(*args, comm=comm, layout=case["layout"], backend=BACKEND, **extra)
+            got = None
+        except ConfigError as exc:
+            got = str(exc)
+        every = comm.allgather(got)
+        if got is None or want not in got or len(set(every)) != 1:
+            problems.append(f"{what}: wanted one ConfigError containing {want!r}, ranks got {every}")
+    return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
+
+
 def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
     for case in cases:
         try:
-            result = (fd_case if case.get("kind") == "fd" else run_case)(comm, case)
+            kinds = {"fd": fd_case, "bf16_errors": bf16_errors_case}
+            result = kinds.get(case.get("kind"), run_case)(comm, case)
         except Exception as exc:  # report and go on: one broken case must not hide the others
             result = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             if comm.Get_rank() != 0:

@@ -47,6 +47,8 @@ def cases():
         dict(id="tiny", data=["--n", "2", "--heads", "2", "--dim", "4", "--with-do"], run=["--causal", "--backward"]),
         dict(id="float16", data=BASE + ["--dtype", "float16"], run=["--causal", "--backward"]),
         dict(id="float64", data=BASE + ["--dtype", "float64"], run=["--causal", "--backward", "--scale", "0.3"]),
+        dict(id="bfloat16", data=BASE + ["--dtype", "bfloat16", "--batch", "2"],
+             run=["--causal", "--backward", "--layout", "striped"]),
     ]
     return out
 
@@ -70,9 +72,18 @@ def launch(tmp_path_factory):
     return get
 
 
+def _read(dset):
+    """A dataset's values; bfloat16 per docs/file-format.md: uint16 patterns marked dtype="bfloat16"."""
+    data = dset[()]
+    if dset.attrs.get("dtype") == "bfloat16":
+        assert data.dtype == np.uint16
+        return data.view(reference.BFLOAT16)
+    return data
+
+
 def _load(path):
     with h5py.File(path, "r") as f:
-        return {k: f[k][()] for k in f}, dict(f.attrs)
+        return {k: _read(f[k]) for k in f}, dict(f.attrs)
 
 
 def _opt(args, name, n=1):
@@ -181,3 +192,28 @@ def test_verify_under_mpirun_and_three_d_lse(launch):
     where = launch(2)
     rc, out, err, _ = mpirun(2, [RINGMPI, "verify", where / "three-d.in.h5", where / "three-d.out.h5"], 120)
     assert rc == 0 and out.count("PASS") == 1, out + err
+
+
+@pytest.mark.mpi
+def test_bfloat16_file_round_trip_and_verify(launch):
+    """make-data --dtype bfloat16 writes marked uint16 patterns (h5py alone sees
+    uint16), run writes bfloat16 outputs the same way, verify passes them under
+    mpirun and fails a damaged one."""
+    where = launch(3)
+    inp, out = where / "bfloat16.in.h5", where / "bfloat16.out.h5"
+    with h5py.File(inp, "r") as f:
+        assert f["q"].dtype == np.uint16 and f["q"].attrs["dtype"] == "bfloat16"
+    with h5py.File(out, "r") as f:
+        for name in ("o", "dq", "dk", "dv"):
+            assert f[name].dtype == np.uint16 and f[name].attrs["dtype"] == "bfloat16", name
+        assert f["lse"].dtype == np.float32 and "dtype" not in f["lse"].attrs
+    rc, text, err, _ = mpirun(2, [RINGMPI, "verify", inp, out], 120)
+    assert rc == 0 and text.count("PASS") == 1, text + err
+    bad = where / "bfloat16.bad.h5"
+    shutil.copy(out, bad)
+    with h5py.File(bad, "r+") as f:
+        o = f["o"][()].view(reference.BFLOAT16)
+        o[1, 7, 2, 3] += reference.BFLOAT16.type(0.25)
+        f["o"][...] = o.view(np.uint16)
+    proc = subprocess.run([RINGMPI, "verify", str(inp), str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout + proc.stderr

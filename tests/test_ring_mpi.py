@@ -63,6 +63,16 @@ def cases_for(p, small_tiles=False):
     if p in (1, 3):
         for layout in LAYOUTS:
             add(f"fd-{layout}", kind="fd", n_q=11, n_kv=13, B=1, H=2, Hkv=1, D=5, layout=layout, causal=True)
+    # bfloat16 last, so the cases above keep their seeds
+    for layout in LAYOUTS:
+        add(f"bfloat16-causal-{layout}", n_q=97, layout=layout, causal=True, dtype="bfloat16", B=2)
+        add(f"bfloat16-full-{layout}", n_q=256, n_kv=200, layout=layout, dtype="bfloat16")
+        add(f"bfloat16-window-{layout}", n_q=200, layout=layout, causal=True, window=[16, 0],
+            dtype="bfloat16")
+        add(f"bfloat16-segments-{layout}", n_q=256, layout=layout, segments=5, B=2, dtype="bfloat16")
+        add(f"bfloat16-bits-{layout}", n_q=97, layout=layout, window=[8, 8], dtype="bfloat16", bits=True)
+    if p == 3:
+        add("bf16-errors", kind="bf16_errors", n_q=20, layout="zigzag", nan_at=11)
     return cases
 
 

@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from . import dtypes as _dtypes
 from .backends import get_backend
 from .errors import agree
 from .layout import KINDS, Layout
@@ -29,7 +30,7 @@ from .masks import MaskSpec
 from .ring import default_timeout, resolve_comm
 from .schedule import RingSchedule
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+FLOAT_DTYPES = _dtypes.NAMES
 
 
 @dataclass
@@ -64,13 +65,18 @@ def _describe(x) -> str:
     return f"shape {tuple(x.shape)} dtype {x.dtype}"
 
 
-def _local_problem(q, k, v, seg_q, seg_kv, extra) -> Optional[str]:
+def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str]:
     """This rank's shape/dtype problem, or None."""
+    if declared is not None and _dtypes.declared_name(declared) is None:
+        return f"dtype={declared!r} is not one of {', '.join(FLOAT_DTYPES)}"
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(extra):
         if getattr(x, "ndim", None) != 4:
             return f"{name} must be 4-D (B, S_local, H, D), got {_describe(x) if hasattr(x, 'shape') else type(x).__name__}"
         if str(x.dtype) not in FLOAT_DTYPES:
-            return f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+            return (f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+                    + (" (pass dtype='bfloat16' to read uint16 bfloat16 bit patterns)" if str(x.dtype) == "uint16" else ""))
+        if declared is not None and str(x.dtype) != _dtypes.declared_name(declared):
+            return f"{name} has dtype {x.dtype} but dtype={declared!r} was given"
     if k.shape != v.shape:
         return f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
     if not (q.dtype == k.dtype == v.dtype):
@@ -99,7 +105,7 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra) -> Optional[str]:
 
 def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
     xh = np.asarray(x.get() if hasattr(x, "get") else x)
-    finite = np.isfinite(xh.astype(np.float32) if str(xh.dtype) == "bfloat16" else xh)
+    finite = _dtypes.isfinite(xh)
     if finite.all():
         return None
     b, s, h, d = np.unravel_index(int(np.argmin(finite)), xh.shape)
@@ -108,14 +114,14 @@ def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
 
 
 def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-          softmax_scale, backend, timeout, check_finite, extra=()) -> _Plan:
+          softmax_scale, backend, timeout, check_finite, extra=(), declared=None) -> _Plan:
     comm = resolve_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     be = get_backend(backend, (q, k, v))
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
-    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra))
+    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared))
 
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype))
     shapes = comm.allgather((signature, q.shape[1], k.shape[1]))
@@ -181,15 +187,16 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    causal: bool = False, window=None, segment_ids_q=None, segment_ids_kv=None,
                    softmax_scale: Optional[float] = None, backend: str = "auto",
                    timeout: Optional[float] = None, check_finite: bool = False,
-                   stats: Optional[list] = None):
+                   stats: Optional[list] = None, dtype: Optional[str] = None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
 
     Parameters
     ----------
-    q : (B, S_q_local, H, D) float16/float32/float64 (NumPy on CPU, CuPy on GPU)
-        This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
+    q : (B, S_q_local, H, D) float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
+        float64; NumPy on CPU, CuPy on GPU.  This rank's queries: the global
+        tokens ``Layout(layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D), same dtype as ``q``; ``H % H_kv == 0`` (GQA/MQA).
         This rank's keys/values, sharded like ``q`` by a layout of the same kind
         over their own global length ``N_kv`` (which may differ from ``N_q``).
@@ -220,6 +227,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         other query's outputs are bitwise those of a run without the bad value.
     stats : list, optional
         When given, one :class:`ringmpi.ring.StepRecord` per ring step is appended.
+    dtype : str, optional
+        The dtype every input must have.  ``"bfloat16"`` also accepts ``uint16``
+        arrays holding bfloat16 bit patterns (then the outputs are ``uint16``
+        bit patterns too); a ``uint16`` array is never read as bfloat16 without it.
 
     Returns
     -------
@@ -227,8 +238,9 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     lse : (B, H, S_q_local) natural-log softmax normaliser, float32 (float64 for
         float64 inputs); ``-inf`` (and ``o = 0``) for a query that sees no key.
     """
+    (q, k, v), bits = _dtypes.view_declared(dtype, q, k, v)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-                 softmax_scale, backend, timeout, check_finite)
+                 softmax_scale, backend, timeout, check_finite, declared=dtype)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     qh = be.to_heads(be.asarray(q), ct)
@@ -243,7 +255,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     if stats is not None:
         stats.extend(schedule.records)
-    return o, lse
+    return (o.view(np.uint16) if bits else o), lse
 
 
 def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
@@ -251,7 +263,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             window=None, segment_ids_q=None, segment_ids_kv=None,
                             softmax_scale: Optional[float] = None, backend: str = "auto",
                             timeout: Optional[float] = None, check_finite: bool = False,
-                            stats: Optional[list] = None):
+                            stats: Optional[list] = None, dtype: Optional[str] = None):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v``.
 
     Collective; every keyword must match the forward call.
@@ -266,11 +278,15 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     Returns
     -------
     dq : (B, S_q_local, H, D); dk, dv : (B, S_kv_local, H_kv, D); all in the
-    input dtype, for this rank's own shards (K/V gradients are accumulated in
-    float32, float64 for float64 inputs, as they travel the ring).
+    input dtype (``uint16`` bit patterns for ``dtype="bfloat16"`` with uint16
+    inputs), for this rank's own shards.  K/V travel the ring in the input
+    dtype (bfloat16: 2 bytes per element); their gradients are accumulated in
+    float32 (float64 for float64 inputs) as they travel.
     """
+    (do, q, k, v, o), bits = _dtypes.view_declared(dtype, do, q, k, v, o)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-                 softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)))
+                 softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)),
+                 declared=dtype)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     lse = be.asarray(lse)
@@ -291,7 +307,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     dq *= ct.type(plan.scale)
     dk *= ct.type(plan.scale)
     out_dtype = q.dtype
-    result = (be.from_heads(dq, out_dtype), be.from_heads(dk, out_dtype), be.from_heads(dv, out_dtype))
+    result = tuple(be.from_heads(g, out_dtype) for g in (dq, dk, dv))
+    if bits:
+        result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
         stats.extend(schedule.records)
     return result

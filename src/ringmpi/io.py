@@ -24,9 +24,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .dtypes import BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
 from .errors import agree
 
-SUPPORTED_DTYPES = ("float16", "float32", "float64")
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def memory_dtype(stored) -> Optional[np.dtype]:
@@ -38,6 +39,8 @@ def memory_dtype(stored) -> Optional[np.dtype]:
     place that decides which stored types ringmpi reads.
     """
     stored = np.dtype(stored)
+    if stored == BFLOAT16:
+        return stored
     if stored.kind == "f" and stored.itemsize in (2, 4, 8):
         return stored.newbyteorder("=")
     return None
@@ -48,6 +51,25 @@ def memory_dtype_name(stored) -> Optional[str]:
     native = memory_dtype(stored)
     return None if native is None else str(native)
 DEFAULT_PIECE_BYTES = 1 << 30
+
+
+def create_float_dataset(f, name: str, shape, dtype, **kwargs):
+    """Create dataset ``name`` holding ``dtype`` (collective under mpio).
+
+    bfloat16 is stored as its 16-bit patterns with the attribute
+    ``dtype = "bfloat16"`` (HDF5 has no bfloat16 type); :class:`ShardIO`
+    reads such a dataset back as ``ml_dtypes.bfloat16``.
+    """
+    storage, attrs = hdf5_storage(dtype)
+    dset = f.create_dataset(name, shape=shape, dtype=storage, **kwargs)
+    for key, value in attrs.items():
+        dset.attrs[key] = value
+    return dset
+
+
+def read_float_dataset(dset) -> np.ndarray:
+    """A whole dataset in the dtype it holds (bfloat16 for the marked uint16 patterns)."""
+    return from_hdf5_storage(dset[()], hdf5_logical_dtype(dset))
 
 
 def piece_bytes() -> int:
@@ -162,7 +184,7 @@ def _describe_input(f, path: str, backward: bool):
     for name in ("q", "k", "v", "do"):
         if name not in shapes:
             continue
-        dtypes[name] = memory_dtype_name(f[name].dtype)
+        dtypes[name] = memory_dtype_name(hdf5_logical_dtype(f[name]))
         if dtypes[name] is None:
             return None, (f"{where}: dataset '{name}' has unsupported dtype {f[name].dtype}; "
                           f"expected floating point: one of {', '.join(SUPPORTED_DTYPES)} (any byte order)")
@@ -350,7 +372,7 @@ class ShardIO:
             self._call(dset, lo, hi, row_axis, box, piece, write=False)
             moved[lo:hi] = np.moveaxis(piece, row_axis, 0)
         self.read_s += time.perf_counter() - start
-        return out
+        return from_hdf5_storage(out, hdf5_logical_dtype(dset))
 
     def write(self, dset, row_axis: int, data: np.ndarray,
               box: Optional[Sequence[Tuple[int, int]]] = None) -> None:
@@ -360,7 +382,7 @@ class ShardIO:
         self.comm.Barrier()  # time the transfer, not the wait for ranks still computing
         start = time.perf_counter()
         box = self._box(dset, row_axis, box)
-        data = np.asarray(data, dtype=dset.dtype)
+        data = to_hdf5_storage(np.asarray(data, dtype=hdf5_logical_dtype(dset)))
         expect = [b[1] - b[0] for b in box]
         expect[row_axis] = len(self.indices)
         if list(data.shape) != expect:
@@ -381,7 +403,7 @@ def first_nonfinite(data: np.ndarray, indices: np.ndarray, box):
     ignored): the index returned is in the whole dataset's coordinates, and
     the first in C order over this rank's rows.  One pass over data in memory.
     """
-    finite = np.isfinite(data)
+    finite = isfinite(data)
     if finite.all():
         return None
     b, s, h, d = np.unravel_index(int(np.argmin(finite)), data.shape)

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from .dtypes import resolve as resolve_dtype
 from .masks import MaskSpec
 
 ROW_BLOCK = 1024
@@ -41,11 +42,15 @@ class DenseReference:
 
     def __init__(self, mask: MaskSpec, scale: float, dtype):
         self.mask, self.scale = mask, scale
-        self.dtype = np.dtype(dtype)
+        self.dtype = resolve_dtype(dtype)
 
     def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None):
         """``{"o", "lse", and with do "dq", "dk", "dv"}`` in ``dtype``; lse ``(H, N_q)``."""
         dt = self.dtype
+
+        def mm(a, b):  # a GEMM in dt: bfloat16 operands give a float32 product, rounded back
+            return (a @ b).astype(dt, copy=False)
+
         n_q, heads, dim = q.shape
         n_kv, kv_heads, _ = k.shape
         group = heads // kv_heads
@@ -61,7 +66,7 @@ class DenseReference:
                 rows = np.arange(r0, min(r0 + ROW_BLOCK, n_q))
                 qb = q[rows, h, :].astype(dt)
                 vis = self.mask.visible(rows, kv_pos, None if seg_q is None else seg_q[rows], seg_kv)
-                s = np.where(vis, (qb @ kh.T) * scale, dt.type(-np.inf))
+                s = np.where(vis, mm(qb, kh.T) * scale, dt.type(-np.inf))
                 m = s.max(axis=-1, keepdims=True)
                 m = np.where(np.isfinite(m), m, 0).astype(dt)
                 p = np.exp(s - m)
@@ -69,17 +74,17 @@ class DenseReference:
                 seen = l > 0
                 l_safe = np.where(seen, l, 1).astype(dt)
                 p = np.where(seen, p / l_safe, 0).astype(dt)
-                out["o"][rows, h, :] = p @ vh
+                out["o"][rows, h, :] = mm(p, vh)
                 with np.errstate(divide="ignore"):
                     out["lse"][h, rows] = np.where(seen[:, 0], m[:, 0] + np.log(l_safe[:, 0]), -np.inf)
                 if do is None:
                     continue
                 dob = do[rows, h, :].astype(dt)
-                out["dv"][:, g, :] += p.T @ dob
-                dp = dob @ vh.T
-                ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-                out["dq"][rows, h, :] = (ds @ kh) * scale
-                out["dk"][:, g, :] += (ds.T @ qb) * scale
+                out["dv"][:, g, :] += mm(p.T, dob)
+                dp = mm(dob, vh.T)
+                ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True))).astype(dt, copy=False)
+                out["dq"][rows, h, :] = mm(ds, kh) * scale
+                out["dk"][:, g, :] += mm(ds.T, qb) * scale
         return out
 
 

@@ -16,6 +16,7 @@ from ringmpi.backends import gpu_available
 from ringmpi.device import gpu_unavailable_reason
 from ringmpi.backends.cupy_backend import mask_scalars, tile_bounds
 from ringmpi.backends.numpy_backend import NumpyBackend
+from ringmpi.dtypes import BFLOAT16, float64_to_bfloat16
 from ringmpi.masks import FULL, SKIP, BlockMask, MaskSpec
 from ringmpi.reference import DenseReference, tolerance
 
@@ -24,12 +25,10 @@ NO_GPU = f"no usable CUDA GPU: {gpu_unavailable_reason()}"
 
 # ------------------------------------------------------------------ helpers
 def round_to(x, dtype):
-    """``x`` rounded to ``dtype``'s grid, returned as float64 (bf16: RNE)."""
+    """``x`` rounded to ``dtype``'s grid, returned as float64 (bf16: RNE, rounded once)."""
     x = np.asarray(x, dtype=np.float64)
     if dtype == "bfloat16":
-        b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        return b.astype(np.uint32).view(np.float32).astype(np.float64)
+        return float64_to_bfloat16(x).astype(np.float64)
     return x.astype(dtype).astype(np.float64)
 
 
@@ -132,7 +131,8 @@ def make_case(name, d, dtype, seed=0):
 def _to_host(cp, x, dtype):
     x = cp.asnumpy(x)
     if dtype == "bfloat16":
-        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        assert x.dtype == BFLOAT16, x.dtype  # ml_dtypes.bfloat16 CuPy arrays, not uint16 bits
+        return x.astype(np.float32).astype(np.float64)
     return x.astype(np.float64)
 
 
@@ -140,8 +140,8 @@ def _poison(cp, shapes_dtypes):
     """Leave NaN in the pool blocks the next allocations of these sizes get."""
     cp.cuda.Stream.null.synchronize()
     cp.get_default_memory_pool().free_all_blocks()
-    held = [cp.full(shape, np.nan, dtype=dt) if np.dtype(dt).kind == "f"
-            else cp.full(shape, 0x7FC0, dtype=dt) for shape, dt in shapes_dtypes]
+    held = [cp.full(shape, 0x7FC0, dtype=np.uint16) if np.dtype(dt) == BFLOAT16  # a bf16 NaN pattern
+            else cp.full(shape, np.nan, dtype=dt) for shape, dt in shapes_dtypes]
     cp.cuda.Stream.null.synchronize()
     del held
 
@@ -285,7 +285,7 @@ def test_message_round_trip(cuda_aware):
         msg.arrived()
         be.synchronize()
         assert np.array_equal(cp.asnumpy(msg.view(0, (256,), np.uint8)), np.arange(256, dtype=np.uint8))
-    assert msg.view(0, (8,), "bfloat16").dtype == np.uint16
+    assert msg.view(0, (8,), "bfloat16").dtype == BFLOAT16
 
 
 # ------------------------------------------------------------ host-side only

@@ -8,7 +8,8 @@ backend object provides (``INTERFACE`` lists the names; one test,
 ``name``, ``xp``
     Its name (``"numpy"``/``"cupy"``) and array module.
 ``compute_dtype(dtype) -> numpy.dtype``
-    float64 for float64 inputs, float32 otherwise.
+    float64 for float64 inputs, float32 otherwise (:func:`ringmpi.dtypes.compute_dtype`).
+    bfloat16 is ``ml_dtypes.bfloat16`` on every backend (:mod:`ringmpi.dtypes`).
 ``asarray(x)``
     ``x`` as this backend's array (no copy when it already is).
 ``to_heads(x, dtype) -> (B, H, S, D)``
@@ -20,6 +21,11 @@ backend object provides (``INTERFACE`` lists the names; one test,
     scores are ``(qh kh^T) * scale`` (the scale applied to the product, not
     to q, so rounding matches a plain dense computation).
     ``qh (B, H, Sq, D)`` compute dtype; ``kh, vh (B, Hkv, Skv, D)`` any float dtype (the transfer dtype);
+    when ``kh`` is 16-bit (float16, bfloat16) every backend multiplies ``qh``
+    (and in the backward ``doh``) rounded to nearest even in ``kh``'s dtype,
+    as the tensor-core (MMA) kernels load them: a caller gets the same
+    answer from NumPy and CuPy.  Through :func:`ringmpi.ring_attention` this
+    rounding changes nothing (``qh``/``doh`` are copies of 16-bit inputs);
     ``o_acc (B, H, Sq, D)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a
     :class:`ringmpi.masks.BlockMask` (the one object carrying positions, segment
     ids and the mask rules -- and later score modifiers -- to the kernel); ``tick()`` is called between tiles so

@@ -3,11 +3,10 @@
 Implements the interface documented in :mod:`ringmpi.backends` with the same
 arithmetic as :class:`~ringmpi.backends.numpy_backend.NumpyBackend`.
 
-bfloat16: CuPy has no bfloat16 dtype, so bfloat16 data lives in ``uint16``
-CuPy arrays holding the raw bits.  Every method that takes a dtype accepts the
-string ``"bfloat16"`` (``to_heads(x, "bfloat16")`` rounds to nearest even and
-returns ``uint16``; ``message.view(..., "bfloat16")`` gives a ``uint16``
-view), and every ``uint16`` K/V array is read as bfloat16.
+bfloat16 is ``ml_dtypes.bfloat16`` (CuPy >= 14 allocates and views it); the
+kernels read it as raw 16-bit patterns.  Every method that takes a dtype also
+accepts the string ``"bfloat16"``; a ``uint16`` array is never read as
+bfloat16 here (:func:`ringmpi.ring_attention` does that only when told).
 
 Streams: every launch happens on the backend's compute stream (one per
 backend), inside :meth:`CupyBackend._on_stream`: the compute stream first
@@ -30,6 +29,8 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import kernels as K
+from ..dtypes import compute_dtype
+from ..dtypes import resolve as resolve_dtype
 from ..masks import SKIP, BlockMask, classify_tiles, tile_bounds
 from ..masks import kernel_scalars as mask_scalars
 
@@ -37,23 +38,14 @@ _THREADS_1D = 256
 
 
 def _kind_of_dtype(dtype) -> int:
-    """Kernel element kind of a dtype; ``"bfloat16"`` and uint16 are bf16."""
-    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
-        return K.BF16
-    dt = np.dtype(dtype)
-    if dt.name == "bfloat16" or dt == np.uint16:
-        return K.BF16
-    kinds = {np.dtype(np.float16): K.F16, np.dtype(np.float32): K.F32, np.dtype(np.float64): K.F64}
-    if dt not in kinds:
-        raise TypeError(f"unsupported dtype {dt}: expected float16, bfloat16 (as uint16), float32 or float64")
-    return kinds[dt]
+    """Kernel element kind of a dtype (``ml_dtypes.bfloat16`` or ``"bfloat16"`` is bf16)."""
+    dt = resolve_dtype(dtype)
+    return {"float16": K.F16, "bfloat16": K.BF16, "float32": K.F32, "float64": K.F64}[dt.name]
 
 
 def storage_dtype(dtype) -> np.dtype:
-    """The CuPy-representable dtype that holds ``dtype`` (bfloat16 -> uint16)."""
-    kind = _kind_of_dtype(dtype)
-    return {K.F16: np.dtype(np.float16), K.BF16: np.dtype(np.uint16),
-            K.F32: np.dtype(np.float32), K.F64: np.dtype(np.float64)}[kind]
+    """The CuPy array dtype that holds ``dtype`` (``"bfloat16"`` -> ``ml_dtypes.bfloat16``)."""
+    return resolve_dtype(dtype)
 
 
 def _grid_1d(n: int) -> int:
@@ -115,9 +107,7 @@ class CupyBackend:
     # ------------------------------------------------------------ arrays
     @staticmethod
     def compute_dtype(dtype) -> np.dtype:
-        if not isinstance(dtype, str) and np.dtype(dtype) == np.float64:
-            return np.dtype(np.float64)
-        return np.dtype(np.float32)
+        return compute_dtype(dtype)
 
     def asarray(self, x):
         with self.device:
@@ -155,8 +145,7 @@ class CupyBackend:
         return out
 
     def to_heads(self, x, dtype):
-        """``(B, S, H, D)`` -> contiguous ``(B, H, S, D)`` in ``dtype``
-        (``"bfloat16"`` gives uint16 bits; a uint16 ``x`` is read as bf16)."""
+        """``(B, S, H, D)`` -> contiguous ``(B, H, S, D)`` in ``dtype`` (rounded once, to nearest even)."""
         with self._on_stream():
             return self._convert(self.asarray(x).transpose(0, 2, 1, 3), dtype, copy=True)
 
@@ -313,7 +302,7 @@ class CupyBackend:
         return counts
 
     def finalize(self, o_acc, m, l, out_dtype):
-        """``o (B, Sq, H, D)`` in ``out_dtype`` (bfloat16 as uint16) and
+        """``o (B, Sq, H, D)`` in ``out_dtype`` and
         ``lse (B, H, Sq)`` in the compute dtype."""
         cp = self.xp
         batch, heads, sq, d = o_acc.shape
@@ -347,7 +336,11 @@ class CupyBackend:
             self._check_state("dq", dq, (batch, heads, sq, d), ct)
             self._check_state("dk", dk, (batch, kv_heads, skv, d), ct)
             self._check_state("dv", dv, (batch, kv_heads, skv, d), ct)
-            kernel = K.backward_kernel(_kind_of_dtype(kh.dtype), d)
+            kind = _kind_of_dtype(kh.dtype)
+            if kind in (K.F16, K.BF16) and d > K.MMA_BACKWARD_MAX_DIM:
+                # the SIMT kernel multiplies qh/doh as given: round them as the MMA kernels do
+                qh, doh = (self._convert(self._convert(x, kh.dtype), ct) for x in (qh, doh))
+            kernel = K.backward_kernel(kind, d)
             margs, counts = self._mask_args(mask, batch, kernel, sq, skv)
             smem = kernel.shared_mem_bytes()
             self._kernel(kernel.filename, kernel.expr, smem)(

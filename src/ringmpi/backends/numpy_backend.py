@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from ..dtypes import compute_dtype, is_16bit
 from ..masks import FULL, SKIP, BlockMask
 from . import HostMessage
 
@@ -66,6 +67,12 @@ class _TilePlan:
                         vis = spec.visible(qp, kp, sq, sk)
                         bias = np.where(vis, 0.0, -np.inf).astype(self.dtype)
                     yield rows, cols, b, bias
+
+
+def _kv_precision(x, kv_dtype):
+    """``x`` rounded to a 16-bit K/V dtype and back (what the tensor-core
+    kernels multiply), or ``x`` itself for 32/64-bit K/V."""
+    return x.astype(kv_dtype).astype(x.dtype) if is_16bit(kv_dtype) else x
 
 
 def _extend(x, fill, dtype=None):
@@ -266,7 +273,7 @@ class NumpyBackend:
 
     @staticmethod
     def compute_dtype(dtype) -> np.dtype:
-        return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+        return compute_dtype(dtype)
 
     @staticmethod
     def asarray(x):
@@ -315,7 +322,7 @@ class NumpyBackend:
         if sq == 0 or skv == 0:
             return 0, 0
         ct = qh.dtype
-        q_ext, k_ext, v_ext = _extend(qh, 0), _extend(kh, 1, ct), _extend(vh, 1, ct)
+        q_ext, k_ext, v_ext = _extend(_kv_precision(qh, kh.dtype), 0), _extend(kh, 1, ct), _extend(vh, 1, ct)
         group = heads // kv_heads
         scale = ct.type(scale)
         scratch = np.empty(min(sq, TILE_Q) * min(skv, TILE_KV), dtype=ct)
@@ -365,6 +372,7 @@ class NumpyBackend:
         if sq == 0 or skv == 0:
             return 0, 0
         ct = qh.dtype
+        qh, doh = _kv_precision(qh, kh.dtype), _kv_precision(doh, kh.dtype)
         kh = kh if kh.dtype == ct else kh.astype(ct)
         vh = vh if vh.dtype == ct else vh.astype(ct)
         group = heads // kv_heads

@@ -61,7 +61,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="Key/value heads (GQA/MQA); must divide --heads.  [default: --heads]")
 @click.option("--dim", type=click.IntRange(min=1), default=64, show_default=True, help="Head dimension D.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Batch size B.")
-@click.option("--dtype", type=click.Choice(["float16", "float32", "float64"]), default="float32",
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]), default="float32",
               show_default=True)
 @click.option("--causal", is_flag=True, help="Causal mask.")
 @click.option("--layout", type=click.Choice(KINDS), default="contiguous", show_default=True,

@@ -58,5 +58,15 @@ def info():
         if comm.Get_size() > 1:
             lines.append(f"GPUs seen per rank: {gpu_counts}")
         lines.append(f"CuPy: {gpus['cupy'] or 'not installed'}")
-    lines += [f"HDF5: {h5}", f"backend 'auto' picks: {auto}"]
+    lines += [f"HDF5: {h5}", f"backend 'auto' picks: {auto}", f"dtypes: {dtype_support()}"]
     click.echo("\n".join(lines))
+
+
+def dtype_support() -> str:
+    """The dtypes this installation computes with (bfloat16 through ml_dtypes)."""
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        return f"float16, float32, float64; bfloat16 unavailable ({exc})"
+    return (f"float16, bfloat16 (ml_dtypes {ml_dtypes.__version__}, NumPy and CuPy arrays; "
+            f"HDF5 as uint16 with attribute dtype=\"bfloat16\"), float32, float64")

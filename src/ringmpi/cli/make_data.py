@@ -14,6 +14,8 @@ import click
 import numpy as np
 
 from .. import __version__
+from ..dtypes import resolve as resolve_dtype
+from ..dtypes import to_dtype
 
 CHUNK_ROWS = 2048
 _STREAMS = {"q": 0, "k": 1, "v": 2, "do": 3}
@@ -23,7 +25,7 @@ def block(name: str, seed: int, b: int, c: int, n: int, heads: int, dim: int, dt
     """Rows ``[c*CHUNK_ROWS, ...)`` of batch entry ``b`` of dataset ``name``: ``(rows, heads, dim)``."""
     rows = min(CHUNK_ROWS, n - c * CHUNK_ROWS)
     rng = np.random.default_rng([seed, _STREAMS[name], b, c])
-    return rng.standard_normal((rows, heads, dim)).astype(dtype)
+    return to_dtype(rng.standard_normal((rows, heads, dim)), dtype)  # rounded once, also to bfloat16
 
 
 def segment_ids(seed: int, stream: int, b: int, n: int, segments: int) -> np.ndarray:
@@ -42,7 +44,7 @@ def segment_ids(seed: int, stream: int, b: int, n: int, segments: int) -> np.nda
 @click.option("--dim", type=click.IntRange(min=1), required=True, help="Head dim D.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--n-kv", type=click.IntRange(min=1), default=None, help="K/V length [default: N].")
-@click.option("--dtype", type=click.Choice(["float16", "float32", "float64"]), default="float32",
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]), default="float32",
               show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--with-do", is_flag=True, help="Also write 'do' (for --backward).")
@@ -60,7 +62,7 @@ def make_data(output_path, n, heads, kv_heads, dim, batch, n_kv, dtype, seed, wi
     from mpi4py import MPI
 
     from ..errors import ConfigError
-    from ..io import AtomicOutput, ShardIO
+    from ..io import AtomicOutput, ShardIO, create_float_dataset
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -78,14 +80,14 @@ def make_data(output_path, n, heads, kv_heads, dim, batch, n_kv, dtype, seed, wi
         f = out.open()
         for name, length, h in names:
             shape = (length, h, dim) if no_batch_axis else (batch, length, h, dim)
-            dset = f.create_dataset(name, shape=shape, dtype=dtype, fill_time="never")
+            dset = create_float_dataset(f, name, shape, dtype, fill_time="never")
             row_axis = 0 if no_batch_axis else 1
             for b in range(batch):
                 for first in range(0, math.ceil(length / CHUNK_ROWS), size):  # one round per `size` blocks
                     c = first + rank
                     rows = np.arange(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, length), dtype=np.int64)
                     data = (block(name, seed, b, c, length, h, dim, dtype) if len(rows)
-                            else np.empty((0, h, dim), dtype=dtype))
+                            else np.empty((0, h, dim), dtype=resolve_dtype(dtype)))
                     if no_batch_axis:
                         ShardIO(comm, rows).write(dset, row_axis, data)
                     else:

@@ -84,6 +84,8 @@ def _window_attr(window):
 
 
 def _create_outputs(fout, spec, backward: bool, attrs: dict):
+    from ..io import create_float_dataset
+
     lse_dtype = np.float64 if spec.dtype == "float64" else np.float32
     q_shape, kv_shape = spec.shapes["q"], spec.shapes["k"]
     lse_shape = (spec.batch, spec.heads, spec.n_q) if spec.rank4 else (spec.heads, spec.n_q)
@@ -91,7 +93,7 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
     if backward:
         names += [("dq", q_shape, spec.dtype), ("dk", kv_shape, spec.dtype), ("dv", kv_shape, spec.dtype)]
     for name, shape, dtype in names:  # collective: identical arguments on every rank
-        fout.create_dataset(name, shape=shape, dtype=dtype, fill_time="never")
+        create_float_dataset(fout, name, shape, dtype, fill_time="never")
     for key, value in attrs.items():
         fout.attrs[key] = value
 

@@ -34,7 +34,7 @@ def _check(in_path: str, out_path: str, max_n: int):
     import h5py
 
     from ..errors import ConfigError
-    from ..io import _inspect_serial, _peek
+    from ..io import _inspect_serial, _peek, read_float_dataset
 
     spec, problem = _inspect_serial(in_path, backward=False)
     if problem:
@@ -63,8 +63,8 @@ def _check(in_path: str, out_path: str, max_n: int):
         if backward and not spec.has_do:
             raise ConfigError(f"{in_path}: has no 'do', but {out_path} holds gradients")
         lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
-        load = {name: lift(fi[name][()]) for name in ("q", "k", "v") + (("do",) if backward else ())}
-        ours = {name: lift(fo[name][()]) for name in names}
+        load = {name: lift(read_float_dataset(fi[name])) for name in ("q", "k", "v") + (("do",) if backward else ())}
+        ours = {name: lift(read_float_dataset(fo[name])) for name in names}
         segs = [None, None]
         if spec.seg_q:
             for i, (name, n_) in enumerate(((spec.seg_q, spec.n_q), (spec.seg_kv, spec.n_kv))):

@@ -64,9 +64,16 @@ template <> __device__ __forceinline__ float load_acc<KIND_BF16>(const unsigned 
 template <> __device__ __forceinline__ float load_acc<KIND_F32>(const float* p) { return *p; }
 template <> __device__ __forceinline__ double load_acc<KIND_F64>(const double* p) { return *p; }
 
+// double -> float rounded to odd: truncate, then set the last bit if inexact.
+// Rounding that to a 16-bit type (>= 2 fewer bits) gives the correctly rounded
+// (nearest even) 16-bit value of the double: one rounding, not two.
+__device__ __forceinline__ float double_to_float_round_odd(double x) {
+    const float t = __double2float_rz(x);
+    return ((double)t != x && !isnan(x)) ? __uint_as_float(__float_as_uint(t) | 1u) : t;
+}
 template <int KIND> __device__ __forceinline__ typename Kind<KIND>::storage from_float(double x);
-template <> __device__ __forceinline__ unsigned short from_float<KIND_F16>(double x) { return float_to_half_bits((float)x); }
-template <> __device__ __forceinline__ unsigned short from_float<KIND_BF16>(double x) { return float_to_bf16_bits((float)x); }
+template <> __device__ __forceinline__ unsigned short from_float<KIND_F16>(double x) { return float_to_half_bits(double_to_float_round_odd(x)); }
+template <> __device__ __forceinline__ unsigned short from_float<KIND_BF16>(double x) { return float_to_bf16_bits(double_to_float_round_odd(x)); }
 template <> __device__ __forceinline__ float from_float<KIND_F32>(double x) { return (float)x; }
 template <> __device__ __forceinline__ double from_float<KIND_F64>(double x) { return x; }
 
