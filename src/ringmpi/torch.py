@@ -10,7 +10,7 @@ every rank backpropagates through it.
 
 Zero copy both ways: CPU tensors are handed over as NumPy views (bfloat16 as
 ``ml_dtypes.bfloat16`` over the same bytes), CUDA tensors through DLPack as
-CuPy arrays (bfloat16 as the ``uint16`` bits the CuPy backend reads), and the
+CuPy arrays (bfloat16 as ``ml_dtypes.bfloat16`` CuPy arrays, CuPy >= 14), and the
 results come back the same way.  On CUDA the work is queued on torch's
 current stream, so results need no extra synchronisation.
 
@@ -42,8 +42,8 @@ __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"
 def to_array(t: torch.Tensor):
     """The backend array over ``t``'s memory: NumPy for CPU, CuPy for CUDA.
 
-    ``t`` must be contiguous.  bfloat16 becomes ``ml_dtypes.bfloat16``
-    (NumPy) or ``uint16`` bits (CuPy, which has no bfloat16 dtype).
+    ``t`` must be contiguous.  bfloat16 becomes ``ml_dtypes.bfloat16`` on
+    both (viewed through int16, the DLPack type every version exchanges).
     """
     t = t.detach()
     bf16 = t.dtype == torch.bfloat16
@@ -52,7 +52,7 @@ def to_array(t: torch.Tensor):
     if t.device.type == "cuda":
         import cupy
         a = cupy.from_dlpack(t)
-        return a.view(cupy.uint16) if bf16 else a
+        return a.view(ml_dtypes.bfloat16) if bf16 else a
     a = t.numpy()
     return a.view(ml_dtypes.bfloat16) if bf16 else a
 
@@ -60,11 +60,10 @@ def to_array(t: torch.Tensor):
 def to_tensor(a, device: torch.device) -> torch.Tensor:
     """A torch tensor over the memory of backend array ``a`` (the inverse of
     :func:`to_array`), moved to ``device`` only if it lives elsewhere."""
+    bf16 = a.dtype == ml_dtypes.bfloat16
     if isinstance(a, np.ndarray):
-        bf16 = a.dtype == ml_dtypes.bfloat16
         t = torch.from_numpy(a.view(np.int16) if bf16 else a)
     else:
-        bf16 = a.dtype == np.uint16
         t = torch.from_dlpack(a.view(np.int16) if bf16 else a)
     if bf16:
         t = t.view(torch.bfloat16)
