@@ -21,6 +21,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 import ringmpi  # noqa: E402
+import ringmpi.dtypes  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
