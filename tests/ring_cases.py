@@ -98,7 +98,8 @@ def run_case(comm, case):
                 results["not_bitwise"] = True
     # what travelled: K/V in the input dtype (P-1 hops each), dK/dV in the compute dtype (P hops)
     sent = [comm.allreduce(sum(r.bytes_sent for r in st)) for st in (fwd_stats, bwd_stats)]
-    kv_bytes = 2 * k.size * q.dtype.itemsize
+    # each K/V message also carries its block's int64 positions (and segment ids when given)
+    kv_bytes = 2 * k.size * q.dtype.itemsize + 8 * k.shape[1] * (1 + (k.shape[0] if seg_kv is not None else 0))
     grad_bytes = 2 * k.size * (8 if q.dtype == np.float64 else 4)
     want = [(size - 1) * kv_bytes, ((size - 1) * kv_bytes + size * grad_bytes) if case.get("backward") else 0]
     if sent != want:

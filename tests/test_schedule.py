@@ -95,7 +95,7 @@ def test_backward_schedule_brings_the_finished_grads_home():
 
 
 def test_fault_points_fire_per_phase(monkeypatch):
-    from ringmpi.errors import InjectedFault
+    from ringmpi.faults import InjectedFault
     q, k, v, seg = _inputs(4)
     monkeypatch.setenv("RINGMPI_FAULT", "raise:0:0:bwd")
     assert len(list(_schedule(k, v, seg))) == 1  # forward phase: no fault

@@ -13,10 +13,11 @@ import tempfile
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 
 import slurm_cluster
-from mpi_util import ROOT, mpirun_env
+from mpi_util import ROOT, mpirun, mpirun_env
 from test_file_io import RINGMPI, check_case
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slurm]
@@ -139,6 +140,23 @@ def test_srun_bench(slurm, tmp_path):
     assert rc == 0, err
     assert out.startswith("ringmpi bench: P=2 N=256") and out.count("ringmpi bench:") == 1, out
     assert "exposed comm" in out and (tmp_path / "bench.json").exists()
+
+
+def test_training_example_under_sbatch(slurm, tmp_path):
+    """jobs/train_context_parallel.py as a batch job (srun --mpi=pmix, 2 tasks): COMPLETED, and its
+    losses and parameters equal a one-rank run's to float32 rounding."""
+    python = Path(RINGMPI).parent / "python"
+    script = ROOT / "jobs" / "train_context_parallel.py"
+    args = ["--seq-len", "129", "--steps", "3", "--dim", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1"]
+    job = slurm.sbatch(SMALL + ["--wrap", " ".join(["srun", "--mpi=pmix", str(python), str(script), *args,
+                                                     "--save", "p2.npz"])], cwd=tmp_path, env=job_env())
+    assert (job.state, job.exit_code) == ("COMPLETED", 0), job.output
+    rc, out, err, _ = mpirun(1, [python, script, *args, "--save", tmp_path / "p1.npz"], 240)
+    assert rc == 0, err
+    with np.load(tmp_path / "p2.npz") as two, np.load(tmp_path / "p1.npz") as one:
+        assert sorted(two) == sorted(one) and len(one) > 5
+        for name in one:
+            np.testing.assert_allclose(two[name], one[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_cluster_stops_without_leftovers(slurm):
