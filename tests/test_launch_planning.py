@@ -130,3 +130,17 @@ def test_too_many_rows_or_tiles_are_refused():
     kernel = K.forward_kernel(K.F32, 64)
     with pytest.raises(ValueError, match="grid x"):
         kernel.grid(1, 1, 1, kernel.tiles[0] * (2 ** 31), 1)
+
+
+def test_only_reachable_candidates_are_compiled():
+    """Each candidate after the first is needed by some sm_80+ GPU; the last fits them all."""
+    assert K.SMALLEST_OPTIN == min(SMEM_OPTIN.values())
+    fallbacks = set()
+    for kind, dp in itertools.product(KINDS, K.PADDED_DIMS):
+        for candidates in (K.forward_kernels(kind, dp), K.backward_kernels(kind, dp)):
+            assert candidates[-1].smem <= K.SMALLEST_OPTIN
+            assert all(k.smem > K.SMALLEST_OPTIN for k in candidates[:-1])
+            fallbacks.update(k.expr for k in candidates[1:])
+    assert fallbacks == {"ringmpi_forward_simt<256, 0, 16>", "ringmpi_forward_simt<256, 1, 16>",
+                         "ringmpi_forward_simt<192, 3, 8>", "ringmpi_forward_simt<256, 3, 8>",
+                         "ringmpi_backward_simt<192, 3, 8>", "ringmpi_backward_simt<256, 3, 8>"}

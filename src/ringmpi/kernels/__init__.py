@@ -51,6 +51,10 @@ GRID_X_MAX = 2 ** 31 - 1
 GRID_YZ_MAX = 65535
 MAX_THREADS = 1024
 DEFAULT_SMEM = 48 * 1024     # dynamic shared memory per block without the opt-in attribute
+# The smallest opt-in shared memory per block of the GPUs the kernels target
+# (sm_80 and newer: 8.6/8.9 allow 101376 bytes; 8.0 166912; 9.0 232448).
+# A candidate after one that fits this is never chosen, so it is not listed.
+SMALLEST_OPTIN = 101376
 
 
 def _acc_size(kind: int) -> int:
@@ -153,7 +157,8 @@ def forward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
     """Every forward kernel for K/V kind ``kind`` and head dim ``d``, preferred first.
 
     f16/bf16: tensor cores, then the SIMT kernel; f32/f64: the exact SIMT
-    kernel.  SIMT key tiles shrink (32, 16, 8) to save shared memory.
+    kernel.  SIMT key tiles shrink (32, 16, 8) to save shared memory; the
+    list ends with the first kernel that fits ``SMALLEST_OPTIN``.
     """
     dp = padded_dim(d)
     out = []
@@ -167,7 +172,7 @@ def forward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
         smem = t * (bm * (dp + 1) + 2 * bn * (dp + 1) + bm * (bn + 1))
         out.append(BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}>",
                                (bm, bn), 128, smem))
-    return tuple(out)
+    return _reachable(out)
 
 
 def backward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
@@ -187,7 +192,15 @@ def backward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
         threads = min(256, bn * bn)   # BWD_SIMT_THREADS in backward.cu
         out.append(BlockKernel("backward", "backward.cu", f"ringmpi_backward_simt<{dp}, {kind}, {bn}>",
                                (bn, bn), threads, smem))
-    return tuple(out)
+    return _reachable(out)
+
+
+def _reachable(candidates) -> Tuple[BlockKernel, ...]:
+    """``candidates`` up to the first that fits every targeted GPU (``SMALLEST_OPTIN``)."""
+    for i, kernel in enumerate(candidates):
+        if kernel.smem <= SMALLEST_OPTIN:
+            return tuple(candidates[:i + 1])
+    raise AssertionError(f"no kernel fits {SMALLEST_OPTIN} bytes: {[k.expr for k in candidates]}")
 
 
 def _fitting(candidates, smem_limit, what: str) -> BlockKernel:
