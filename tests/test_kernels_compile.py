@@ -113,12 +113,12 @@ def test_block_kernels_plan_their_launch():
     assert (fwd.direction, fwd.tiles, fwd.threads) == ("forward", (64, 64), 128)
     assert fwd.shared_mem_bytes() == 2 * (64 * 72 + 64 * 72 + 64 * 72)
     assert fwd.tile_counts(130, 64) == (3, 1)
-    assert fwd.grid(batch=2, heads=8, kv_heads=2, sq=130, skv=64) == (3, 16)
+    assert fwd.grid(batch=2, heads=8, kv_heads=2, sq=130, skv=64) == (3, 16, 1)
     assert fwd.block() == (128,)
     bwd = K.backward_kernel(K.F32, 100)
     assert bwd.direction == "backward" and bwd.tiles[0] == bwd.tiles[1] and bwd.threads == 256
     bn = bwd.tiles[1]
-    assert bwd.grid(batch=2, heads=8, kv_heads=2, sq=5, skv=3 * bn + 1) == (4, 4)
+    assert bwd.grid(batch=2, heads=8, kv_heads=2, sq=5, skv=3 * bn + 1) == (4, 4, 1)
     assert bwd.shared_mem_bytes() == 4 * (4 * bn * 129 + 2 * bn * (bn + 1) + 2 * bn)
     args = fwd.args(("q", "k", "v", "o", "m", "l"), np.float32(0.5), ("mask",) * 11,
                     batch=2, heads=8, kv_heads=2, sq=130, skv=64, d=60)

@@ -21,6 +21,7 @@ stream.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import time
 import weakref
@@ -50,6 +51,16 @@ def storage_dtype(dtype) -> np.dtype:
 
 def _grid_1d(n: int) -> int:
     return max(1, min((int(n) + _THREADS_1D - 1) // _THREADS_1D, 65535 * 8))
+
+
+@functools.lru_cache(maxsize=None)
+def smem_optin_limit(device_id: int) -> int:
+    """The device's opt-in dynamic shared memory per block in bytes
+    (``cudaDevAttrMaxSharedMemoryPerBlockOptin``; 99 KB on compute capability
+    8.6/8.9, 163 KB on 8.0, 227 KB on 9.0), queried once per device."""
+    import cupy
+    rt = cupy.cuda.runtime
+    return int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, int(device_id)))
 
 
 def _nothing_to_do(batch, heads, kv_heads, sq, skv, tick) -> bool:
@@ -288,7 +299,11 @@ class CupyBackend:
             self._check_state("o_acc", o_acc, (batch, heads, sq, d), ct)
             self._check_state("m", m, (batch, heads, sq), ct)
             self._check_state("l", l, (batch, heads, sq), ct)
-            kernel = K.forward_kernel(_kind_of_dtype(kh.dtype), d)
+            kind = _kind_of_dtype(kh.dtype)
+            kernel = K.forward_kernel(kind, d, smem_optin_limit(self.device.id))
+            if kind in (K.F16, K.BF16) and not kernel.tensor_cores:
+                # the SIMT kernel multiplies qh as given: round it as the MMA kernel does
+                qh = self._convert(self._convert(qh, kh.dtype), ct)
             margs, counts = self._mask_args(mask, batch, kernel, sq, skv)
             smem = kernel.shared_mem_bytes()
             self._kernel(kernel.filename, kernel.expr, smem)(
@@ -337,10 +352,10 @@ class CupyBackend:
             self._check_state("dk", dk, (batch, kv_heads, skv, d), ct)
             self._check_state("dv", dv, (batch, kv_heads, skv, d), ct)
             kind = _kind_of_dtype(kh.dtype)
-            if kind in (K.F16, K.BF16) and d > K.MMA_BACKWARD_MAX_DIM:
+            kernel = K.backward_kernel(kind, d, smem_optin_limit(self.device.id))
+            if kind in (K.F16, K.BF16) and not kernel.tensor_cores:
                 # the SIMT kernel multiplies qh/doh as given: round them as the MMA kernels do
                 qh, doh = (self._convert(self._convert(x, kh.dtype), ct) for x in (qh, doh))
-            kernel = K.backward_kernel(kind, d)
             margs, counts = self._mask_args(mask, batch, kernel, sq, skv)
             smem = kernel.shared_mem_bytes()
             self._kernel(kernel.filename, kernel.expr, smem)(

@@ -46,9 +46,42 @@ def padded_dim(d: int) -> int:
     raise ValueError(f"head dim {d} is larger than the supported maximum {MAX_HEAD_DIM}")
 
 
-def _simt_bn(dp: int, kind: int) -> int:
-    acc_size = 8 if kind == F64 else 4
-    return 32 if dp * acc_size <= 512 else 16
+# CUDA launch limits (every compute capability): grid x, grid y/z, threads per block
+GRID_X_MAX = 2 ** 31 - 1
+GRID_YZ_MAX = 65535
+MAX_THREADS = 1024
+DEFAULT_SMEM = 48 * 1024     # dynamic shared memory per block without the opt-in attribute
+# The smallest opt-in shared memory per block of the GPUs the kernels target
+# (sm_80 and newer: 8.6/8.9 allow 101376 bytes; 8.0 166912; 9.0 232448).
+# A candidate after one that fits this is never chosen, so it is not listed.
+SMALLEST_OPTIN = 101376
+
+
+def _acc_size(kind: int) -> int:
+    """Bytes of the compute (accumulator) type: float64 for F64, else float32."""
+    return 8 if kind == F64 else 4
+
+
+def _simt_bns(dp: int, kind: int) -> Tuple[int, ...]:
+    """Key tiles of the SIMT kernels, preferred first (smaller ones use less shared memory)."""
+    first = 32 if dp * _acc_size(kind) <= 512 else 16
+    return tuple(bn for bn in (32, 16, 8) if bn <= first)
+
+
+def split_rows(rows: int) -> Tuple[int, int]:
+    """``(Y, Z)`` grid dims covering ``rows`` (batch x head) rows, each <= 65535.
+
+    The kernels decode ``row = blockIdx.z * gridDim.y + blockIdx.y`` (``cta_row``
+    in common.cuh) and return at once when ``row >= rows``; ``Y * Z >= rows``
+    and fewer than ``Z`` CTAs per tile are such padding.
+    """
+    rows = int(rows)
+    if rows < 1:
+        raise ValueError(f"a launch needs at least one (batch, head) row, got {rows}")
+    z = -(-rows // GRID_YZ_MAX)
+    if z > GRID_YZ_MAX:
+        raise ValueError(f"{rows} (batch, head) rows exceed the CUDA grid ({GRID_YZ_MAX}**2)")
+    return -(-rows // z), z
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,6 +113,11 @@ class BlockKernel:
     smem: int
 
     @property
+    def tensor_cores(self) -> bool:
+        """Whether this is an ``mma.sync`` kernel (q/do rounded to the K/V 16-bit type)."""
+        return "_mma<" in self.expr
+
+    @property
     def instantiation(self) -> Tuple[str, str]:
         """``(filename, name_expression)``, as :func:`instantiations` lists it."""
         return self.filename, self.expr
@@ -89,12 +127,15 @@ class BlockKernel:
         bm, bn = self.tiles
         return -(-int(sq) // bm), -(-int(skv) // bn)
 
-    def grid(self, batch: int, heads: int, kv_heads: int, sq: int, skv: int) -> Tuple[int, int]:
-        """The launch grid of one block."""
+    def grid(self, batch: int, heads: int, kv_heads: int, sq: int, skv: int) -> Tuple[int, int, int]:
+        """The launch grid ``(tiles, Y, Z)`` of one block: x is the query tile
+        (forward) or key tile (backward); ``(Y, Z) = split_rows(rows)`` with
+        rows = ``batch * heads`` (forward) or ``batch * kv_heads`` (backward)."""
         nqt, nkt = self.tile_counts(sq, skv)
-        if self.direction == "forward":
-            return nqt, batch * heads
-        return nkt, batch * kv_heads
+        tiles, rows = (nqt, batch * heads) if self.direction == "forward" else (nkt, batch * kv_heads)
+        if tiles > GRID_X_MAX:
+            raise ValueError(f"{tiles} tiles exceed the CUDA grid x limit {GRID_X_MAX}")
+        return (tiles,) + split_rows(rows)
 
     def block(self) -> Tuple[int]:
         return (self.threads,)
@@ -112,38 +153,76 @@ class BlockKernel:
         return tuple(tensors) + (scale,) + tuple(mask_args) + shape
 
 
-def forward_kernel(kind: int, d: int) -> BlockKernel:
-    """Forward kernel for K/V kind ``kind`` and head dim ``d``.
+def forward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
+    """Every forward kernel for K/V kind ``kind`` and head dim ``d``, preferred first.
 
-    f16/bf16 use tensor cores; f32/f64 the exact SIMT kernel.
+    f16/bf16: tensor cores, then the SIMT kernel; f32/f64: the exact SIMT
+    kernel.  SIMT key tiles shrink (32, 16, 8) to save shared memory; the
+    list ends with the first kernel that fits ``SMALLEST_OPTIN``.
     """
     dp = padded_dim(d)
+    out = []
     if kind in (F16, BF16):
         bm, bn = FWD_MMA_TILES
         smem = 2 * (bm * (dp + 8) + bn * (dp + 8) + dp * (bn + 8))
         expr = f"ringmpi_forward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
-        return BlockKernel("forward", "forward.cu", expr, (bm, bn), 128, smem)
-    bn = _simt_bn(dp, kind)
-    bm, t = 32, KIND_SIZE[kind]
-    smem = t * (bm * (dp + 1) + 2 * bn * (dp + 1) + bm * (bn + 1))
-    return BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}>", (bm, bn), 128, smem)
+        out.append(BlockKernel("forward", "forward.cu", expr, (bm, bn), 128, smem))
+    bm, t = 32, _acc_size(kind)
+    for bn in _simt_bns(dp, kind):
+        smem = t * (bm * (dp + 1) + 2 * bn * (dp + 1) + bm * (bn + 1))
+        out.append(BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}>",
+                               (bm, bn), 128, smem))
+    return _reachable(out)
 
 
-def backward_kernel(kind: int, d: int) -> BlockKernel:
-    """Backward kernel for K/V kind ``kind`` and head dim ``d``."""
+def backward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
+    """Every backward kernel for K/V kind ``kind`` and head dim ``d``, preferred first."""
     dp = padded_dim(d)
+    out = []
     if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM:
         bn = 64
         bm = 64 if dp <= 64 else 32
         smem = 4 * 2 * bm + 2 * (2 * bn * (dp + 8) + dp * (bn + 8) + 2 * bm * (dp + 8)
                                  + 2 * dp * (bm + 8) + bm * (bn + 8))
         expr = f"ringmpi_backward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
-        return BlockKernel("backward", "backward.cu", expr, (bm, bn), 128, smem)
-    bn = _simt_bn(dp, kind)
-    t = 8 if kind == F64 else 4
-    smem = t * (4 * bn * (dp + 1) + 2 * bn * (bn + 1) + 2 * bn)
-    return BlockKernel("backward", "backward.cu", f"ringmpi_backward_simt<{dp}, {kind}, {bn}>",
-                       (bn, bn), 256, smem)
+        out.append(BlockKernel("backward", "backward.cu", expr, (bm, bn), 128, smem))
+    t = _acc_size(kind)
+    for bn in _simt_bns(dp, kind):
+        smem = t * (4 * bn * (dp + 1) + 2 * bn * (bn + 1) + 2 * bn)
+        threads = min(256, bn * bn)   # BWD_SIMT_THREADS in backward.cu
+        out.append(BlockKernel("backward", "backward.cu", f"ringmpi_backward_simt<{dp}, {kind}, {bn}>",
+                               (bn, bn), threads, smem))
+    return _reachable(out)
+
+
+def _reachable(candidates) -> Tuple[BlockKernel, ...]:
+    """``candidates`` up to the first that fits every targeted GPU (``SMALLEST_OPTIN``)."""
+    for i, kernel in enumerate(candidates):
+        if kernel.smem <= SMALLEST_OPTIN:
+            return tuple(candidates[:i + 1])
+    raise AssertionError(f"no kernel fits {SMALLEST_OPTIN} bytes: {[k.expr for k in candidates]}")
+
+
+def _fitting(candidates, smem_limit, what: str) -> BlockKernel:
+    if smem_limit is None:
+        return candidates[0]
+    for kernel in candidates:
+        if kernel.smem <= smem_limit:
+            return kernel
+    from ..errors import ConfigError
+    raise ConfigError(f"no {what} kernel fits in {smem_limit} bytes of shared memory per block "
+                      f"(the smallest needs {min(k.smem for k in candidates)})")
+
+
+def forward_kernel(kind: int, d: int, smem_limit=None) -> BlockKernel:
+    """The first of :func:`forward_kernels` whose dynamic shared memory fits
+    ``smem_limit`` bytes (the device's opt-in limit; ``None``: no limit)."""
+    return _fitting(forward_kernels(kind, d), smem_limit, f"forward (kind {kind}, D={d})")
+
+
+def backward_kernel(kind: int, d: int, smem_limit=None) -> BlockKernel:
+    """The first of :func:`backward_kernels` that fits ``smem_limit`` bytes."""
+    return _fitting(backward_kernels(kind, d), smem_limit, f"backward (kind {kind}, D={d})")
 
 
 def finalize_kernel(acc_kind: int, out_kind: int):
@@ -163,8 +242,8 @@ def instantiations():
     out = []
     for kind in (F16, BF16, F32, F64):
         for dp in PADDED_DIMS:
-            out.append(forward_kernel(kind, dp).instantiation)
-            out.append(backward_kernel(kind, dp).instantiation)
+            out.extend(k.instantiation for k in forward_kernels(kind, dp))
+            out.extend(k.instantiation for k in backward_kernels(kind, dp))
     for acc in (F32, F64):
         for o in (F16, BF16, F32, F64):
             out.append(finalize_kernel(acc, o))

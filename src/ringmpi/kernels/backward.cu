@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int kt = blockIdx.x, bhk = blockIdx.y;
+    const int kt = blockIdx.x, bhk = cta_row();
+    if (bhk >= a.B * a.Hkv) return;  // padding CTA of the last z slice
     const int b = bhk / a.Hkv, hk = bhk % a.Hkv;
     const int group = a.H / a.Hkv;
     const int k0 = kt * BN;
@@ -246,10 +247,12 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
 
 // ---------------------------------------------------------------------------
 // SIMT kernel for every dtype (the exact path for float32 / float64, and the
-// f16 / bf16 path for DP > 128): 256 threads, BN keys and BN queries per
-// step, TPR = 256 / BN threads per key row.  Shared tiles hold the compute type.
+// f16 / bf16 path for DP > 128): NTH = min(256, BN * BN) threads, BN keys and
+// BN queries per step, TPR = NTH / BN threads per key row (BN = 8 keeps float64
+// at DP > 128 within 99 KB of shared memory).  Shared tiles hold the compute type.
+#define BWD_SIMT_THREADS(BN) ((BN) * (BN) < 256 ? (BN) * (BN) : 256)
 template <int DP, int KIND, int BN>
-__global__ void __launch_bounds__(256) ringmpi_backward_simt(
+__global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::acc* __restrict__ dout,
     const typename Kind<KIND>::acc* __restrict__ lse, const typename Kind<KIND>::acc* __restrict__ dvec,
     const typename Kind<KIND>::storage* __restrict__ k, const typename Kind<KIND>::storage* __restrict__ v,
@@ -260,7 +263,8 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
     BWD_SHAPE_INIT(a);
     typedef typename Kind<KIND>::acc T;
     constexpr int BM = BN;
-    constexpr int TPR = 256 / BN;
+    constexpr int NTH = BWD_SIMT_THREADS(BN);
+    constexpr int TPR = NTH / BN;
     constexpr int RS = DP + 1;
     constexpr int PS = BN + 1;
     constexpr int ND = DP / TPR;  // d columns per thread
@@ -276,14 +280,15 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
     T* dvec_s = lse_s + BM;
 
     const int tid = threadIdx.x, cr = tid / TPR, j = tid % TPR;
-    const int kt = blockIdx.x, bhk = blockIdx.y;
+    const int kt = blockIdx.x, bhk = cta_row();
+    if (bhk >= a.B * a.Hkv) return;  // padding CTA of the last z slice
     const int b = bhk / a.Hkv, hk = bhk % a.Hkv;
     const int group = a.H / a.Hkv;
     const int k0 = kt * BN, key = k0 + cr;
     const long long kvbase = (long long)bhk * a.Skv * a.D;
 
     int bad_kv = 0;
-    for (int idx = tid; idx < BN * DP; idx += 256) {
+    for (int idx = tid; idx < BN * DP; idx += NTH) {
         const int r = idx / DP, d = idx % DP;
         T kx = T(0), vx = T(0);
         if (k0 + r < a.Skv && d < a.D) {
@@ -314,7 +319,7 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
             const int q0 = qt * BM;
             __syncthreads();
             int bad = 0;
-            for (int idx = tid; idx < BM * DP; idx += 256) {
+            for (int idx = tid; idx < BM * DP; idx += NTH) {
                 const int r = idx / DP, d = idx % DP;
                 T qx = T(0), dx = T(0);
                 if (q0 + r < a.Sq && d < a.D) {
@@ -326,7 +331,7 @@ __global__ void __launch_bounds__(256) ringmpi_backward_simt(
                 Qs[r * RS + d] = qx;
                 dOs[r * RS + d] = dx;
             }
-            for (int r = tid; r < BM; r += 256) {
+            for (int r = tid; r < BM; r += NTH) {
                 T lv = pos_inf<T>(), dvv = T(0);
                 if (q0 + r < a.Sq) {
                     lv = lse[bh * a.Sq + q0 + r];

@@ -202,3 +202,10 @@ __device__ __forceinline__ void mma16816(float* d, const unsigned int* a, const 
 __device__ __forceinline__ unsigned int lds32(const unsigned short* base, int idx) {
     return *reinterpret_cast<const unsigned int*>(base + idx);
 }
+
+// ---------------------------------------------------------------------------
+// Block-kernel grid: (tiles, Y, Z).  blockIdx.x is the tile; the (batch, head)
+// row is  row = blockIdx.z * gridDim.y + blockIdx.y  (Y, Z <= 65535, see
+// ringmpi.kernels.split_rows).  Rows >= the row count (at most Z - 1 CTAs of
+// the last z slice) return at once, before any barrier.
+__device__ __forceinline__ int cta_row() { return (int)(blockIdx.z * gridDim.y + blockIdx.y); }

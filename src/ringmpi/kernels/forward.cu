@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int qt = blockIdx.x, bh = blockIdx.y;
+    const int qt = blockIdx.x, bh = cta_row();
+    if (bh >= a.B * a.H) return;  // padding CTA of the last z slice
     const int b = bh / a.H, h = bh % a.H;
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM;
@@ -272,7 +273,8 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     T* Ps = Vs + BN * RS;
 
     const int tid = threadIdx.x, r = tid / TPR, j = tid % TPR;
-    const int qt = blockIdx.x, bh = blockIdx.y;
+    const int qt = blockIdx.x, bh = cta_row();
+    if (bh >= a.B * a.H) return;  // padding CTA of the last z slice
     const int b = bh / a.H, h = bh % a.H;
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM, row = q0 + r;
