@@ -14,7 +14,6 @@ reference on the gathered cache (DESIGN.md's tolerance rule) and prints
 import json
 import os
 import sys
-import traceback
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +21,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
+from case_driver import run_all  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.kvcache  # noqa: E402
 from ringmpi import Layout  # noqa: E402
@@ -222,16 +222,7 @@ def main():
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
     run = {"static": static_case, "cache": cache_case, "error": error_case}
-    for case in cases:
-        try:
-            result = run[case["kind"]](comm, case)
-        except Exception as exc:  # report and go on: one broken case must not hide the others
-            result = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            if comm.Get_rank() != 0:
-                print(f"[rank {comm.Get_rank()}] case {case['id']}: {result[1]}", file=sys.stderr, flush=True)
-        if comm.Get_rank() == 0:
-            ok, msg = result
-            print("CASE " + json.dumps({"id": case["id"], "ok": bool(ok), "msg": msg}), flush=True)
+    run_all(comm, cases, lambda case: run[case["kind"]](comm, case))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ case: ``CASE <json>``.  The backend comes from ``RINGMPI_TEST_BACKEND``
 import json
 import os
 import sys
-import traceback
 
 import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
+from case_driver import run_all  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.dtypes  # noqa: E402
 from ringmpi import Layout  # noqa: E402
@@ -240,17 +240,8 @@ def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    for case in cases:
-        try:
-            kinds = {"fd": fd_case, "bf16_errors": bf16_errors_case}
-            result = kinds.get(case.get("kind"), run_case)(comm, case)
-        except Exception as exc:  # report and go on: one broken case must not hide the others
-            result = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            if comm.Get_rank() != 0:
-                print(f"[rank {comm.Get_rank()}] case {case['id']}: {result[1]}", file=sys.stderr, flush=True)
-        if comm.Get_rank() == 0:
-            ok, msg = result
-            print("CASE " + json.dumps({"id": case["id"], "ok": bool(ok), "msg": msg}), flush=True)
+    kinds = {"fd": fd_case, "bf16_errors": bf16_errors_case}
+    run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import sys
-import traceback
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
+from case_driver import run_all  # noqa: E402
 from ring_cases import make_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.torch as rt  # noqa: E402
@@ -341,16 +341,7 @@ def main():
     device = device_for(comm)
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    for case in cases:
-        try:
-            result = KINDS[case.get("kind", "attn")](comm, case, device)
-        except Exception as exc:  # report and go on: one broken case must not hide the others
-            result = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            if comm.Get_rank() != 0:
-                print(f"[rank {comm.Get_rank()}] case {case['id']}: {result[1]}", file=sys.stderr, flush=True)
-        if comm.Get_rank() == 0:
-            ok, msg = result
-            print("CASE " + json.dumps({"id": case["id"], "ok": bool(ok), "msg": msg}), flush=True)
+    run_all(comm, cases, lambda case: KINDS[case.get("kind", "attn")](comm, case, device))
 
 
 if __name__ == "__main__":
