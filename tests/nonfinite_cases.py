@@ -14,7 +14,12 @@ inputs with that element replaced by a finite value, and rank 0 checks:
   the clean run's; every key seen by no such query has bitwise equal
   ``dk``, ``dv`` (on CuPy the gradients, summed with float atomics, to 1e-5).
 
-``RINGMPI_TEST_BACKEND=cupy`` runs the cases on the GPU kernels.
+``RINGMPI_TEST_BACKEND=cupy`` runs the cases on the GPU kernels.  Optional case
+keys: ``dtype`` (float32 by default; float16/bfloat16 run the tensor-core
+kernels on the GPU) and ``underflow``: the bad key's score is pushed ~500
+below the others, so its weight is exactly 0 in float32 while it stays
+visible: its NaN/Inf ``v`` row must still reach the queries that see it
+(0 * NaN = NaN, as the arithmetic over visible keys says).
 
 Prints one ``CASE <json>`` line per case.
 """
@@ -31,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
+from ringmpi.dtypes import BFLOAT16  # noqa: E402
 
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 
@@ -81,7 +87,17 @@ def make_inputs(case):
     if case["mask"] == "segments":
         seg = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(1, n), 3, replace=False)),
                                         np.arange(n), side="right") for _ in range(b)])
-    return [x.astype(np.float32) for x in (q, k, v, do)], seg
+    if case.get("underflow"):
+        b_, token, _, _ = case["at"]
+        q[b_, :, :, 0] = 40.0                  # every query of batch b_ ...
+        k[b_, token, :, 0] = -40.0             # ... scores this key ~ -566: weight exp(-566 - max) = 0
+    return [x.astype(DTYPES[case.get("dtype", "float32")]) for x in (q, k, v, do)], seg
+
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": BFLOAT16}
+# finite outputs against the float64 reference over the same (rounded) inputs
+CLOSE = {"float32": dict(rtol=2e-3, atol=2e-4), "float16": dict(rtol=2e-2, atol=2e-2),
+         "bfloat16": dict(rtol=8e-2, atol=8e-2)}
 
 
 def run(comm, case, tensors, seg, lay):
@@ -95,6 +111,8 @@ def run(comm, case, tensors, seg, lay):
     o, lse = ringmpi.ring_attention(q, k, v, **kw)
     grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, **kw)
     host = (lambda x: x.get()) if BACKEND == "cupy" else np.asarray
+    if case.get("dtype", "float32") != "float32":  # compare 16-bit outputs as float32 (exact)
+        host = (lambda get: lambda x: np.asarray(get(x), dtype=np.float32))(host)
     mine = [host(x) for x in (o, lse) + tuple(grads)]
     every = comm.gather(mine, root=0)
     if rank != 0:
@@ -119,7 +137,10 @@ def check(case, bad_out, clean_out, tensors, seg, touched_q, touched_kv):
                             f"reference at {np.argwhere(bad_ref).tolist()[:6]} (differ at {where})")
             continue
         fin = ~bad_ref
-        if not np.allclose(ours[fin], ref[fin], rtol=2e-3, atol=2e-4):
+        close = dict(CLOSE[case.get("dtype", "float32")])
+        if case.get("dtype", "float32") != "float32" and fin.any():  # 16-bit: error relative to the largest value
+            close["atol"] *= max(1.0, float(np.abs(ref[fin]).max()))
+        if not np.allclose(ours[fin], ref[fin], **close):
             problems.append(f"{name}: finite values off by {np.abs(ours[fin] - ref[fin]).max():.3g}")
     # untouched outputs: bitwise equal to the clean run
     per_q = {"o": (touched_q, lambda x: x.transpose(0, 2, 1, 3)), "lse": (touched_q, lambda x: x),

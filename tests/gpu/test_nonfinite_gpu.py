@@ -1,5 +1,8 @@
 """NaN/Inf semantics of the CUDA kernels: the cases of ``tests/test_nonfinite.py``
-on the CuPy backend (float32: the SIMT kernels), one mpirun launch at P = 3.
+on the CuPy backend (float32: the SIMT kernels), one mpirun launch at P = 3;
+the cases of ``tests/test_nonfinite_dtypes.py`` (float16/bfloat16: the
+tensor-core kernels; a visible key whose weight underflows to 0 with a NaN/Inf
+``v`` row, which must still reach its queries), a second launch.
 Needs a CUDA GPU; skipped, with the reason shown, where none is visible."""
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpi_util import ROOT, mpirun, mpirun_env  # noqa: E402
 from ringmpi.backends import gpu_available  # noqa: E402
 from test_nonfinite import CASES  # noqa: E402
+from test_nonfinite_dtypes import CASES as DTYPE_CASES, results as dtype_results  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")
 _RESULTS = {}
@@ -31,3 +35,11 @@ def test_nonfinite_case_on_gpu(tmp_path_factory, case):
     rc, found, err = _RESULTS["r"]
     assert case["id"] in found, f"no result (mpirun exit {rc})\n{err[-3000:]}"
     assert found[case["id"]]["ok"], found[case["id"]]["msg"]
+
+
+@pytest.mark.parametrize("case", DTYPE_CASES, ids=[c["id"] for c in DTYPE_CASES])
+def test_nonfinite_dtype_case_on_gpu(tmp_path_factory, case):
+    rc, found, err = dtype_results(tmp_path_factory, backend="cupy")
+    assert case["id"] in found, f"no result (mpirun exit {rc})\n{err[-3000:]}"
+    ok, msg = found[case["id"]]
+    assert ok, msg

@@ -22,6 +22,75 @@ struct BwdArgs {
 // to the K/V dtype for the MMAs, accumulation is float.
 #define BWD_MMA_BN 64
 
+// The careful step of the tensor-core backward, for a (query tile, key tile)
+// step whose operands hold a NaN/Inf: every sum runs over visible pairs only
+// (pair_visible), in float on the same 16-bit P, dS, q, do, k values the MMAs
+// would use, so the clean pairs round as in a clean run.  Registers hold P and
+// dS in the score layout (thread: keys kl0 = warp * 16 + g and kl0 + 8,
+// queries nt * 8 + 2c + (e & 1)); they reach each key's thread through the
+// query-major tile ts (dSq).  All threads call these (they contain barriers).
+template <int NQ, int SS, bool BF16>
+__device__ __forceinline__ void bwd_mma_store_scores(unsigned short* ts, const float (*x)[4], int warp, int g, int c) {
+#pragma unroll
+    for (int nt = 0; nt < NQ; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int ql = nt * 8 + 2 * c + (e & 1);
+            const int kl = warp * 16 + g + (e < 2 ? 0 : 8);
+            ts[ql * SS + kl] = to_bits16<BF16>(x[nt][e]);
+        }
+    }
+}
+
+// acc[dt][e] (keys kl0, kl0 + 8; columns dt * 8 + 2c + (e & 1)) += sum over visible
+// queries ql of w[ql][key] * x[ql][column], w from the query-major tile ts.
+template <int DT, int BM, int SS, int RS, bool BF16>
+__device__ __forceinline__ void bwd_mma_careful_key_sum(float (*acc)[4], const unsigned short* ts,
+                                                        const unsigned short* x, int kl0, int c, int q0,
+                                                        int k0, bool need_mask, const MaskArgs& mk, int b,
+                                                        const BwdArgs& a) {
+    for (int ql = 0; ql < BM; ++ql) {
+        const bool vis0 = pair_visible(mk, need_mask, b, q0 + ql, k0 + kl0, a.Sq, a.Skv);
+        const bool vis1 = pair_visible(mk, need_mask, b, q0 + ql, k0 + kl0 + 8, a.Sq, a.Skv);
+        const float w0 = from_bits16<BF16>(ts[ql * SS + kl0]), w1 = from_bits16<BF16>(ts[ql * SS + kl0 + 8]);
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float xv = from_bits16<BF16>(x[ql * RS + dt * 8 + 2 * c + (e & 1)]);
+                acc[dt][e] = e < 2 ? visible_add(acc[dt][e], vis0, w0, xv) : visible_add(acc[dt][e], vis1, w1, xv);
+            }
+        }
+    }
+}
+
+// dq rows (rg * 16 + g, + 8), columns d0 .. d0 + DW (the MMA's partition) +=
+// sum over visible keys of dS[row][key] * k[key][column], dS from dSq.
+template <int DW, int SS, int RS, int BN, bool BF16>
+__device__ __forceinline__ void bwd_mma_careful_dq(float* __restrict__ dq, long long qbase, const unsigned short* dSq,
+                                                   const unsigned short* Ks, int rg, int d0, int g, int c, int q0,
+                                                   int k0, bool need_mask, const MaskArgs& mk, int b,
+                                                   const BwdArgs& a) {
+    for (int i = 0; i < 2; ++i) {
+        const int ql = rg * 16 + g + 8 * i, row = q0 + ql;
+        if (row >= a.Sq) continue;
+        unsigned long long seen = 0;  // BN == 64 keys
+        for (int kc = 0; kc < BN; ++kc)
+            if (pair_visible(mk, need_mask, b, row, k0 + kc, a.Sq, a.Skv)) seen |= 1ull << kc;
+        for (int dt = 0; dt < DW / 8; ++dt) {
+            for (int e = 0; e < 2; ++e) {
+                const int d = d0 + dt * 8 + 2 * c + e;
+                if (d >= a.D) continue;
+                float acc = 0.f;
+                for (int kc = 0; kc < BN; ++kc)
+                    acc = visible_add(acc, ((seen >> kc) & 1ull) != 0, from_bits16<BF16>(dSq[ql * SS + kc]),
+                                      from_bits16<BF16>(Ks[kc * RS + d]));
+                atomicAdd(dq + qbase + (long long)row * a.D + d, acc);
+            }
+        }
+    }
+}
+
 template <int DP, bool BF16>
 __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ lse,
@@ -61,6 +130,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     const int k0 = kt * BN;
     const long long kvbase = (long long)bhk * a.Skv * a.D;
 
+    int bad_kv = 0;
     for (int idx = tid; idx < BN * DP; idx += 128) {
         const int r = idx / DP, d = idx % DP;
         unsigned short kx = 0, vx = 0;
@@ -68,11 +138,13 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
             const long long off = kvbase + (long long)(k0 + r) * a.D + d;
             kx = k[off];
             vx = v[off];
+            bad_kv |= nonfinite_bits16<BF16>(kx) || nonfinite_bits16<BF16>(vx);
         }
         Ks[r * RS + d] = kx;
         Kt[d * KTS + r] = kx;
         Vs[r * RS + d] = vx;
     }
+    bad_kv = __syncthreads_or(bad_kv);  // a NaN/Inf in this key tile's K or V
 
     float dk_acc[DT][4], dv_acc[DT][4];
 #pragma unroll
@@ -96,6 +168,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
             const bool need_mask = state == TILE_PARTIAL || ragged_kv;
             const int q0 = qt * BM;
             __syncthreads();  // previous step done with Qs / Qt / dOs / dOt / dSq
+            int bad = 0;
             for (int idx = tid; idx < BM * DP; idx += 128) {
                 const int r = idx / DP, d = idx % DP;
                 float qx = 0.f, dx = 0.f;
@@ -105,6 +178,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     dx = dout[off];
                 }
                 const unsigned short qb = to_bits16<BF16>(qx), db = to_bits16<BF16>(dx);
+                bad |= nonfinite_bits16<BF16>(qb) || nonfinite_bits16<BF16>(db);
                 Qs[r * RS + d] = qb;
                 Qt[d * QTS + r] = qb;
                 dOs[r * RS + d] = db;
@@ -116,11 +190,12 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     lv = lse[bh * a.Sq + q0 + r];
                     if (lv == neg_inf<float>()) lv = pos_inf<float>();
                     dvv = dvec[bh * a.Sq + q0 + r];
+                    bad |= (lv != lv) || !finite_acc(dvv);
                 }
                 lse_s[r] = lv;
                 dvec_s[r] = dvv;
             }
-            __syncthreads();
+            const bool careful = __syncthreads_or(bad) || bad_kv;  // this step's operands hold a NaN/Inf
 
             // S^T (16 keys x BM queries) and dP^T = V dO^T
             float p[NQ][4], ds[NQ][4];
@@ -157,35 +232,45 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     const int ql = nt * 8 + 2 * c + (e & 1);
                     const int key = e < 2 ? key0 : key1;
                     float s = p[nt][e] * scale;
-                    if (need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv)) s = neg_inf<float>();
-                    const float pe = expf(s - lse_s[ql]);
+                    const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
+                    if (hidden) s = neg_inf<float>();
+                    // careful: a hidden pair is 0 even for a NaN lse or a NaN do v^T
+                    const float pe = (careful && hidden) ? 0.f : expf(s - lse_s[ql]);
                     p[nt][e] = pe;
-                    ds[nt][e] = pe * (ds[nt][e] - dvec_s[ql]);
+                    ds[nt][e] = (careful && hidden) ? 0.f : pe * (ds[nt][e] - dvec_s[ql]);
                 }
             }
             // dV += P^T dO and dK += dS^T Q (k = queries); the score
             // accumulators are already in A-fragment layout
+            if (!careful) {
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk) {
-                unsigned int ap[4], as[4];
-                ap[0] = pack2<BF16>(p[2 * kk][0], p[2 * kk][1]);
-                ap[1] = pack2<BF16>(p[2 * kk][2], p[2 * kk][3]);
-                ap[2] = pack2<BF16>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-                ap[3] = pack2<BF16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-                as[0] = pack2<BF16>(ds[2 * kk][0], ds[2 * kk][1]);
-                as[1] = pack2<BF16>(ds[2 * kk][2], ds[2 * kk][3]);
-                as[2] = pack2<BF16>(ds[2 * kk + 1][0], ds[2 * kk + 1][1]);
-                as[3] = pack2<BF16>(ds[2 * kk + 1][2], ds[2 * kk + 1][3]);
+                for (int kk = 0; kk < BM / 16; ++kk) {
+                    unsigned int ap[4], as[4];
+                    ap[0] = pack2<BF16>(p[2 * kk][0], p[2 * kk][1]);
+                    ap[1] = pack2<BF16>(p[2 * kk][2], p[2 * kk][3]);
+                    ap[2] = pack2<BF16>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+                    ap[3] = pack2<BF16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+                    as[0] = pack2<BF16>(ds[2 * kk][0], ds[2 * kk][1]);
+                    as[1] = pack2<BF16>(ds[2 * kk][2], ds[2 * kk][3]);
+                    as[2] = pack2<BF16>(ds[2 * kk + 1][0], ds[2 * kk + 1][1]);
+                    as[3] = pack2<BF16>(ds[2 * kk + 1][2], ds[2 * kk + 1][3]);
 #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    unsigned int bo[2], bq[2];
-                    bo[0] = lds32(dOt, (dt * 8 + g) * QTS + kk * 16 + 2 * c);
-                    bo[1] = lds32(dOt, (dt * 8 + g) * QTS + kk * 16 + 2 * c + 8);
-                    bq[0] = lds32(Qt, (dt * 8 + g) * QTS + kk * 16 + 2 * c);
-                    bq[1] = lds32(Qt, (dt * 8 + g) * QTS + kk * 16 + 2 * c + 8);
-                    mma16816<BF16>(dv_acc[dt], ap, bo);
-                    mma16816<BF16>(dk_acc[dt], as, bq);
+                    for (int dt = 0; dt < DT; ++dt) {
+                        unsigned int bo[2], bq[2];
+                        bo[0] = lds32(dOt, (dt * 8 + g) * QTS + kk * 16 + 2 * c);
+                        bo[1] = lds32(dOt, (dt * 8 + g) * QTS + kk * 16 + 2 * c + 8);
+                        bq[0] = lds32(Qt, (dt * 8 + g) * QTS + kk * 16 + 2 * c);
+                        bq[1] = lds32(Qt, (dt * 8 + g) * QTS + kk * 16 + 2 * c + 8);
+                        mma16816<BF16>(dv_acc[dt], ap, bo);
+                        mma16816<BF16>(dk_acc[dt], as, bq);
+                    }
                 }
+            } else {  // dV += P^T dO over visible pairs, P through dSq (dK follows with dS below)
+                bwd_mma_store_scores<NQ, SS, BF16>(dSq, p, warp, g, c);
+                __syncthreads();
+                bwd_mma_careful_key_sum<DT, BM, SS, RS, BF16>(dv_acc, dSq, dOs, warp * 16 + g, c, q0, k0,
+                                                              need_mask, mk, b, a);
+                __syncthreads();  // P read by every warp before dS overwrites dSq
             }
             // dS to shared memory, query-major, for dq = dS K
 #pragma unroll
@@ -198,7 +283,12 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                 }
             }
             __syncthreads();
-            {
+            if (careful) {  // dK += dS^T Q and dq += dS K over visible pairs
+                bwd_mma_careful_key_sum<DT, BM, SS, RS, BF16>(dk_acc, dSq, Qs, warp * 16 + g, c, q0, k0,
+                                                              need_mask, mk, b, a);
+                bwd_mma_careful_dq<DW, SS, RS, BN, BF16>(dq, qbase, dSq, Ks, warp % RG, (warp / RG) * DW, g, c, q0,
+                                                         k0, need_mask, mk, b, a);
+            } else {
                 const int rg = warp % RG, d0 = (warp / RG) * DW;
                 unsigned int af[BN / 16][4];
 #pragma unroll
@@ -372,14 +462,15 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                         dk_acc[i] += dse * Qs[ql * RS + d];
                     }
                 }
-            } else {
+            } else {  // visible pairs only, whatever their weight
                 for (int ql = 0; ql < BM; ++ql) {
                     const T pe = Ps[ql * PS + cr], dse = dSs[ql * PS + cr];
+                    const bool vis = pair_visible(mk, need_mask, b, q0 + ql, key, a.Sq, a.Skv);
 #pragma unroll
                     for (int i = 0; i < ND; ++i) {
                         const int d = j + TPR * i;
-                        dv_acc[i] = careful_add(dv_acc[i], pe, dOs[ql * RS + d]);
-                        dk_acc[i] = careful_add(dk_acc[i], dse, Qs[ql * RS + d]);
+                        dv_acc[i] = visible_add(dv_acc[i], vis, pe, dOs[ql * RS + d]);
+                        dk_acc[i] = visible_add(dk_acc[i], vis, dse, Qs[ql * RS + d]);
                     }
                 }
             }
@@ -394,7 +485,9 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                     if (!careful) {
                         for (int kc = 0; kc < BN; ++kc) acc += dSs[cr * PS + kc] * Ks[kc * RS + d];
                     } else {
-                        for (int kc = 0; kc < BN; ++kc) acc = careful_add(acc, dSs[cr * PS + kc], Ks[kc * RS + d]);
+                        for (int kc = 0; kc < BN; ++kc)
+                            acc = visible_add(acc, pair_visible(mk, need_mask, b, row, k0 + kc, a.Sq, a.Skv),
+                                              dSs[cr * PS + kc], Ks[kc * RS + d]);
                     }
                     atomicAdd(dq + qbase + (long long)row * a.D + d, acc);
                 }

@@ -57,6 +57,15 @@ template <bool BF16>
 __device__ __forceinline__ unsigned short to_bits16(float f) {
     return BF16 ? float_to_bf16_bits(f) : float_to_half_bits(f);
 }
+template <bool BF16>
+__device__ __forceinline__ float from_bits16(unsigned short h) {
+    return BF16 ? bf16_bits_to_float(h) : half_bits_to_float(h);
+}
+// NaN or Inf, from the bits of a 16-bit value
+template <bool BF16>
+__device__ __forceinline__ bool nonfinite_bits16(unsigned short h) {
+    return (h & 0x7fffu) >= (BF16 ? 0x7f80u : 0x7c00u);
+}
 
 template <int KIND> __device__ __forceinline__ typename Kind<KIND>::acc load_acc(const typename Kind<KIND>::storage* p);
 template <> __device__ __forceinline__ float load_acc<KIND_F16>(const unsigned short* p) { return half_bits_to_float(*p); }
@@ -99,10 +108,12 @@ __device__ __forceinline__ bool finite_acc(double x) { return isfinite(x); }
 // Scores are masked by selection (s = -inf), so P = 0 there; the products
 // that sum over keys or queries (P V, P^T dO, dS^T Q, dS K) would still add
 // 0 * NaN.  Kernels scan the tiles they load (__syncthreads_or) and, only
-// for a tile that holds a NaN/Inf, add a product only where its weight is
-// nonzero (careful_add); the clean path is unchanged.
+// for a tile that holds a NaN/Inf, add a product only for a visible
+// (query, key) pair (visible_add, pair_visible); the clean path is unchanged.
+// A visible pair adds w * x even when its weight underflowed to 0, so a
+// visible key's NaN/Inf reaches the query (0 * NaN = NaN), as in NumPy.
 template <typename T>
-__device__ __forceinline__ T careful_add(T acc, T w, T x) { return w != T(0) ? acc + w * x : acc; }
+__device__ __forceinline__ T visible_add(T acc, bool visible, T w, T x) { return visible ? acc + w * x : acc; }
 
 // ---------------------------------------------------------------- masks
 // Mask rules in global positions (see ringmpi/masks.py): key j is visible
@@ -171,6 +182,14 @@ __device__ __forceinline__ bool elem_visible(const MaskArgs& mk, int b, int row,
     if (!pos_visible(mk, mk.q_pos[row], mk.kv_pos[col])) return false;
     if (mk.seg_q != 0 && mk.seg_q[(long long)b * Sq + row] != mk.seg_kv[(long long)b * Skv + col]) return false;
     return true;
+}
+
+// Whether (row, col) is part of a query's sum, for the careful (non-finite)
+// paths: a real query row, a real key column, visible under the mask.
+// need_mask is false only for fully visible tiles within Skv.
+__device__ __forceinline__ bool pair_visible(const MaskArgs& mk, bool need_mask, int b, int row, int col,
+                                             int Sq, int Skv) {
+    return row < Sq && col < Skv && (!need_mask || elem_visible(mk, b, row, col, Sq, Skv));
 }
 
 // ---------------------------------------------------------------- tensor cores

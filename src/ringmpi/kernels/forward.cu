@@ -357,11 +357,12 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
 #pragma unroll
                 for (int i = 0; i < ND; ++i) o[i] += p * Vs[cc * RS + j + TPR * i];
             }
-        } else {  // a hidden key (p = 0) must not add 0 * NaN
+        } else {  // a hidden key (p = 0) must not add 0 * NaN; a visible one adds p * v whatever p is
             for (int cc = 0; cc < BN; ++cc) {
                 const T p = Ps[r * PS + cc];
+                const bool vis = pair_visible(mk, need_mask, b, row, k0 + cc, a.Sq, a.Skv);
 #pragma unroll
-                for (int i = 0; i < ND; ++i) o[i] = careful_add(o[i], p, Vs[cc * RS + j + TPR * i]);
+                for (int i = 0; i < ND; ++i) o[i] = visible_add(o[i], vis, p, Vs[cc * RS + j + TPR * i]);
             }
         }
         __syncwarp();  // Ps is rewritten by the next tile
