@@ -12,6 +12,7 @@ Case kinds:
 * ``bitwise``: ``head_parallel=1``, ``RINGMPI_HEAD_PARALLEL=1`` and ``"auto"``
   with one rank per node give bitwise the flat ring's outputs and gradients.
 * ``errors``: unusable choices raise one ConfigError, the same on every rank.
+* ``torch``: ``ringmpi.torch.ring_attention(..., head_parallel=U)`` with autograd.
 
 ``case["env"]`` is set in ``os.environ`` on every rank for the case only
 (``RINGMPI_NODE_SIZE``, ``RINGMPI_HEAD_PARALLEL``).
@@ -179,11 +180,41 @@ def errors_case(comm, case):
     return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
 
 
+def torch_case(comm, case):
+    """``ringmpi.torch.ring_attention(..., head_parallel=U)``: forward and autograd backward on CPU
+    tensors against the float64 reference (``torch_cases.attn_case``)."""
+    import torch
+    import torch_cases
+    import ringmpi.head_parallel as two_level
+
+    calls = []
+    real = {name: getattr(two_level, name) for name in ("forward", "backward")}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+        return call
+    try:
+        for name in real:
+            setattr(two_level, name, spy(name))
+        result = torch_cases.attn_case(comm, case, torch.device("cpu"))
+    finally:
+        for name, fn in real.items():
+            setattr(two_level, name, fn)
+    if result is None:
+        return None
+    ok, msg = result
+    if calls != ["forward", "backward"]:
+        return False, f"the head x ring schedule ran {calls}, expected forward then backward; {msg}"
+    return ok, msg
+
+
 def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    kinds = {"bitwise": bitwise_case, "errors": errors_case}
+    kinds = {"bitwise": bitwise_case, "errors": errors_case, "torch": torch_case}
 
     def call(case):
         with environment(case.get("env", {})):

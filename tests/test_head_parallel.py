@@ -63,6 +63,8 @@ def launch_cases(p):
                           Hkv=2, D=16, n_q=97, layout="zigzag", causal=True, segments=3, backward=True, seed=11))
         cases.append(dict(id="P4-env-U2", U=None, expect_U=2, env={"RINGMPI_HEAD_PARALLEL": 2}, B=1, H=4,
                           Hkv=4, D=16, n_q=50, layout="contiguous", causal=True, backward=True, seed=12))
+        cases.append(dict(id="P4-U2-torch", kind="torch", head_parallel=2, B=2, H=4, Hkv=1, D=8, n_q=45,
+                          layout="zigzag", causal=True, segments=3, seed=16))
         cases.append(dict(id="P4-U1-bitwise", kind="bitwise", B=2, H=4, Hkv=2, D=16, n_q=97, layout="zigzag",
                           causal=True, segments=3, seed=13))
         cases.append(dict(id="P4-errors", kind="errors", B=1, H=6, Hkv=3, D=8, n_q=20, layout="contiguous",
