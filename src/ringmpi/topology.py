@@ -17,6 +17,8 @@ groups.
 * :func:`head_parallel_problem` -- why a ``U`` cannot run, or None.
 * :func:`head_groups` -- the group and ring sub-communicators of one ``U``
   (collective; cached on the communicator).
+* :func:`resolve_groups` -- what ``ring_attention(..., head_parallel=...)``
+  calls: ``None`` for the flat ring, else the agreed groups.
 
 Pure functions take plain lists and need no MPI; only :func:`node_ids` and
 :func:`head_groups` are collective.
@@ -167,15 +169,7 @@ def head_groups(comm, u: int, nodes: Sequence[int]) -> HeadGroups:
     Kept on ``comm`` (an MPI attribute) per ``(U, nodes)``, so repeated calls
     split nothing; the sub-communicators live as long as ``comm``.
     """
-    from mpi4py import MPI
-
-    global _KEYVAL
-    if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval()
-    cache = comm.Get_attr(_KEYVAL)
-    if cache is None:
-        cache = {}
-        comm.Set_attr(_KEYVAL, cache)
+    cache = _cache(comm)
     key = (u, tuple(nodes))
     if key not in cache:
         members = group_members(nodes, u)
@@ -186,6 +180,20 @@ def head_groups(comm, u: int, nodes: Sequence[int]) -> HeadGroups:
         cache[key] = HeadGroups(u=u, group=group, index=index, members=members,
                                 group_comm=group_comm, ring_comm=ring_comm)
     return cache[key]
+
+
+def _cache(comm) -> dict:
+    """A dict kept on ``comm`` as an MPI attribute (gone when ``comm`` is freed)."""
+    from mpi4py import MPI
+
+    global _KEYVAL
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval()
+    cache = comm.Get_attr(_KEYVAL)
+    if cache is None:
+        cache = {}
+        comm.Set_attr(_KEYVAL, cache)
+    return cache
 
 
 _KEYVAL = None
@@ -218,7 +226,10 @@ def resolve_groups(comm, heads: int, value=None) -> Optional[HeadGroups]:
     if setting != "auto" and problem is None:
         problem = head_parallel_problem(setting, comm.Get_size(), heads)
     agree(comm, problem)
-    nodes = node_ids(comm, node_size)
+    cache = _cache(comm)
+    if ("nodes", node_size) not in cache:  # the placement of a communicator's ranks never changes
+        cache[("nodes", node_size)] = node_ids(comm, node_size)
+    nodes = cache[("nodes", node_size)]
     u = auto_head_parallel(nodes, heads) if setting == "auto" else setting
     if u == 1:
         return None

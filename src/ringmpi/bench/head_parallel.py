@@ -18,11 +18,11 @@ one machine); ``auto`` marks the ``U`` that ``head_parallel="auto"`` picks.
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
 
 import click
-
-from ..head_parallel import ExchangeRecord
 
 
 def candidates(size: int, heads: int):
@@ -31,7 +31,9 @@ def candidates(size: int, heads: int):
 
 
 def _split_bytes(per_rank_phase):
-    """(intra-group, inter-group) bytes sent per rank in the median repeat's records."""
+    """(intra-group, inter-group) bytes sent per rank in the median repeat's records: the
+    all-to-alls' records (:class:`ringmpi.head_parallel.ExchangeRecord`, with a ``stage``) and
+    the ring's."""
     intra, inter = [], []
     for raw in per_rank_phase:
         walls = raw["walls"]
@@ -48,7 +50,7 @@ def _a2a_seconds(per_rank_phase):
             for raw in per_rank_phase]
 
 
-def sweep(comm, be, cfg, n, gbps, nodes):
+def sweep(comm, be, cfg, n, nodes):
     """Measure every candidate ``U`` on ``comm`` (collective); rank 0 gets the points, others None."""
     from .ring import _idle_barrier, _measure
     from ..topology import auto_head_parallel
@@ -110,7 +112,8 @@ def format_table(report) -> str:
                          f"{max(s['bytes_sent_inter_group']) / mib:>9.2f} "
                          f"{max(s['peak_memory_bytes']) / mib:>9.0f}")
     lines.append("* = the U that head_parallel='auto' picks on these nodes; exposed = time not covered by "
-                 "the busiest rank's compute; MiB per rank (max): intra = all-to-all, inter = ring")
+                 "the busiest rank's compute; MiB per rank (max): intra = all-to-all, inter = ring "
+                 "(with one group the backward's dK/dV hop home goes to the rank itself)")
     return "\n".join(lines)
 
 
@@ -144,8 +147,6 @@ def plot(report, path) -> None:
 
 def run(comm, be, cfg, n, gbps, json_path, plot_path) -> None:
     """The sweep as a command: measure (collective), then rank 0 prints, writes JSON and the plot."""
-    import os
-
     from . import ring
     from ..topology import node_ids
 
@@ -155,10 +156,9 @@ def run(comm, be, cfg, n, gbps, json_path, plot_path) -> None:
     gemm = ring._gemm_rate(be, cfg["dtype"]) if comm.Get_rank() == 0 else None
     ring._idle_barrier(comm)
     try:
-        measured = sweep(comm, be, cfg, n, gbps, nodes)
+        measured = sweep(comm, be, cfg, n, nodes)
     finally:
         uninstall()
-    import socket
     env_rank = {"host": socket.gethostname(), "pid": os.getpid(), "cpus": ring._cpus(),
                 "rss_peak_reset": ring._reset_rss_peak()}
     every = comm.gather(env_rank, root=0)

@@ -271,7 +271,8 @@ def _head_parallel(comm, value, spec, passes) -> int:
 
     try:
         setting = head_parallel_setting(value)
-        node_size_override()
+        if setting != 1:
+            node_size_override()
     except ValueError as exc:
         setting, problem = 1, f"--head-parallel: {exc}"
     else:
