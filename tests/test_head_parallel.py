@@ -153,3 +153,40 @@ def test_problems_and_settings(monkeypatch):
     for bad in (0, -1, 1.5, "x", True):
         with pytest.raises(ValueError):
             head_parallel_setting(bad)
+
+
+# ---------------------------------------------------------------------------- the group all-to-all, in-process
+def test_group_exchange_moves_every_part_and_records_it():
+    import numpy as np
+    from mpi4py import MPI
+
+    from ringmpi.head_parallel import ExchangeRecord, GroupExchange
+
+    records = []
+    parts = [np.arange(12, dtype=np.float32).reshape(3, 4), np.zeros((0, 5)), np.array([7, 8], np.int64)]
+    got = GroupExchange(MPI.COMM_SELF, 5, records).exchange(
+        "a2a in", [parts], [[((3, 4), np.float32), ((0, 5), np.float64), ((2,), np.int64)]])
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got[0], parts))
+    assert len(records) == 1 and isinstance(records[0], ExchangeRecord) and records[0].stage == "a2a in"
+    assert records[0].bytes_sent == 0  # its own part never leaves the rank
+
+
+def test_group_exchange_wait_has_a_deadline():
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from ringmpi.errors import RingTimeout
+    from ringmpi.head_parallel import GroupExchange
+
+    buf = np.empty(4, dtype=np.uint8)
+    never = MPI.COMM_SELF.Irecv([buf, MPI.BYTE], source=0, tag=999)  # no matching send: stays pending
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RingTimeout, match="a2a out all-to-all of the head x ring schedule did not complete"):
+            GroupExchange(MPI.COMM_SELF, 0.05, []).wait(never, "a2a out", start, [8], [8])
+        assert time.perf_counter() - start < 5
+    finally:
+        never.Cancel()
+        never.Wait()
