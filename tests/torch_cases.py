@@ -109,6 +109,8 @@ def local(comm, case, dtype, device, requires_grad=True):
     window = None if case.get("window") is None else tuple(case["window"])
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
               softmax_scale=case.get("scale"))
+    if case.get("head_parallel") is not None:
+        kw["head_parallel"] = case["head_parallel"]
     if seg_q is not None:  # as tensors on the device: the wrapper takes them anywhere
         kw.update(segment_ids_q=torch.from_numpy(lay_q.shard(seg_q, rank)).to(device),
                   segment_ids_kv=torch.from_numpy(lay_kv.shard(seg_kv, rank)).to(device))

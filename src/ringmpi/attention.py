@@ -29,6 +29,7 @@ from .layout import KINDS, Layout
 from .masks import MaskSpec
 from .ring import default_timeout, resolve_comm
 from .schedule import RingSchedule
+from .topology import resolve_groups
 
 FLOAT_DTYPES = _dtypes.NAMES
 
@@ -187,7 +188,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    causal: bool = False, window=None, segment_ids_q=None, segment_ids_kv=None,
                    softmax_scale: Optional[float] = None, backend: str = "auto",
                    timeout: Optional[float] = None, check_finite: bool = False,
-                   stats: Optional[list] = None, dtype: Optional[str] = None):
+                   stats: Optional[list] = None, dtype: Optional[str] = None,
+                   head_parallel: Union[int, str, None] = None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
@@ -231,6 +233,13 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         The dtype every input must have.  ``"bfloat16"`` also accepts ``uint16``
         arrays holding bfloat16 bit patterns (then the outputs are ``uint16``
         bit patterns too); a ``uint16`` array is never read as bfloat16 without it.
+    head_parallel : int or "auto", optional
+        ``U`` ranks per group of the two-level head x ring schedule
+        (:mod:`ringmpi.head_parallel`): an all-to-all over heads inside groups of
+        ``U`` ranks, a ring across the ``P/U`` groups.  ``U`` must divide ``P`` and
+        ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.topology`).
+        Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
+        out are the same for every ``U``.
 
     Returns
     -------
@@ -241,6 +250,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     (q, k, v), bits = _dtypes.view_declared(dtype, q, k, v)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                  softmax_scale, backend, timeout, check_finite, declared=dtype)
+    groups = resolve_groups(plan.comm, plan.heads, head_parallel)
+    if groups is not None:
+        from . import head_parallel as _two_level
+        return _two_level.forward(plan, groups, q, k, v, stats=stats, bits=bits)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     qh = be.to_heads(be.asarray(q), ct)
@@ -263,7 +276,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             window=None, segment_ids_q=None, segment_ids_kv=None,
                             softmax_scale: Optional[float] = None, backend: str = "auto",
                             timeout: Optional[float] = None, check_finite: bool = False,
-                            stats: Optional[list] = None, dtype: Optional[str] = None):
+                            stats: Optional[list] = None, dtype: Optional[str] = None,
+                            head_parallel: Union[int, str, None] = None):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v``.
 
     Collective; every keyword must match the forward call.
@@ -293,6 +307,10 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     want = (plan.batch, plan.heads, q.shape[1])
     agree(plan.comm, None if tuple(lse.shape) == want else
           f"lse must have shape (B, H, S_q_local) = {want}, got {tuple(lse.shape)}")
+    groups = resolve_groups(plan.comm, plan.heads, head_parallel)
+    if groups is not None:
+        from . import head_parallel as _two_level
+        return _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits)
     qh = be.to_heads(be.asarray(q), ct)
     doh = be.to_heads(be.asarray(do), ct)
     dvec = be.row_dot(doh, be.to_heads(be.asarray(o), ct))

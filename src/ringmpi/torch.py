@@ -162,7 +162,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    layout: Union[str, Layout] = "contiguous", causal: bool = False, window=None,
                    segment_ids_q=None, segment_ids_kv=None, softmax_scale: Optional[float] = None,
                    return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
-                   check_finite: bool = False, stats: Optional[list] = None):
+                   check_finite: bool = False, stats: Optional[list] = None,
+                   head_parallel: Union[int, str, None] = None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -173,7 +174,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     q : (B, S_q_local, H, D) tensor, float16/bfloat16/float32/float64, CPU or CUDA
         This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D) tensors, same dtype and device; ``H % H_kv == 0``.
-    comm, layout, causal, window, softmax_scale, timeout, check_finite
+    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel
         As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
         duplicate of ``COMM_WORLD``).
     segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) integer tensors or arrays, optional
@@ -209,7 +210,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     opts = dict(comm=comm, layout=layout, causal=causal, window=window,
                 segment_ids_q=_host_ids(segment_ids_q), segment_ids_kv=_host_ids(segment_ids_kv),
                 softmax_scale=softmax_scale, backend=backend, timeout=timeout,
-                check_finite=check_finite, stats=stats)
+                check_finite=check_finite, stats=stats, head_parallel=head_parallel)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse = _RingAttention.apply(q, k, v, opts)

@@ -72,8 +72,9 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="Untimed calls before the timed ones.")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic inputs.")
-@click.option("--sweep", type=click.Choice(["strong", "weak"]), default=None,
-              help="Scaling sweep over P = 1, 2, 4, ... ranks of the job.")
+@click.option("--sweep", type=click.Choice(["strong", "weak", "head-parallel"]), default=None,
+              help="Scaling sweep over P = 1, 2, 4, ... ranks of the job; head-parallel: every U "
+                   "dividing P and H on all ranks (ringmpi.bench.head_parallel).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every figure and the environment to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
@@ -84,8 +85,13 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="With --decode: cache length N.")
 @click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --decode: new tokens per call S_new.")
+@click.option("--head-parallel", "head_parallel", default=None, metavar="U|auto",
+              help="Time the head x ring schedule with U ranks per group [default: RINGMPI_HEAD_PARALLEL, else 1].")
+@click.option("--inter-node-gbps", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
+              help="Bench-only link model: delay each message between (pretend, RINGMPI_NODE_SIZE) nodes "
+                   "by bytes / X Gbit/s (ringmpi.bench.linkmodel).")
 def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new):
+          sweep, json_path, plot_path, decode, cache, new, head_parallel, inter_node_gbps):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -108,6 +114,8 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
+    else:
+        head_parallel, problem = _head_parallel_option(head_parallel, sweep)
     agree(comm, problem)
     if backend == "cupy":
         from ..device import require_gpu
@@ -116,6 +124,12 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
 
     cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, causal=causal,
                layout=layout, backward=backward, repeat=repeat, warmup=warmup, seed=seed)
+    if head_parallel != 1:
+        cfg["head_parallel"] = head_parallel
+    if sweep == "head-parallel":
+        from .head_parallel import run as run_head_parallel
+        return run_head_parallel(comm, be, cfg, n, inter_node_gbps, json_path, plot_path)
+    uninstall_links = _link_model(comm, inter_node_gbps)
     rank, size = comm.Get_rank(), comm.Get_size()
     sizes = [size] if sweep is None else _sweep_sizes(size)
     load_before = os.getloadavg()
@@ -134,6 +148,7 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
                 click.echo(f"  measured P={p} N={n_global}", err=True)
             sub.Free()
         _idle_barrier(comm)
+    uninstall_links()
     instrument = _instrumentation_unit_costs(be) if rank == 0 else None
     env_rank = {"host": socket.gethostname(), "pid": os.getpid(), "cpus": _cpus(),
                 "rss_peak_reset": _reset_rss_peak()}
@@ -173,6 +188,32 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
 
 
 # ---------------------------------------------------------------------------- measurement
+def _head_parallel_option(value, sweep):
+    """``(U or "auto", problem)`` of ``--head-parallel`` (default ``RINGMPI_HEAD_PARALLEL``, else 1)."""
+    from ..topology import head_parallel_setting
+
+    try:
+        setting = head_parallel_setting(value)
+    except ValueError as exc:
+        return 1, f"--head-parallel: {exc}"
+    if sweep in ("strong", "weak") and setting != 1:
+        return setting, f"--head-parallel {setting} with --sweep {sweep}: use --sweep head-parallel to compare U"
+    if sweep == "head-parallel" and value is not None:
+        return setting, "--sweep head-parallel runs every U: drop --head-parallel"
+    return setting, None
+
+
+def _link_model(comm, gbps):
+    """Install the bench-only inter-node link model (:mod:`ringmpi.bench.linkmodel`) when ``gbps`` is
+    given; return the function that removes it."""
+    if not gbps:
+        return lambda: None
+    from ..topology import node_ids
+    from .linkmodel import install
+
+    return install(comm, gbps, node_ids(comm))
+
+
 def _have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -216,6 +257,8 @@ def _measure(comm, be, cfg, n):
 
     q, k, v = randn(h), randn(hkv), randn(hkv)
     kw = dict(comm=comm, layout=cfg["layout"], causal=cfg["causal"], backend=be.name)
+    if "head_parallel" in cfg:
+        kw["head_parallel"] = cfg["head_parallel"]
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):

@@ -120,8 +120,11 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
               help="Deadline in seconds for each ring wait; a peer that never answers ends the job.")
 @click.option("--heads-per-pass", type=int, default=None, metavar="K",
               help="Query heads per pass (a multiple of H/H_kv) to bound memory [default: all].")
+@click.option("--head-parallel", "head_parallel", default=None, metavar="U|auto",
+              help="Two-level head x ring schedule: all-to-all over heads in groups of U ranks, ring "
+                   "across groups; auto = the ranks of a node [default: RINGMPI_HEAD_PARALLEL, else 1].")
 def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
-        check_finite, resume, timeout, heads_per_pass):
+        check_finite, resume, timeout, heads_per_pass, head_parallel):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
     \b
@@ -166,6 +169,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
                       window=None if win is None else list(win), backward=bool(backward),
                       softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass)
     passes, done = _resume_state(out, comm, job, resume)
+    head_parallel = _head_parallel(comm, head_parallel, spec, passes)
     lay_q, lay_kv = Layout(layout, spec.n_q, size), Layout(layout, spec.n_kv, size)
     io_q, io_kv = ShardIO(comm, lay_q.indices(rank)), ShardIO(comm, lay_kv.indices(rank))
     softmax_scale = scale if scale is not None else 1.0 / math.sqrt(spec.dim)
@@ -179,7 +183,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     }
     to_device, to_host = _converters(backend)
     kw = dict(comm=comm, layout=layout, causal=causal, window=win, softmax_scale=softmax_scale,
-              backend=backend, timeout=timeout)
+              backend=backend, timeout=timeout, head_parallel=head_parallel)
     ring_s, compute_s, wait_s = 0.0, 0.0, 0.0
     progress = _Progress(rank, len(passes) * (2 if backward else 1), "ring passes")
     fin = open_file(input_path, "r", comm)
@@ -251,7 +255,40 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     every = comm.gather(mine, root=0)
     if rank == 0:
         _summary(spec, size, layout, causal, win, backward, backend, passes, every, out.path)
+        if head_parallel > 1:
+            click.echo(f"  schedule: head x ring, {head_parallel} ranks per group (all-to-all), "
+                       f"ring of {size // head_parallel} groups")
     comm.Free()
+
+
+def _head_parallel(comm, value, spec, passes) -> int:
+    """``U`` of ``--head-parallel`` (or ``RINGMPI_HEAD_PARALLEL``), resolved once for every pass;
+    exit 2 on every rank when it cannot run.  ``auto``: the largest divisor of the node's
+    rank count and of every pass's head count.  Collective unless ``U = 1``."""
+    from ..errors import agree
+    from ..topology import (auto_head_parallel, head_parallel_problem, head_parallel_setting,
+                            node_ids, node_size_override)
+
+    try:
+        setting = head_parallel_setting(value)
+        if setting != 1:
+            node_size_override()
+    except ValueError as exc:
+        setting, problem = 1, f"--head-parallel: {exc}"
+    else:
+        problem = None
+    agree(comm, problem)
+    if setting == 1:
+        return 1
+    pass_heads = sorted({(p.g1 - p.g0) * spec.group for p in passes})
+    if setting == "auto":
+        return auto_head_parallel(node_ids(comm), math.gcd(*pass_heads))
+    problem = head_parallel_problem(setting, comm.Get_size(), spec.heads)
+    if problem is None and any(h % setting for h in pass_heads):
+        problem = (f"head_parallel={setting} must divide the query heads of every pass "
+                   f"({', '.join(map(str, pass_heads))}); choose --heads-per-pass accordingly")
+    agree(comm, None if problem is None else f"--head-parallel: {problem}")
+    return setting
 
 
 def _job_record(spec, input_path, world_size, passes, **options):

@@ -1,0 +1,319 @@
+"""The head x ring schedule: an all-to-all over heads inside groups, a ring across groups.
+
+``ring_attention(..., head_parallel=U)`` with ``U > 1`` lands here (the
+caller's contract is unchanged: every rank passes and gets back its own
+sequence shard ``(B, S_local, H, D)``).  The ``P`` ranks form ``P/U`` groups of
+``U`` (:mod:`ringmpi.topology`; a group sits on one node when it can):
+
+1. Inside each group one all-to-all (:class:`GroupExchange`, ``MPI_Ialltoallv``:
+   shard lengths may be uneven or zero) turns sequence shards into head
+   shards: group member ``u`` receives query heads ``[u H/U, (u+1) H/U)`` of
+   all the group's tokens (the members' tokens in group order), the K/V heads
+   those query heads read (:func:`kv_heads_of`: whole GQA groups, or copies
+   of one K/V head when several members share it), and the tokens' segment
+   ids.  Global positions need no message: every rank knows the layout.
+2. The members with the same ``u`` form a ring across the ``P/U`` groups
+   (:class:`ringmpi.schedule.RingSchedule` on a sub-communicator: the same
+   kernels, masks on global positions, double buffers and deadlines as the
+   flat ring; with ``U = P`` it is a ring of one, i.e. pure all-to-all attention).
+3. A second all-to-all returns ``o`` and ``lse`` to sequence shards.
+
+The backward mirrors it: the all-to-all carries ``q, do, k, v``, ``lse`` and
+``Dv = rowsum(do * o)`` (computed at home, so ``o`` itself does not travel),
+the ring runs the backward, and the all-to-all back carries ``dq, dk, dv``;
+the gradients of a K/V head held by several members are summed at its owner
+in the compute dtype, then rounded once.
+
+Records: :class:`ExchangeRecord` (a :class:`~ringmpi.ring.StepRecord` with a
+``stage``) for each all-to-all, around the ring's own step records.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from .errors import RingTimeout
+from .ring import StepRecord
+from .schedule import RingSchedule
+
+
+def kv_heads_of(index: int, u: int, heads: int, kv_heads: int) -> List[int]:
+    """The global K/V heads group member ``index`` holds, in local order.
+
+    Member ``index`` owns query heads ``[index*H/U, (index+1)*H/U)``; query
+    head ``h`` reads K/V head ``h // (H/H_kv)``.  Local query head ``i`` then
+    reads local K/V head ``i // (hu / len(result))`` (the backends' GQA rule)
+    with ``hu = H/U``: whole GQA groups when ``hu`` is a multiple of the group
+    size, one shared K/V head when the group size is a multiple of ``hu``, else
+    one copy per query head.
+    """
+    hu, group = heads // u, heads // kv_heads
+    first = index * hu
+    if hu % group == 0:
+        return list(range(first // group, (first + hu) // group))
+    if group % hu == 0:
+        return [first // group]
+    return [h // group for h in range(first, first + hu)]
+
+
+def replicated(u: int, heads: int, kv_heads: int) -> bool:
+    """Whether some K/V head is held more than once across a group (its gradient is then a sum)."""
+    held = [h for i in range(u) for h in kv_heads_of(i, u, heads, kv_heads)]
+    return len(held) != len(set(held))
+
+
+@dataclass
+class ExchangeRecord(StepRecord):
+    """One all-to-all inside a group: seconds (in ``wait_s``) and the bytes that left or
+    reached this rank (its own part excluded).  ``stage``: ``"a2a in"`` or ``"a2a out"``."""
+
+    stage: str = ""
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+class GroupExchange:
+    """All-to-all of several arrays among the members of one group (host buffers).
+
+    ``exchange(stage, send, recv)``: ``send[u]`` lists the arrays for member
+    ``u`` (any shapes, C order after the copy), ``recv[u]`` the ``(shape, dtype)``
+    of each array member ``u`` sends here; returns the received arrays as
+    ``out[u][i]``.  One ``MPI_Ialltoallv`` of bytes per call, waited for with
+    the call's deadline; device arrays are staged through the host.
+    """
+
+    def __init__(self, comm, timeout, records: list, step: int = 0):
+        self.comm, self.timeout, self.records = comm, timeout, records
+        self.step = step
+
+    def exchange(self, stage: str, send: Sequence[Sequence], recv: Sequence[Sequence[Tuple]]):
+        from mpi4py import MPI
+
+        start = time.perf_counter()
+        me = self.comm.Get_rank()
+        parts = [[np.ascontiguousarray(_host(a)) for a in dest] for dest in send]
+        send_counts = [sum(a.nbytes for a in dest) for dest in parts]
+        recv_counts = [sum(_nbytes(s, d) for s, d in src) for src in recv]
+        sendbuf = np.empty(max(sum(send_counts), 1), dtype=np.uint8)
+        offset = 0
+        for dest in parts:
+            for a in dest:
+                sendbuf[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+                offset += a.nbytes
+        recvbuf = np.empty(max(sum(recv_counts), 1), dtype=np.uint8)
+        displ = lambda counts: np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # noqa: E731
+        request = self.comm.Ialltoallv([sendbuf, (send_counts, displ(send_counts)), MPI.BYTE],
+                                       [recvbuf, (recv_counts, displ(recv_counts)), MPI.BYTE])
+        self.wait(request, stage, start, send_counts, recv_counts)
+        out, offset = [], 0
+        for src in recv:
+            arrays = []
+            for shape, dtype in src:
+                n = _nbytes(shape, dtype)
+                arrays.append(recvbuf[offset:offset + n].view(np.dtype(dtype)).reshape(shape))
+                offset += n
+            out.append(arrays)
+        record = ExchangeRecord(step=self.step, stage=stage,
+                                bytes_sent=sum(c for u, c in enumerate(send_counts) if u != me),
+                                bytes_recv=sum(c for u, c in enumerate(recv_counts) if u != me))
+        record.wait_s = time.perf_counter() - start
+        self.records.append(record)
+        return out
+
+    def wait(self, request, stage: str, start: float, send_counts, recv_counts) -> None:
+        """Complete the all-to-all before the deadline (polling with short naps, as the ring does)."""
+        deadline = None if self.timeout is None else start + self.timeout
+        nap = 0.0
+        while not request.Test():
+            if deadline is not None and time.perf_counter() > deadline:
+                raise RingTimeout(
+                    f"group rank {self.comm.Get_rank()}: the {stage} all-to-all of the head x ring "
+                    f"schedule did not complete within {self.timeout:g} s (sending {sum(send_counts)} "
+                    f"bytes, expecting {sum(recv_counts)}); a peer rank may have died or stopped sending")
+            time.sleep(nap)
+            nap = min(2 * nap + 1e-5, 2e-4)
+
+
+class _Split:
+    """Where this rank's head shard comes from and goes back to, in one group."""
+
+    def __init__(self, plan, groups, heads: int, kv_heads: int):
+        self.groups, self.u, self.index = groups, groups.u, groups.index
+        self.hu = heads // groups.u
+        self.kv = [kv_heads_of(i, groups.u, heads, kv_heads) for i in range(groups.u)]
+        self.replicated = replicated(groups.u, heads, kv_heads)
+        members = groups.members[groups.group]
+        q_idx = [plan.layout_q.indices(m) for m in members]
+        kv_idx = [plan.layout_kv.indices(m) for m in members]
+        self.rows_q = [len(i) for i in q_idx]     # tokens of each member, group order
+        self.rows_kv = [len(i) for i in kv_idx]
+        self.q_pos = np.concatenate(q_idx)          # this group's query positions (group order)
+        self.kv_pos = np.concatenate(kv_idx)
+        ckv = plan.layout_kv.counts()
+        self.ring_kv_counts = [int(sum(ckv[m] for m in g)) for g in groups.members]
+
+    def heads(self, i: int) -> slice:
+        return slice(i * self.hu, (i + 1) * self.hu)
+
+    def cut(self, rows: List[int], i: int) -> slice:
+        start = int(sum(rows[:i]))
+        return slice(start, start + rows[i])
+
+
+def forward(plan, groups, q, k, v, stats=None, bits: bool = False):
+    """:func:`ringmpi.ring_attention` on ``groups`` (a :class:`~ringmpi.topology.HeadGroups`).
+
+    ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D)``: this rank's
+    sequence shards, checked by the call's plan.  Returns ``o (B, S_q_local,
+    H, D)`` in the input dtype and ``lse (B, H, S_q_local)``, this rank's shards.
+    """
+    be, ct = plan.backend, plan.compute_dtype
+    xp = be.xp
+    q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
+    batch, _, heads, dim = q.shape
+    kv_heads, dim_v = k.shape[2], v.shape[3]
+    split = _Split(plan, groups, heads, kv_heads)
+    records: list = []
+    exchange = GroupExchange(groups.group_comm, plan.timeout, records)
+    has_seg = plan.seg_q is not None
+    send, recv = [], []
+    for i in range(split.u):
+        kv_i = split.kv[i]
+        parts = [q[:, :, split.heads(i)], k[:, :, kv_i], v[:, :, kv_i]]
+        if has_seg:
+            parts += [plan.seg_q, plan.seg_kv]
+        send.append(parts)
+    me = split.index
+    for j in range(split.u):
+        shapes = [((batch, split.rows_q[j], split.hu, dim), q.dtype),
+                  ((batch, split.rows_kv[j], len(split.kv[me]), dim), k.dtype),
+                  ((batch, split.rows_kv[j], len(split.kv[me]), dim_v), v.dtype)]
+        if has_seg:
+            shapes += [((batch, split.rows_q[j]), np.int64), ((batch, split.rows_kv[j]), np.int64)]
+        recv.append(shapes)
+    got = exchange.exchange("a2a in", send, recv)
+    joined = [np.concatenate([g[n] for g in got], axis=1) for n in range(len(recv[0]))]
+    qg, kg, vg = (be.asarray(x) for x in joined[:3])
+    seg_q, seg_kv = (joined[3], joined[4]) if has_seg else (None, None)
+
+    qh = be.to_heads(qg, ct)
+    shape = qh.shape
+    o_acc = xp.zeros(shape, dtype=ct)
+    m = xp.full(shape[:3], -np.inf, dtype=ct)
+    l = xp.zeros(shape[:3], dtype=ct)
+    schedule = RingSchedule(groups.ring_comm, be, be.to_heads(kg, kg.dtype), be.to_heads(vg, vg.dtype),
+                            kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
+                            spec=plan.spec, seg_q=seg_q, seg_kv=seg_kv, timeout=plan.timeout, phase="fwd")
+    for block in schedule:
+        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask)
+    og, lseg = be.finalize(o_acc, m, l, q.dtype)   # (B, S_group, hu, D_v), (B, hu, S_group)
+
+    exchange.step = len(schedule.records)
+    send = [[og[:, split.cut(split.rows_q, j)], lseg[:, :, split.cut(split.rows_q, j)]]
+            for j in range(split.u)]
+    rows = split.rows_q[me]
+    recv = [[((batch, rows, split.hu, dim_v), og.dtype), ((batch, split.hu, rows), lseg.dtype)]
+            for _ in range(split.u)]
+    got = exchange.exchange("a2a out", send, recv)
+    o = np.empty((batch, rows, heads, dim_v), dtype=og.dtype)
+    lse = np.empty((batch, heads, rows), dtype=lseg.dtype)
+    for i, (o_i, lse_i) in enumerate(got):
+        o[:, :, split.heads(i)] = o_i
+        lse[:, split.heads(i)] = lse_i
+    if stats is not None:
+        stats.extend([records[0], *schedule.records, records[1]])
+    o, lse = be.asarray(o), be.asarray(lse)
+    return (o.view(np.uint16) if bits else o), lse
+
+
+def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False):
+    """:func:`ringmpi.ring_attention_backward` on ``groups``.
+
+    ``do, q, o (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D)``,
+    ``lse (B, H, S_q_local)``: this rank's shards.  Returns ``dq, dk, dv`` for
+    this rank's shards in the input dtype.
+    """
+    be, ct = plan.backend, plan.compute_dtype
+    xp = be.xp
+    do, q, k, v, o = (be.asarray(x) for x in (do, q, k, v, o))
+    batch, rows, heads, dim = q.shape
+    kv_heads, dim_v = k.shape[2], v.shape[3]
+    split = _Split(plan, groups, heads, kv_heads)
+    records: list = []
+    exchange = GroupExchange(groups.group_comm, plan.timeout, records)
+    has_seg = plan.seg_q is not None
+    dvec = be.row_dot(be.to_heads(do, ct), be.to_heads(o, ct))   # (B, H, S_q_local): o stays home
+    lse = be.asarray(lse).astype(ct, copy=False)
+    send = []
+    for i in range(split.u):
+        kv_i, h_i = split.kv[i], split.heads(i)
+        parts = [q[:, :, h_i], do[:, :, h_i], k[:, :, kv_i], v[:, :, kv_i], lse[:, h_i], dvec[:, h_i]]
+        if has_seg:
+            parts += [plan.seg_q, plan.seg_kv]
+        send.append(parts)
+    me = split.index
+    hkv = len(split.kv[me])
+    recv = []
+    for j in range(split.u):
+        rq, rkv = split.rows_q[j], split.rows_kv[j]
+        shapes = [((batch, rq, split.hu, dim), q.dtype), ((batch, rq, split.hu, dim_v), do.dtype),
+                  ((batch, rkv, hkv, dim), k.dtype), ((batch, rkv, hkv, dim_v), v.dtype),
+                  ((batch, split.hu, rq), ct), ((batch, split.hu, rq), ct)]
+        if has_seg:
+            shapes += [((batch, rq), np.int64), ((batch, rkv), np.int64)]
+        recv.append(shapes)
+    got = exchange.exchange("a2a in", send, recv)
+    axes = [1, 1, 1, 1, 2, 2, 1, 1]
+    joined = [np.concatenate([g[n] for g in got], axis=axes[n]) for n in range(len(recv[0]))]
+    qg, dog, kg, vg, lseg, dvecg = (be.asarray(x) for x in joined[:6])
+    seg_q, seg_kv = (joined[6], joined[7]) if has_seg else (None, None)
+
+    qh, doh = be.to_heads(qg, ct), be.to_heads(dog, ct)
+    dq = xp.zeros_like(qh)
+    schedule = RingSchedule(groups.ring_comm, be, be.to_heads(kg, kg.dtype), be.to_heads(vg, vg.dtype),
+                            kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
+                            spec=plan.spec, seg_q=seg_q, seg_kv=seg_kv, grad_dtype=ct,
+                            timeout=plan.timeout, phase="bwd")
+    for block in schedule:
+        schedule.compute(be.backward_block, qh, doh, lseg, dvecg, block.k, block.v, dq, block.dk, block.dv,
+                         plan.scale, block.mask)
+    dkh, dvh = schedule.finished_grads()
+    dq *= ct.type(plan.scale)
+    dkh *= ct.type(plan.scale)
+    out_dtype = q.dtype
+    kv_dtype = ct if split.replicated else out_dtype   # a sum of copies is rounded once, at home
+    dqg = be.from_heads(dq, out_dtype)                  # (B, S_group, hu, D)
+    dkg, dvg = be.from_heads(dkh, kv_dtype), be.from_heads(dvh, kv_dtype)
+
+    exchange.step = len(schedule.records)
+    send = [[dqg[:, split.cut(split.rows_q, j)], dkg[:, split.cut(split.rows_kv, j)],
+             dvg[:, split.cut(split.rows_kv, j)]] for j in range(split.u)]
+    rkv = split.rows_kv[me]
+    recv = [[((batch, rows, split.hu, dim), out_dtype), ((batch, rkv, len(split.kv[i]), dim), kv_dtype),
+             ((batch, rkv, len(split.kv[i]), dim_v), kv_dtype)] for i in range(split.u)]
+    got = exchange.exchange("a2a out", send, recv)
+    dq_out = np.empty((batch, rows, heads, dim), dtype=out_dtype)
+    dk_sum = np.zeros((batch, rkv, kv_heads, dim), dtype=kv_dtype)
+    dv_sum = np.zeros((batch, rkv, kv_heads, dim_v), dtype=kv_dtype)
+    for i, (dq_i, dk_i, dv_i) in enumerate(got):
+        dq_out[:, :, split.heads(i)] = dq_i
+        for local, head in enumerate(split.kv[i]):
+            dk_sum[:, :, head] += dk_i[:, :, local]
+            dv_sum[:, :, head] += dv_i[:, :, local]
+    result = [dq_out, dk_sum.astype(out_dtype, copy=False), dv_sum.astype(out_dtype, copy=False)]
+    if stats is not None:
+        stats.extend([records[0], *schedule.records, records[1]])
+    result = [be.asarray(g) for g in result]
+    if bits:
+        result = [g.view(np.uint16) for g in result]
+    return tuple(result)

@@ -1,0 +1,236 @@
+"""Which ranks share a node, and the groups of the head x ring schedule.
+
+The two-level schedule (:mod:`ringmpi.head_parallel`) splits the ``P`` ranks
+of a communicator into ``P/U`` groups of ``U`` ranks: an all-to-all over heads
+runs inside each group, a ring runs across groups.  A group should sit on one
+node, where the links are fast; this module finds the nodes and forms the
+groups.
+
+* :func:`node_ids` -- the node of every rank: the ranks sharing memory
+  (``MPI_COMM_TYPE_SHARED``), or, with ``RINGMPI_NODE_SIZE=n``, pretend nodes
+  of ``n`` consecutive ranks (so one machine can stand in for several).
+* :func:`group_members` -- the groups as lists of ranks, in group order: ``U``
+  consecutive ranks of one node when ``U`` divides every node's rank count,
+  otherwise ``U`` consecutive ranks of the communicator.
+* :func:`auto_head_parallel` -- ``U`` for ``head_parallel="auto"``: the largest
+  divisor of every node's rank count that also divides the head count.
+* :func:`head_parallel_problem` -- why a ``U`` cannot run, or None.
+* :func:`head_groups` -- the group and ring sub-communicators of one ``U``
+  (collective; cached on the communicator).
+* :func:`resolve_groups` -- what ``ring_attention(..., head_parallel=...)``
+  calls: ``None`` for the flat ring, else the agreed groups.
+
+Pure functions take plain lists and need no MPI; only :func:`node_ids` and
+:func:`head_groups` are collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+ENV_HEAD_PARALLEL = "RINGMPI_HEAD_PARALLEL"
+ENV_NODE_SIZE = "RINGMPI_NODE_SIZE"
+
+
+def head_parallel_setting(value=None) -> Union[int, str]:
+    """The requested ``U``: ``value``, else ``RINGMPI_HEAD_PARALLEL``, else 1.
+
+    Returns a positive int or ``"auto"``; raises ``ValueError`` for anything
+    else (the caller turns it into an agreed :class:`~ringmpi.errors.ConfigError`).
+    No MPI.
+    """
+    if value is None:
+        value = os.environ.get(ENV_HEAD_PARALLEL) or 1
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"head_parallel must be a positive integer or 'auto', got {value!r}") from None
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"head_parallel must be a positive integer or 'auto', got {value!r}")
+    return int(value)
+
+
+def node_size_override() -> Optional[int]:
+    """``RINGMPI_NODE_SIZE`` as a positive int, None when unset; ``ValueError`` when malformed."""
+    text = os.environ.get(ENV_NODE_SIZE)
+    if not text:
+        return None
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"{ENV_NODE_SIZE} must be a positive integer, got {text!r}")
+    return size
+
+
+def node_ids(comm, node_size: Optional[int] = None) -> List[int]:
+    """The node of every rank of ``comm``, ``(P,)`` ints, the same list on every rank.
+
+    With ``node_size`` (or ``RINGMPI_NODE_SIZE``): ``rank // node_size``.
+    Otherwise the ranks sharing memory form a node, named by its lowest rank.
+    Collective over ``comm`` (no collective with an override).
+    """
+    size = comm.Get_size()
+    if node_size is None:
+        node_size = node_size_override()
+    if node_size is not None:
+        return [r // node_size for r in range(size)]
+    from mpi4py import MPI
+
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
+    finally:
+        shared.Free()
+    return list(comm.allgather(leader))
+
+
+def _node_ranks(nodes: Sequence[int]) -> List[List[int]]:
+    """Ranks of each node, nodes in order of their first rank."""
+    order, ranks = [], {}
+    for r, node in enumerate(nodes):
+        if node not in ranks:
+            order.append(node)
+            ranks[node] = []
+        ranks[node].append(r)
+    return [ranks[node] for node in order]
+
+
+def group_members(nodes: Sequence[int], u: int) -> List[List[int]]:
+    """The ``P/U`` groups as lists of ranks, in group order (``U`` must divide ``P``).
+
+    ``U`` consecutive ranks of one node when ``U`` divides every node's rank
+    count (no group spans nodes), else ``U`` consecutive ranks of the communicator.
+    """
+    per_node = _node_ranks(nodes)
+    if all(len(ranks) % u == 0 for ranks in per_node):
+        return [ranks[i:i + u] for ranks in per_node for i in range(0, len(ranks), u)]
+    return [list(range(g, g + u)) for g in range(0, len(nodes), u)]
+
+
+def spans_nodes(nodes: Sequence[int], u: int) -> bool:
+    """Whether the groups of ``U`` would cross node boundaries."""
+    return any(len({nodes[r] for r in members}) > 1 for members in group_members(nodes, u))
+
+
+def auto_head_parallel(nodes: Sequence[int], heads: int) -> int:
+    """``U`` for ``"auto"``: the largest divisor of ``heads`` that divides every node's rank count.
+
+    It therefore divides ``P`` too, and no group spans nodes.  1 on one rank
+    per node (the flat ring).
+    """
+    common = 0
+    for ranks in _node_ranks(nodes):
+        common = math.gcd(common, len(ranks))
+    common = math.gcd(common, heads)
+    return max(common, 1)
+
+
+def head_parallel_problem(u: int, size: int, heads: int) -> Optional[str]:
+    """Why ``U`` ranks per group cannot run ``heads`` query heads on ``size`` ranks, or None."""
+    if size % u:
+        return f"head_parallel={u} must divide the number of ranks ({size})"
+    if heads % u:
+        return f"head_parallel={u} must divide the number of query heads H ({heads})"
+    return None
+
+
+@dataclass
+class HeadGroups:
+    """One rank's place in the head x ring schedule of ``U`` ranks per group.
+
+    u : ranks per group (the all-to-all width).
+    group : this rank's group (its rank on the ring across groups).
+    index : this rank's position in its group (which heads it holds).
+    members : ``(P/U, U)`` comm ranks of every group, in group order.
+    group_comm : the ``U`` ranks of this group, ranked by ``index``.
+    ring_comm : the ``P/U`` ranks with this ``index``, ranked by ``group``.
+    """
+
+    u: int
+    group: int
+    index: int
+    members: List[List[int]]
+    group_comm: object
+    ring_comm: object
+
+
+def head_groups(comm, u: int, nodes: Sequence[int]) -> HeadGroups:
+    """The sub-communicators of ``U`` ranks per group on ``comm`` (collective).
+
+    Kept on ``comm`` (an MPI attribute) per ``(U, nodes)``, so repeated calls
+    split nothing; the sub-communicators live as long as ``comm``.
+    """
+    cache = _cache(comm)
+    key = (u, tuple(nodes))
+    if key not in cache:
+        members = group_members(nodes, u)
+        rank = comm.Get_rank()
+        group, index = next((g, m.index(rank)) for g, m in enumerate(members) if rank in m)
+        group_comm = comm.Split(color=group, key=index)
+        ring_comm = comm.Split(color=index, key=group)
+        cache[key] = HeadGroups(u=u, group=group, index=index, members=members,
+                                group_comm=group_comm, ring_comm=ring_comm)
+    return cache[key]
+
+
+def _cache(comm) -> dict:
+    """A dict kept on ``comm`` as an MPI attribute (gone when ``comm`` is freed)."""
+    from mpi4py import MPI
+
+    global _KEYVAL
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval()
+    cache = comm.Get_attr(_KEYVAL)
+    if cache is None:
+        cache = {}
+        comm.Set_attr(_KEYVAL, cache)
+    return cache
+
+
+_KEYVAL = None
+
+
+def resolve_groups(comm, heads: int, value=None) -> Optional[HeadGroups]:
+    """The groups of ``head_parallel=value`` for a call with ``heads`` query heads, or
+    None for the flat ring (``U = 1``).
+
+    ``value``: a positive int, ``"auto"``, or None (``RINGMPI_HEAD_PARALLEL``,
+    else 1).  ``U = 1`` returns at once without any collective.  Otherwise
+    collective over ``comm``: an unusable choice (malformed, ``U`` not
+    dividing ``P`` or ``H``) raises the same :class:`~ringmpi.errors.ConfigError`
+    on every rank before any data moves.
+    """
+    from .errors import agree
+
+    try:
+        setting = head_parallel_setting(value)
+    except ValueError as exc:
+        agree(comm, str(exc))
+        raise
+    if setting == 1:
+        return None
+    problem, nodes = None, None
+    try:
+        node_size = node_size_override()
+    except ValueError as exc:
+        problem, node_size = str(exc), None
+    if setting != "auto" and problem is None:
+        problem = head_parallel_problem(setting, comm.Get_size(), heads)
+    agree(comm, problem)
+    cache = _cache(comm)
+    if ("nodes", node_size) not in cache:  # the placement of a communicator's ranks never changes
+        cache[("nodes", node_size)] = node_ids(comm, node_size)
+    nodes = cache[("nodes", node_size)]
+    u = auto_head_parallel(nodes, heads) if setting == "auto" else setting
+    if u == 1:
+        return None
+    return head_groups(comm, u, nodes)
