@@ -250,8 +250,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     l = xp.zeros(shape[:3], dtype=ct)
 
     schedule = plan.schedule(be.asarray(k), be.asarray(v))
+    resident = {}  # what the backend derives from qh once per call
     for block in schedule:
-        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask)
+        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
+                         resident=resident)
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     if stats is not None:
         stats.extend(schedule.records)
@@ -300,9 +302,10 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     dq = xp.zeros_like(qh)
 
     schedule = plan.schedule(be.asarray(k), be.asarray(v), grad_dtype=ct, phase="bwd")
+    resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
     for block in schedule:
         schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
-                         plan.scale, block.mask)
+                         plan.scale, block.mask, resident=resident)
     dk, dv = schedule.finished_grads()
     dq *= ct.type(plan.scale)
     dk *= ct.type(plan.scale)

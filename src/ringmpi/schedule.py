@@ -64,14 +64,14 @@ class Block:
     dv: object = None
 
 
-def timed_compute(backend, ring: Ring, fn, *args):
-    """Run the block op ``fn(*args, tick=ring.tick)`` as the compute of the ring's
+def timed_compute(backend, ring: Ring, fn, *args, **kwargs):
+    """Run the block op ``fn(*args, tick=ring.tick, **kwargs)`` as the compute of the ring's
     current step: NVTX range, synchronised wall time and tile counts go into
     ``ring.record(ring.step)``.  ``fn`` returns ``(tiles computed, tiles skipped)``."""
     step = ring.step
     start = time.perf_counter()
     with backend.annotate(f"ring step {step} compute"):
-        tiles = fn(*args, tick=ring.tick)
+        tiles = fn(*args, tick=ring.tick, **kwargs)
         backend.synchronize(tick=ring.tick)
     record = ring.record(step)
     record.compute_s += time.perf_counter() - start
@@ -271,9 +271,9 @@ class RingSchedule:
             ring.next_step()  # the finished dK/dV of our own block arrive from prev
             self._home_grads = self.grads.receive_home()
 
-    def compute(self, fn, *args):
-        """Run the block op ``fn(*args, tick=...)`` as this step's timed compute."""
-        return timed_compute(self.backend, self.ring, fn, *args)
+    def compute(self, fn, *args, **kwargs):
+        """Run the block op ``fn(*args, tick=..., **kwargs)`` as this step's timed compute."""
+        return timed_compute(self.backend, self.ring, fn, *args, **kwargs)
 
     def finished_grads(self):
         """``(dk, dv)`` (B, H_kv, S_local, D) compute dtype: this rank's finished, unscaled
