@@ -76,3 +76,73 @@ def test_resident_state_is_bitwise_the_per_block_computation(monkeypatch, bad, t
     for got, want in zip(_backward(be, x, spec, resident), _backward(be, x, spec, None)):
         np.testing.assert_array_equal(got, want)
     assert resident, "the backward kept nothing across blocks"
+
+
+@pytest.mark.parametrize("bad", [None, ("k", np.nan, 20), ("do", np.inf, 9)])
+def test_backward_key_tile_order_is_bitwise_the_query_tile_order(monkeypatch, bad):
+    """The backward runs key tiles outermost (so dk, dv finish tile by tile); every
+    accumulator adds its terms in the order of the query-tile-major loop."""
+    import ringmpi.backends.numpy_backend as nb
+
+    monkeypatch.setattr(nb, "TILE_Q", 5)
+    monkeypatch.setattr(nb, "TILE_KV", 4)
+    be = NumpyBackend()
+    x = _inputs(2, bad)
+    finished = []
+    spec = MaskSpec(causal=True, window=(20, None))
+    qh, doh = be.to_heads(x["q"], np.float32), be.to_heads(x["do"], np.float32)
+    kh, vh = be.to_heads(x["k"], np.float32), be.to_heads(x["v"], np.float32)
+    rng = np.random.default_rng(0)
+    lse = rng.standard_normal((B, H, N)).astype(np.float32) + 3
+    dvec = rng.standard_normal((B, H, N)).astype(np.float32)
+    seg = np.broadcast_to(np.arange(N) // 13, (B, N)).astype(np.int64)
+    mask = BlockMask(spec, np.arange(N), np.arange(N), seg, seg)
+    results = []
+    for kv_major in (True, False):
+        monkeypatch.setattr(nb._TilePlan, "__init__", _forced_order(nb._TilePlan.__init__, kv_major))
+        grads = [np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)]
+        with np.errstate(all="ignore"):
+            be.backward_block(qh, doh, lse, dvec, kh, vh, *grads, 0.3, mask,
+                              kv_done=finished.append if kv_major else None)
+        results.append(grads)
+        monkeypatch.undo()
+        monkeypatch.setattr(nb, "TILE_Q", 5)
+        monkeypatch.setattr(nb, "TILE_KV", 4)
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    assert finished == sorted(finished) and finished[-1] == N and len(finished) > 3
+
+
+def _forced_order(init, kv_major):
+    def forced(self, *args, **kwargs):
+        kwargs["kv_major"] = kv_major
+        init(self, *args, **kwargs)
+    return forced
+
+
+# ------------------------------------------------------------ the backward's last hop in pieces
+from mpi_util import run_cases  # noqa: E402
+
+PIECE_CASES = [
+    dict(id="causal-zigzag-gqa", seed=1, B=2, N=45, H=4, Hkv=2, D=8, layout="zigzag", causal=True),
+    dict(id="full-contiguous", seed=2, B=1, N=31, H=2, Hkv=2, D=5, layout="contiguous", causal=False),
+    dict(id="segments-striped", seed=3, B=2, N=40, H=2, Hkv=1, D=4, layout="striped", causal=True, segments=3),
+    dict(id="n-below-p", seed=4, B=1, N=2, H=2, Hkv=1, D=4, layout="contiguous", causal=False),
+]
+# one tile per block at P = 2; many tiles per block (many kv_done calls) at P = 3
+PIECE_LAUNCHES = {"tiles-default-P2": (2, {}), "tiles-4x3-P3": (3, {"RINGMPI_TILE_Q": 4, "RINGMPI_TILE_KV": 3})}
+_PIECE_RESULTS = {}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launch", sorted(PIECE_LAUNCHES))
+@pytest.mark.parametrize("case", [c["id"] for c in PIECE_CASES])
+def test_last_hop_in_pieces_is_bitwise_the_whole_hop(tmp_path_factory, launch, case):
+    from mpi_util import mpirun_env
+
+    if launch not in _PIECE_RESULTS:
+        p, env = PIECE_LAUNCHES[launch]
+        _PIECE_RESULTS[launch] = run_cases(p, PIECE_CASES, tmp_path_factory.mktemp(launch), timeout=240,
+                                           env=mpirun_env(**env), driver="speed_cases.py")
+    ok, msg = _PIECE_RESULTS[launch][case]
+    assert ok, msg

@@ -304,8 +304,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     schedule = plan.schedule(be.asarray(k), be.asarray(v), grad_dtype=ct, phase="bwd")
     resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
     for block in schedule:
+        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
         schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
-                         plan.scale, block.mask, resident=resident)
+                         plan.scale, block.mask, resident=resident, **pieces)
     dk, dv = schedule.finished_grads()
     dq *= ct.type(plan.scale)
     dk *= ct.type(plan.scale)

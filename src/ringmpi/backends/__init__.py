@@ -41,12 +41,16 @@ backend object provides (``INTERFACE`` lists the names; one test,
 ``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D) out_dtype, lse (B, H, Sq))``
     ``o = o_acc / l``, ``lse = m + log(l)``; rows with ``l == 0`` give
     ``o = 0``, ``lse = -inf``.
-``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick, resident=None)``
+``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick, resident=None, kv_done=None)``
     FlashAttention-2 backward for one block, accumulating in place:
     ``P = exp((qh kh^T) * scale - lse)``, ``dv += P^T doh``,
     ``dS = P * (doh vh^T - dvec)``, ``dq += dS kh``, ``dk += dS^T qh``
     (both unscaled: the caller multiplies the finished sums by the scale).  ``lse``/``dvec (B, H, Sq)``,
     ``dq (B, H, Sq, D)``, ``dk, dv (B, Hkv, Skv, D)`` in compute dtype.
+    ``kv_done(n)`` (host-memory backends; the schedule passes it only with host
+    messages) is called each time the block's ``dk, dv`` rows ``[0, n)`` are
+    final (``n`` non-decreasing, the last call with ``n = Skv``), so that the
+    schedule can send finished rows while the rest is computed.
 ``message(nbytes) -> Message``
     One ring buffer of ``nbytes``; see :class:`HostMessage` for its methods
     (``MESSAGE_INTERFACE``).

@@ -58,9 +58,10 @@ class _TilePlan:
     count the tiles iterated so far, one per (query tile, key tile, batch entry).
     """
 
-    def __init__(self, mask: BlockMask, sq: int, skv: int, batch: int, dtype):
+    def __init__(self, mask: BlockMask, sq: int, skv: int, batch: int, dtype, kv_major: bool = False):
         self.mask, self.dtype, self.batch = mask, dtype, batch
         self.q_tiles, self.kv_tiles = _tiles(sq, TILE_Q), _tiles(skv, TILE_KV)
+        self.kv_major = kv_major  # key tiles outermost: a key tile is finished before the next starts
         self.computed = self.skipped = 0
 
     def counts(self):
@@ -71,23 +72,25 @@ class _TilePlan:
         per_batch = mask.seg_q is not None
         batches = range(self.batch) if per_batch else [None]
         entries = 1 if per_batch else self.batch
-        for rows in self.q_tiles:
-            qp = mask.q_pos[rows]
-            for cols in self.kv_tiles:
-                kp = mask.kv_pos[cols]
-                for b in batches:
-                    sq = mask.seg_q[b, rows] if per_batch else None
-                    sk = mask.seg_kv[b, cols] if per_batch else None
-                    kind = spec.classify(qp, kp, sq, sk)
-                    if kind == SKIP:
-                        self.skipped += entries
-                        continue
-                    self.computed += entries
-                    bias = None
-                    if kind != FULL:
-                        vis = spec.visible(qp, kp, sq, sk)
-                        bias = np.where(vis, 0.0, -np.inf).astype(self.dtype)
-                    yield rows, cols, b, bias
+        if self.kv_major:
+            pairs = ((rows, cols) for cols in self.kv_tiles for rows in self.q_tiles)
+        else:
+            pairs = ((rows, cols) for rows in self.q_tiles for cols in self.kv_tiles)
+        for rows, cols in pairs:
+            qp, kp = mask.q_pos[rows], mask.kv_pos[cols]
+            for b in batches:
+                sq = mask.seg_q[b, rows] if per_batch else None
+                sk = mask.seg_kv[b, cols] if per_batch else None
+                kind = spec.classify(qp, kp, sq, sk)
+                if kind == SKIP:
+                    self.skipped += entries
+                    continue
+                self.computed += entries
+                bias = None
+                if kind != FULL:
+                    vis = spec.visible(qp, kp, sq, sk)
+                    bias = np.where(vis, 0.0, -np.inf).astype(self.dtype)
+                yield rows, cols, b, bias
 
 
 def _kv_precision(x, kv_dtype):
@@ -392,14 +395,19 @@ class NumpyBackend:
 
     # ----------------------------------------------------------------- backward
     def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None,
-                       resident=None):
+                       resident=None, kv_done=None):
         """Accumulate one block's gradients; return ``(tiles computed, tiles skipped)``.
 
         ``resident``: as for :meth:`forward_block` (the rounded ``q, do``, ``lse`` and their scan).
+        Key tiles are the outer loop, so ``dk, dv`` are final one key tile at a time
+        (``kv_done``); every accumulator still adds its terms in the order of a
+        query-tile-major loop (``dq`` over key tiles, ``dk, dv`` over query tiles then heads).
         """
         batch, heads, sq, _ = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if sq == 0 or skv == 0:
+            if kv_done is not None:
+                kv_done(skv)
             return 0, 0
         ct = qh.dtype
         qh = _once(resident, ("q", kh.dtype), lambda: _kv_precision(qh, kh.dtype))
@@ -418,8 +426,12 @@ class NumpyBackend:
                          | ~np.isfinite(dvec))
         bad_cols = _bad_rows(kh) | _bad_rows(vh)
         careful = bool(bad_rows.any() or bad_cols.any())
-        tiles = _TilePlan(mask, sq, skv, batch, ct)
+        tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
+        final = 0  # dk, dv rows [0, final) are finished
         for rows, cols, bsel, bias in tiles:
+            if kv_done is not None and cols.start > final:
+                final = cols.start
+                kv_done(final)
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
@@ -436,4 +448,6 @@ class NumpyBackend:
                         _backward_tile(*args)
                     if tick is not None:
                         tick()
+        if kv_done is not None:
+            kv_done(skv)
         return tiles.counts()
