@@ -4,6 +4,11 @@
   ``q``/``do``, their NaN/Inf scans, scratch) is made on the first block of a
   call and reused; every block of a call must give bitwise what a block op
   without ``resident`` gives, with and without non-finite values.
+* the backward runs key tiles outermost: bitwise the query-tile-major loop.
+* the last hop of dK/dV goes home in pieces during the last step: bitwise the
+  whole hop after it (``speed_cases.py``, real mpirun), and nothing of a call
+  outlives it.
+* a lone rank allocates no message buffers and sends nothing.
 """
 
 import numpy as np
@@ -118,6 +123,26 @@ def _forced_order(init, kv_major):
         kwargs["kv_major"] = kv_major
         init(self, *args, **kwargs)
     return forced
+
+
+def test_a_lone_rank_allocates_no_message_buffers():
+    """P = 1: one K/V slot (its own block), one dK/dV buffer (its own sums), nothing sent."""
+    from mpi4py import MPI
+
+    from ringmpi.schedule import RingSchedule
+
+    be = NumpyBackend()
+    x = _inputs(3)
+    kh, vh = be.to_heads(x["k"], np.float32), be.to_heads(x["v"], np.float32)
+    schedule = RingSchedule(MPI.COMM_SELF, be, kh, vh, kv_counts=[N], q_pos=np.arange(N),
+                            kv_pos=np.arange(N), spec=MaskSpec(), grad_dtype=np.float32)
+    blocks = list(schedule)
+    assert len(schedule.kv.msgs) == len(schedule.kv.meta) == 1
+    assert len(schedule.grads.out) == 1 and schedule.grads.incoming is None
+    assert blocks[0].kv_done is None
+    dk, dv = schedule.finished_grads()
+    assert np.shares_memory(dk, schedule.grads.out[0].mpi_buffer())
+    assert sum(r.bytes_sent + r.bytes_recv for r in schedule.records) == 0
 
 
 # ------------------------------------------------------------ the backward's last hop in pieces

@@ -254,9 +254,11 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     for block in schedule:
         schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
                          resident=resident)
+    records = schedule.records
+    del schedule, block, resident  # the ring's buffers go before the outputs are made
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     if stats is not None:
-        stats.extend(schedule.records)
+        stats.extend(records)
     return (o.view(np.uint16) if bits else o), lse
 
 
@@ -308,6 +310,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
                          plan.scale, block.mask, resident=resident, **pieces)
     dk, dv = schedule.finished_grads()
+    records = schedule.records
+    # keep only dq and the finished dk, dv (their message) before the outputs are made
+    del schedule, block, pieces, resident, qh, doh, dvec
     dq *= ct.type(plan.scale)
     dk *= ct.type(plan.scale)
     out_dtype = q.dtype
@@ -315,5 +320,5 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     if bits:
         result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
-        stats.extend(schedule.records)
+        stats.extend(records)
     return result

@@ -105,8 +105,9 @@ class KVChannel:
         self.itemsize = np.dtype(kh.dtype).itemsize
         self.has_seg = seg is not None
         rows = int(counts.max())
-        self.msgs = [backend.message(self.nbytes(rows)) for _ in range(2)]
-        self.meta = [HostMessage(self.meta_nbytes(rows)) for _ in range(2)]
+        slots = 2 if ring.size > 1 else 1  # a lone rank keeps its own block: nothing to receive
+        self.msgs = [backend.message(self.nbytes(rows)) for _ in range(slots)]
+        self.meta = [HostMessage(self.meta_nbytes(rows)) for _ in range(slots)]
         k0, v0 = self.views(0, ring.rank)
         k0[...] = kh
         v0[...] = vh
@@ -168,8 +169,9 @@ class GradChannel:
         self.ring, self.counts = ring, counts
         self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
         rows = int(counts.max())
-        self.out = [backend.message(self.nbytes(rows)) for _ in range(2)]
-        self.incoming = backend.message(self.nbytes(rows))
+        lone = ring.size == 1  # a lone rank's sums are finished where they are computed
+        self.out = [backend.message(self.nbytes(rows)) for _ in range(1 if lone else 2)]
+        self.incoming = None if lone else backend.message(self.nbytes(rows))
         self._last = None         # the last step's kv_done, when it sends in pieces
         self._home_posted = None  # the message our own block's pieces arrive in
 
@@ -196,7 +198,7 @@ class GradChannel:
     def end_step(self, step: int, src: int, dk, dv) -> None:
         """Add the partial sums that arrived for ``src``'s block and send the total on."""
         ring = self.ring
-        if self._last is not None:
+        if self._last is not None or ring.size == 1:
             return  # the last step's sums go home in pieces (receive_home sends what is left)
         if step > 0:
             ring.wait("grad_in")
@@ -279,6 +281,9 @@ class GradChannel:
     def receive_home(self):
         """The finished ``(dk, dv)`` of this rank's own block, after one more hop."""
         ring = self.ring
+        if ring.size == 1:  # already home: an empty record for the hop
+            ring.record(ring.step)
+            return self.views(self.out[0], ring.rank)
         if self._last is not None:
             last, self._last = self._last, None  # (no reference cycle through the closure)
             last(int(1 << 62))  # pieces the block op did not report (no kv_done calls)
@@ -327,8 +332,8 @@ class RingSchedule:
         if len(counts) != self.ring.size:
             raise ValueError(f"kv_counts has {len(counts)} entries for a ring of {self.ring.size} ranks")
         self.kv = KVChannel(self.ring, backend, counts, kh, vh, kv_pos, seg_kv)
-        self.grads = None if grad_dtype is None else GradChannel(
-            self.ring, backend, counts, self.kv.batch, self.kv.kv_heads, self.kv.dim, grad_dtype)
+        self._grad_dtype = grad_dtype
+        self.grads = None  # made when iteration starts, after the caller's copies of kh, vh are gone
         self._home_grads = None
 
     @property
@@ -338,6 +343,9 @@ class RingSchedule:
 
     def __iter__(self) -> Iterator[Block]:
         ring, be = self.ring, self.backend
+        if self._grad_dtype is not None and self.grads is None:
+            self.grads = GradChannel(ring, be, self.kv.counts, self.kv.batch, self.kv.kv_heads, self.kv.dim,
+                                     self._grad_dtype)
         for step in range(ring.size):
             if step > 0:
                 ring.next_step()
