@@ -199,7 +199,9 @@ class GradChannel:
         """Add the partial sums that arrived for ``src``'s block and send the total on."""
         ring = self.ring
         if self._last is not None or ring.size == 1:
-            return  # the last step's sums go home in pieces (receive_home sends what is left)
+            # in pieces, the last step's sums are sent by kv_done (what is left: receive_home);
+            # a lone rank's are finished where they are
+            return
         if step > 0:
             ring.wait("grad_in")
             self.incoming.arrived()
@@ -266,7 +268,7 @@ class GradChannel:
         """Post the receives of our own block's pieces into the previous step's outgoing
         buffer once its send is complete (with ``wait``: wait for it)."""
         ring = self.ring
-        if self._home_posted:
+        if self._home_posted is not None:
             return
         before = f"grad_out{(step - 1) % 2}"
         if wait:
