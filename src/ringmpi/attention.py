@@ -263,11 +263,15 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     l = xp.zeros(shape[:3], dtype=ct)
 
     schedule = plan.schedule(be.asarray(k), be.asarray(v))
+    resident = {}  # what the backend derives from qh once per call
     for block in schedule:
-        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask)
+        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
+                         resident=resident)
+    records = schedule.records
+    del schedule, block, resident  # the ring's buffers go before the outputs are made
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     if stats is not None:
-        stats.extend(schedule.records)
+        stats.extend(records)
     return (o.view(np.uint16) if bits else o), lse
 
 
@@ -318,10 +322,15 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     dq = xp.zeros_like(qh)
 
     schedule = plan.schedule(be.asarray(k), be.asarray(v), grad_dtype=ct, phase="bwd")
+    resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
     for block in schedule:
+        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
         schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
-                         plan.scale, block.mask)
+                         plan.scale, block.mask, resident=resident, **pieces)
     dk, dv = schedule.finished_grads()
+    records = schedule.records
+    # keep only dq and the finished dk, dv (their message) before the outputs are made
+    del schedule, block, pieces, resident, qh, doh, dvec
     dq *= ct.type(plan.scale)
     dk *= ct.type(plan.scale)
     out_dtype = q.dtype
@@ -329,5 +338,5 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     if bits:
         result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
-        stats.extend(schedule.records)
+        stats.extend(records)
     return result

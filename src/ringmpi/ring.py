@@ -146,6 +146,19 @@ class Ring:
         for transfers in self._pending.values():
             MPI.Request.Testall([t.request for t in transfers])
 
+    def test(self, channel: str) -> bool:
+        """True when the transfers of ``channel`` are complete (then released) or none is
+        pending; never blocks, records no wait."""
+        from mpi4py import MPI
+
+        transfers = self._pending.get(channel)
+        if transfers is None:
+            return True
+        if MPI.Request.Testall([t.request for t in transfers]):
+            del self._pending[channel]
+            return True
+        return False
+
     def wait(self, channel: str) -> None:
         """Complete the transfers of ``channel`` (no-op when none is pending)."""
         from mpi4py import MPI

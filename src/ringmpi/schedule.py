@@ -41,6 +41,8 @@ from .faults import fault_point
 from .masks import BlockMask, MaskSpec
 from .ring import Ring
 
+GRAD_PIECES = 8  # the last hop of dK/dV goes home in this many pieces of rows (host memory)
+
 
 @dataclass
 class Block:
@@ -53,6 +55,9 @@ class Block:
     mask : the :class:`BlockMask` of (this rank's queries, this block).
     dk, dv : (B, H_kv, S_src, D) compute dtype, zeroed, for this block's gradient
         contributions (schedules with gradients only, else None).
+    kv_done : None, or (the last step of a backward in host memory) the callback to
+        pass to ``backward_block``: ``kv_done(n)`` says ``dk, dv`` rows ``[0, n)``
+        are final, and the schedule sends them home while the rest is computed.
     """
 
     step: int
@@ -62,16 +67,17 @@ class Block:
     mask: BlockMask
     dk: object = None
     dv: object = None
+    kv_done: object = None
 
 
-def timed_compute(backend, ring: Ring, fn, *args):
-    """Run the block op ``fn(*args, tick=ring.tick)`` as the compute of the ring's
+def timed_compute(backend, ring: Ring, fn, *args, **kwargs):
+    """Run the block op ``fn(*args, tick=ring.tick, **kwargs)`` as the compute of the ring's
     current step: NVTX range, synchronised wall time and tile counts go into
     ``ring.record(ring.step)``.  ``fn`` returns ``(tiles computed, tiles skipped)``."""
     step = ring.step
     start = time.perf_counter()
     with backend.annotate(f"ring step {step} compute"):
-        tiles = fn(*args, tick=ring.tick)
+        tiles = fn(*args, tick=ring.tick, **kwargs)
         backend.synchronize(tick=ring.tick)
     record = ring.record(step)
     record.compute_s += time.perf_counter() - start
@@ -99,8 +105,9 @@ class KVChannel:
         self.itemsize = np.dtype(kh.dtype).itemsize
         self.has_seg = seg is not None
         rows = int(counts.max())
-        self.msgs = [backend.message(self.nbytes(rows)) for _ in range(2)]
-        self.meta = [HostMessage(self.meta_nbytes(rows)) for _ in range(2)]
+        slots = 2 if ring.size > 1 else 1  # a lone rank keeps its own block: nothing to receive
+        self.msgs = [backend.message(self.nbytes(rows)) for _ in range(slots)]
+        self.meta = [HostMessage(self.meta_nbytes(rows)) for _ in range(slots)]
         k0, v0 = self.views(0, ring.rank)
         k0[...] = kh
         v0[...] = vh
@@ -162,8 +169,11 @@ class GradChannel:
         self.ring, self.counts = ring, counts
         self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
         rows = int(counts.max())
-        self.out = [backend.message(self.nbytes(rows)) for _ in range(2)]
-        self.incoming = backend.message(self.nbytes(rows))
+        lone = ring.size == 1  # a lone rank's sums are finished where they are computed
+        self.out = [backend.message(self.nbytes(rows)) for _ in range(1 if lone else 2)]
+        self.incoming = None if lone else backend.message(self.nbytes(rows))
+        self._last = None         # the last step's kv_done, when it sends in pieces
+        self._home_posted = None  # the message our own block's pieces arrive in
 
     def nbytes(self, rows: int) -> int:
         return 2 * self.batch * self.kv_heads * rows * self.dim * self.dtype.itemsize
@@ -188,6 +198,10 @@ class GradChannel:
     def end_step(self, step: int, src: int, dk, dv) -> None:
         """Add the partial sums that arrived for ``src``'s block and send the total on."""
         ring = self.ring
+        if self._last is not None or ring.size == 1:
+            # in pieces, the last step's sums are sent by kv_done (what is left: receive_home);
+            # a lone rank's are finished where they are
+            return
         if step > 0:
             ring.wait("grad_in")
             self.incoming.arrived()
@@ -199,9 +213,88 @@ class GradChannel:
         ring.post(f"grad_out{step % 2}", send=out.mpi_buffer()[: self.nbytes(int(self.counts[src]))],
                   stream="grad")
 
+    # ------------------------------------------------------------ the last hop, in pieces
+    # At the last step the finished dK/dV go home while the block op still computes:
+    # the rows split into GRAD_PIECES pieces, each sent (one part per batch entry, head,
+    # dK/dV) as soon as the block op reports its rows final and the partial sums that
+    # arrived for them are added.  The receiver posts the pieces' receives into the
+    # outgoing buffer of the step before, once its send has completed.
+
+    def pieces(self, rows: int):
+        """Row bounds ``[(lo, hi), ...]`` of the last hop's pieces of a ``rows``-row block."""
+        cuts = np.linspace(0, rows, min(rows, GRAD_PIECES) + 1).astype(np.int64)
+        return [(int(lo), int(hi)) for lo, hi in zip(cuts[:-1], cuts[1:])]
+
+    def _piece_parts(self, msg, rows: int, lo: int, hi: int):
+        """The uint8 parts of rows ``[lo, hi)`` of ``dK`` then ``dV`` in ``msg``."""
+        buf, item, dim = msg.mpi_buffer(), self.dtype.itemsize, self.dim
+        half = self.nbytes(rows) // 2
+        parts = []
+        for base in (0, half):
+            for bh in range(self.batch * self.kv_heads):
+                start = base + (bh * rows + lo) * dim * item
+                parts.append(buf[start:start + (hi - lo) * dim * item])
+        return parts
+
+    def sends_in_pieces(self, step: int) -> bool:
+        """True when ``step``'s finished ``dK, dV`` go home in pieces (host messages, P > 1)."""
+        return step == self.ring.size - 1 and self.ring.size > 1 and isinstance(self.out[0], HostMessage)
+
+    def last_step(self, step: int, src: int, dk, dv):
+        """The ``kv_done(n)`` callback of the last step (see :attr:`Block.kv_done`)."""
+        ring, rows = self.ring, int(self.counts[src])
+        pieces, out = self.pieces(rows), self.out[step % 2]
+        state = {"sent": 0, "added": False}
+        dk_in, dv_in = self.views(self.incoming, src)
+
+        def kv_done(n: int) -> None:
+            self._post_home(step, wait=False)
+            while state["sent"] < len(pieces) and pieces[state["sent"]][1] <= n:
+                if not state["added"]:  # the partial sums of the ranks before, sent a step ago
+                    ring.wait("grad_in")
+                    self.incoming.arrived()
+                    state["added"] = True
+                lo, hi = pieces[state["sent"]]
+                dk[:, :, lo:hi] += dk_in[:, :, lo:hi]
+                dv[:, :, lo:hi] += dv_in[:, :, lo:hi]
+                ring.post(f"grad_piece_out{state['sent']}", send=self._piece_parts(out, rows, lo, hi),
+                          stream="grad")
+                state["sent"] += 1
+
+        self._last = kv_done
+        return kv_done
+
+    def _post_home(self, step: int, wait: bool) -> None:
+        """Post the receives of our own block's pieces into the previous step's outgoing
+        buffer once its send is complete (with ``wait``: wait for it)."""
+        ring = self.ring
+        if self._home_posted is not None:
+            return
+        before = f"grad_out{(step - 1) % 2}"
+        if wait:
+            ring.wait(before)
+        elif not ring.test(before):
+            return
+        rows, msg = int(self.counts[ring.rank]), self.out[(step - 1) % 2]
+        for i, (lo, hi) in enumerate(self.pieces(rows)):
+            ring.post(f"grad_piece_in{i}", recv=self._piece_parts(msg, rows, lo, hi), stream="grad")
+        self._home_posted = msg
+
     def receive_home(self):
         """The finished ``(dk, dv)`` of this rank's own block, after one more hop."""
         ring = self.ring
+        if ring.size == 1:  # already home: an empty record for the hop
+            ring.record(ring.step)
+            return self.views(self.out[0], ring.rank)
+        if self._last is not None:
+            last, self._last = self._last, None  # (no reference cycle through the closure)
+            last(int(1 << 62))  # pieces the block op did not report (no kv_done calls)
+            self._post_home(ring.size - 1, wait=True)
+            for i in range(len(self.pieces(int(self.counts[ring.rank])))):
+                ring.wait(f"grad_piece_in{i}")
+            self._home_posted.arrived()
+            ring.wait_all()
+            return self.views(self._home_posted, ring.rank)
         ring.post("grad_in", recv=self.incoming.mpi_buffer()[: self.nbytes(int(self.counts[ring.rank]))],
                   stream="grad")
         ring.wait("grad_in")
@@ -241,8 +334,8 @@ class RingSchedule:
         if len(counts) != self.ring.size:
             raise ValueError(f"kv_counts has {len(counts)} entries for a ring of {self.ring.size} ranks")
         self.kv = KVChannel(self.ring, backend, counts, kh, vh, kv_pos, seg_kv)
-        self.grads = None if grad_dtype is None else GradChannel(
-            self.ring, backend, counts, self.kv.batch, self.kv.kv_heads, self.kv.dim, grad_dtype)
+        self._grad_dtype = grad_dtype
+        self.grads = None  # made when iteration starts, after the caller's copies of kh, vh are gone
         self._home_grads = None
 
     @property
@@ -252,6 +345,9 @@ class RingSchedule:
 
     def __iter__(self) -> Iterator[Block]:
         ring, be = self.ring, self.backend
+        if self._grad_dtype is not None and self.grads is None:
+            self.grads = GradChannel(ring, be, self.kv.counts, self.kv.batch, self.kv.kv_heads, self.kv.dim,
+                                     self._grad_dtype)
         for step in range(ring.size):
             if step > 0:
                 ring.next_step()
@@ -262,6 +358,8 @@ class RingSchedule:
             block = Block(step, src, k, v, BlockMask(self.spec, self.q_pos, kv_pos, self.seg_q, seg_kv))
             if self.grads is not None:
                 block.dk, block.dv = self.grads.begin_step(step, src)
+                if self.grads.sends_in_pieces(step):
+                    block.kv_done = self.grads.last_step(step, src, block.dk, block.dv)
             yield block
             if self.grads is not None:
                 self.grads.end_step(step, src, block.dk, block.dv)
@@ -271,9 +369,9 @@ class RingSchedule:
             ring.next_step()  # the finished dK/dV of our own block arrive from prev
             self._home_grads = self.grads.receive_home()
 
-    def compute(self, fn, *args):
-        """Run the block op ``fn(*args, tick=...)`` as this step's timed compute."""
-        return timed_compute(self.backend, self.ring, fn, *args)
+    def compute(self, fn, *args, **kwargs):
+        """Run the block op ``fn(*args, tick=..., **kwargs)`` as this step's timed compute."""
+        return timed_compute(self.backend, self.ring, fn, *args, **kwargs)
 
     def finished_grads(self):
         """``(dk, dv)`` (B, H_kv, S_local, D) compute dtype: this rank's finished, unscaled

@@ -16,7 +16,7 @@ backend object provides (``INTERFACE`` lists the names; one test,
     A contiguous, head-major copy of a ``(B, S, H, D)`` array in ``dtype``.
 ``from_heads(xh, dtype) -> (B, S, H, D)``
     The inverse, as a new contiguous array.
-``forward_block(qh, kh, vh, o_acc, m, l, scale, mask, tick)``
+``forward_block(qh, kh, vh, o_acc, m, l, scale, mask, tick, resident=None)``
     Fold one visiting K/V block into the online-softmax state, in place:
     scores are ``(qh kh^T) * scale`` (the scale applied to the product, not
     to q, so rounding matches a plain dense computation).
@@ -31,18 +31,26 @@ backend object provides (``INTERFACE`` lists the names; one test,
     ids and the mask rules -- and later score modifiers -- to the kernel); ``tick()`` is called between tiles so
     that MPI can progress the pending ring transfers.  Returns
     ``(tiles_computed, tiles_skipped)`` (``backward_block`` too).
+    ``resident``: None, or one dict the caller passes to every block op of one
+    call (the resident operands unchanged between them), where a backend keeps
+    what it derives from the resident operands (conversions, NaN/Inf scans,
+    scratch) so that it is made once per call, not once per ring step.
 ``row_dot(x, y) -> (B, H, S)``
     ``(x * y).sum(-1)`` of two ``(B, H, S, D)`` compute-dtype arrays: the
     backward's ``dvec = rowsum(do * o)``.
 ``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D) out_dtype, lse (B, H, Sq))``
     ``o = o_acc / l``, ``lse = m + log(l)``; rows with ``l == 0`` give
     ``o = 0``, ``lse = -inf``.
-``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick)``
+``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick, resident=None, kv_done=None)``
     FlashAttention-2 backward for one block, accumulating in place:
     ``P = exp((qh kh^T) * scale - lse)``, ``dv += P^T doh``,
     ``dS = P * (doh vh^T - dvec)``, ``dq += dS kh``, ``dk += dS^T qh``
     (both unscaled: the caller multiplies the finished sums by the scale).  ``lse``/``dvec (B, H, Sq)``,
     ``dq (B, H, Sq, D)``, ``dk, dv (B, Hkv, Skv, D)`` in compute dtype.
+    ``kv_done(n)`` (host-memory backends; the schedule passes it only with host
+    messages) is called each time the block's ``dk, dv`` rows ``[0, n)`` are
+    final (``n`` non-decreasing, the last call with ``n = Skv``), so that the
+    schedule can send finished rows while the rest is computed.
 ``message(nbytes) -> Message``
     One ring buffer of ``nbytes``; see :class:`HostMessage` for its methods
     (``MESSAGE_INTERFACE``).

@@ -285,8 +285,9 @@ class CupyBackend:
                 msg.compute_used(ev)
 
     # ------------------------------------------------------------ forward
-    def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None):
-        """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device."""
+    def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None, resident=None):
+        """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device
+        (``resident`` is not needed: the kernels read the resident arrays in place)."""
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):
@@ -336,8 +337,10 @@ class CupyBackend:
             return o, lse
 
     # ------------------------------------------------------------ backward
-    def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None):
-        """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device."""
+    def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None,
+                       resident=None):
+        """See :mod:`ringmpi.backends`; all arrays are CuPy arrays on this device
+        (``resident`` is not needed: the kernels read the resident arrays in place)."""
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):

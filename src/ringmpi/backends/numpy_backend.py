@@ -23,6 +23,27 @@ TILE_KV = int(os.environ.get("RINGMPI_TILE_KV", "512"))
 _RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf only past ~2^127)
 
 
+def _once(resident, key, make):
+    """``make()``, computed once per call when the caller passes ``resident`` (one dict
+    for every block op of one call: what depends only on the resident operands), else
+    on every block."""
+    if resident is None:
+        return make()
+    if key not in resident:
+        resident[key] = make()
+    return resident[key]
+
+
+def _scratch(resident, key, size: int, dtype):
+    """A flat scratch buffer of at least ``size`` elements, reused across the blocks of a call."""
+    buf = None if resident is None else resident.get(key)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = np.empty(size, dtype=dtype)
+        if resident is not None:
+            resident[key] = buf
+    return buf
+
+
 def _tiles(n: int, size: int):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
@@ -37,9 +58,10 @@ class _TilePlan:
     count the tiles iterated so far, one per (query tile, key tile, batch entry).
     """
 
-    def __init__(self, mask: BlockMask, sq: int, skv: int, batch: int, dtype):
+    def __init__(self, mask: BlockMask, sq: int, skv: int, batch: int, dtype, kv_major: bool = False):
         self.mask, self.dtype, self.batch = mask, dtype, batch
         self.q_tiles, self.kv_tiles = _tiles(sq, TILE_Q), _tiles(skv, TILE_KV)
+        self.kv_major = kv_major  # key tiles outermost: a key tile is finished before the next starts
         self.computed = self.skipped = 0
 
     def counts(self):
@@ -50,23 +72,26 @@ class _TilePlan:
         per_batch = mask.seg_q is not None
         batches = range(self.batch) if per_batch else [None]
         entries = 1 if per_batch else self.batch
-        for rows in self.q_tiles:
-            qp = mask.q_pos[rows]
-            for cols in self.kv_tiles:
-                kp = mask.kv_pos[cols]
-                for b in batches:
-                    sq = mask.seg_q[b, rows] if per_batch else None
-                    sk = mask.seg_kv[b, cols] if per_batch else None
-                    kind = spec.classify(qp, kp, sq, sk)
-                    if kind == SKIP:
-                        self.skipped += entries
-                        continue
-                    self.computed += entries
-                    bias = None
-                    if kind != FULL:
-                        vis = spec.visible(qp, kp, sq, sk)
-                        bias = np.where(vis, 0.0, -np.inf).astype(self.dtype)
-                    yield rows, cols, b, bias
+        if self.kv_major:
+            pairs = ((rows, cols) for cols in self.kv_tiles for rows in self.q_tiles)
+        else:
+            pairs = ((rows, cols) for rows in self.q_tiles for cols in self.kv_tiles)
+        for rows, cols in pairs:
+            qp, kp = mask.q_pos[rows], mask.kv_pos[cols]
+            for b in batches:
+                sq = mask.seg_q[b, rows] if per_batch else None
+                sk = mask.seg_kv[b, cols] if per_batch else None
+                kind = spec.classify(qp, kp, sq, sk)
+                if kind == SKIP:
+                    self.skipped += entries
+                    continue
+                self.computed += entries
+                bias = None
+                if kind != FULL:
+                    vis = spec.visible(qp, kp, sq, sk)
+                    # 0 / -inf looked up by the visibility byte: 4x faster than np.where here
+                    bias = np.take(np.array([-np.inf, 0], dtype=self.dtype), vis.view(np.uint8))
+                yield rows, cols, b, bias
 
 
 def _kv_precision(x, kv_dtype):
@@ -306,7 +331,7 @@ class NumpyBackend:
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ forward
-    def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None):
+    def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None, resident=None):
         """Fold one block into the online softmax; return ``(tiles computed, tiles skipped)``.
 
         Each tile's scores come from one GEMM of ``[q, c]`` with ``[k, 1]`` where
@@ -316,19 +341,24 @@ class NumpyBackend:
         weights above 1 are fine in floating point, rows whose sum grows large are
         renormalised, and a tile that overflows (or a row with no shift yet) takes
         the exact path: row max, subtract, exp, rescale.
+
+        ``resident``: a dict shared by every block of one call (see :func:`_once`): the
+        extended ``q``, its NaN/Inf scan and the scratch tiles are made on the first block only.
         """
         batch, heads, sq, dim = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if sq == 0 or skv == 0:
             return 0, 0
         ct = qh.dtype
-        q_ext, k_ext, v_ext = _extend(_kv_precision(qh, kh.dtype), 0), _extend(kh, 1, ct), _extend(vh, 1, ct)
+        q_ext = _once(resident, ("q_ext", kh.dtype), lambda: _extend(_kv_precision(qh, kh.dtype), 0))
+        k_ext, v_ext = _extend(kh, 1, ct), _extend(vh, 1, ct)
         group = heads // kv_heads
         scale = ct.type(scale)
-        scratch = np.empty(min(sq, TILE_Q) * min(skv, TILE_KV), dtype=ct)
-        pv_scratch = np.empty(min(sq, TILE_Q) * (dim + 1), dtype=ct)
-        # one scan per block: rows with NaN/Inf (or a state made non-finite by them)
-        bad_q = _bad_rows(qh) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
+        scratch = _scratch(resident, "s", min(sq, TILE_Q) * min(skv, TILE_KV), ct)
+        pv_scratch = _scratch(resident, "pv", min(sq, TILE_Q) * (dim + 1), ct)
+        # the resident q is scanned once per call, the visiting block once per block:
+        # rows with NaN/Inf (or a state made non-finite by them)
+        bad_q = _once(resident, "bad_q", lambda: _bad_rows(qh)) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
         bad_k, bad_v = _bad_rows(kh), _bad_rows(vh)
         careful = bool(bad_q.any() or bad_k.any() or bad_v.any())
         tiles = _TilePlan(mask, sq, skv, batch, ct)
@@ -365,28 +395,44 @@ class NumpyBackend:
         return np.ascontiguousarray(o.transpose(0, 2, 1, 3), dtype=out_dtype), lse
 
     # ----------------------------------------------------------------- backward
-    def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None):
-        """Accumulate one block's gradients; return ``(tiles computed, tiles skipped)``."""
+    def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None,
+                       resident=None, kv_done=None):
+        """Accumulate one block's gradients; return ``(tiles computed, tiles skipped)``.
+
+        ``resident``: as for :meth:`forward_block` (the rounded ``q, do``, ``lse`` and their scan).
+        Key tiles are the outer loop, so ``dk, dv`` are final one key tile at a time
+        (``kv_done``); every accumulator still adds its terms in the order of a
+        query-tile-major loop (``dq`` over key tiles, ``dk, dv`` over query tiles then heads).
+        """
         batch, heads, sq, _ = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         if sq == 0 or skv == 0:
+            if kv_done is not None:
+                kv_done(skv)
             return 0, 0
         ct = qh.dtype
-        qh, doh = _kv_precision(qh, kh.dtype), _kv_precision(doh, kh.dtype)
+        qh = _once(resident, ("q", kh.dtype), lambda: _kv_precision(qh, kh.dtype))
+        doh = _once(resident, ("do", kh.dtype), lambda: _kv_precision(doh, kh.dtype))
         kh = kh if kh.dtype == ct else kh.astype(ct)
         vh = vh if vh.dtype == ct else vh.astype(ct)
         group = heads // kv_heads
         scale = ct.type(scale)
         # P = exp(S - lse) with lse = +inf on rows that saw nothing gives P = 0
-        lse_use = np.where(np.isneginf(lse), np.inf, lse).astype(ct, copy=False)
+        lse_use = _once(resident, "lse", lambda: np.where(np.isneginf(lse), np.inf, lse).astype(ct, copy=False))
         size = min(sq, TILE_Q) * min(skv, TILE_KV)
-        scratch_p, scratch_dp = np.empty(size, dtype=ct), np.empty(size, dtype=ct)
-        # one scan per block: rows with NaN/Inf in q, do, lse or dvec; keys with NaN/Inf in k or v
-        bad_rows = _bad_rows(qh) | _bad_rows(doh) | np.isnan(lse_use) | ~np.isfinite(dvec)
+        scratch_p, scratch_dp = _scratch(resident, "p", size, ct), _scratch(resident, "dp", size, ct)
+        # rows with NaN/Inf in q, do, lse or dvec (scanned once per call); keys with NaN/Inf
+        # in k or v (once per block)
+        bad_rows = _once(resident, "bad_rows", lambda: _bad_rows(qh) | _bad_rows(doh) | np.isnan(lse_use)
+                         | ~np.isfinite(dvec))
         bad_cols = _bad_rows(kh) | _bad_rows(vh)
         careful = bool(bad_rows.any() or bad_cols.any())
-        tiles = _TilePlan(mask, sq, skv, batch, ct)
+        tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
+        final = 0  # dk, dv rows [0, final) are finished
         for rows, cols, bsel, bias in tiles:
+            if kv_done is not None and cols.start > final:
+                final = cols.start
+                kv_done(final)
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
@@ -403,4 +449,6 @@ class NumpyBackend:
                         _backward_tile(*args)
                     if tick is not None:
                         tick()
+        if kv_done is not None:
+            kv_done(skv)
         return tiles.counts()

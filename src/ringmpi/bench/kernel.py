@@ -7,7 +7,12 @@ ring degenerates to the local block) with one BLAS thread, and, when torch is
 installed, ``torch.nn.functional.scaled_dot_product_attention`` on the same
 shapes with one thread.  FLOPs as FlashAttention counts them: forward
 ``4 B H S^2 D`` (halved for causal), backward 2.5x forward.  Prints GFLOP/s
-and the ratio ours/torch measured in this run.
+and the ratio ours/torch measured in this run, and the bound of a GEMM + exp
+design on this machine (``bound``): per visible score the forward does
+``4 D`` GEMM FLOPs and one ``exp``, the backward ``10 D`` and one ``exp``, so
+it cannot beat ``4 D / (4 D / G + 1 / E)`` (``10 D`` for the backward) with
+``G`` the float32 GEMM rate on a tile's shapes and ``E`` NumPy's float32
+``exp`` rate, both measured here.
 """
 
 from __future__ import annotations
@@ -30,6 +35,28 @@ def _best(fn, repeat):
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def machine_rates(dim, tile=512, repeat=5):
+    """(GEMM FLOP/s on a (tile, D) x (D, tile) and a (tile, tile) x (tile, D) product,
+    float32 exp elements/s on a (tile, tile) tile), one thread, best of ``repeat``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((tile, dim), dtype=np.float32)
+    b = rng.standard_normal((tile, dim), dtype=np.float32)
+    s = np.empty((tile, tile), np.float32)
+    pv = np.empty((tile, dim), np.float32)
+    gemm = _best(lambda: (np.matmul(a, b.T, out=s), np.matmul(s, b, out=pv)), repeat)
+    s[...] = rng.standard_normal((tile, tile), dtype=np.float32)
+    np.minimum(s, 0, out=s)
+    x = s.copy()
+    exp = _best(lambda: np.exp(x, out=s), repeat)
+    return 4 * tile * tile * dim / gemm, tile * tile / exp
+
+
+def gemm_exp_bound(dim, gemm_rate, exp_rate, backward=False):
+    """FLOP/s bound of a GEMM + exp design (see the module docstring)."""
+    flops = (10 if backward else 4) * dim
+    return flops / (flops / gemm_rate + 1 / exp_rate)
 
 
 def measure_ours(seq, dim, heads, batch, causal, repeat):
@@ -73,13 +100,19 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
-    head = f"{'D':>4} {'causal':>6} | {'fwd GF/s':>9} {'torch':>9} {'ratio':>6} | {'bwd GF/s':>9} {'torch':>9} {'ratio':>6}"
-    print(f"S={args.seq} B={args.batch} H={args.heads} float32, 1 thread")
+    head = (f"{'D':>4} {'causal':>6} | {'fwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6} "
+            f"| {'bwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6}")
+    print(f"S={args.seq} B={args.batch} H={args.heads} float32, 1 thread; bound = GEMM + exp design "
+          f"at this machine's rates (GEMM G, exp E, measured now)")
     print(head)
     print("-" * len(head))
     if measure_torch(64, 8, 1, 1, False, 1) is None:
         print("(torch not installed: no ratio; pip install 'ringmpi[bench]')")
     for dim in args.dims:
+        gemm_rate, exp_rate = machine_rates(dim)
+        bounds = [gemm_exp_bound(dim, gemm_rate, exp_rate, backward) for backward in (False, True)]
+        print(f"D={dim}: G = {gemm_rate / 1e9:.1f} GF/s, E = {exp_rate / 1e9:.2f} G exp/s; bound forward "
+              f"{bounds[0] / 1e9:.1f} GF/s, backward {bounds[1] / 1e9:.1f} GF/s", flush=True)
         for causal in (False, True):
             shape = (args.seq, dim, args.heads, args.batch, causal, args.repeat)
             ours, theirs = measure_ours(*shape), measure_torch(*shape)
@@ -87,7 +120,7 @@ def main(argv=None):
             for i in range(2):
                 cells.append(f"{ours[i] / 1e9:9.2f} " + (
                     f"{theirs[i] / 1e9:9.2f} {ours[i] / theirs[i]:6.2f}x" if theirs
-                    else f"{'-':>9} {'-':>6}"))
+                    else f"{'-':>9} {'-':>6}") + f" {bounds[i] / 1e9:7.1f} {ours[i] / bounds[i]:6.2f}")
             print(f"{dim:>4} {str(causal):>6} | {cells[0]} | {cells[1]}", flush=True)
 
 

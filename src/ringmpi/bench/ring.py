@@ -24,7 +24,11 @@ everything with one gather at the end and reports, per phase:
 * ``imbalance``: max / mean of per-rank compute (``tile_imbalance``: the same
   for tiles computed, free of timing noise);
 * ``peak_memory_bytes``: per-rank high-water mark, RSS (``VmHWM``, reset per
-  configuration) on CPU, the CuPy memory pool's footprint with ``--backend cupy``.
+  configuration) on CPU, the CuPy memory pool's footprint with ``--backend cupy``;
+* ``peak_alloc_bytes`` (CPU): per-rank high-water mark of what one call
+  allocates, from ``tracemalloc`` in one extra untimed call (NumPy buffers and
+  Python objects the call creates; not its inputs, the interpreter, MPI's or
+  BLAS's own buffers): the figure that shows what the ring itself costs per P.
 
 ``--sweep strong`` keeps the global length ``--n`` and runs on the first
 ``P = 1, 2, 4, ...`` ranks of the job (sub-communicators, ending with the whole
@@ -266,6 +270,7 @@ def _measure(comm, be, cfg, n):
 
     o, lse = _repeat(comm, be, forward, cfg, out, "forward")
     out["forward"]["peak_memory_bytes"], out["forward"]["peak_rss_bytes"] = memory.peak()
+    out["forward"]["peak_alloc_bytes"] = _traced_peak(comm, be, forward)
     if cfg["backward"]:
         do = randn(h)
 
@@ -274,6 +279,7 @@ def _measure(comm, be, cfg, n):
 
         _repeat(comm, be, backward_call, cfg, out, "backward")
         out["backward"]["peak_memory_bytes"], out["backward"]["peak_rss_bytes"] = memory.peak()
+        out["backward"]["peak_alloc_bytes"] = _traced_peak(comm, be, backward_call)
     if p == 1:
         threads = int(os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or 1)
         out["torch_sdpa"] = measure_sdpa(cfg["batch"], cfg["heads"], cfg["kv_heads"], n, cfg["dim"], cfg["dtype"],
@@ -296,6 +302,21 @@ def _repeat(comm, be, call, cfg, out, phase):
             records.append([vars(r).copy() for r in stats])
     out[phase] = {"walls": walls, "records": records}
     return result
+
+
+def _traced_peak(comm, be, call):
+    """Bytes one untimed call allocates at its peak (tracemalloc), or None on a GPU backend."""
+    import tracemalloc
+
+    if be.name != "numpy":
+        return None
+    comm.Barrier()
+    tracemalloc.start()
+    try:
+        call([])
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 class _PeakMemory:
@@ -459,6 +480,8 @@ def _summary(phase_per_rank, flops, gemm):
         "compute_seconds": compute, "wait_seconds": wait,
         "exposed_comm_seconds": [w - c for w, c in zip(rank_s, compute)],
         "exposed_comm_fraction": (seconds - compute[busiest]) / seconds,
+        "last_hop_wait_seconds": ([med([rep[-1]["wait_s"] for rep in rr]) for rr in recs]
+                                  if len(recs[0][0]) > len(walls) else None),
         "overlap_efficiency": compute[busiest] / rank_s[busiest],
         "overlap_efficiency_per_rank": [c / w for c, w in zip(compute, rank_s)],
         "imbalance": _ratio_max_mean(compute), "tile_imbalance": _ratio_max_mean(tiles_c),
@@ -467,6 +490,7 @@ def _summary(phase_per_rank, flops, gemm):
         "bytes_recv": [sum(s["bytes_recv"] for s in st) for st in steps],
         "peak_memory_bytes": [r["peak_memory_bytes"] for r in phase_per_rank],
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in phase_per_rank],
+        "peak_alloc_bytes": [r.get("peak_alloc_bytes") for r in phase_per_rank],
         "fraction_of_gemm_rate": None if not gemm else tflops / p / gemm["tflops"],
         "timeline": {"repeat": at, "rank_seconds": [w[at] for w in walls], "steps": steps},
     }
@@ -537,6 +561,10 @@ def _mib(x):
     return x / 2 ** 20
 
 
+def _alloc_mib(values):
+    return "-" if None in values else f"{_mib(max(values)):.1f}"
+
+
 def _format_phase(name, s):
     lines = [
         f"{name:<9}{s['tflops']:.4g} TFLOP/s   ring time median {s['seconds_median']:.4g} s "
@@ -552,6 +580,10 @@ def _format_phase(name, s):
     if s.get("speed_vs_torch_sdpa") is not None:
         extra.append(f"{s['speed_vs_torch_sdpa']:.3f}x torch SDPA speed")
     extra.append(f"instrumentation ~{100 * s['instrumentation_overhead_fraction']:.4f}% (accounted)")
+    if None not in s["peak_alloc_bytes"]:
+        extra.append(f"peak allocated by one call max {_mib(max(s['peak_alloc_bytes'])):.1f} MiB (tracemalloc)")
+    if s.get("last_hop_wait_seconds") is not None:
+        extra.append(f"final dK/dV hop wait max {1e3 * max(s['last_hop_wait_seconds']):.2f} ms")
     lines.append(f"{'':<9}" + "; ".join(extra))
     return lines
 
@@ -586,7 +618,7 @@ def _format_sweep(r):
              f"Hkv={r['kv_heads']} D={r['dim']} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
              f"{r['layout']}, backend {r['backend']}; efficiency = TFLOP/s(P) / (P * TFLOP/s(1))",
              f"{'P':>3} {'phase':>8} {'N':>8} {'time s':>9} {'TFLOP/s':>9} {'effic.':>7} {'exposed':>8} "
-             f"{'overlap':>7} {'imbal.':>6} {'peak MiB':>9}"]
+             f"{'overlap':>7} {'imbal.':>6} {'peak MiB':>9} {'alloc MiB':>9}"]
     for pt in r["points"]:
         for ph in ("forward", "backward"):
             if ph not in pt:
@@ -595,7 +627,8 @@ def _format_sweep(r):
             lines.append(f"{pt['world_size']:>3} {ph:>8} {pt['n']:>8} {s['seconds_median']:>9.4f} "
                          f"{s['tflops']:>9.4g} {100 * pt['efficiency'][ph]:>6.1f}% "
                          f"{100 * s['exposed_comm_fraction']:>7.2f}% {s['overlap_efficiency']:>7.3f} "
-                         f"{s['imbalance']:>6.3f} {_mib(max(s['peak_memory_bytes'])):>9.0f}")
+                         f"{s['imbalance']:>6.3f} {_mib(max(s['peak_memory_bytes'])):>9.0f} "
+                         f"{_alloc_mib(s['peak_alloc_bytes']):>9}")
     return "\n".join(lines)
 
 
