@@ -79,7 +79,8 @@ def want_ring_bytes(comm, case, u, k, has_seg, itemsize, grad_itemsize, backward
             kv = 2 * batch * hkv * rows * dim * itemsize + 8 * rows * (1 + (batch if has_seg else 0))
             grad = 2 * batch * hkv * rows * dim * grad_itemsize
             fwd += (len(groups) - 1) * kv
-            bwd += (len(groups) - 1) * kv + len(groups) * grad
+            # (a lone group's dK/dV are finished where they are computed: no hop)
+            bwd += (len(groups) - 1) * kv + (len(groups) * grad if len(groups) > 1 else 0)
     return [fwd, bwd if backward else 0]
 
 

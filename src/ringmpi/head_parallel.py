@@ -214,8 +214,11 @@ def forward(plan, groups, q, k, v, stats=None, bits: bool = False):
     schedule = RingSchedule(groups.ring_comm, be, be.to_heads(kg, kg.dtype), be.to_heads(vg, vg.dtype),
                             kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
                             spec=plan.spec, seg_q=seg_q, seg_kv=seg_kv, timeout=plan.timeout, phase="fwd")
+    resident = {}  # what the backend derives from qh once per call
     for block in schedule:
-        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask)
+        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
+                         resident=resident)
+    del resident
     og, lseg = be.finalize(o_acc, m, l, q.dtype)   # (B, S_group, hu, D_v), (B, hu, S_group)
 
     exchange.step = len(schedule.records)
@@ -284,9 +287,12 @@ def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False):
                             kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
                             spec=plan.spec, seg_q=seg_q, seg_kv=seg_kv, grad_dtype=ct,
                             timeout=plan.timeout, phase="bwd")
+    resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
     for block in schedule:
+        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
         schedule.compute(be.backward_block, qh, doh, lseg, dvecg, block.k, block.v, dq, block.dk, block.dv,
-                         plan.scale, block.mask)
+                         plan.scale, block.mask, resident=resident, **pieces)
+    del resident
     dkh, dvh = schedule.finished_grads()
     dq *= ct.type(plan.scale)
     dkh *= ct.type(plan.scale)
