@@ -48,10 +48,10 @@ class Block:
 
     step : the ring step (0 is this rank's own block).
     src : the ring rank whose K/V block this is.
-    k, v : (B, H_kv, S_src, D), the transfer dtype (views into the ring buffer:
-        read-only, valid until the step ends).
+    k, v : (B, H_kv, S_src, D) and (B, H_kv, S_src, D_v), the transfer dtype (views
+        into the ring buffer: read-only, valid until the step ends).
     mask : the :class:`BlockMask` of (this rank's queries, this block).
-    dk, dv : (B, H_kv, S_src, D) compute dtype, zeroed, for this block's gradient
+    dk, dv : (B, H_kv, S_src, D), (B, H_kv, S_src, D_v) compute dtype, zeroed, for this block's gradient
         contributions (schedules with gradients only, else None).
     """
 
@@ -83,8 +83,8 @@ def timed_compute(backend, ring: Ring, fn, *args):
 class KVChannel:
     """The double-buffered K/V messages of one call (allocated once).
 
-    Each of the two slots is a backend message with ``K`` then ``V``
-    (``(B, H_kv, rows, D)`` each, transfer dtype) and a host message of int64
+    Each of the two slots is a backend message with ``K`` ``(B, H_kv, rows, D)``
+    then ``V`` ``(B, H_kv, rows, D_v)`` (transfer dtype) and a host message of int64
     with the block's global positions ``(rows,)`` then, with segment ids,
     ``(B, rows)`` segment ids.  Both parts travel as one ring message on
     channel ``"kv"``.
@@ -95,6 +95,7 @@ class KVChannel:
         self.ring, self.backend = ring, backend
         self.counts = counts
         self.batch, self.kv_heads, _, self.dim = kh.shape
+        self.dim_v = vh.shape[3]
         self.dtype = kh.dtype
         self.itemsize = np.dtype(kh.dtype).itemsize
         self.has_seg = seg is not None
@@ -110,7 +111,11 @@ class KVChannel:
             seg0[...] = seg
 
     def nbytes(self, rows: int) -> int:
-        return 2 * self.batch * self.kv_heads * rows * self.dim * self.itemsize
+        return self.k_nbytes(rows) + self.batch * self.kv_heads * rows * self.dim_v * self.itemsize
+
+    def k_nbytes(self, rows: int) -> int:
+        """Bytes of the K part of a ``rows``-row message (V starts there)."""
+        return self.batch * self.kv_heads * rows * self.dim * self.itemsize
 
     def meta_nbytes(self, rows: int) -> int:
         return 8 * rows * (1 + (self.batch if self.has_seg else 0))
@@ -118,8 +123,9 @@ class KVChannel:
     def views(self, slot: int, src: int):
         """``(k, v)`` of ring rank ``src``'s block in ``slot``."""
         shape = (self.batch, self.kv_heads, int(self.counts[src]), self.dim)
+        shape_v = shape[:3] + (self.dim_v,)
         msg = self.msgs[slot]
-        return msg.view(0, shape, self.dtype), msg.view(self.nbytes(shape[2]) // 2, shape, self.dtype)
+        return msg.view(0, shape, self.dtype), msg.view(self.k_nbytes(shape[2]), shape_v, self.dtype)
 
     def meta_views(self, slot: int, src: int):
         """``(positions (rows,), segment ids (B, rows) or None)`` of ``src``'s block in ``slot``."""
@@ -152,25 +158,32 @@ class GradChannel:
     """The ``dK, dV`` partial sums travelling one step behind the K/V (compute dtype).
 
     Two outgoing buffers (one may still be on its way while the next is
-    filled) and one incoming, each ``dK`` then ``dV`` ``(B, H_kv, rows, D)``.
+    filled) and one incoming, each ``dK`` ``(B, H_kv, rows, D)`` then ``dV``
+    ``(B, H_kv, rows, D_v)`` (``dim_v``, default ``dim``).
     Channels ``"grad_out0"``, ``"grad_out1"`` and ``"grad_in"`` share the
     stream ``"grad"``.
     """
 
     def __init__(self, ring: Ring, backend, counts: np.ndarray, batch: int, kv_heads: int, dim: int,
-                 dtype):
+                 dtype, dim_v: Optional[int] = None):
         self.ring, self.counts = ring, counts
         self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
+        self.dim_v = dim if dim_v is None else int(dim_v)
         rows = int(counts.max())
         self.out = [backend.message(self.nbytes(rows)) for _ in range(2)]
         self.incoming = backend.message(self.nbytes(rows))
 
     def nbytes(self, rows: int) -> int:
-        return 2 * self.batch * self.kv_heads * rows * self.dim * self.dtype.itemsize
+        return self.dk_nbytes(rows) + self.batch * self.kv_heads * rows * self.dim_v * self.dtype.itemsize
+
+    def dk_nbytes(self, rows: int) -> int:
+        """Bytes of the ``dK`` part of a ``rows``-row message (``dV`` starts there)."""
+        return self.batch * self.kv_heads * rows * self.dim * self.dtype.itemsize
 
     def views(self, msg, src: int):
         shape = (self.batch, self.kv_heads, int(self.counts[src]), self.dim)
-        return msg.view(0, shape, self.dtype), msg.view(self.nbytes(shape[2]) // 2, shape, self.dtype)
+        shape_v = shape[:3] + (self.dim_v,)
+        return msg.view(0, shape, self.dtype), msg.view(self.dk_nbytes(shape[2]), shape_v, self.dtype)
 
     def begin_step(self, step: int, src: int):
         """Post the receive of ``src``'s partial sums (after step 0) and return this
@@ -217,7 +230,7 @@ class RingSchedule:
     ----------
     comm : mpi4py communicator (the ring: ``prev -> rank -> next`` in its rank order).
     backend : a block-op backend (:mod:`ringmpi.backends`).
-    kh, vh : (B, H_kv, S_local, D) this rank's keys/values, head-major, in the
+    kh, vh : (B, H_kv, S_local, D), (B, H_kv, S_local, D_v) this rank's keys/values, head-major, in the
         transfer dtype (as ``backend.to_heads`` gives them).
     kv_counts : (P,) int, rows of every ring rank's block.
     q_pos : (S_q_local,) int64 global positions of this rank's queries.
@@ -242,7 +255,8 @@ class RingSchedule:
             raise ValueError(f"kv_counts has {len(counts)} entries for a ring of {self.ring.size} ranks")
         self.kv = KVChannel(self.ring, backend, counts, kh, vh, kv_pos, seg_kv)
         self.grads = None if grad_dtype is None else GradChannel(
-            self.ring, backend, counts, self.kv.batch, self.kv.kv_heads, self.kv.dim, grad_dtype)
+            self.ring, backend, counts, self.kv.batch, self.kv.kv_heads, self.kv.dim, grad_dtype,
+            dim_v=self.kv.dim_v)
         self._home_grads = None
 
     @property
@@ -276,7 +290,7 @@ class RingSchedule:
         return timed_compute(self.backend, self.ring, fn, *args)
 
     def finished_grads(self):
-        """``(dk, dv)`` (B, H_kv, S_local, D) compute dtype: this rank's finished, unscaled
+        """``(dk (B, H_kv, S_local, D), dv (B, H_kv, S_local, D_v))`` compute dtype: this rank's finished, unscaled
         K/V gradients, once iteration has ended."""
         if self._home_grads is None:
             raise RuntimeError("finished_grads() needs a schedule with grad_dtype, iterated to its end")
