@@ -108,10 +108,10 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
     return None
 
 
-def _value_dim_problem(be, d: int, d_v: int) -> Optional[str]:
-    """Why this backend cannot run head dim ``d`` with value head dim ``d_v``, or None
-    (NumPy runs any pair; the CUDA kernels a compiled set, :func:`ringmpi.kernels.value_dim_supported`)."""
-    if d_v == d or be.name != "cupy":
+def _value_dim_problem(backend_name: str, d: int, d_v: int) -> Optional[str]:
+    """Why a backend cannot run head dim ``d`` with value head dim ``d_v``, or None
+    (NumPy runs any pair; the CUDA kernels a compiled set, :func:`ringmpi.kernels.value_dim_problem`)."""
+    if d_v == d or backend_name != "cupy":
         return None
     from .kernels import value_dim_problem
     return value_dim_problem(d, d_v)
@@ -141,7 +141,7 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
     agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared))
-    agree(comm, _value_dim_problem(be, q.shape[3], v.shape[3]))
+    agree(comm, _value_dim_problem(be.name, q.shape[3], v.shape[3]))
 
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
     shapes = comm.allgather((signature, q.shape[1], k.shape[1]))
@@ -220,7 +220,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     k, v : (B, S_kv_local, H_kv, D) and (B, S_kv_local, H_kv, D_v), same dtype as
         ``q``; ``H % H_kv == 0`` (GQA/MQA).  The value head dim ``D_v`` may differ
         from ``D`` (as in MLA: D = 192, D_v = 128; on GPU see
-        :func:`ringmpi.kernels.value_dim_supported`).
+        :func:`ringmpi.kernels.value_dim_problem`).
         This rank's keys/values, sharded like ``q`` by a layout of the same kind
         over their own global length ``N_kv`` (which may differ from ``N_q``).
     comm : mpi4py communicator, optional
