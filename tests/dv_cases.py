@@ -9,7 +9,9 @@ rank builds the same global inputs from the case's seed, runs
 ring (K and V at their own sizes, dK and dV at theirs), and rank 0 compares
 the gathered outputs with the float64 dense reference of ``reference.py``
 under the tolerance rule (``ring_cases.check``).  ``kind: "errors"`` cases
-check the shape errors of a mismatched ``v``/``o``/``do``.
+check the shape errors of a mismatched ``v``/``o``/``do``; ``kind: "decode"`` cases
+run ``decode_attention`` over a D_v-wide cache (given shards and a ``KVCache``);
+``kind: "torch"`` cases compare ``ringmpi.torch`` with torch's SDPA.
 """
 
 import json
@@ -20,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference  # noqa: E402
 import ring_cases  # noqa: E402
 from case_driver import run_all  # noqa: E402
 import ringmpi  # noqa: E402
@@ -102,11 +105,95 @@ def errors_case(comm, case):
     return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
 
 
+def decode_case(comm, case):
+    """decode_attention over a sharded cache with D_v-wide values: given shards, then a
+    KVCache (``dim_v=``) grown by ``load_shard`` and ``append``; the same bits on every rank,
+    against the float64 dense reference."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(case["seed"])
+    b, h, hkv, d, dv, n, s_new = case["B"], case["H"], case["Hkv"], case["D"], case["Dv"], case["n"], case["s_new"]
+    q = rng.standard_normal((b, s_new, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, n, hkv, dv)).astype(np.float32)
+    lay = Layout(case["layout"], n, size)
+    kw = dict(comm=comm, backend=ring_cases.BACKEND)
+    o_static, lse_static = ringmpi.decode_attention(q, lay.shard(k, rank), lay.shard(v, rank),
+                                                    layout=case["layout"], **kw)
+    cache = ringmpi.KVCache(b, hkv, d, "float32", comm=comm, layout=case["layout"], dim_v=dv, chunk=3)
+    n0 = n - s_new
+    lay0 = Layout(case["layout"], n0, size)
+    cache.load_shard(lay0.shard(k[:, :n0], rank), lay0.shard(v[:, :n0], rank), n0)
+    cache.append(k[:, n0:], v[:, n0:])
+    o_cache, lse_cache = ringmpi.decode_attention(q, **cache.views(), **kw)
+    gathered = comm.gather([np.asarray(x) for x in (o_static, lse_static, o_cache, lse_cache)], root=0)
+    if rank != 0:
+        return None
+    vis = reference.visible(s_new, n, True)
+    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, 1 / np.sqrt(d), np.float64)
+    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, 1 / np.sqrt(d), np.float32)
+    ok, msgs = True, []
+    if not all(all(np.array_equal(a, b) for a, b in zip(g, gathered[0])) for g in gathered):
+        ok, msgs = False, ["ranks got different bits"]
+    for label, o, lse in (("static", *gathered[0][:2]), ("kvcache", *gathered[0][2:])):
+        for name, ours, ref, naive in (("o", o, ref_o, naive_o), ("lse", lse, ref_lse, naive_lse)):
+            good, msg = reference.tolerance_check(f"{label} {name}", ours, ref, naive)
+            ok &= good
+            msgs.append(msg)
+    return ok, "; ".join(msgs)
+
+
+def torch_case(comm, case):
+    """ringmpi.torch with D_v-wide values against torch's own SDPA on the gathered sequence:
+    o and the autograd gradients, float64 SDPA the reference and float32 SDPA the naive
+    error; the SDPA-shaped wrapper gives the same ``o``."""
+    import torch
+    import torch.nn.functional as F
+
+    import ringmpi.torch as rt
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    q, k, v, do, _, _ = make_inputs(case)
+    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    causal = case.get("causal", False)
+    local = [torch.from_numpy(lay.shard(x, rank)).requires_grad_(True)
+             for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
+    o = rt.ring_attention(*local, comm=comm, layout=case["layout"], causal=causal)
+    o.backward(torch.from_numpy(lay_q.shard(do, rank)))
+    o_sdpa = rt.scaled_dot_product_attention(*(t.detach().transpose(1, 2) for t in local), is_causal=causal,
+                                             comm=comm, layout=case["layout"]).transpose(1, 2)
+    mine = [o.detach().numpy(), o_sdpa.numpy()] + [t.grad.numpy() for t in local]
+    gathered = comm.gather(mine, root=0)
+    if rank != 0:
+        return None
+    lays = (lay_q, lay_q, lay_q, lay_kv, lay_kv)
+    ours = [lay.unshard([g[i] for g in gathered], axis=1) for i, lay in enumerate(lays)]
+    group = q.shape[2] // k.shape[2]
+
+    def sdpa(dtype):
+        args = [torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).to(dtype).requires_grad_(True)
+                for x in (q, k, v)]
+        kk, vv = (t.repeat_interleave(group, dim=1) for t in args[1:])
+        out = F.scaled_dot_product_attention(args[0], kk, vv, is_causal=causal)
+        out.backward(torch.from_numpy(np.ascontiguousarray(do.transpose(0, 2, 1, 3))).to(dtype))
+        back = lambda t: t.detach().double().numpy().transpose(0, 2, 1, 3)  # noqa: E731
+        return [back(out), back(out)] + [back(t.grad) for t in args]
+
+    ref, naive = sdpa(torch.float64), sdpa(torch.float32)
+    ok, msgs = np.array_equal(ours[0], ours[1]), []
+    if not ok:
+        msgs.append("the SDPA-shaped wrapper gave another o")
+    for i, name in enumerate(("o", "o (sdpa-shaped)", "dq", "dk", "dv")):
+        good, msg = reference.tolerance_check(name, ours[i], ref[i], naive[i], gradient=i >= 2)
+        ok &= good
+        msgs.append(msg)
+    return ok, "; ".join(msgs)
+
+
 def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    kinds = {"errors": errors_case}
+    kinds = {"errors": errors_case, "decode": decode_case, "torch": torch_case}
     run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
 
 

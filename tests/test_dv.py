@@ -2,14 +2,15 @@
 
 Multi-rank: one mpirun launch per world size runs every case of
 ``dv_cases.py`` (forward and backward against the float64 dense reference,
-ring traffic counted with K and V at their own sizes), P = 1, 3, 4, plus one
-launch at P = 3 with tiny tiles.  In-process: NaN in ``v`` (the careful tile
+ring traffic counted with K and V at their own sizes; decode over a sharded
+cache and ``KVCache``; ``ringmpi.torch`` against torch's SDPA), P = 1, 3, 4,
+plus one launch at P = 3 with tiny tiles.  In-process: NaN in ``v`` (the careful tile
 path), the CUDA planner's supported pairs and its refusal, P = 1 bitwise
 equality of the D_v == D path with the same call through the old shapes.
 """
 
+import importlib.util
 import itertools
-import os
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ PAIRS = ((192, 128), (24, 40), (64, 8), (5, 13))   # (D, D_v): MLA, a small odd 
 HEADS = ((4, 4), (8, 2), (4, 1))
 SMALL_TILES = {"RINGMPI_TILE_Q": 16, "RINGMPI_TILE_KV": 24}
 LAUNCHES = ((1, False), (3, False), (4, False), (3, True))
+HAVE_TORCH = importlib.util.find_spec("torch") is not None  # the torch cases need the 'torch' extra
 
 
 def cases_for(p, small_tiles=False):
@@ -52,6 +54,12 @@ def cases_for(p, small_tiles=False):
         add(f"float16-{layout}", n_q=45, layout=layout, causal=True, dtype="float16")
         add(f"bfloat16-{layout}", n_q=45, layout=layout, window=[5, 5], dtype="bfloat16", D=24, Dv=40)
     add("errors", kind="errors", n_q=10, layout="zigzag", D=24, Dv=40)
+    for layout, causal in zip(LAYOUTS if HAVE_TORCH else (), (True, False, True)):
+        add(f"torch-{layout}", kind="torch", layout=layout, causal=causal, n_q=47, D=24, Dv=40, H=4, Hkv=2)
+        add(f"torch-mla-{layout}", kind="torch", layout=layout, causal=causal, n_q=33, D=192, Dv=128)
+    for layout in LAYOUTS:
+        add(f"decode-{layout}", kind="decode", layout=layout, n=23, s_new=2, B=2, D=24, Dv=40)
+        add(f"decode-mla-{layout}", kind="decode", layout=layout, n=40, s_new=1, D=192, Dv=128)
     return cases
 
 
