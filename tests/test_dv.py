@@ -150,3 +150,38 @@ def test_gpu_refuses_unsupported_pairs_before_compute():
     assert _value_dim_problem("cupy", 64, 64) is None
     msg = _value_dim_problem("cupy", 24, 40)
     assert "D=24" in msg and "D_v=40" in msg and "numpy" in msg
+
+
+def test_bench_takes_dim_v(tmp_path):
+    """``ringmpi bench --dim-v`` (ring and --decode) under mpirun: D_v in the report, FLOPs with D_v."""
+    import json
+    import sys
+
+    from mpi_util import mpirun
+
+    from ringmpi.flops import attention_flops
+
+    common = ["-m", "ringmpi", "bench", "--n", "40", "--heads", "4", "--kv-heads", "2", "--dim", "24",
+              "--dim-v", "40", "--repeat", "1", "--warmup", "0", "--backend", "numpy"]
+    rc, out, err, _ = mpirun(2, [sys.executable] + common + ["--backward", "--json", tmp_path / "r.json"], 300)
+    assert rc == 0 and "D=24 D_v=40 float32" in out, out + err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["dim_v"] == 40
+    assert report["forward"]["flops"] == attention_flops(1, 4, 40, 40, 24, False, "forward", dim_v=40) == 4 * 4 * 40 * 40 * 32
+    rc, out, err, _ = mpirun(2, [sys.executable] + common + ["--decode", "--cache", "30", "--new", "2"], 300)
+    assert rc == 0 and "D=24 D_v=40 float32" in out, out + err
+
+
+def test_flops_count_the_value_dim():
+    from ringmpi.flops import attention_flops
+
+    assert attention_flops(1, 2, 10, 10, 192, dim_v=128) == 2 * 2 * 10 * 10 * (192 + 128)
+    assert attention_flops(1, 2, 10, 10, 64, dim_v=64) == attention_flops(1, 2, 10, 10, 64)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch SDPA comparison needs the 'torch' extra")
+def test_sdpa_comparison_takes_dim_v():
+    from ringmpi.bench.sdpa import measure_sdpa
+
+    res = measure_sdpa(1, 4, 2, 32, 24, "float32", True, True, 0, 1, 1, dim_v=40)
+    assert res["available"] and res["forward_seconds"] > 0 and res["backward_seconds"] > 0, res
