@@ -185,3 +185,20 @@ def test_sdpa_comparison_takes_dim_v():
 
     res = measure_sdpa(1, 4, 2, 32, 24, "float32", True, True, 0, 1, 1, dim_v=40)
     assert res["available"] and res["forward_seconds"] > 0 and res["backward_seconds"] > 0, res
+
+
+def test_file_job_boxes_and_spec_carry_the_value_dim():
+    from ringmpi.io import InputSpec
+    from ringmpi.passes import Pass, bytes_per_batch_entry, pass_boxes
+
+    def spec(dim_v):
+        shapes = {"q": (2, 50, 4, 24), "k": (2, 60, 2, 24), "v": (2, 60, 2, dim_v), "do": (2, 50, 4, dim_v)}
+        return InputSpec(path="in.h5", batch=2, n_q=50, n_kv=60, heads=4, kv_heads=2, dim=24, dtype="float32",
+                         seg_q=None, seg_kv=None, shapes=shapes)
+
+    narrow, same = spec(8), spec(24)
+    assert narrow.dim_v == 8 and same.dim_v == 24
+    boxes = pass_boxes(narrow, Pass(b0=1, b1=2, g0=1, g1=2))
+    assert boxes["q"] == (1, [(1, 2), (0, 0), (2, 4), (0, 24)]) and boxes["kv"] == (1, [(1, 2), (0, 0), (1, 2), (0, 24)])
+    assert boxes["o"] == (1, [(1, 2), (0, 0), (2, 4), (0, 8)]) and boxes["v"] == (1, [(1, 2), (0, 0), (1, 2), (0, 8)])
+    assert bytes_per_batch_entry(narrow, 3, 2) < bytes_per_batch_entry(same, 3, 2)
