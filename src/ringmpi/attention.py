@@ -140,8 +140,8 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
-    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared))
-    agree(comm, _value_dim_problem(be.name, q.shape[3], v.shape[3]))
+    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared)
+          or _value_dim_problem(be.name, q.shape[3], v.shape[3]))  # one collective: v is 4-D here
 
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
     shapes = comm.allgather((signature, q.shape[1], k.shape[1]))

@@ -250,6 +250,9 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     sinks_h = None if sinks is None else np.asarray(_host(sinks), dtype=np.float64)
     if problem is None:
         problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths, sinks_h)
+    if problem is None and be.name == "cupy" and v_cache.shape[3] != q.shape[3]:
+        from .kernels import value_dim_problem  # the D_v pairs the CUDA kernels are compiled for
+        problem = value_dim_problem(q.shape[3], v_cache.shape[3])
     batch, s_new, heads, d_q = q.shape
     dim = v_cache.shape[3] if getattr(v_cache, "ndim", 0) == 4 else d_q  # D_v: the packed output width
     ct = be.compute_dtype(q.dtype)

@@ -83,3 +83,5 @@ def test_unsupported_pair_is_refused():
     v = cp.asarray(rng.standard_normal((1, 8, 2, 40)).astype(np.float32))
     with pytest.raises(ConfigError, match="D=24 with value head dim D_v=40"):
         ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, backend="cupy")
+    with pytest.raises(ConfigError, match="D=24 with value head dim D_v=40"):
+        ringmpi.decode_attention(q[:, :1], k, v, comm=MPI.COMM_SELF, backend="cupy")
