@@ -48,7 +48,7 @@ def _expand_kv(x, heads):
 
 
 def dense_forward(q, k, v, vis, scale, dtype):
-    """o (B, N, H, D) and lse (B, H, N) computed densely in ``dtype``."""
+    """o (B, N, H, D_v) and lse (B, H, N) computed densely in ``dtype`` (v: (B, N, Hkv, D_v))."""
     dtype = np.dtype(dtype)
     qh = q.transpose(0, 2, 1, 3).astype(dtype)
     kh = _expand_kv(k, q.shape[2]).astype(dtype)
@@ -68,7 +68,7 @@ def dense_forward(q, k, v, vis, scale, dtype):
 
 
 def dense_backward(do, q, k, v, vis, scale, dtype):
-    """dq, dk, dv computed densely in ``dtype`` (shapes like q, k, v)."""
+    """dq, dk, dv computed densely in ``dtype`` (shapes like q, k, v; ``do`` like o, D_v wide)."""
     dtype = np.dtype(dtype)
     heads, kv_heads = q.shape[2], k.shape[2]
     group = heads // kv_heads
@@ -90,7 +90,7 @@ def dense_backward(do, q, k, v, vis, scale, dtype):
     dk = _mm(ds.transpose(0, 1, 3, 2), qh, dtype) * dtype.type(scale)
     b, _, n_kv, d = dk.shape
     dk = dk.reshape(b, kv_heads, group, n_kv, d).sum(axis=2).astype(dtype)
-    dv = dv.reshape(b, kv_heads, group, n_kv, d).sum(axis=2).astype(dtype)
+    dv = dv.reshape(b, kv_heads, group, n_kv, dv.shape[-1]).sum(axis=2).astype(dtype)  # D_v may differ
     return dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
 
 

@@ -60,6 +60,13 @@ def make_inputs(case):
     return cast(q), cast(k), cast(v), cast(do), seg_q, seg_kv
 
 
+def ring_traffic(size, kv_bytes, grad_bytes, backward=True):
+    """``[forward, backward]`` bytes one rank's ring sends: P - 1 K/V hops, then P dK/dV
+    hops (none for a lone rank: its sums are finished where they are computed)."""
+    return [(size - 1) * kv_bytes,
+            ((size - 1) * kv_bytes + (size * grad_bytes if size > 1 else 0)) if backward else 0]
+
+
 def run_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = make_inputs(case)
@@ -101,9 +108,7 @@ def run_case(comm, case):
     # each K/V message also carries its block's int64 positions (and segment ids when given)
     kv_bytes = 2 * k.size * q.dtype.itemsize + 8 * k.shape[1] * (1 + (k.shape[0] if seg_kv is not None else 0))
     grad_bytes = 2 * k.size * (8 if q.dtype == np.float64 else 4)
-    # (a lone rank's dK/dV are finished where they are computed: no hop)
-    want = [(size - 1) * kv_bytes,
-            ((size - 1) * kv_bytes + (size * grad_bytes if size > 1 else 0)) if case.get("backward") else 0]
+    want = ring_traffic(size, kv_bytes, grad_bytes, case.get("backward"))
     if sent != want:
         results["traffic"] = f"ring bytes sent (forward, backward) {sent}, expected {want}"
     gathered = comm.gather(results, root=0)

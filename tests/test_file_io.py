@@ -115,7 +115,7 @@ def check_case(case, where, p):
     vis = reference.visible(q.shape[1], k.shape[1], causal, window, seg_q, seg_kv)
     ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64)
     naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype)
-    assert out["o"].dtype == dtype and out["o"].shape == data["q"].shape
+    assert out["o"].dtype == dtype and out["o"].shape == data["q"].shape[:-1] + data["v"].shape[-1:]  # D_v wide
     assert out["lse"].dtype == (np.float64 if dtype == np.float64 else np.float32)
     assert out["lse"].shape == ((b,) if rank4 else ()) + (q.shape[2], q.shape[1])
     problems = []

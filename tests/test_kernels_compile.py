@@ -124,6 +124,6 @@ def test_block_kernels_plan_their_launch():
                     batch=2, heads=8, kv_heads=2, sq=130, skv=64, d=60)
     assert args[:6] == ("q", "k", "v", "o", "m", "l") and args[6] == np.float32(0.5)
     assert args[7:18] == ("mask",) * 11
-    assert args[18:] == (2, 8, 2, 130, 64, 60, 3, 1) and all(a.dtype == np.int32 for a in args[18:])
+    assert args[18:] == (2, 8, 2, 130, 64, 60, 3, 1, 60) and all(a.dtype == np.int32 for a in args[18:])
     # every instantiation a BlockKernel names is in the compiled list
     assert K.backward_kernel(K.BF16, 256).instantiation in K.instantiations()

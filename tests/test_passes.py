@@ -64,7 +64,8 @@ def test_boxes_select_the_pass_of_4d_and_3d_datasets():
     assert boxes["lse"] == (2, [(2, 4), (4, 8), (0, 0)])
     flat = pass_boxes(spec(rank4=False), Pass(0, 1, 0, 1))
     assert flat == {"q": (0, [(0, 0), (0, 4), (0, 16)]), "kv": (0, [(0, 0), (0, 1), (0, 16)]),
-                    "lse": (1, [(0, 4), (0, 0)])}
+                    "lse": (1, [(0, 4), (0, 0)]),
+                    "o": (0, [(0, 0), (0, 4), (0, 16)]), "v": (0, [(0, 0), (0, 1), (0, 16)])}  # D_v = D
 
 
 def test_input_spec_derives_rank_and_do_from_the_shapes():

@@ -53,7 +53,8 @@ class _Plan:
     timeout: Optional[float]
 
     def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
-        """The ring schedule of this call, loaded with this rank's ``k, v (B, S_kv_local, H_kv, D)``."""
+        """The ring schedule of this call, loaded with this rank's ``k (B, S_kv_local, H_kv, D)``
+        and ``v (B, S_kv_local, H_kv, D_v)``."""
         be = self.backend
         return RingSchedule(
             self.comm, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype),
@@ -78,8 +79,11 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
                     + (" (pass dtype='bfloat16' to read uint16 bfloat16 bit patterns)" if str(x.dtype) == "uint16" else ""))
         if declared is not None and str(x.dtype) != _dtypes.declared_name(declared):
             return f"{name} has dtype {x.dtype} but dtype={declared!r} was given"
-    if k.shape != v.shape:
-        return f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+    if k.shape[:3] != v.shape[:3]:
+        return (f"k and v must agree on (B, S_kv_local, H_kv), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+                " (only the last dim, D_v, may differ)")
+    if v.shape[3] == 0:
+        return "value head dim D_v must be >= 1"
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[0] != k.shape[0]:
@@ -91,8 +95,9 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
     if q.shape[3] == 0:
         return "head dim must be >= 1"
     for name, x in tuple(extra):
-        if x.shape != q.shape:
-            return f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}"
+        want = _output_shape(q, v)
+        if x.shape != want:
+            return f"{name} must have shape (B, S_q_local, H, D_v) = {want}, got {tuple(x.shape)}"
     if (seg_q is None) != (seg_kv is None):
         return "give both segment_ids_q and segment_ids_kv, or neither"
     if seg_q is not None:
@@ -102,6 +107,20 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
             if seg.dtype.kind not in "iu":
                 return f"{name} must be integers, got dtype {seg.dtype}"
     return None
+
+
+def _value_dim_problem(backend_name: str, d: int, d_v: int) -> Optional[str]:
+    """Why a backend cannot run head dim ``d`` with value head dim ``d_v``, or None
+    (NumPy runs any pair; the CUDA kernels a compiled set, :func:`ringmpi.kernels.value_dim_problem`)."""
+    if d_v == d or backend_name != "cupy":
+        return None
+    from .kernels import value_dim_problem
+    return value_dim_problem(d, d_v)
+
+
+def _output_shape(q, v) -> tuple:
+    """``(B, S_q_local, H, D_v)``: the shape of ``o`` (and ``do``) for these ``q``, ``v``."""
+    return tuple(q.shape[:3]) + (v.shape[3],)
 
 
 def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
@@ -122,14 +141,15 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
-    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared))
+    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared)
+          or _value_dim_problem(be.name, q.shape[3], v.shape[3]))  # one collective: v is 4-D here
 
-    signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype))
+    signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
     shapes = comm.allgather((signature, q.shape[1], k.shape[1]))
     sigs = {s for s, _, _ in shapes}
     problem = None
     if len(sigs) > 1:
-        problem = ("ranks disagree on (batch, heads, kv_heads, head_dim, dtype): "
+        problem = ("ranks disagree on (batch, heads, kv_heads, head_dim, value_head_dim, dtype): "
                    + "; ".join(f"rank {r}: {s}" for r, (s, _, _) in enumerate(shapes)))
     n_q = sum(n for _, n, _ in shapes)
     n_kv = sum(n for _, _, n in shapes)
@@ -199,7 +219,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     q : (B, S_q_local, H, D) float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
         float64; NumPy on CPU, CuPy on GPU.  This rank's queries: the global
         tokens ``Layout(layout, N_q, P).indices(rank)``.
-    k, v : (B, S_kv_local, H_kv, D), same dtype as ``q``; ``H % H_kv == 0`` (GQA/MQA).
+    k, v : (B, S_kv_local, H_kv, D) and (B, S_kv_local, H_kv, D_v), same dtype as
+        ``q``; ``H % H_kv == 0`` (GQA/MQA).  The value head dim ``D_v`` may differ
+        from ``D`` (as in MLA: D = 192, D_v = 128; on GPU see
+        :func:`ringmpi.kernels.value_dim_problem`).
         This rank's keys/values, sharded like ``q`` by a layout of the same kind
         over their own global length ``N_kv`` (which may differ from ``N_q``).
     comm : mpi4py communicator, optional
@@ -243,7 +266,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
 
     Returns
     -------
-    o : (B, S_q_local, H, D), the input dtype
+    o : (B, S_q_local, H, D_v), the input dtype
     lse : (B, H, S_q_local) natural-log softmax normaliser, float32 (float64 for
         float64 inputs); ``-inf`` (and ``o = 0``) for a query that sees no key.
     """
@@ -258,7 +281,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     xp = be.xp
     qh = be.to_heads(be.asarray(q), ct)
     shape = qh.shape
-    o_acc = xp.zeros(shape, dtype=ct)
+    o_acc = xp.zeros(shape[:3] + (v.shape[3],), dtype=ct)
     m = xp.full(shape[:3], -np.inf, dtype=ct)
     l = xp.zeros(shape[:3], dtype=ct)
 
@@ -288,14 +311,15 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
 
     Parameters
     ----------
-    do : (B, S_q_local, H, D), like ``q``: the gradient of the loss w.r.t. ``o``.
+    do : (B, S_q_local, H, D_v), like ``o``: the gradient of the loss w.r.t. ``o``.
     q, k, v : as for :func:`ring_attention`.
-    o : (B, S_q_local, H, D), the forward output.
+    o : (B, S_q_local, H, D_v), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
 
     Returns
     -------
-    dq : (B, S_q_local, H, D); dk, dv : (B, S_kv_local, H_kv, D); all in the
+    dq : (B, S_q_local, H, D); dk : (B, S_kv_local, H_kv, D);
+    dv : (B, S_kv_local, H_kv, D_v); all in the
     input dtype (``uint16`` bit patterns for ``dtype="bfloat16"`` with uint16
     inputs), for this rank's own shards.  K/V travel the ring in the input
     dtype (bfloat16: 2 bytes per element); their gradients are accumulated in

@@ -4,7 +4,8 @@ The cache never moves.  Every rank holds the same new queries, folds its own
 cache shard into an online-softmax state with the backend's block kernel
 (global positions, as in the ring), finalises a partial ``(o_r, lse_r)`` and
 the partials are merged by the log-sum-exp rule in one ``Allreduce`` with a
-user-defined MPI operation on packed rows ``[o (D), lse, flag, sig, -sig]``:
+user-defined MPI operation on packed rows ``[o (D_v), lse, flag, sig, -sig]``
+(``D_v``, the value head dim, is ``v_cache``'s last dim; it may differ from D):
 
 * ``o, lse``: merged as ``lse = log(e^lse_a + e^lse_b)``,
   ``o = (e^(lse_a - lse) o_a + e^(lse_b - lse) o_b)``.  The operation is written
@@ -107,8 +108,9 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths, sinks) -> Optional[str]:
             return f"{name} must be 4-D (B, S_cache_local, H_kv, D), got {_describe(x)}"
         if x.dtype != q.dtype:
             return f"{name} dtype {x.dtype} differs from q's {q.dtype}"
-    if k.shape != v.shape:
-        return f"k_cache and v_cache must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if k.shape[:3] != v.shape[:3]:
+        return (f"k_cache and v_cache must agree on (B, S_cache_local, H_kv), got {tuple(k.shape)} and "
+                f"{tuple(v.shape)} (only the last dim, D_v, may differ)")
     b, _, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         return f"k_cache {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim"
@@ -186,8 +188,10 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         collective, so a rank with another shape is an erroneous MPI program;
         other differences raise ConfigError); with ``root``, only root's ``q``
         is read (others may pass None) and it is broadcast.
-    k_cache, v_cache : (B, S_cache_local, H_kv, D), q's dtype; ``H % H_kv == 0``
-        This rank's cache shard, rows in ascending global position.
+    k_cache, v_cache : (B, S_cache_local, H_kv, D), (B, S_cache_local, H_kv, D_v), q's
+        dtype; ``H % H_kv == 0``.  This rank's cache shard, rows in ascending
+        global position.  ``D_v`` sizes the collective like q's shape: the same
+        on every rank.
     comm : mpi4py communicator, optional (None: a library-owned dup of COMM_WORLD).
     cache_lengths : (B,) ints in ``[0, N_cache]``, optional
         Ragged caches: entry ``b`` holds positions ``< L_b`` (its new tokens
@@ -219,7 +223,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
 
     Returns
     -------
-    o : (B, S_new, H, D), q's dtype
+    o : (B, S_new, H, D_v), q's dtype
     lse : (B, H, S_new), float32 (float64 for float64 inputs); ``-inf`` and
         ``o = 0`` for a query that sees no key (and no sink).
     Identical bits on every rank.
@@ -246,15 +250,19 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     sinks_h = None if sinks is None else np.asarray(_host(sinks), dtype=np.float64)
     if problem is None:
         problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths, sinks_h)
-    batch, s_new, heads, dim = q.shape
+    if problem is None and be.name == "cupy" and v_cache.shape[3] != q.shape[3]:
+        from .kernels import value_dim_problem  # the D_v pairs the CUDA kernels are compiled for
+        problem = value_dim_problem(q.shape[3], v_cache.shape[3])
+    batch, s_new, heads, d_q = q.shape
+    dim = v_cache.shape[3] if getattr(v_cache, "ndim", 0) == 4 else d_q  # D_v: the packed output width
     ct = be.compute_dtype(q.dtype)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_q)
     spec = MaskSpec(causal=bool(causal),
                     window=None if window is None else tuple(None if w is None else int(w) for w in window))
 
     xp = be.xp
     qh = be.to_heads(q, ct)
-    o_acc = xp.zeros(qh.shape, dtype=ct)
+    o_acc = xp.zeros(qh.shape[:3] + (dim,), dtype=ct)
     m = xp.full(qh.shape[:3], -np.inf, dtype=ct)
     l = xp.zeros(qh.shape[:3], dtype=ct)
     if problem is None and len(pos):

@@ -152,6 +152,11 @@ class InputSpec:
         return "do" in self.shapes
 
     @property
+    def dim_v(self) -> int:
+        """The value head dim ``D_v`` (the last dim of v, o, do, dv); may differ from ``dim``."""
+        return self.shapes["v"][-1] if "v" in self.shapes else self.dim
+
+    @property
     def itemsize(self) -> int:
         """Bytes per element of q, k, v (and do)."""
         return np.dtype(self.dtype).itemsize
@@ -194,8 +199,10 @@ def _describe_input(f, path: str, backward: bool):
     full = {n: ((1,) + s if ndim == 3 else s) for n, s in shapes.items() if n in ("q", "k", "v", "do")}
     b, n_q, h, d = full["q"]
     bk, n_kv, h_kv, dk = full["k"]
-    if full["v"] != full["k"]:
-        return None, f"{where}: datasets 'k' {shapes['k']} and 'v' {shapes['v']} must have the same shape"
+    if full["v"][:3] != full["k"][:3] or full["v"][3] < 1:
+        return None, (f"{where}: datasets 'k' {shapes['k']} and 'v' {shapes['v']} must have the same shape "
+                      f"but for the last dim (the value head dim D_v may differ from D)")
+    d_v = full["v"][3]
     if bk != b:
         return None, f"{where}: batch sizes differ: 'q' has B={b}, 'k' has B={bk}"
     if dk != d:
@@ -205,8 +212,9 @@ def _describe_input(f, path: str, backward: bool):
     if h % h_kv != 0:
         return None, (f"{where}: 'q' has H={h} heads, not a multiple of the H_kv={h_kv} heads of 'k'/'v' "
                       f"(H % H_kv must be 0)")
-    if "do" in full and full["do"] != full["q"]:
-        return None, f"{where}: dataset 'do' has shape {shapes['do']}, expected q's shape {shapes['q']}"
+    if "do" in full and full["do"] != full["q"][:3] + (d_v,):
+        want = shapes["q"][:-1] + (d_v,)
+        return None, f"{where}: dataset 'do' has shape {shapes['do']}, expected o's shape {want} (q's, D_v wide)"
     seg_q = seg_kv = None
     if "segment_ids" in shapes:
         if "segment_ids_q" in shapes or "segment_ids_kv" in shapes:

@@ -21,6 +21,7 @@ communication.  Storage is head-major ``(B, H_kv, capacity, D)`` and grows by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -70,6 +71,8 @@ class KVCache:
     ----------
     batch, kv_heads, dim : int
         Cache shape ``(B, N, H_kv, D)`` globally.
+    dim_v : int, optional
+        The value head dim ``D_v`` (default ``dim``): values are ``(B, N, H_kv, D_v)``.
     dtype : float16 | bfloat16 | float32 | float64
     comm : mpi4py communicator, optional (only its rank and size are used).
     layout : "contiguous" | "zigzag" | "striped"
@@ -81,7 +84,8 @@ class KVCache:
     """
 
     def __init__(self, batch: int, kv_heads: int, dim: int, dtype="float32", *, comm=None,
-                 layout: str = "contiguous", capacity: int = 0, chunk: int = 1024, xp=np):
+                 layout: str = "contiguous", capacity: int = 0, chunk: int = 1024, xp=np,
+                 dim_v: Optional[int] = None):
         if layout not in KINDS:
             raise ConfigError(f"unknown layout {layout!r}: expected one of {', '.join(KINDS)}")
         if chunk < 1 or capacity < 0:
@@ -89,12 +93,13 @@ class KVCache:
         self.comm = resolve_comm(comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.batch, self.kv_heads, self.dim, self.chunk, self.xp = batch, kv_heads, dim, chunk, xp
+        self.dim_v = dim if dim_v is None else int(dim_v)
         self.dtype = _dtype(dtype)
         self.kind = layout
         self.placement = CachePlacement(layout, 0, 0, self.size)
         self.lengths = np.zeros(batch, dtype=np.int64)
         self._k = xp.zeros((batch, kv_heads, capacity, dim), dtype=self.dtype)
-        self._v = xp.zeros_like(self._k)
+        self._v = xp.zeros((batch, kv_heads, capacity, self.dim_v), dtype=self.dtype)
         self._pos = np.zeros(capacity, dtype=np.int64)  # global slot of each local row
         self._rows = 0
 
@@ -144,8 +149,8 @@ class KVCache:
         self._rows = rows
         self.placement = CachePlacement(self.kind, n_prefill, n, self.size, {self.rank: self._pos[:rows]})
 
-    def _check_rows(self, name, x, rows=None):
-        want = (self.batch, x.shape[1] if rows is None else rows, self.kv_heads, self.dim)
+    def _check_rows(self, name, x, rows=None, dim=None):
+        want = (self.batch, x.shape[1] if rows is None else rows, self.kv_heads, dim or self.dim)
         if getattr(x, "ndim", None) != 4 or tuple(x.shape) != want:
             raise ConfigError(f"{name} must have shape {want}, got {getattr(x, 'shape', type(x).__name__)}")
 
@@ -158,7 +163,7 @@ class KVCache:
             raise ConfigError("load_shard needs an empty cache")
         rows = int(Layout(self.kind, n, self.size).counts()[self.rank])
         self._check_rows("k_local", k_local, rows)
-        self._check_rows("v_local", v_local, rows)
+        self._check_rows("v_local", v_local, rows, self.dim_v)
         lengths = np.full(self.batch, n, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
         if lengths.shape != (self.batch,) or lengths.min() < 0 or lengths.max() > n:
             raise ConfigError(f"lengths must be {self.batch} ints in [0, {n}], got {lengths.tolist()}")
@@ -176,7 +181,7 @@ class KVCache:
         this rank stores the ones it owns.  No communication.
         """
         self._check_rows("k_new", k_new)
-        self._check_rows("v_new", v_new)
+        self._check_rows("v_new", v_new, dim=self.dim_v)
         s_new = k_new.shape[1]
         n_new = max(self.n, int(self.lengths.max()) + s_new)
         if n_new > self.n:  # new slots: only this rank's are recorded, nothing is rebuilt

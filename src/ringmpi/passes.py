@@ -38,7 +38,8 @@ def bytes_per_batch_entry(spec, world_size: int, kv_heads: int) -> int:
     rows_q = math.ceil(spec.n_q / world_size)
     rows_kv = math.ceil(spec.n_kv / world_size)
     q_elems = rows_q * kv_heads * spec.group
-    return (q_elems * spec.dim * elem * 10 + rows_kv * kv_heads * spec.dim * elem * 14
+    dim = -(-(spec.dim + spec.dim_v) // 2)  # half the arrays are D_v wide
+    return (q_elems * dim * elem * 10 + rows_kv * kv_heads * dim * elem * 14
             + q_elems * 2 * elem)
 
 
@@ -61,12 +62,17 @@ def pass_boxes(spec, p: Pass):
 
     ``box`` gives ``(start, stop)`` per axis of the dataset as stored; the row
     (token) axis entry is a placeholder, filled per rank by :class:`~ringmpi.io.ShardIO`.
+    ``"q"``/``"kv"`` are ``D`` wide (q, dq / k, dk), ``"o"``/``"v"`` ``D_v`` wide
+    (o, do / v, dv).
     """
     h0, h1 = p.g0 * spec.group, p.g1 * spec.group
     d = (0, spec.dim)
+    dv = (0, spec.dim_v)
     if spec.rank4:
         b = (p.b0, p.b1)
         return {"q": (1, [b, (0, 0), (h0, h1), d]), "kv": (1, [b, (0, 0), (p.g0, p.g1), d]),
-                "lse": (2, [b, (h0, h1), (0, 0)])}
+                "lse": (2, [b, (h0, h1), (0, 0)]),
+                "o": (1, [b, (0, 0), (h0, h1), dv]), "v": (1, [b, (0, 0), (p.g0, p.g1), dv])}
     return {"q": (0, [(0, 0), (h0, h1), d]), "kv": (0, [(0, 0), (p.g0, p.g1), d]),
-            "lse": (1, [(h0, h1), (0, 0)])}
+            "lse": (1, [(h0, h1), (0, 0)]),
+            "o": (0, [(0, 0), (h0, h1), dv]), "v": (0, [(0, 0), (p.g0, p.g1), dv])}

@@ -32,7 +32,7 @@ def tolerance(naive_err: float, gradient: bool) -> float:
 class DenseReference:
     """Dense attention of one batch entry, computed in ``dtype`` block by block.
 
-    ``q (N_q, H, D)``, ``k, v (N_kv, H_kv, D)``, ``do`` like ``q`` or None;
+    ``q (N_q, H, D)``, ``k (N_kv, H_kv, D)``, ``v (N_kv, H_kv, D_v)``, ``do`` like ``o`` ``(N_q, H, D_v)`` or None;
     ``seg_q (N_q,)``/``seg_kv (N_kv,)`` ints or None.  Which pairs are visible
     is ``mask.visible`` (:class:`ringmpi.masks.MaskSpec`) over positions
     ``0 .. N_q - 1`` and ``0 .. N_kv - 1``; ``mask.offset`` aligns them
@@ -56,7 +56,7 @@ class DenseReference:
         group = heads // kv_heads
         kv_pos = np.arange(n_kv)
         scale = dt.type(self.scale)
-        out = {"o": np.zeros(q.shape, dt), "lse": np.full((heads, n_q), -np.inf, dt)}
+        out = {"o": np.zeros(q.shape[:2] + v.shape[2:], dt), "lse": np.full((heads, n_q), -np.inf, dt)}  # o: D_v wide
         if do is not None:
             out.update(dq=np.zeros(q.shape, dt), dk=np.zeros(k.shape, dt), dv=np.zeros(v.shape, dt))
         for h in range(heads):

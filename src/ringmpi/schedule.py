@@ -50,10 +50,10 @@ class Block:
 
     step : the ring step (0 is this rank's own block).
     src : the ring rank whose K/V block this is.
-    k, v : (B, H_kv, S_src, D), the transfer dtype (views into the ring buffer:
-        read-only, valid until the step ends).
+    k, v : (B, H_kv, S_src, D) and (B, H_kv, S_src, D_v), the transfer dtype (views
+        into the ring buffer: read-only, valid until the step ends).
     mask : the :class:`BlockMask` of (this rank's queries, this block).
-    dk, dv : (B, H_kv, S_src, D) compute dtype, zeroed, for this block's gradient
+    dk, dv : (B, H_kv, S_src, D), (B, H_kv, S_src, D_v) compute dtype, zeroed, for this block's gradient
         contributions (schedules with gradients only, else None).
     kv_done : None, or (the last step of a backward in host memory) the callback to
         pass to ``backward_block``: ``kv_done(n)`` says ``dk, dv`` rows ``[0, n)``
@@ -89,8 +89,8 @@ def timed_compute(backend, ring: Ring, fn, *args, **kwargs):
 class KVChannel:
     """The double-buffered K/V messages of one call (allocated once).
 
-    Each of the two slots is a backend message with ``K`` then ``V``
-    (``(B, H_kv, rows, D)`` each, transfer dtype) and a host message of int64
+    Each of the two slots is a backend message with ``K`` ``(B, H_kv, rows, D)``
+    then ``V`` ``(B, H_kv, rows, D_v)`` (transfer dtype) and a host message of int64
     with the block's global positions ``(rows,)`` then, with segment ids,
     ``(B, rows)`` segment ids.  Both parts travel as one ring message on
     channel ``"kv"``.
@@ -101,6 +101,7 @@ class KVChannel:
         self.ring, self.backend = ring, backend
         self.counts = counts
         self.batch, self.kv_heads, _, self.dim = kh.shape
+        self.dim_v = vh.shape[3]
         self.dtype = kh.dtype
         self.itemsize = np.dtype(kh.dtype).itemsize
         self.has_seg = seg is not None
@@ -117,7 +118,11 @@ class KVChannel:
             seg0[...] = seg
 
     def nbytes(self, rows: int) -> int:
-        return 2 * self.batch * self.kv_heads * rows * self.dim * self.itemsize
+        return self.k_nbytes(rows) + self.batch * self.kv_heads * rows * self.dim_v * self.itemsize
+
+    def k_nbytes(self, rows: int) -> int:
+        """Bytes of the K part of a ``rows``-row message (V starts there)."""
+        return self.batch * self.kv_heads * rows * self.dim * self.itemsize
 
     def meta_nbytes(self, rows: int) -> int:
         return 8 * rows * (1 + (self.batch if self.has_seg else 0))
@@ -125,8 +130,9 @@ class KVChannel:
     def views(self, slot: int, src: int):
         """``(k, v)`` of ring rank ``src``'s block in ``slot``."""
         shape = (self.batch, self.kv_heads, int(self.counts[src]), self.dim)
+        shape_v = shape[:3] + (self.dim_v,)
         msg = self.msgs[slot]
-        return msg.view(0, shape, self.dtype), msg.view(self.nbytes(shape[2]) // 2, shape, self.dtype)
+        return msg.view(0, shape, self.dtype), msg.view(self.k_nbytes(shape[2]), shape_v, self.dtype)
 
     def meta_views(self, slot: int, src: int):
         """``(positions (rows,), segment ids (B, rows) or None)`` of ``src``'s block in ``slot``."""
@@ -159,15 +165,17 @@ class GradChannel:
     """The ``dK, dV`` partial sums travelling one step behind the K/V (compute dtype).
 
     Two outgoing buffers (one may still be on its way while the next is
-    filled) and one incoming, each ``dK`` then ``dV`` ``(B, H_kv, rows, D)``.
+    filled) and one incoming, each ``dK`` ``(B, H_kv, rows, D)`` then ``dV``
+    ``(B, H_kv, rows, D_v)`` (``dim_v``, default ``dim``).
     Channels ``"grad_out0"``, ``"grad_out1"`` and ``"grad_in"`` share the
     stream ``"grad"``.
     """
 
     def __init__(self, ring: Ring, backend, counts: np.ndarray, batch: int, kv_heads: int, dim: int,
-                 dtype):
+                 dtype, dim_v: Optional[int] = None):
         self.ring, self.counts = ring, counts
         self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
+        self.dim_v = dim if dim_v is None else int(dim_v)
         rows = int(counts.max())
         lone = ring.size == 1  # a lone rank's sums are finished where they are computed
         self.out = [backend.message(self.nbytes(rows)) for _ in range(1 if lone else 2)]
@@ -176,11 +184,16 @@ class GradChannel:
         self._home_posted = None  # the message our own block's pieces arrive in
 
     def nbytes(self, rows: int) -> int:
-        return 2 * self.batch * self.kv_heads * rows * self.dim * self.dtype.itemsize
+        return self.dk_nbytes(rows) + self.batch * self.kv_heads * rows * self.dim_v * self.dtype.itemsize
+
+    def dk_nbytes(self, rows: int) -> int:
+        """Bytes of the ``dK`` part of a ``rows``-row message (``dV`` starts there)."""
+        return self.batch * self.kv_heads * rows * self.dim * self.dtype.itemsize
 
     def views(self, msg, src: int):
         shape = (self.batch, self.kv_heads, int(self.counts[src]), self.dim)
-        return msg.view(0, shape, self.dtype), msg.view(self.nbytes(shape[2]) // 2, shape, self.dtype)
+        shape_v = shape[:3] + (self.dim_v,)
+        return msg.view(0, shape, self.dtype), msg.view(self.dk_nbytes(shape[2]), shape_v, self.dtype)
 
     def begin_step(self, step: int, src: int):
         """Post the receive of ``src``'s partial sums (after step 0) and return this
@@ -227,10 +240,9 @@ class GradChannel:
 
     def _piece_parts(self, msg, rows: int, lo: int, hi: int):
         """The uint8 parts of rows ``[lo, hi)`` of ``dK`` then ``dV`` in ``msg``."""
-        buf, item, dim = msg.mpi_buffer(), self.dtype.itemsize, self.dim
-        half = self.nbytes(rows) // 2
+        buf, item = msg.mpi_buffer(), self.dtype.itemsize
         parts = []
-        for base in (0, half):
+        for base, dim in ((0, self.dim), (self.dk_nbytes(rows), self.dim_v)):
             for bh in range(self.batch * self.kv_heads):
                 start = base + (bh * rows + lo) * dim * item
                 parts.append(buf[start:start + (hi - lo) * dim * item])
@@ -310,7 +322,7 @@ class RingSchedule:
     ----------
     comm : mpi4py communicator (the ring: ``prev -> rank -> next`` in its rank order).
     backend : a block-op backend (:mod:`ringmpi.backends`).
-    kh, vh : (B, H_kv, S_local, D) this rank's keys/values, head-major, in the
+    kh, vh : (B, H_kv, S_local, D), (B, H_kv, S_local, D_v) this rank's keys/values, head-major, in the
         transfer dtype (as ``backend.to_heads`` gives them).
     kv_counts : (P,) int, rows of every ring rank's block.
     q_pos : (S_q_local,) int64 global positions of this rank's queries.
@@ -347,7 +359,7 @@ class RingSchedule:
         ring, be = self.ring, self.backend
         if self._grad_dtype is not None and self.grads is None:
             self.grads = GradChannel(ring, be, self.kv.counts, self.kv.batch, self.kv.kv_heads, self.kv.dim,
-                                     self._grad_dtype)
+                                     self._grad_dtype, dim_v=self.kv.dim_v)
         for step in range(ring.size):
             if step > 0:
                 ring.next_step()
@@ -374,7 +386,7 @@ class RingSchedule:
         return timed_compute(self.backend, self.ring, fn, *args, **kwargs)
 
     def finished_grads(self):
-        """``(dk, dv)`` (B, H_kv, S_local, D) compute dtype: this rank's finished, unscaled
+        """``(dk (B, H_kv, S_local, D), dv (B, H_kv, S_local, D_v))`` compute dtype: this rank's finished, unscaled
         K/V gradients, once iteration has ended."""
         if self._home_grads is None:
             raise RuntimeError("finished_grads() needs a schedule with grad_dtype, iterated to its end")

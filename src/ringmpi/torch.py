@@ -173,7 +173,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     ----------
     q : (B, S_q_local, H, D) tensor, float16/bfloat16/float32/float64, CPU or CUDA
         This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
-    k, v : (B, S_kv_local, H_kv, D) tensors, same dtype and device; ``H % H_kv == 0``.
+    k, v : (B, S_kv_local, H_kv, D), (B, S_kv_local, H_kv, D_v) tensors, same dtype and
+        device; ``H % H_kv == 0``; ``D_v`` may differ from ``D`` (as in torch's SDPA).
     comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel
         As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
         duplicate of ``COMM_WORLD``).
@@ -190,7 +191,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
 
     Returns
     -------
-    o : (B, S_q_local, H, D) tensor, the input dtype and device.
+    o : (B, S_q_local, H, D_v) tensor, the input dtype and device.
     lse : (B, H, S_q_local) float32 tensor (float64 for float64 inputs), with ``return_lse``.
 
     Notes
@@ -223,8 +224,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  is_causal: bool = False, scale: Optional[float] = None, **options):
     """:func:`ring_attention` shaped like ``torch.nn.functional.scaled_dot_product_attention``.
 
-    ``query (B, H, S_q_local, D)``, ``key, value (B, H_kv, S_kv_local, D)``
-    -> ``(B, H, S_q_local, D)``: this rank's shards, head-major.  Equivalent to
+    ``query (B, H, S_q_local, D)``, ``key (B, H_kv, S_kv_local, D)``, ``value (B, H_kv,
+    S_kv_local, D_v)`` -> ``(B, H, S_q_local, D_v)``: this rank's shards, head-major.  Equivalent to
     ``ring_attention(query.transpose(1, 2), key.transpose(1, 2),
     value.transpose(1, 2), causal=is_causal, softmax_scale=scale,
     **options).transpose(1, 2)``: one copy of each input (the transpose made

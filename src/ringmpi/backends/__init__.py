@@ -20,13 +20,14 @@ backend object provides (``INTERFACE`` lists the names; one test,
     Fold one visiting K/V block into the online-softmax state, in place:
     scores are ``(qh kh^T) * scale`` (the scale applied to the product, not
     to q, so rounding matches a plain dense computation).
-    ``qh (B, H, Sq, D)`` compute dtype; ``kh, vh (B, Hkv, Skv, D)`` any float dtype (the transfer dtype);
+    ``qh (B, H, Sq, D)`` compute dtype; ``kh (B, Hkv, Skv, D)``, ``vh (B, Hkv, Skv, D_v)``
+    (``D_v`` may differ from ``D``) any float dtype (the transfer dtype);
     when ``kh`` is 16-bit (float16, bfloat16) every backend multiplies ``qh``
     (and in the backward ``doh``) rounded to nearest even in ``kh``'s dtype,
     as the tensor-core (MMA) kernels load them: a caller gets the same
     answer from NumPy and CuPy.  Through :func:`ringmpi.ring_attention` this
     rounding changes nothing (``qh``/``doh`` are copies of 16-bit inputs);
-    ``o_acc (B, H, Sq, D)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a
+    ``o_acc (B, H, Sq, D_v)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a
     :class:`ringmpi.masks.BlockMask` (the one object carrying positions, segment
     ids and the mask rules -- and later score modifiers -- to the kernel); ``tick()`` is called between tiles so
     that MPI can progress the pending ring transfers.  Returns
@@ -36,9 +37,9 @@ backend object provides (``INTERFACE`` lists the names; one test,
     what it derives from the resident operands (conversions, NaN/Inf scans,
     scratch) so that it is made once per call, not once per ring step.
 ``row_dot(x, y) -> (B, H, S)``
-    ``(x * y).sum(-1)`` of two ``(B, H, S, D)`` compute-dtype arrays: the
+    ``(x * y).sum(-1)`` of two ``(B, H, S, D_v)`` compute-dtype arrays: the
     backward's ``dvec = rowsum(do * o)``.
-``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D) out_dtype, lse (B, H, Sq))``
+``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D_v) out_dtype, lse (B, H, Sq))``
     ``o = o_acc / l``, ``lse = m + log(l)``; rows with ``l == 0`` give
     ``o = 0``, ``lse = -inf``.
 ``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick, resident=None, kv_done=None)``
@@ -46,7 +47,8 @@ backend object provides (``INTERFACE`` lists the names; one test,
     ``P = exp((qh kh^T) * scale - lse)``, ``dv += P^T doh``,
     ``dS = P * (doh vh^T - dvec)``, ``dq += dS kh``, ``dk += dS^T qh``
     (both unscaled: the caller multiplies the finished sums by the scale).  ``lse``/``dvec (B, H, Sq)``,
-    ``dq (B, H, Sq, D)``, ``dk, dv (B, Hkv, Skv, D)`` in compute dtype.
+    ``doh (B, H, Sq, D_v)``, ``dq (B, H, Sq, D)``, ``dk (B, Hkv, Skv, D)``,
+    ``dv (B, Hkv, Skv, D_v)`` in compute dtype.
     ``kv_done(n)`` (host-memory backends; the schedule passes it only with host
     messages) is called each time the block's ``dk, dv`` rows ``[0, n)`` are
     final (``n`` non-decreasing, the last call with ``n = Skv``), so that the

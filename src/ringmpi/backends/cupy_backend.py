@@ -290,6 +290,7 @@ class CupyBackend:
         (``resident`` is not needed: the kernels read the resident arrays in place)."""
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
+        d_v = vh.shape[3]
         if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):
             return 0, 0
         ct = self.compute_dtype(qh.dtype)
@@ -297,11 +298,11 @@ class CupyBackend:
             qh = self.xp.ascontiguousarray(qh, dtype=ct)
             used = (kh, vh)
             kh, vh = self._kv_operand(kh, ct), self._kv_operand(vh, ct)
-            self._check_state("o_acc", o_acc, (batch, heads, sq, d), ct)
+            self._check_state("o_acc", o_acc, (batch, heads, sq, d_v), ct)
             self._check_state("m", m, (batch, heads, sq), ct)
             self._check_state("l", l, (batch, heads, sq), ct)
             kind = _kind_of_dtype(kh.dtype)
-            kernel = K.forward_kernel(kind, d, smem_optin_limit(self.device.id))
+            kernel = K.forward_kernel(kind, d, smem_optin_limit(self.device.id), d_v=d_v)
             if kind in (K.F16, K.BF16) and not kernel.tensor_cores:
                 # the SIMT kernel multiplies qh as given: round it as the MMA kernel does
                 qh = self._convert(self._convert(qh, kh.dtype), ct)
@@ -310,7 +311,7 @@ class CupyBackend:
             self._kernel(kernel.filename, kernel.expr, smem)(
                 kernel.grid(batch, heads, kv_heads, sq, skv), kernel.block(),
                 kernel.args((qh, kh, vh, o_acc, m, l), ct.type(scale), margs,
-                            batch, heads, kv_heads, sq, skv, d),
+                            batch, heads, kv_heads, sq, skv, d, d_v),
                 shared_mem=smem)
             self._mark_use(*used)
         if tick is not None:
@@ -343,6 +344,7 @@ class CupyBackend:
         (``resident`` is not needed: the kernels read the resident arrays in place)."""
         batch, heads, sq, d = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
+        d_v = vh.shape[3]
         if _nothing_to_do(batch, heads, kv_heads, sq, skv, tick):
             return 0, 0
         ct = self.compute_dtype(qh.dtype)
@@ -353,9 +355,9 @@ class CupyBackend:
             kh, vh = self._kv_operand(kh, ct), self._kv_operand(vh, ct)
             self._check_state("dq", dq, (batch, heads, sq, d), ct)
             self._check_state("dk", dk, (batch, kv_heads, skv, d), ct)
-            self._check_state("dv", dv, (batch, kv_heads, skv, d), ct)
+            self._check_state("dv", dv, (batch, kv_heads, skv, d_v), ct)
             kind = _kind_of_dtype(kh.dtype)
-            kernel = K.backward_kernel(kind, d, smem_optin_limit(self.device.id))
+            kernel = K.backward_kernel(kind, d, smem_optin_limit(self.device.id), d_v=d_v)
             if kind in (K.F16, K.BF16) and not kernel.tensor_cores:
                 # the SIMT kernel multiplies qh/doh as given: round them as the MMA kernels do
                 qh, doh = (self._convert(self._convert(x, kh.dtype), ct) for x in (qh, doh))
@@ -364,7 +366,7 @@ class CupyBackend:
             self._kernel(kernel.filename, kernel.expr, smem)(
                 kernel.grid(batch, heads, kv_heads, sq, skv), kernel.block(),
                 kernel.args((qh, doh, lse, dvec, kh, vh, dq, dk, dv), ct.type(scale), margs,
-                            batch, heads, kv_heads, sq, skv, d),
+                            batch, heads, kv_heads, sq, skv, d, d_v),
                 shared_mem=smem)
             self._mark_use(*used)
         if tick is not None:

@@ -131,8 +131,8 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, f
         return False
     if fix_pv is not None:
         fix_pv(s, pv)
-    o_rows += pv[:, :dim]
-    l_rows += pv[:, dim]
+    o_rows += pv[:, :-1]
+    l_rows += pv[:, -1]
     big = l_rows > _RENORM
     if big.any():  # keep the state far from overflow: move the shift up to the sum
         o_rows[big] /= l_rows[big, None]
@@ -154,9 +154,9 @@ def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix
         fix_pv(s, pv)
     alpha = np.exp(m_rows - shift)
     l_rows *= alpha
-    l_rows += pv[:, dim]
+    l_rows += pv[:, -1]
     o_rows *= alpha[:, None]
-    o_rows += pv[:, :dim]
+    o_rows += pv[:, :-1]
     m_rows[...] = m_new
 
 
@@ -210,6 +210,7 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
     rows; the others are recomputed exactly over their visible keys.
     """
     vis = _visible(bias, s.shape)
+    dim_v = ve.shape[1] - 1
     redo = bad_q | vis[:, bad_k].any(axis=1)
     saved = m_rows[redo].copy(), l_rows[redo].copy(), o_rows[redo].copy()
     fresh = np.isneginf(saved[0]) & (saved[1] == 0)
@@ -217,15 +218,15 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
     l_rows[redo] = 0
     o_rows[redo] = 0
     q_clean = _clean_copy(qe, bad_q, dim)
-    k_clean, v_clean = _clean_copy(ke, bad_k, dim), _clean_copy(ve, bad_v, dim)
+    k_clean, v_clean = _clean_copy(ke, bad_k, dim), _clean_copy(ve, bad_v, dim_v)
     fix_pv = None
     if bad_v.any():
         see_v = vis[:, bad_v] & ~redo[:, None]
-        v_raw = ve[bad_v, :dim]
+        v_raw = ve[bad_v, :dim_v]
 
         def fix_pv(weights, pv_tile):
             terms = weights[:, bad_v, None] * v_raw[None]
-            pv_tile[:, :dim] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
+            pv_tile[:, :dim_v] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
 
     if not (np.isfinite(m_rows).all() and _shifted_tile(
             q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)):
@@ -241,7 +242,7 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
         p = np.where(vis[redo], np.exp(sc - shift[:, None]), 0).astype(s.dtype, copy=False)
         alpha = np.exp(m_old - shift)
         l_rows[redo] = l_old * alpha + p.sum(axis=1)
-        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p, ve[:, :dim], vis[redo])
+        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p, ve[:, :dim_v], vis[redo])
         # a row whose visible scores were all -inf has weight 0 so far (l = 0) but is no longer
         # fresh: a finite shift keeps later tiles on a clean run's path
         m_rows[redo] = np.where(np.isneginf(m_new) & vis[redo].any(axis=1), 0, m_new)
@@ -347,6 +348,7 @@ class NumpyBackend:
         """
         batch, heads, sq, dim = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
+        dim_v = vh.shape[3]
         if sq == 0 or skv == 0:
             return 0, 0
         ct = qh.dtype
@@ -355,7 +357,7 @@ class NumpyBackend:
         group = heads // kv_heads
         scale = ct.type(scale)
         scratch = _scratch(resident, "s", min(sq, TILE_Q) * min(skv, TILE_KV), ct)
-        pv_scratch = _scratch(resident, "pv", min(sq, TILE_Q) * (dim + 1), ct)
+        pv_scratch = _scratch(resident, "pv", min(sq, TILE_Q) * (dim_v + 1), ct)
         # the resident q is scanned once per call, the visiting block once per block:
         # rows with NaN/Inf (or a state made non-finite by them)
         bad_q = _once(resident, "bad_q", lambda: _bad_rows(qh)) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
@@ -365,7 +367,7 @@ class NumpyBackend:
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             s = scratch[: nq * nk].reshape(nq, nk)
-            pv = pv_scratch[: nq * (dim + 1)].reshape(nq, dim + 1)
+            pv = pv_scratch[: nq * (dim_v + 1)].reshape(nq, dim_v + 1)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group

@@ -50,8 +50,9 @@ def _measure(comm, be, cfg):
     def randn(shape):
         return rng.standard_normal(shape, dtype=np.float32).astype(cfg["dtype"])
 
-    cache = KVCache(b, hkv, d, cfg["dtype"], comm=comm, layout=cfg["layout"], capacity=rows)
-    cache.load_shard(randn((b, rows, hkv, d)), randn((b, rows, hkv, d)), n)
+    dv = cfg.get("dim_v") or d  # the value head dim
+    cache = KVCache(b, hkv, d, cfg["dtype"], comm=comm, layout=cfg["layout"], capacity=rows, dim_v=dv)
+    cache.load_shard(randn((b, rows, hkv, d)), randn((b, rows, hkv, dv)), n)
     q = np.random.default_rng(cfg["seed"]).standard_normal((b, s, h, d), dtype=np.float32).astype(cfg["dtype"])
     q = be.asarray(q)
     views = cache.views()
@@ -99,7 +100,8 @@ def _summary(per_rank, p, cfg):
 def _format(report):
     c = report["config"]
     lines = [f"ringmpi bench --decode: N_cache={c['cache']} S_new={c['new']} B={c['batch']} H={c['heads']} "
-             f"Hkv={c['kv_heads']} D={c['dim']} {c['dtype']} {c['layout']}, backend {report['backend']}, "
+             f"Hkv={c['kv_heads']} D={c['dim']}{' D_v=%d' % c['dim_v'] if 'dim_v' in c else ''} {c['dtype']} "
+             f"{c['layout']}, backend {report['backend']}, "
              f"{c['repeat']} calls after {c['warmup']} warm-up; seconds per call, slowest rank",
              f"{'P':>3} {'decode med':>11} {'p99':>9} {'compute':>9} {'merge':>9} {'ring med':>10} "
              f"{'p99':>9} {'speedup':>8}"]

@@ -64,6 +64,8 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--kv-heads", type=click.IntRange(min=1), default=None,
               help="Key/value heads (GQA/MQA); must divide --heads.  [default: --heads]")
 @click.option("--dim", type=click.IntRange(min=1), default=64, show_default=True, help="Head dimension D.")
+@click.option("--dim-v", type=click.IntRange(min=1), default=None,
+              help="Value head dimension D_v of v, o, do [default: D].")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Batch size B.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]), default="float32",
               show_default=True)
@@ -94,7 +96,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--inter-node-gbps", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
               help="Bench-only link model: delay each message between (pretend, RINGMPI_NODE_SIZE) nodes "
                    "by bytes / X Gbit/s (ringmpi.bench.linkmodel).")
-def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
+def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
           sweep, json_path, plot_path, decode, cache, new, head_parallel, inter_node_gbps):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
@@ -108,10 +110,12 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
     from ..ring import resolve_comm
 
     kv_heads = heads if kv_heads is None else kv_heads
+    dim_v = dim if dim_v is None else dim_v
     if decode:
         from .decode import run
         return run(dict(cache=cache, new=new, batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype,
-                        layout=layout, repeat=repeat, warmup=warmup, backend=backend, seed=seed), json_path)
+                        layout=layout, repeat=repeat, warmup=warmup, backend=backend, seed=seed,
+                        **({"dim_v": dim_v} if dim_v != dim else {})), json_path)
     comm = resolve_comm(None)
     problem = None
     if heads % kv_heads:
@@ -128,6 +132,8 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
 
     cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, causal=causal,
                layout=layout, backward=backward, repeat=repeat, warmup=warmup, seed=seed)
+    if dim_v != dim:
+        cfg["dim_v"] = dim_v
     if head_parallel != 1:
         cfg["head_parallel"] = head_parallel
     if sweep == "head-parallel":
@@ -256,10 +262,12 @@ def _measure(comm, be, cfg, n):
     rng = np.random.default_rng([cfg["seed"], p, rank])
     b, h, hkv, d, dt = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["dim"], cfg["dtype"]
 
-    def randn(heads):
-        return be.asarray(rng.standard_normal((b, local, heads, d), dtype=np.float32).astype(dt))
+    dv = cfg.get("dim_v", d)
 
-    q, k, v = randn(h), randn(hkv), randn(hkv)
+    def randn(heads, width=d):
+        return be.asarray(rng.standard_normal((b, local, heads, width), dtype=np.float32).astype(dt))
+
+    q, k, v = randn(h), randn(hkv), randn(hkv, dv)
     kw = dict(comm=comm, layout=cfg["layout"], causal=cfg["causal"], backend=be.name)
     if "head_parallel" in cfg:
         kw["head_parallel"] = cfg["head_parallel"]
@@ -272,7 +280,7 @@ def _measure(comm, be, cfg, n):
     out["forward"]["peak_memory_bytes"], out["forward"]["peak_rss_bytes"] = memory.peak()
     out["forward"]["peak_alloc_bytes"] = _traced_peak(comm, be, forward)
     if cfg["backward"]:
-        do = randn(h)
+        do = randn(h, dv)
 
         def backward_call(stats):
             return ring_attention_backward(do, q, k, v, o, lse, stats=stats, **kw)
@@ -284,7 +292,7 @@ def _measure(comm, be, cfg, n):
         threads = int(os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or 1)
         out["torch_sdpa"] = measure_sdpa(cfg["batch"], cfg["heads"], cfg["kv_heads"], n, cfg["dim"], cfg["dtype"],
                                          cfg["causal"], cfg["backward"], cfg["warmup"], cfg["repeat"], threads,
-                                         device="cuda" if be.name == "cupy" else "cpu")
+                                         device="cuda" if be.name == "cupy" else "cpu", dim_v=cfg.get("dim_v"))
     return out
 
 
@@ -440,7 +448,8 @@ def _instrumentation_unit_costs(be):
 
 # ---------------------------------------------------------------------------- summaries
 def _flops(cfg, n):
-    return {phase: attention_flops(cfg["batch"], cfg["heads"], n, n, cfg["dim"], cfg["causal"], phase)
+    return {phase: attention_flops(cfg["batch"], cfg["heads"], n, n, cfg["dim"], cfg["causal"], phase,
+                                   dim_v=cfg.get("dim_v"))
             for phase in ("forward", "backward")}
 
 
@@ -590,7 +599,7 @@ def _format_phase(name, s):
 
 def _format_single(r):
     head = (f"ringmpi bench: P={r['world_size']} N={r['n']} B={r['batch']} H={r['heads']} "
-            f"Hkv={r['kv_heads']} D={r['dim']} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
+            f"Hkv={r['kv_heads']} D={r['dim']}{_dim_v(r)} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
             f"{r['layout']}, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up")
     lines = [head]
     phases = [ph for ph in ("forward", "backward") if ph in r]
@@ -612,10 +621,15 @@ def _format_single(r):
     return "\n".join(lines)
 
 
+def _dim_v(r) -> str:
+    """`` D_v=...`` when the report's value head dim differs from D, else nothing."""
+    return f" D_v={r['dim_v']}" if "dim_v" in r else ""
+
+
 def _format_sweep(r):
     what = "per-rank S_local" if r["sweep"] == "weak" else "global N"
     lines = [f"ringmpi bench --sweep {r['sweep']}: {what}={r['n']} B={r['batch']} H={r['heads']} "
-             f"Hkv={r['kv_heads']} D={r['dim']} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
+             f"Hkv={r['kv_heads']} D={r['dim']}{_dim_v(r)} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
              f"{r['layout']}, backend {r['backend']}; efficiency = TFLOP/s(P) / (P * TFLOP/s(1))",
              f"{'P':>3} {'phase':>8} {'N':>8} {'time s':>9} {'TFLOP/s':>9} {'effic.':>7} {'exposed':>8} "
              f"{'overlap':>7} {'imbal.':>6} {'peak MiB':>9} {'alloc MiB':>9}"]

@@ -27,8 +27,9 @@ dev = cfg["device"]
 dt = getattr(torch, cfg["dtype"])
 b, h, hkv, n, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["n"], cfg["dim"]
 g = torch.Generator(device="cpu").manual_seed(0)
-mk = lambda heads: torch.randn(b, heads, n, d, generator=g).to(device=dev, dtype=dt)
-q, k, v, do = mk(h), mk(hkv), mk(hkv), mk(h)
+dv = cfg.get("dim_v") or d
+mk = lambda heads, width=d: torch.randn(b, heads, n, width, generator=g).to(device=dev, dtype=dt)
+q, k, v, do = mk(h), mk(hkv), mk(hkv, dv), mk(h, dv)
 if hkv != h:  # expand once, outside the timed region
     k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
 sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -53,8 +54,10 @@ print("TORCH_SDPA " + json.dumps(res))
 
 def measure_sdpa(batch: int, heads: int, kv_heads: int, n: int, dim: int, dtype: str, causal: bool,
                  backward: bool, warmup: int, repeat: int, threads: int, device: str = "cpu",
-                 statistic: str = "median", timeout: float = 3600.0) -> dict:
+                 statistic: str = "median", timeout: float = 3600.0, dim_v: Optional[int] = None) -> dict:
     """Seconds of SDPA forward (and backward) over ``repeat`` timed calls after ``warmup``.
+
+    ``dim_v``: the value head dim (default ``dim``).
 
     ``statistic`` is ``"median"`` or ``"min"`` over the timed calls; ``device``
     ``"cpu"`` (``threads`` torch threads) or ``"cuda"``.  Returns
@@ -66,7 +69,7 @@ def measure_sdpa(batch: int, heads: int, kv_heads: int, n: int, dim: int, dtype:
         return {"available": False, "reason": f"torch is not importable ({INSTALL})"}
     cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, n=n, dim=dim, dtype=dtype, causal=bool(causal),
                backward=bool(backward), warmup=warmup, repeat=repeat, threads=threads, device=device,
-               statistic=statistic)
+               statistic=statistic, dim_v=dim_v)
     env = None
     if device == "cpu":
         import os

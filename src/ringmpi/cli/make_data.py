@@ -42,6 +42,8 @@ def segment_ids(seed: int, stream: int, b: int, n: int, segments: int) -> np.nda
 @click.option("--heads", type=click.IntRange(min=1), required=True, help="Query heads H.")
 @click.option("--kv-heads", type=click.IntRange(min=1), default=None, help="K/V heads H_kv [default: H].")
 @click.option("--dim", type=click.IntRange(min=1), required=True, help="Head dim D.")
+@click.option("--dim-v", type=click.IntRange(min=1), default=None,
+              help="Value head dim D_v of 'v' and 'do' [default: D].")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--n-kv", type=click.IntRange(min=1), default=None, help="K/V length [default: N].")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]), default="float32",
@@ -52,7 +54,7 @@ def segment_ids(seed: int, stream: int, b: int, n: int, segments: int) -> np.nda
               help="Write segment ids with this many packed documents per batch entry.")
 @click.option("--no-batch-axis", is_flag=True, help="Write 3-D (N, H, D) datasets (needs --batch 1).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing file.")
-def make_data(output_path, n, heads, kv_heads, dim, batch, n_kv, dtype, seed, with_do, segments,
+def make_data(output_path, n, heads, kv_heads, dim, dim_v, batch, n_kv, dtype, seed, with_do, segments,
               no_batch_axis, overwrite):
     """Write a reproducible random input file (same bytes for any number of ranks).
 
@@ -73,25 +75,26 @@ def make_data(output_path, n, heads, kv_heads, dim, batch, n_kv, dtype, seed, wi
     if no_batch_axis and batch != 1:
         raise ConfigError("--no-batch-axis needs --batch 1")
     out = AtomicOutput(output_path, comm, overwrite=overwrite)
-    names = [("q", n, heads), ("k", n_kv, kv_heads), ("v", n_kv, kv_heads)]
+    dim_v = dim_v or dim
+    names = [("q", n, heads, dim), ("k", n_kv, kv_heads, dim), ("v", n_kv, kv_heads, dim_v)]
     if with_do:
-        names.append(("do", n, heads))
+        names.append(("do", n, heads, dim_v))
     try:
         f = out.open()
-        for name, length, h in names:
-            shape = (length, h, dim) if no_batch_axis else (batch, length, h, dim)
+        for name, length, h, width in names:
+            shape = (length, h, width) if no_batch_axis else (batch, length, h, width)
             dset = create_float_dataset(f, name, shape, dtype, fill_time="never")
             row_axis = 0 if no_batch_axis else 1
             for b in range(batch):
                 for first in range(0, math.ceil(length / CHUNK_ROWS), size):  # one round per `size` blocks
                     c = first + rank
                     rows = np.arange(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, length), dtype=np.int64)
-                    data = (block(name, seed, b, c, length, h, dim, dtype) if len(rows)
-                            else np.empty((0, h, dim), dtype=resolve_dtype(dtype)))
+                    data = (block(name, seed, b, c, length, h, width, dtype) if len(rows)
+                            else np.empty((0, h, width), dtype=resolve_dtype(dtype)))
                     if no_batch_axis:
                         ShardIO(comm, rows).write(dset, row_axis, data)
                     else:
-                        ShardIO(comm, rows).write(dset, row_axis, data[None], [(b, b + 1), (0, 0), (0, h), (0, dim)])
+                        ShardIO(comm, rows).write(dset, row_axis, data[None], [(b, b + 1), (0, 0), (0, h), (0, width)])
         if segments:
             seg_names = [("segment_ids", n, 0)] if n == n_kv else [("segment_ids_q", n, 0), ("segment_ids_kv", n_kv, 1)]
             for name, length, stream in seg_names:
@@ -117,7 +120,8 @@ def make_data(output_path, n, heads, kv_heads, dim, batch, n_kv, dtype, seed, wi
         raise
     if rank == 0:
         shape = (n, heads, dim) if no_batch_axis else (batch, n, heads, dim)
-        click.echo(f"wrote {out.path}: q {shape}, k/v N_kv={n_kv} H_kv={kv_heads}, {dtype}, seed {seed}"
+        click.echo(f"wrote {out.path}: q {shape}, k/v N_kv={n_kv} H_kv={kv_heads}"
+                   + (f" D_v={dim_v}" if dim_v != dim else "") + f", {dtype}, seed {seed}"
                    + (", with do" if with_do else "") + (f", {segments} segments" if segments else "")
                    + f" ({size} rank(s))")
     comm.Free()

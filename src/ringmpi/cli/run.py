@@ -88,10 +88,11 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
 
     lse_dtype = np.float64 if spec.dtype == "float64" else np.float32
     q_shape, kv_shape = spec.shapes["q"], spec.shapes["k"]
+    o_shape, v_shape = q_shape[:-1] + (spec.dim_v,), spec.shapes["v"]
     lse_shape = (spec.batch, spec.heads, spec.n_q) if spec.rank4 else (spec.heads, spec.n_q)
-    names = [("o", q_shape, spec.dtype), ("lse", lse_shape, lse_dtype)]
+    names = [("o", o_shape, spec.dtype), ("lse", lse_shape, lse_dtype)]
     if backward:
-        names += [("dq", q_shape, spec.dtype), ("dk", kv_shape, spec.dtype), ("dv", kv_shape, spec.dtype)]
+        names += [("dq", q_shape, spec.dtype), ("dk", kv_shape, spec.dtype), ("dv", v_shape, spec.dtype)]
     for name, shape, dtype in names:  # collective: identical arguments on every rank
         create_float_dataset(fout, name, shape, dtype, fill_time="never")
     for key, value in attrs.items():
@@ -205,11 +206,13 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             ax_q, box_q = boxes["q"]
             ax_kv, box_kv = boxes["kv"]
             ax_lse, box_lse = boxes["lse"]
+            ax_o, box_o = boxes["o"]   # o, do: D_v wide
+            ax_v, box_v = boxes["v"]   # v, dv: D_v wide
             lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
             drop = (lambda x: x) if spec.rank4 else (lambda x: x[0])
             q = lift(io_q.read(fin["q"], ax_q, box_q))
             k = lift(io_kv.read(fin["k"], ax_kv, box_kv))
-            v = lift(io_kv.read(fin["v"], ax_kv, box_kv))
+            v = lift(io_kv.read(fin["v"], ax_v, box_v))
             seg = {}
             if spec.seg_q:
                 seg = dict(segment_ids_q=_read_segments(fin, spec.seg_q, io_q, p),
@@ -220,18 +223,18 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             o, lse = ring_attention(qd, kd, vd, stats=stats, **kw, **seg)
             ring_s += time.perf_counter() - t0
             o_host, lse_host = to_host(o), to_host(lse)
-            io_q.write(fout["o"], ax_q, drop(o_host), box_q)
+            io_q.write(fout["o"], ax_o, drop(o_host), box_o)
             io_q.write(fout["lse"], ax_lse, drop(lse_host), box_lse)
             progress.advance(f"forward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1} "
                              f"({time.perf_counter() - t0:.2f} s)")
             if backward:
-                do = lift(io_q.read(fin["do"], ax_q, box_q))
+                do = lift(io_q.read(fin["do"], ax_o, box_o))
                 t0 = time.perf_counter()
                 dq, dk, dv = ring_attention_backward(to_device(do), qd, kd, vd, o, lse, stats=stats, **kw, **seg)
                 ring_s += time.perf_counter() - t0
                 io_q.write(fout["dq"], ax_q, drop(to_host(dq)), box_q)
                 io_kv.write(fout["dk"], ax_kv, drop(to_host(dk)), box_kv)
-                io_kv.write(fout["dv"], ax_kv, drop(to_host(dv)), box_kv)
+                io_kv.write(fout["dv"], ax_v, drop(to_host(dv)), box_v)
                 progress.advance(f"backward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1} "
                                  f"({time.perf_counter() - t0:.2f} s)")
             compute_s += sum(r.compute_s for r in stats)
@@ -336,7 +339,7 @@ def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bo
     for p in passes:
         for name in names:
             shard_io = io_kv if name in ("k", "v") else io_q
-            axis, box = pass_boxes(spec, p)["kv" if name in ("k", "v") else "q"]
+            axis, box = pass_boxes(spec, p)[{"k": "kv", "v": "v", "do": "o"}.get(name, "q")]
             data = shard_io.read(fin[name], axis, box)
             if found is not None:
                 continue  # keep joining the collective reads
@@ -366,7 +369,7 @@ def _summary(spec, size, layout, causal, window, backward, backend, passes, ever
     walls, rings, computes, waits, reads, writes = (np.array(col) for col in zip(*every))
     wall = float(walls.max())
     flops = attention_flops(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.dim, causal,
-                            "forward+backward" if backward else "forward")
+                            "forward+backward" if backward else "forward", dim_v=spec.dim_v)
     mask = "causal" if causal else "full"
     if window is not None:
         mask += f" window {window}"
@@ -374,7 +377,8 @@ def _summary(spec, size, layout, causal, window, backward, backend, passes, ever
     spread = (rings.max() - rings.min()) / rings.max() * 100 if rings.max() > 0 else 0.0
     lines = [
         f"ringmpi run: N={spec.n_q}" + (f" N_kv={spec.n_kv}" if spec.n_kv != spec.n_q else "")
-        + f" B={spec.batch} H={spec.heads} H_kv={spec.kv_heads} D={spec.dim} {spec.dtype}, "
+        + f" B={spec.batch} H={spec.heads} H_kv={spec.kv_heads} D={spec.dim}"
+        + (f" D_v={spec.dim_v}" if spec.dim_v != spec.dim else "") + f" {spec.dtype}, "
         f"P={size}, layout {layout}, {mask}, {'forward+backward' if backward else 'forward'}, "
         f"backend {backend}, {len(passes)} pass(es)",
         f"  time: {wall:.3f} s wall; {flops / wall / 1e12:.4f} TFLOP/s overall "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -33,6 +33,10 @@ KIND_SIZE = {F16: 2, BF16: 2, F32: 4, F64: 8}
 PADDED_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = PADDED_DIMS[-1]
 MMA_BACKWARD_MAX_DIM = 128   # larger f16/bf16 head dims use the SIMT backward
+# A value head dim D_v != D: a pair whose padded buckets are equal runs the
+# D == D_v kernels (D_v is a run-time argument); these (D bucket, D_v bucket)
+# pairs are compiled too (template argument DVP): DeepSeek MLA's 192 / 128.
+VALUE_DIM_BUCKETS = ((192, 128),)
 
 # tile sizes (must match the kernels)
 FWD_MMA_TILES = (64, 64)                 # (query rows, keys) per CTA step
@@ -94,6 +98,30 @@ def source(filename: str) -> str:
     return "\n".join(parts)
 
 
+def value_dim_problem(d: int, d_v: int) -> Optional[str]:
+    """Why the CUDA kernels cannot run head dim ``d`` with value head dim ``d_v``, or None."""
+    if d_v <= MAX_HEAD_DIM and d <= MAX_HEAD_DIM:
+        dp, dvp = padded_dim(d), padded_dim(d_v)
+        if dp == dvp or (dp, dvp) in VALUE_DIM_BUCKETS:
+            return None
+    pairs = ", ".join(f"D in ({_bucket_floor(a)}, {a}] with D_v in ({_bucket_floor(b)}, {b}]"
+                      for a, b in VALUE_DIM_BUCKETS)
+    return (f"the CUDA kernels do not run head dim D={d} with value head dim D_v={d_v}: they take "
+            f"D_v in the same head-dim bucket as D (buckets {PADDED_DIMS}) or {pairs}; "
+            f"backend='numpy' runs any pair")
+
+
+def _bucket_floor(dp: int) -> int:
+    i = PADDED_DIMS.index(dp)
+    return PADDED_DIMS[i - 1] if i else 0
+
+
+def _value_bucket(dp: int, d_v) -> Tuple[int, str]:
+    """``(DVP, name-expression tail)`` of value head dim ``d_v`` next to head-dim bucket ``dp``."""
+    dvp = dp if d_v is None else padded_dim(d_v)
+    return dvp, ("" if dvp == dp else f", {dvp}")
+
+
 # ------------------------------------------------------------ kernel choice
 @dataclass(frozen=True)
 class BlockKernel:
@@ -144,42 +172,49 @@ class BlockKernel:
         return self.smem
 
     def args(self, tensors: tuple, scale, mask_args: tuple, batch: int, heads: int, kv_heads: int,
-             sq: int, skv: int, d: int) -> tuple:
+             sq: int, skv: int, d: int, d_v: Optional[int] = None) -> tuple:
         """The kernel's argument tuple: ``tensors`` (forward: ``qh, kh, vh, o_acc, m, l``;
         backward: ``qh, doh, lse, dvec, kh, vh, dq, dk, dv``), the typed ``scale``,
-        the ``MASK_PARAMS`` values, then the int32 shape scalars."""
+        the ``MASK_PARAMS`` values, then the int32 shape scalars (the value head
+        dim ``d_v``, default ``d``, last)."""
         nqt, nkt = self.tile_counts(sq, skv)
-        shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt))
+        d_v = d if d_v is None else d_v
+        shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt, d_v))
         return tuple(tensors) + (scale,) + tuple(mask_args) + shape
 
 
-def forward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
-    """Every forward kernel for K/V kind ``kind`` and head dim ``d``, preferred first.
+def forward_kernels(kind: int, d: int, d_v: Optional[int] = None) -> Tuple[BlockKernel, ...]:
+    """Every forward kernel for K/V kind ``kind``, head dim ``d`` and value head
+    dim ``d_v`` (default ``d``; see :func:`value_dim_problem`), preferred first.
 
     f16/bf16: tensor cores, then the SIMT kernel; f32/f64: the exact SIMT
     kernel.  SIMT key tiles shrink (32, 16, 8) to save shared memory; the
     list ends with the first kernel that fits ``SMALLEST_OPTIN``.
     """
     dp = padded_dim(d)
+    dvp, tail = _value_bucket(dp, d_v)
     out = []
     if kind in (F16, BF16):
         bm, bn = FWD_MMA_TILES
-        smem = 2 * (bm * (dp + 8) + bn * (dp + 8) + dp * (bn + 8))
-        expr = f"ringmpi_forward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
+        smem = 2 * (bm * (dp + 8) + bn * (dp + 8) + dvp * (bn + 8))
+        expr = f"ringmpi_forward_mma<{dp}, {'true' if kind == BF16 else 'false'}{tail}>"
         out.append(BlockKernel("forward", "forward.cu", expr, (bm, bn), 128, smem))
     bm, t = 32, _acc_size(kind)
-    for bn in _simt_bns(dp, kind):
-        smem = t * (bm * (dp + 1) + 2 * bn * (dp + 1) + bm * (bn + 1))
-        out.append(BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}>",
+    for bn in _simt_bns(max(dp, dvp), kind):
+        smem = t * (bm * (dp + 1) + bn * (dp + 1) + bn * (dvp + 1) + bm * (bn + 1))
+        out.append(BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}{tail}>",
                                (bm, bn), 128, smem))
     return _reachable(out)
 
 
-def backward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
-    """Every backward kernel for K/V kind ``kind`` and head dim ``d``, preferred first."""
+def backward_kernels(kind: int, d: int, d_v: Optional[int] = None) -> Tuple[BlockKernel, ...]:
+    """Every backward kernel for K/V kind ``kind``, head dim ``d`` and value head
+    dim ``d_v`` (default ``d``), preferred first.  The tensor-core kernel takes
+    ``d_v`` only in ``d``'s bucket."""
     dp = padded_dim(d)
+    dvp, tail = _value_bucket(dp, d_v)
     out = []
-    if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM:
+    if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM and dvp == dp:
         bn = 64
         bm = 64 if dp <= 64 else 32
         smem = 4 * 2 * bm + 2 * (2 * bn * (dp + 8) + dp * (bn + 8) + 2 * bm * (dp + 8)
@@ -187,11 +222,11 @@ def backward_kernels(kind: int, d: int) -> Tuple[BlockKernel, ...]:
         expr = f"ringmpi_backward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
         out.append(BlockKernel("backward", "backward.cu", expr, (bm, bn), 128, smem))
     t = _acc_size(kind)
-    for bn in _simt_bns(dp, kind):
-        smem = t * (4 * bn * (dp + 1) + 2 * bn * (bn + 1) + 2 * bn)
+    for bn in _simt_bns(max(dp, dvp), kind):
+        smem = t * (2 * bn * (dp + 1) + 2 * bn * (dvp + 1) + 2 * bn * (bn + 1) + 2 * bn)
         threads = min(256, bn * bn)   # BWD_SIMT_THREADS in backward.cu
-        out.append(BlockKernel("backward", "backward.cu", f"ringmpi_backward_simt<{dp}, {kind}, {bn}>",
-                               (bn, bn), threads, smem))
+        out.append(BlockKernel("backward", "backward.cu",
+                               f"ringmpi_backward_simt<{dp}, {kind}, {bn}{tail}>", (bn, bn), threads, smem))
     return _reachable(out)
 
 
@@ -214,15 +249,15 @@ def _fitting(candidates, smem_limit, what: str) -> BlockKernel:
                       f"(the smallest needs {min(k.smem for k in candidates)})")
 
 
-def forward_kernel(kind: int, d: int, smem_limit=None) -> BlockKernel:
+def forward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = None) -> BlockKernel:
     """The first of :func:`forward_kernels` whose dynamic shared memory fits
     ``smem_limit`` bytes (the device's opt-in limit; ``None``: no limit)."""
-    return _fitting(forward_kernels(kind, d), smem_limit, f"forward (kind {kind}, D={d})")
+    return _fitting(forward_kernels(kind, d, d_v), smem_limit, f"forward (kind {kind}, D={d}, D_v={d_v or d})")
 
 
-def backward_kernel(kind: int, d: int, smem_limit=None) -> BlockKernel:
+def backward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = None) -> BlockKernel:
     """The first of :func:`backward_kernels` that fits ``smem_limit`` bytes."""
-    return _fitting(backward_kernels(kind, d), smem_limit, f"backward (kind {kind}, D={d})")
+    return _fitting(backward_kernels(kind, d, d_v), smem_limit, f"backward (kind {kind}, D={d}, D_v={d_v or d})")
 
 
 def finalize_kernel(acc_kind: int, out_kind: int):
@@ -244,6 +279,9 @@ def instantiations():
         for dp in PADDED_DIMS:
             out.extend(k.instantiation for k in forward_kernels(kind, dp))
             out.extend(k.instantiation for k in backward_kernels(kind, dp))
+        for dp, dvp in VALUE_DIM_BUCKETS:
+            out.extend(k.instantiation for k in forward_kernels(kind, dp, dvp))
+            out.extend(k.instantiation for k in backward_kernels(kind, dp, dvp))
     for acc in (F32, F64):
         for o in (F16, BF16, F32, F64):
             out.append(finalize_kernel(acc, o))

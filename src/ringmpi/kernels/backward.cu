@@ -7,14 +7,16 @@
 // dk / dv of the CTA's key tile are accumulated in registers and added to
 // global memory once (the CTA owns them); dq rows are shared by all key
 // tiles and are updated with atomicAdd.
-// Layouts: q, do, dq (B, H, Sq, D); lse, dvec (B, H, Sq);
-// k, v, dk, dv (B, Hkv, Skv, D).  Grid: (kv tiles, B * Hkv).
+// Layouts: q, dq (B, H, Sq, D); do (B, H, Sq, Dv); lse, dvec (B, H, Sq);
+// k, dk (B, Hkv, Skv, D); v, dv (B, Hkv, Skv, Dv).  Grid: (kv tiles, B * Hkv).
+// The value head dim Dv may differ from D (the SIMT kernel's DVP, default DP,
+// is its padded bucket; the MMA kernel takes Dv <= DP at run time).
 
 struct BwdArgs {
-    int B, H, Hkv, Sq, Skv, D, nqt, nkt;
+    int B, H, Hkv, Sq, Skv, D, nqt, nkt, Dv;
 };
-#define BWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt
-#define BWD_SHAPE_INIT(a) const BwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt}
+#define BWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt, int Dv
+#define BWD_SHAPE_INIT(a) const BwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt, Dv}
 
 // ---------------------------------------------------------------------------
 // Tensor-core kernel for f16 / bf16 K/V (DP <= 128): 4 warps, 64 keys
@@ -129,15 +131,15 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     const int group = a.H / a.Hkv;
     const int k0 = kt * BN;
     const long long kvbase = (long long)bhk * a.Skv * a.D;
+    const long long vbase = (long long)bhk * a.Skv * a.Dv;
 
     int bad_kv = 0;
     for (int idx = tid; idx < BN * DP; idx += 128) {
         const int r = idx / DP, d = idx % DP;
         unsigned short kx = 0, vx = 0;
-        if (k0 + r < a.Skv && d < a.D) {
-            const long long off = kvbase + (long long)(k0 + r) * a.D + d;
-            kx = k[off];
-            vx = v[off];
+        if (k0 + r < a.Skv) {
+            if (d < a.D) kx = k[kvbase + (long long)(k0 + r) * a.D + d];
+            if (d < a.Dv) vx = v[vbase + (long long)(k0 + r) * a.Dv + d];
             bad_kv |= nonfinite_bits16<BF16>(kx) || nonfinite_bits16<BF16>(vx);
         }
         Ks[r * RS + d] = kx;
@@ -161,6 +163,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
         const int h = hk * group + hh;
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
+        const long long obase = bh * a.Sq * a.Dv;
         for (int qt = 0; qt < a.nqt; ++qt) {
             const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
             if (state == TILE_SKIP) continue;
@@ -172,10 +175,9 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
             for (int idx = tid; idx < BM * DP; idx += 128) {
                 const int r = idx / DP, d = idx % DP;
                 float qx = 0.f, dx = 0.f;
-                if (q0 + r < a.Sq && d < a.D) {
-                    const long long off = qbase + (long long)(q0 + r) * a.D + d;
-                    qx = q[off];
-                    dx = dout[off];
+                if (q0 + r < a.Sq) {
+                    if (d < a.D) qx = q[qbase + (long long)(q0 + r) * a.D + d];
+                    if (d < a.Dv) dx = dout[obase + (long long)(q0 + r) * a.Dv + d];
                 }
                 const unsigned short qb = to_bits16<BF16>(qx), db = to_bits16<BF16>(dx);
                 bad |= nonfinite_bits16<BF16>(qb) || nonfinite_bits16<BF16>(db);
@@ -326,11 +328,8 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
         for (int e = 0; e < 4; ++e) {
             const int key = e < 2 ? key0 : key1;
             const int d = dt * 8 + 2 * c + (e & 1);
-            if (key < a.Skv && d < a.D) {
-                const long long off = kvbase + (long long)key * a.D + d;
-                dk[off] += dk_acc[dt][e];
-                dv[off] += dv_acc[dt][e];
-            }
+            if (key < a.Skv && d < a.D) dk[kvbase + (long long)key * a.D + d] += dk_acc[dt][e];
+            if (key < a.Skv && d < a.Dv) dv[vbase + (long long)key * a.Dv + d] += dv_acc[dt][e];
         }
     }
 }
@@ -341,7 +340,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
 // BN queries per step, TPR = NTH / BN threads per key row (BN = 8 keeps float64
 // at DP > 128 within 99 KB of shared memory).  Shared tiles hold the compute type.
 #define BWD_SIMT_THREADS(BN) ((BN) * (BN) < 256 ? (BN) * (BN) : 256)
-template <int DP, int KIND, int BN>
+template <int DP, int KIND, int BN, int DVP = DP>
 __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::acc* __restrict__ dout,
     const typename Kind<KIND>::acc* __restrict__ lse, const typename Kind<KIND>::acc* __restrict__ dvec,
@@ -355,16 +354,20 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     constexpr int BM = BN;
     constexpr int NTH = BWD_SIMT_THREADS(BN);
     constexpr int TPR = NTH / BN;
-    constexpr int RS = DP + 1;
+    constexpr int RS = DP + 1;    // row stride of Ks, Qs
+    constexpr int VRS = DVP + 1;  // row stride of Vs, dOs
     constexpr int PS = BN + 1;
-    constexpr int ND = DP / TPR;  // d columns per thread
+    constexpr int ND = DP / TPR;  // d columns per thread (dk, dq)
+    constexpr int NDV = DVP / TPR;  // dv columns per thread
+    constexpr int NDL = ND > NDV ? ND : NDV;
+    constexpr int DL = DP > DVP ? DP : DVP;  // columns loaded per row
     constexpr int NR = BM / TPR;  // query rows per thread in the score step
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Ks = reinterpret_cast<T*>(smem_raw);
     T* Vs = Ks + BN * RS;
-    T* Qs = Vs + BN * RS;
+    T* Qs = Vs + BN * VRS;
     T* dOs = Qs + BM * RS;
-    T* Ps = dOs + BM * RS;      // [query][key]
+    T* Ps = dOs + BM * VRS;     // [query][key]
     T* dSs = Ps + BM * PS;      // [query][key]
     T* lse_s = dSs + BM * PS;
     T* dvec_s = lse_s + BM;
@@ -376,24 +379,27 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const int group = a.H / a.Hkv;
     const int k0 = kt * BN, key = k0 + cr;
     const long long kvbase = (long long)bhk * a.Skv * a.D;
+    const long long vbase = (long long)bhk * a.Skv * a.Dv;
+    const int dmin = a.D < a.Dv ? a.D : a.Dv;
 
     int bad_kv = 0;
-    for (int idx = tid; idx < BN * DP; idx += NTH) {
-        const int r = idx / DP, d = idx % DP;
+    for (int idx = tid; idx < BN * DL; idx += NTH) {
+        const int r = idx / DL, d = idx % DL;
         T kx = T(0), vx = T(0);
-        if (k0 + r < a.Skv && d < a.D) {
-            const long long off = kvbase + (long long)(k0 + r) * a.D + d;
-            kx = load_acc<KIND>(k + off);
-            vx = load_acc<KIND>(v + off);
+        if (k0 + r < a.Skv) {
+            if (d < a.D) kx = load_acc<KIND>(k + kvbase + (long long)(k0 + r) * a.D + d);
+            if (d < a.Dv) vx = load_acc<KIND>(v + vbase + (long long)(k0 + r) * a.Dv + d);
             bad_kv |= !(finite_acc(kx) && finite_acc(vx));
         }
-        Ks[r * RS + d] = kx;
-        Vs[r * RS + d] = vx;
+        if (d < DP) Ks[r * RS + d] = kx;
+        if (d < DVP) Vs[r * VRS + d] = vx;
     }
     bad_kv = __syncthreads_or(bad_kv);  // a NaN/Inf in this key tile's K or V
-    T dk_acc[ND], dv_acc[ND];
+    T dk_acc[ND], dv_acc[NDV];
 #pragma unroll
-    for (int i = 0; i < ND; ++i) dk_acc[i] = dv_acc[i] = T(0);
+    for (int i = 0; i < ND; ++i) dk_acc[i] = T(0);
+#pragma unroll
+    for (int i = 0; i < NDV; ++i) dv_acc[i] = T(0);
 
     const bool ragged_kv = k0 + BN > a.Skv;
     bool touched = false;
@@ -401,6 +407,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
         const int h = hk * group + hh;
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
+        const long long obase = bh * a.Sq * a.Dv;
         for (int qt = 0; qt < a.nqt; ++qt) {
             const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
             if (state == TILE_SKIP) continue;
@@ -409,17 +416,16 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
             const int q0 = qt * BM;
             __syncthreads();
             int bad = 0;
-            for (int idx = tid; idx < BM * DP; idx += NTH) {
-                const int r = idx / DP, d = idx % DP;
+            for (int idx = tid; idx < BM * DL; idx += NTH) {
+                const int r = idx / DL, d = idx % DL;
                 T qx = T(0), dx = T(0);
-                if (q0 + r < a.Sq && d < a.D) {
-                    const long long off = qbase + (long long)(q0 + r) * a.D + d;
-                    qx = q[off];
-                    dx = dout[off];
+                if (q0 + r < a.Sq) {
+                    if (d < a.D) qx = q[qbase + (long long)(q0 + r) * a.D + d];
+                    if (d < a.Dv) dx = dout[obase + (long long)(q0 + r) * a.Dv + d];
                     bad |= !(finite_acc(qx) && finite_acc(dx));
                 }
-                Qs[r * RS + d] = qx;
-                dOs[r * RS + d] = dx;
+                if (d < DP) Qs[r * RS + d] = qx;
+                if (d < DVP) dOs[r * VRS + d] = dx;
             }
             for (int r = tid; r < BM; r += NTH) {
                 T lv = pos_inf<T>(), dvv = T(0);
@@ -438,10 +444,12 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
             for (int i = 0; i < NR; ++i) {
                 const int ql = j + TPR * i;
                 T s = T(0), dp = T(0);
-                for (int d = 0; d < a.D; ++d) {
+                for (int d = 0; d < dmin; ++d) {
                     s += Qs[ql * RS + d] * Ks[cr * RS + d];
-                    dp += dOs[ql * RS + d] * Vs[cr * RS + d];
+                    dp += dOs[ql * VRS + d] * Vs[cr * VRS + d];
                 }
+                for (int d = dmin; d < a.D; ++d) s += Qs[ql * RS + d] * Ks[cr * RS + d];
+                for (int d = dmin; d < a.Dv; ++d) dp += dOs[ql * VRS + d] * Vs[cr * VRS + d];
                 s *= scale;
                 const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                 if (hidden) s = neg_inf<T>();
@@ -456,10 +464,10 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                 for (int ql = 0; ql < BM; ++ql) {
                     const T pe = Ps[ql * PS + cr], dse = dSs[ql * PS + cr];
 #pragma unroll
-                    for (int i = 0; i < ND; ++i) {
+                    for (int i = 0; i < NDL; ++i) {
                         const int d = j + TPR * i;
-                        dv_acc[i] += pe * dOs[ql * RS + d];
-                        dk_acc[i] += dse * Qs[ql * RS + d];
+                        if (i < NDV) dv_acc[i] += pe * dOs[ql * VRS + d];
+                        if (i < ND) dk_acc[i] += dse * Qs[ql * RS + d];
                     }
                 }
             } else {  // visible pairs only, whatever their weight
@@ -467,10 +475,10 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                     const T pe = Ps[ql * PS + cr], dse = dSs[ql * PS + cr];
                     const bool vis = pair_visible(mk, need_mask, b, q0 + ql, key, a.Sq, a.Skv);
 #pragma unroll
-                    for (int i = 0; i < ND; ++i) {
+                    for (int i = 0; i < NDL; ++i) {
                         const int d = j + TPR * i;
-                        dv_acc[i] = visible_add(dv_acc[i], vis, pe, dOs[ql * RS + d]);
-                        dk_acc[i] = visible_add(dk_acc[i], vis, dse, Qs[ql * RS + d]);
+                        if (i < NDV) dv_acc[i] = visible_add(dv_acc[i], vis, pe, dOs[ql * VRS + d]);
+                        if (i < ND) dk_acc[i] = visible_add(dk_acc[i], vis, dse, Qs[ql * RS + d]);
                     }
                 }
             }
@@ -498,10 +506,11 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
         const int d = j + TPR * i;
-        if (d < a.D) {
-            const long long off = kvbase + (long long)key * a.D + d;
-            dk[off] += dk_acc[i];
-            dv[off] += dv_acc[i];
-        }
+        if (d < a.D) dk[kvbase + (long long)key * a.D + d] += dk_acc[i];
+    }
+#pragma unroll
+    for (int i = 0; i < NDV; ++i) {
+        const int d = j + TPR * i;
+        if (d < a.Dv) dv[vbase + (long long)key * a.Dv + d] += dv_acc[i];
     }
 }

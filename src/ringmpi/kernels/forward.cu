@@ -4,15 +4,16 @@
 //   m_new = max(m, rowmax(s)); shift = (m_new == -inf) ? 0 : m_new
 //   p = exp(s - shift); alpha = exp(m - shift)
 //   l = l * alpha + rowsum(p); o_acc = o_acc * alpha + p @ v; m = m_new
-// Layouts: q, o_acc (B, H, Sq, D); m, l (B, H, Sq); k, v (B, Hkv, Skv, D);
-// kv head of query head h is h / (H / Hkv).  Grid: (q tiles, B * H).
+// Layouts: q (B, H, Sq, D); o_acc (B, H, Sq, Dv); m, l (B, H, Sq); k (B, Hkv, Skv, D);
+// v (B, Hkv, Skv, Dv); kv head of query head h is h / (H / Hkv).  Grid: (q tiles, B * H).
+// The value head dim Dv may differ from D: DVP (default DP) is its padded bucket.
 
 // Shape parameters; nqt / nkt count q / kv tiles in the kernel's tile sizes.
 struct FwdArgs {
-    int B, H, Hkv, Sq, Skv, D, nqt, nkt;
+    int B, H, Hkv, Sq, Skv, D, nqt, nkt, Dv;
 };
-#define FWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt
-#define FWD_SHAPE_INIT(a) const FwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt}
+#define FWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt, int Dv
+#define FWD_SHAPE_INIT(a) const FwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt, Dv}
 
 // ---------------------------------------------------------------------------
 // Tensor-core kernel for f16 / bf16 K/V: 4 warps, 64 query rows (16 per warp),
@@ -28,7 +29,7 @@ struct FwdArgs {
 // the loop runs uniformly over the tile's keys, only for a tile with such values.
 template <int NT, int DT, bool BF16>
 __device__ __forceinline__ void fwd_mma_add_bad_v(float (*o)[4], const float (*s)[4],
-                                                  const unsigned short* __restrict__ v, long long kvbase,
+                                                  const unsigned short* __restrict__ v, long long vbase,
                                                   int k0, int row0, int row1, int g, int c, int lane,
                                                   bool need_mask, const MaskArgs& mk, int b, const FwdArgs& a) {
     for (int cc = 0; cc < NT * 8; ++cc) {
@@ -49,8 +50,8 @@ __device__ __forceinline__ void fwd_mma_add_bad_v(float (*o)[4], const float (*s
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int d = dt * 8 + 2 * c + (e & 1);
-                if (d >= a.D) continue;
-                const unsigned short bits = v[kvbase + (long long)key * a.D + d];
+                if (d >= a.Dv) continue;
+                const unsigned short bits = v[vbase + (long long)key * a.Dv + d];
                 if ((bits & 0x7fffu) < (BF16 ? 0x7f80u : 0x7c00u)) continue;
                 const int row = e < 2 ? row0 : row1;
                 if (need_mask && !elem_visible(mk, b, row, key, a.Sq, a.Skv)) continue;
@@ -61,7 +62,7 @@ __device__ __forceinline__ void fwd_mma_add_bad_v(float (*o)[4], const float (*s
     }
 }
 
-template <int DP, bool BF16>
+template <int DP, bool BF16, int DVP = DP>
 __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     const float* __restrict__ q, const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v, float* __restrict__ o_acc,
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     constexpr int QS = DP + 8;   // row stride (elements) of Qs and Ks
     constexpr int VS = BN + 8;   // row stride of Vt (V transposed: [d][key])
     constexpr int NT = BN / 8;   // n-tiles of S
-    constexpr int DT = DP / 8;   // n-tiles of O
+    constexpr int DT = DVP / 8;  // n-tiles of O
+    constexpr int DL = DP > DVP ? DP : DVP;  // columns loaded per K/V row
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned short* Qs = reinterpret_cast<unsigned short*>(smem_raw);
     unsigned short* Ks = Qs + BM * QS;
@@ -87,7 +89,9 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM;
     const long long qbase = ((long long)bh * a.Sq) * a.D;
+    const long long obase = ((long long)bh * a.Sq) * a.Dv;
     const long long kvbase = ((long long)b * a.Hkv + hk) * (long long)a.Skv * a.D;
+    const long long vbase = ((long long)b * a.Hkv + hk) * (long long)a.Skv * a.Dv;
 
     for (int idx = tid; idx < BM * DP; idx += 128) {
         const int r = idx / DP, d = idx % DP;
@@ -110,7 +114,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         for (int e = 0; e < 4; ++e) {
             const int row = e < 2 ? row0 : row1;
             const int d = dt * 8 + 2 * c + (e & 1);
-            o[dt][e] = (row < a.Sq && d < a.D) ? o_acc[qbase + (long long)row * a.D + d] : 0.f;
+            o[dt][e] = (row < a.Sq && d < a.Dv) ? o_acc[obase + (long long)row * a.Dv + d] : 0.f;
         }
     }
 
@@ -123,20 +127,19 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         const bool need_mask = state == TILE_PARTIAL || k0 + BN > a.Skv;
         __syncthreads();  // previous tile's Ks / Vt fully consumed
         int bad_v = 0;
-        for (int idx = tid; idx < BN * DP; idx += 128) {
-            const int r = idx / DP, d = idx % DP;
+        for (int idx = tid; idx < BN * DL; idx += 128) {
+            const int r = idx / DL, d = idx % DL;
             unsigned short kx = 0, vx = 0;
-            if (k0 + r < a.Skv && d < a.D) {
-                const long long off = kvbase + (long long)(k0 + r) * a.D + d;
-                kx = k[off];
-                vx = v[off];
+            if (k0 + r < a.Skv) {
+                if (d < a.D) kx = k[kvbase + (long long)(k0 + r) * a.D + d];
+                if (d < a.Dv) vx = v[vbase + (long long)(k0 + r) * a.Dv + d];
                 if ((vx & 0x7fffu) >= (BF16 ? 0x7f80u : 0x7c00u)) {  // NaN/Inf: its product is added below
                     bad_v = 1;
                     vx = 0;
                 }
             }
-            Ks[r * QS + d] = kx;
-            Vt[d * VS + r] = vx;
+            if (d < DP) Ks[r * QS + d] = kx;
+            if (d < DVP) Vt[d * VS + r] = vx;
         }
         const bool careful = __syncthreads_or(bad_v);
 
@@ -228,7 +231,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
                 mma16816<BF16>(o[dt], af, bf);
             }
         }
-        if (careful) fwd_mma_add_bad_v<NT, DT, BF16>(o, s, v, kvbase, k0, row0, row1, g, c, lane, need_mask, mk, b, a);
+        if (careful) fwd_mma_add_bad_v<NT, DT, BF16>(o, s, v, vbase, k0, row0, row1, g, c, lane, need_mask, mk, b, a);
     }
     if (!touched) return;
     if (c == 0) {
@@ -241,7 +244,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         for (int e = 0; e < 4; ++e) {
             const int row = e < 2 ? row0 : row1;
             const int d = dt * 8 + 2 * c + (e & 1);
-            if (row < a.Sq && d < a.D) o_acc[qbase + (long long)row * a.D + d] = o[dt][e];
+            if (row < a.Sq && d < a.Dv) o_acc[obase + (long long)row * a.Dv + d] = o[dt][e];
         }
     }
 }
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
 // Shared tiles hold the compute type; D <= DP at run time.
 #define FWD_SIMT_BM 32
 
-template <int DP, int KIND, int BN>
+template <int DP, int KIND, int BN, int DVP = DP>
 __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::storage* __restrict__ k,
     const typename Kind<KIND>::storage* __restrict__ v, typename Kind<KIND>::acc* __restrict__ o_acc,
@@ -262,15 +265,17 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     FWD_SHAPE_INIT(a);
     typedef typename Kind<KIND>::acc T;
     constexpr int BM = FWD_SIMT_BM, TPR = 4;
-    constexpr int RS = DP + 1;   // row stride of Qs, Ks, Vs
+    constexpr int RS = DP + 1;   // row stride of Qs, Ks
+    constexpr int VRS = DVP + 1; // row stride of Vs
     constexpr int PS = BN + 1;   // row stride of Ps
     constexpr int NC = BN / TPR; // score columns per thread
-    constexpr int ND = DP / TPR; // output columns per thread
+    constexpr int ND = DVP / TPR; // output columns per thread
+    constexpr int DL = DP > DVP ? DP : DVP;  // columns loaded per K/V row
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Qs = reinterpret_cast<T*>(smem_raw);
     T* Ks = Qs + BM * RS;
     T* Vs = Ks + BN * RS;
-    T* Ps = Vs + BN * RS;
+    T* Ps = Vs + BN * VRS;
 
     const int tid = threadIdx.x, r = tid / TPR, j = tid % TPR;
     const int qt = blockIdx.x, bh = cta_row();
@@ -279,7 +284,9 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM, row = q0 + r;
     const long long qbase = ((long long)bh * a.Sq) * a.D;
+    const long long obase = ((long long)bh * a.Sq) * a.Dv;
     const long long kvbase = ((long long)b * a.Hkv + hk) * (long long)a.Skv * a.D;
+    const long long vbase = ((long long)b * a.Hkv + hk) * (long long)a.Skv * a.Dv;
 
     for (int idx = tid; idx < BM * DP; idx += 128) {
         const int rr = idx / DP, d = idx % DP;
@@ -291,7 +298,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
         const int d = j + TPR * i;
-        o[i] = (row < a.Sq && d < a.D) ? o_acc[qbase + (long long)row * a.D + d] : T(0);
+        o[i] = (row < a.Sq && d < a.Dv) ? o_acc[obase + (long long)row * a.Dv + d] : T(0);
     }
 
     bool touched = false;
@@ -303,17 +310,16 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
         const bool need_mask = state == TILE_PARTIAL || k0 + BN > a.Skv;
         __syncthreads();
         int bad_v = 0;
-        for (int idx = tid; idx < BN * DP; idx += 128) {
-            const int rr = idx / DP, d = idx % DP;
+        for (int idx = tid; idx < BN * DL; idx += 128) {
+            const int rr = idx / DL, d = idx % DL;
             T kx = T(0), vx = T(0);
-            if (k0 + rr < a.Skv && d < a.D) {
-                const long long off = kvbase + (long long)(k0 + rr) * a.D + d;
-                kx = load_acc<KIND>(k + off);
-                vx = load_acc<KIND>(v + off);
+            if (k0 + rr < a.Skv) {
+                if (d < a.D) kx = load_acc<KIND>(k + kvbase + (long long)(k0 + rr) * a.D + d);
+                if (d < a.Dv) vx = load_acc<KIND>(v + vbase + (long long)(k0 + rr) * a.Dv + d);
                 bad_v |= !finite_acc(vx);
             }
-            Ks[rr * RS + d] = kx;
-            Vs[rr * RS + d] = vx;
+            if (d < DP) Ks[rr * RS + d] = kx;
+            if (d < DVP) Vs[rr * VRS + d] = vx;
         }
         const bool careful = __syncthreads_or(bad_v);  // a NaN/Inf in this V tile
 
@@ -355,14 +361,14 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
             for (int cc = 0; cc < BN; ++cc) {
                 const T p = Ps[r * PS + cc];
 #pragma unroll
-                for (int i = 0; i < ND; ++i) o[i] += p * Vs[cc * RS + j + TPR * i];
+                for (int i = 0; i < ND; ++i) o[i] += p * Vs[cc * VRS + j + TPR * i];
             }
         } else {  // a hidden key (p = 0) must not add 0 * NaN; a visible one adds p * v whatever p is
             for (int cc = 0; cc < BN; ++cc) {
                 const T p = Ps[r * PS + cc];
                 const bool vis = pair_visible(mk, need_mask, b, row, k0 + cc, a.Sq, a.Skv);
 #pragma unroll
-                for (int i = 0; i < ND; ++i) o[i] = visible_add(o[i], vis, p, Vs[cc * RS + j + TPR * i]);
+                for (int i = 0; i < ND; ++i) o[i] = visible_add(o[i], vis, p, Vs[cc * VRS + j + TPR * i]);
             }
         }
         __syncwarp();  // Ps is rewritten by the next tile
@@ -375,6 +381,6 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
         const int d = j + TPR * i;
-        if (d < a.D) o_acc[qbase + (long long)row * a.D + d] = o[i];
+        if (d < a.Dv) o_acc[obase + (long long)row * a.Dv + d] = o[i];
     }
 }
