@@ -1,0 +1,108 @@
+"""Attention sinks, logit softcap and max logit (issue 13, parts 1, 2, 4) under real mpirun.
+
+One launch per world size (P = 1, 3, 4) runs the whole case list of
+``variant_cases.py``; each case is its own pytest item.  Shapes are uneven
+(N % P != 0, N_q != N_kv), every layout, alone and combined with window,
+segments and GQA; float64 finite differences check dsinks through the ring.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from mpi_util import run_cases
+
+WORLD_SIZES = (1, 3, 4)
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def cases_for(p):
+    cases, spin = [], itertools.count()
+
+    def add(name, **kw):
+        i = next(spin)
+        case = dict(id=f"P{p}-{name}", B=1, H=4, Hkv=2, D=16, dtype="float32", seed=5000 * p + i)
+        case.update(kw)
+        cases.append(case)
+
+    for layout in LAYOUTS:
+        add(f"sinks-{layout}", n_q=37, layout=layout, causal=True, sinks=True)
+        add(f"softcap-{layout}", n_q=41, layout=layout, softcap=2.0, k_scale=4.0)
+        add(f"maxlogit-{layout}", n_q=30, n_kv=45, layout=layout, causal=True, window=[7, 0])
+        add(f"combined-{layout}", n_q=53, layout=layout, causal=True, window=[12, 0], segments=3, B=2,
+            H=6, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0)
+        add(f"combined64-{layout}", n_q=29, n_kv=40, layout=layout, causal=True, window=[9, 2], segments=2,
+            H=4, Hkv=1, sinks=True, sink_dtype="float64", softcap=1.5, k_scale=3.0, dtype="float64")
+    add("large-sinks", n_q=33, layout="zigzag", sinks=True, sink_scale=30.0)  # sink far above the scores
+    add("disjoint-sinks", n_q=20, layout="striped", segments=2, disjoint=True, sinks=True)
+    add("disjoint", n_q=20, layout="contiguous", segments=2, disjoint=True, softcap=3.0)
+    add("float16", n_q=45, layout="zigzag", causal=True, sinks=True, softcap=4.0, dtype="float16")
+    add("bfloat16", n_q=45, layout="striped", window=[5, 5], sinks=True, softcap=4.0, dtype="bfloat16")
+    add("scale", n_q=27, layout="contiguous", scale=0.7, softcap=0.5, sinks=True, q_scale=3.0)
+    add("fd", kind="fd", n_q=11, n_kv=13, H=2, Hkv=1, D=5, layout="zigzag", causal=True, sinks=True,
+        softcap=1.3, k_scale=2.0)
+    add("errors", kind="errors", n_q=12, layout="striped")
+    return cases
+
+
+ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(p):
+        if p not in cache:
+            cache[p] = run_cases(p, cases_for(p), tmp_path_factory.mktemp(f"variants{p}"), timeout=300,
+                                 driver="variant_cases.py")
+        return cache[p]
+    return get
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
+def test_variant_case(results, p, case):
+    ok, msg = results(p)[case["id"]]
+    assert ok, msg
+
+
+def test_mask_spec_carries_softcap():
+    from ringmpi.masks import MaskSpec, kernel_scalars, modifier_scalars
+
+    spec = MaskSpec(causal=True, softcap=2.5)
+    assert modifier_scalars(spec) == (np.float64(2.5),)
+    assert modifier_scalars(MaskSpec()) == (np.float64(0.0),)
+    # the cap changes scores, never visibility
+    assert kernel_scalars(spec) == kernel_scalars(MaskSpec(causal=True))
+
+
+def test_fold_sinks_rows_without_keys():
+    from ringmpi.variants import fold_sinks
+
+    o_acc = np.zeros((1, 2, 3, 4))
+    o_acc[0, 0, 0] = 2.0
+    m = np.array([[[0.5, -np.inf, -np.inf], [1.0, 2.0, -np.inf]]])
+    l = np.array([[[2.0, 0.0, 0.0], [1.0, 1.0, 0.0]]])
+    sinks = np.array([0.25, 3.0])
+    lse_before = m + np.log(np.where(l > 0, l, 1))
+    fold_sinks(np, o_acc, m, l, sinks)
+    lse = m + np.log(l)
+    seen = np.array([[[True, False, False], [True, True, False]]])
+    want = np.where(seen, np.logaddexp(lse_before, sinks[None, :, None]), sinks[None, :, None])
+    np.testing.assert_allclose(lse, want, rtol=1e-15)
+    np.testing.assert_allclose(o_acc[0, 0, 0] / l[0, 0, 0], 2.0 / (2.0 + np.exp(0.25 - 0.5)), rtol=1e-15)
+    assert (o_acc[~seen[0][None].repeat(1, 0)] == 0).all()
+
+
+def test_option_problems():
+    from ringmpi.variants import sinks_problem, softcap_problem
+
+    assert softcap_problem(None) is None and softcap_problem(30) is None
+    for bad in (0, -1.0, float("nan"), float("inf"), "x"):
+        assert softcap_problem(bad)
+    assert sinks_problem(np.zeros(3, np.float32), 3) is None
+    assert "shape" in sinks_problem(np.zeros((3, 1), np.float32), 3)
+    assert "float32 or float64" in sinks_problem(np.zeros(3, np.int64), 3)
+    assert "finite" in sinks_problem(np.array([0, np.inf, 0], np.float64), 3)
