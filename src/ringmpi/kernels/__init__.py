@@ -147,7 +147,8 @@ class BlockKernel:
              sq: int, skv: int, d: int) -> tuple:
         """The kernel's argument tuple: ``tensors`` (forward: ``qh, kh, vh, o_acc, m, l``;
         backward: ``qh, doh, lse, dvec, kh, vh, dq, dk, dv``), the typed ``scale``,
-        the ``MASK_PARAMS`` values, then the int32 shape scalars."""
+        the ``MASK_PARAMS`` then ``MOD_PARAMS`` values (``CupyBackend._mask_args``), then the
+        int32 shape scalars."""
         nqt, nkt = self.tile_counts(sq, skv)
         shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt))
         return tuple(tensors) + (scale,) + tuple(mask_args) + shape
