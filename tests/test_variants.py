@@ -43,6 +43,9 @@ def cases_for(p):
     add("fd", kind="fd", n_q=11, n_kv=13, H=2, Hkv=1, D=5, layout="zigzag", causal=True, sinks=True,
         softcap=1.3, k_scale=2.0)
     add("errors", kind="errors", n_q=12, layout="striped")
+    for layout in LAYOUTS:
+        add(f"decode-{layout}", kind="decode", n_q=3, n_kv=50, layout=layout, window=[20, 0], softcap=2.0,
+            k_scale=4.0, sinks=layout != "zigzag")
     return cases
 
 

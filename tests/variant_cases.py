@@ -165,6 +165,35 @@ def fd_case(comm, case):
     return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
 
 
+def decode_case(comm, case):
+    """decode_attention with softcap (and sinks) over a sharded cache: S_new new tokens at
+    the end of an N_kv cache, against the dense reference (bottom-right causal, window)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    q, k, v, _, _, _, sinks = inputs(case)
+    lay = Layout(case["layout"], k.shape[1], size)
+    window = None if case.get("window") is None else tuple(case["window"])
+    to_backend, to_host = _converters()
+    o, lse = ringmpi.decode_attention(to_backend(q), to_backend(lay.shard(k, rank)), to_backend(lay.shard(v, rank)),
+                                      comm=comm, layout=case["layout"], causal=True, window=window,
+                                      softcap=case.get("softcap"), backend=BACKEND,
+                                      sinks=None if sinks is None else to_backend(sinks))
+    o, lse = to_host(o), to_host(lse)
+    same = comm.allgather(o.tobytes() + lse.tobytes())
+    if rank != 0:
+        return None
+    scale = 1.0 / np.sqrt(q.shape[3])
+    vis = reference.visible(q.shape[1], k.shape[1], True, window)
+    opts = dict(sinks=sinks, softcap=case.get("softcap"))
+    ref = reference.dense_forward(q, k, v, vis, scale, np.float64, **opts)
+    naive = reference.dense_forward(q, k, v, vis, scale, q.dtype, **opts)
+    ok, messages = len(set(same)) == 1, [] if len(set(same)) == 1 else ["ranks differ"]
+    for name, ours, r, nv in (("o", o, ref[0], naive[0]), ("lse", lse, ref[1], naive[1])):
+        good, msg = reference.tolerance_check(name, ours, r, nv)
+        ok &= good
+        messages.append(msg)
+    return ok, "; ".join(messages)
+
+
 def errors_case(comm, case):
     """Bad sinks/softcap: one ConfigError with the same message on every rank, before any compute."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -214,7 +243,7 @@ def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    kinds = {"fd": fd_case, "errors": errors_case}
+    kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case}
     run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
 
 
