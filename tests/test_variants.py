@@ -43,6 +43,15 @@ def cases_for(p):
     add("fd", kind="fd", n_q=11, n_kv=13, H=2, Hkv=1, D=5, layout="zigzag", causal=True, sinks=True,
         softcap=1.3, k_scale=2.0)
     add("errors", kind="errors", n_q=12, layout="striped")
+    # file jobs: batch passes (a tiny pass budget) and head passes
+    add("file-batch-passes", kind="file", n_q=23, B=3, layout="zigzag", causal=True, softcap=3.0, k_scale=3.0,
+        pass_bytes=1)
+    add("file-head-passes", kind="file", n_q=19, H=4, Hkv=2, layout="striped", softcap=1.0,
+        argv=["--heads-per-pass", "2"])
+    add("file-bad-sinks", kind="file", n_q=8, layout="contiguous", softcap=1.0, dataset="bad_sinks",
+        expect_error="shape (5,), expected (H,) = (4,)")
+    add("file-missing-sinks", kind="file", n_q=8, layout="contiguous", softcap=1.0, dataset="nope",
+        expect_error="no such dataset")
     for layout in LAYOUTS:
         add(f"decode-{layout}", kind="decode", n_q=3, n_kv=50, layout=layout, window=[20, 0], softcap=2.0,
             k_scale=4.0, sinks=layout != "zigzag")
@@ -58,8 +67,9 @@ def results(tmp_path_factory):
 
     def get(p):
         if p not in cache:
-            cache[p] = run_cases(p, cases_for(p), tmp_path_factory.mktemp(f"variants{p}"), timeout=300,
-                                 driver="variant_cases.py")
+            tmp = tmp_path_factory.mktemp(f"variants{p}")
+            cases = [dict(c, dir=str(tmp)) for c in cases_for(p)]
+            cache[p] = run_cases(p, cases, tmp, timeout=300, driver="variant_cases.py")
         return cache[p]
     return get
 

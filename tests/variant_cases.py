@@ -194,6 +194,66 @@ def decode_case(comm, case):
     return ok, "; ".join(messages)
 
 
+def file_case(comm, case):
+    """``ringmpi run --sinks-dataset --softcap --max-logit [--backward]`` on an HDF5 file (in
+    process, every rank), in several passes; rank 0 checks the output datasets."""
+    import h5py
+    from ringmpi.cli.run import run
+    from ringmpi.errors import ConfigError
+
+    rank = comm.Get_rank()
+    case = dict(case, sinks=True)
+    q, k, v, do, _, _, sinks = inputs(case)
+    src, dst = (os.path.join(case["dir"], f"{case['id']}.{x}.h5") for x in ("in", "out"))
+    if rank == 0:
+        with h5py.File(src, "w") as f:
+            for name, x in (("q", q), ("k", k), ("v", v), ("do", do), ("heads_sinks", sinks)):
+                f[name] = x
+            f["bad_sinks"] = np.append(sinks, 1.0)
+    comm.Barrier()
+    argv = [src, "-o", dst, "--backend", BACKEND, "--layout", case["layout"], "--softcap", str(case["softcap"]),
+            "--sinks-dataset", case.get("dataset", "heads_sinks"), "--max-logit", "--backward", "--overwrite"]
+    argv += (["--causal"] if case.get("causal") else []) + case.get("argv", [])
+    saved = os.environ.get("RINGMPI_PASS_BYTES")
+    os.environ["RINGMPI_PASS_BYTES"] = str(case.get("pass_bytes", 1 << 30))
+    try:
+        run.main(args=argv, standalone_mode=False)
+        error = None
+    except ConfigError as exc:
+        error = str(exc)
+    finally:
+        os.environ.pop("RINGMPI_PASS_BYTES") if saved is None else os.environ.update(RINGMPI_PASS_BYTES=saved)
+    errors = comm.allgather(error)
+    if rank != 0:
+        return None
+    if case.get("expect_error"):
+        ok = errors[0] is not None and case["expect_error"] in errors[0] and len(set(errors)) == 1
+        return ok and not os.path.exists(dst), f"errors {errors}, output left: {os.path.exists(dst)}"
+    if error is not None:
+        return False, f"run failed: {errors}"
+    with h5py.File(dst, "r") as f:
+        out = {name: f[name][()] for name in f}
+        attrs = dict(f.attrs)
+    if any(name.endswith("_partial") for name in out):
+        return False, f"partial datasets left: {sorted(out)}"
+    softcap, scale = case["softcap"], 1.0 / np.sqrt(q.shape[3])
+    vis = reference.visible(q.shape[1], k.shape[1], case.get("causal", False))
+    opts = dict(sinks=sinks, softcap=softcap)
+    ref, naive = (reference.dense_forward(q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
+    refg, naiveg = (reference.dense_backward(do, q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
+    refm, naivem = (reference.dense_max_logit(q, k, vis, scale, dt, softcap) for dt in (np.float64, q.dtype))
+    ok = np.array_equal(out["sinks"], sinks) and attrs["softcap"] == softcap and attrs["max_logit"]
+    messages = [f"sinks stored {np.array_equal(out['sinks'], sinks)}, attrs softcap {attrs['softcap']}"]
+    for name, r, nv, grad in (("o", ref[0], naive[0], False), ("lse", ref[1], naive[1], False),
+                              ("max_logit", refm, naivem, False), ("dq", refg[0], naiveg[0], True),
+                              ("dk", refg[1], naiveg[1], True), ("dv", refg[2], naiveg[2], True),
+                              ("dsinks", refg[3], naiveg[3], True)):
+        good, msg = reference.tolerance_check(name, out[name], r, nv, gradient=grad)
+        ok &= good
+        messages.append(msg)
+    return ok, "; ".join(messages)
+
+
 def errors_case(comm, case):
     """Bad sinks/softcap: one ConfigError with the same message on every rank, before any compute."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -243,7 +303,7 @@ def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case}
+    kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case, "file": file_case}
     run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
 
 
