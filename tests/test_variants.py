@@ -119,3 +119,18 @@ def test_option_problems():
     assert "shape" in sinks_problem(np.zeros((3, 1), np.float32), 3)
     assert "float32 or float64" in sinks_problem(np.zeros(3, np.int64), 3)
     assert "finite" in sinks_problem(np.array([0, np.inf, 0], np.float64), 3)
+
+
+@pytest.mark.mpi
+def test_bench_takes_softcap_and_sinks():
+    import sys
+
+    from mpi_util import ROOT, mpirun
+
+    base = [sys.executable, "-m", "ringmpi", "bench", "--n", "200", "--heads", "2", "--dim", "16", "--repeat", "1",
+            "--warmup", "0", "--backend", "numpy"]
+    rc, out, err, _ = mpirun(2, base + ["--softcap", "30", "--sinks", "--backward"], 120, cwd=ROOT)
+    assert rc == 0, err[-2000:]
+    assert "softcap 30.0, sinks" in out and "backward" in out
+    rc, out, err, _ = mpirun(2, base + ["--softcap", "0"], 120, cwd=ROOT)
+    assert rc == 2 and "--softcap: softcap must be finite and > 0" in err

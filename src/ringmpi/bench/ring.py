@@ -84,8 +84,10 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="With --decode: cache length N.")
 @click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --decode: new tokens per call S_new.")
+@click.option("--softcap", type=float, default=None, metavar="C", help="Logit softcap C > 0 (ring only).")
+@click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
 def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new):
+          sweep, json_path, plot_path, decode, cache, new, softcap, sinks):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -104,8 +106,11 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
                         layout=layout, repeat=repeat, warmup=warmup, backend=backend, seed=seed), json_path)
     comm = resolve_comm(None)
     problem = None
+    from ..variants import softcap_problem
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
+    elif softcap_problem(softcap):
+        problem = f"--softcap: {softcap_problem(softcap)}"
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
     agree(comm, problem)
@@ -116,6 +121,8 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
 
     cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, causal=causal,
                layout=layout, backward=backward, repeat=repeat, warmup=warmup, seed=seed)
+    if softcap is not None or sinks:  # only then: the report of a plain run keeps its keys
+        cfg.update(softcap=softcap, sinks=bool(sinks))
     rank, size = comm.Get_rank(), comm.Get_size()
     sizes = [size] if sweep is None else _sweep_sizes(size)
     load_before = os.getloadavg()
@@ -216,6 +223,10 @@ def _measure(comm, be, cfg, n):
 
     q, k, v = randn(h), randn(hkv), randn(hkv)
     kw = dict(comm=comm, layout=cfg["layout"], causal=cfg["causal"], backend=be.name)
+    if cfg.get("softcap") is not None:
+        kw["softcap"] = cfg["softcap"]
+    if cfg.get("sinks"):
+        kw["sinks"] = be.asarray(np.random.default_rng(cfg["seed"]).standard_normal(h).astype(np.float32))
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):
@@ -517,6 +528,8 @@ def _format_single(r):
     head = (f"ringmpi bench: P={r['world_size']} N={r['n']} B={r['batch']} H={r['heads']} "
             f"Hkv={r['kv_heads']} D={r['dim']} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
             f"{r['layout']}, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up")
+    head += "".join(part for part, used in ((f", softcap {r.get('softcap')}", r.get("softcap") is not None),
+                                            (", sinks", r.get("sinks"))) if used)
     lines = [head]
     phases = [ph for ph in ("forward", "backward") if ph in r]
     for ph in phases:
