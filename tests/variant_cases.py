@@ -224,6 +224,18 @@ def file_case(comm, case):
     finally:
         os.environ.pop("RINGMPI_PASS_BYTES") if saved is None else os.environ.update(RINGMPI_PASS_BYTES=saved)
     errors = comm.allgather(error)
+    verified = None
+    if error is None and not case.get("expect_error"):  # ringmpi verify models sinks, softcap, max logit
+        import contextlib
+        import io
+        from ringmpi.cli.verify import verify
+        text = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(text):
+                verify.main(args=[src, dst], standalone_mode=False)
+            verified = (0, text.getvalue())
+        except SystemExit as exc:
+            verified = (exc.code, text.getvalue())
     if rank != 0:
         return None
     if case.get("expect_error"):
@@ -243,7 +255,9 @@ def file_case(comm, case):
     refg, naiveg = (reference.dense_backward(do, q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
     refm, naivem = (reference.dense_max_logit(q, k, vis, scale, dt, softcap) for dt in (np.float64, q.dtype))
     ok = np.array_equal(out["sinks"], sinks) and attrs["softcap"] == softcap and attrs["max_logit"]
-    messages = [f"sinks stored {np.array_equal(out['sinks'], sinks)}, attrs softcap {attrs['softcap']}"]
+    ok &= verified[0] in (0, None) and "dsinks" in verified[1] and "max_logit" in verified[1]
+    messages = [f"sinks stored {np.array_equal(out['sinks'], sinks)}, attrs softcap {attrs['softcap']}",
+                f"verify exit {verified[0]}: {verified[1]}"]
     for name, r, nv, grad in (("o", ref[0], naive[0], False), ("lse", ref[1], naive[1], False),
                               ("max_logit", refm, naivem, False), ("dq", refg[0], naiveg[0], True),
                               ("dk", refg[1], naiveg[1], True), ("dv", refg[2], naiveg[2], True),
