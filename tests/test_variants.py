@@ -52,6 +52,9 @@ def cases_for(p):
         expect_error="shape (5,), expected (H,) = (4,)")
     add("file-missing-sinks", kind="file", n_q=8, layout="contiguous", softcap=1.0, dataset="nope",
         expect_error="no such dataset")
+    if p == 3:  # torch imports slowly: one launch
+        add("torch", kind="torch", n_q=31, layout="zigzag", causal=True, sinks=True, softcap=2.0,
+            k_scale=3.0)
     for layout in LAYOUTS:
         add(f"decode-{layout}", kind="decode", n_q=3, n_kv=50, layout=layout, window=[20, 0], softcap=2.0,
             k_scale=4.0, sinks=layout != "zigzag")

@@ -268,6 +268,45 @@ def file_case(comm, case):
     return ok, "; ".join(messages)
 
 
+def torch_case(comm, case):
+    """ringmpi.torch.ring_attention with sinks (a tensor with grad) and softcap on CPU tensors:
+    o and the gradients of sum(o * do), dsinks included, against the dense reference."""
+    import torch
+
+    import ringmpi.torch as rt
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    q, k, v, do, _, _, sinks = inputs(case)
+    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    leaves = [torch.from_numpy(np.ascontiguousarray(lay.shard(x, rank))).requires_grad_(True)
+              for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
+    sinks_t = torch.from_numpy(sinks.copy()).requires_grad_(True)
+    o = rt.ring_attention(*leaves, comm=comm, layout=case["layout"], causal=case.get("causal", False),
+                          sinks=sinks_t, softcap=case["softcap"])
+    (o * torch.from_numpy(np.ascontiguousarray(lay_q.shard(do, rank)))).sum().backward()
+    mine = dict(o=o.detach().numpy(), dq=leaves[0].grad.numpy(), dk=leaves[1].grad.numpy(),
+                dv=leaves[2].grad.numpy(), dsinks=sinks_t.grad.numpy())
+    gathered = comm.gather(mine, root=0)
+    if rank != 0:
+        return None
+    scale = 1.0 / np.sqrt(q.shape[3])
+    vis = reference.visible(q.shape[1], k.shape[1], case.get("causal", False))
+    opts = dict(sinks=sinks, softcap=case["softcap"])
+    ref, naive = (reference.dense_forward(q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
+    refg, naiveg = (reference.dense_backward(do, q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
+    ok, messages = True, []
+    if any(g["dsinks"].tobytes() != gathered[0]["dsinks"].tobytes() for g in gathered):
+        ok, messages = False, ["dsinks differ between ranks"]
+    for i, (name, lay, r, nv) in enumerate((("o", lay_q, ref[0], naive[0]), ("dq", lay_q, refg[0], naiveg[0]),
+                                            ("dk", lay_kv, refg[1], naiveg[1]), ("dv", lay_kv, refg[2], naiveg[2]))):
+        ours = lay.unshard([g[name] for g in gathered], axis=1)
+        good, msg = reference.tolerance_check(name, ours, r, nv, gradient=i > 0)
+        ok &= good
+        messages.append(msg)
+    good, msg = reference.tolerance_check("dsinks", gathered[0]["dsinks"], refg[3], naiveg[3], gradient=True)
+    return ok and good, "; ".join(messages + [msg])
+
+
 def errors_case(comm, case):
     """Bad sinks/softcap: one ConfigError with the same message on every rank, before any compute."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -317,7 +356,7 @@ def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case, "file": file_case}
+    kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case, "file": file_case, "torch": torch_case}
     run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
 
 
