@@ -77,10 +77,11 @@ def write_pass(fout, p, group: int, rank: int, max_logit=None, dsinks=None) -> N
 def finish(fout, rank: int) -> None:
     """Reduce the partial datasets into ``max_logit``/``dsinks`` (rank 0 writes), then remove
     the partials (collective)."""
-    fout.flush()
-    for name, reduce in (("max_logit", np.max), ("dsinks", np.sum)):
-        if name + PARTIAL not in fout:
-            continue
+    todo = [(name, reduce) for name, reduce in (("max_logit", np.max), ("dsinks", np.sum))
+            if name + PARTIAL in fout]
+    if todo:
+        fout.flush()
+    for name, reduce in todo:
         if rank == 0:
             fout[name][...] = reduce(fout[name + PARTIAL][()], axis=0)
         fout.flush()
