@@ -8,8 +8,11 @@ keeps one row per batch entry in ``max_logit_partial``/``dsinks_partial``
 ``(B, H)`` (a pass writes its value in its first batch row and the identity,
 ``-inf`` or ``0``, in the others: rewriting a pass after ``--resume`` gives
 the same file) and :func:`finish` reduces them into the final datasets and
-removes the partials.  These arrays are the same on every rank; rank 0 writes
-them.
+removes the partials.  These arrays are the same on every rank, and every
+rank makes the same HDF5 calls with the same data: under the ``mpio`` driver
+a dataset touched by one rank only can leave that rank's metadata cache out of
+step with the others (a reopened file after ``--resume`` then hangs at the
+next collective flush).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def read_sinks(fin, name: str, heads: int, comm) -> np.ndarray:
     return sinks
 
 
-def create(fout, spec, sinks: Optional[np.ndarray], max_logit: bool, dsinks: bool, rank: int) -> None:
-    """Create the per-head datasets (collective) and write ``sinks`` (rank 0)."""
+def create(fout, spec, sinks: Optional[np.ndarray], max_logit: bool, dsinks: bool) -> None:
+    """Create the per-head datasets and write ``sinks`` (collective)."""
     heads, batch = spec.heads, spec.batch
     ct = np.float64 if spec.dtype == "float64" else np.float32
     if sinks is not None:
@@ -56,14 +59,13 @@ def create(fout, spec, sinks: Optional[np.ndarray], max_logit: bool, dsinks: boo
         if wanted:
             fout.create_dataset(name, shape=(heads,), dtype=dtype)
             fout.create_dataset(name + PARTIAL, shape=(batch, heads), dtype=dtype)
-    if sinks is not None and rank == 0:
+    if sinks is not None:
         fout["sinks"][...] = sinks
 
 
-def write_pass(fout, p, group: int, rank: int, max_logit=None, dsinks=None) -> None:
-    """Rank 0 writes one pass's ``max_logit``/``dsinks`` (its heads, reduced over its batch entries)."""
-    if rank != 0:
-        return
+def write_pass(fout, p, group: int, max_logit=None, dsinks=None) -> None:
+    """Write one pass's ``max_logit``/``dsinks`` (its heads, reduced over its batch entries;
+    collective, the same values on every rank)."""
     h0, h1 = p.g0 * group, p.g1 * group
     for name, value, identity in (("max_logit", max_logit, -np.inf), ("dsinks", dsinks, 0.0)):
         if value is None:
@@ -74,15 +76,14 @@ def write_pass(fout, p, group: int, rank: int, max_logit=None, dsinks=None) -> N
         dset[p.b0:p.b1, h0:h1] = rows
 
 
-def finish(fout, rank: int) -> None:
-    """Reduce the partial datasets into ``max_logit``/``dsinks`` (rank 0 writes), then remove
-    the partials (collective)."""
+def finish(fout) -> None:
+    """Reduce the partial datasets into ``max_logit``/``dsinks``, then remove the partials
+    (collective)."""
     todo = [(name, reduce) for name, reduce in (("max_logit", np.max), ("dsinks", np.sum))
             if name + PARTIAL in fout]
     if todo:
         fout.flush()
     for name, reduce in todo:
-        if rank == 0:
-            fout[name][...] = reduce(fout[name + PARTIAL][()], axis=0)
+        fout[name][...] = reduce(fout[name + PARTIAL][()], axis=0)
         fout.flush()
         del fout[name + PARTIAL]

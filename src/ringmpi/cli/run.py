@@ -205,7 +205,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         fout = out.open(resume=done is not None)
         if done is None:
             _create_outputs(fout, spec, backward, attrs)
-            head_outputs.create(fout, spec, sinks, max_logit, backward and sinks is not None, rank)
+            head_outputs.create(fout, spec, sinks, max_logit, backward and sinks is not None)
             resume_log.start(fout, job)
             done = np.zeros(len(passes), dtype=np.uint8)
         for index, p in enumerate(passes):
@@ -235,7 +235,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             t0 = time.perf_counter()
             qd, kd, vd = to_device(q), to_device(k), to_device(v)
             o, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, return_max_logit=max_logit, **kw, **seg)
-            head_outputs.write_pass(fout, p, spec.group, rank, max_logit=pass_max[0] if max_logit else None)
+            head_outputs.write_pass(fout, p, spec.group, max_logit=pass_max[0] if max_logit else None)
             ring_s += time.perf_counter() - t0
             o_host, lse_host = to_host(o), to_host(lse)
             io_q.write(fout["o"], ax_q, drop(o_host), box_q)
@@ -247,7 +247,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
                 t0 = time.perf_counter()
                 dq, dk, dv, *dsinks = ring_attention_backward(to_device(do), qd, kd, vd, o, lse, stats=stats,
                                                               **kw, **seg)
-                head_outputs.write_pass(fout, p, spec.group, rank, dsinks=dsinks[0] if dsinks else None)
+                head_outputs.write_pass(fout, p, spec.group, dsinks=dsinks[0] if dsinks else None)
                 ring_s += time.perf_counter() - t0
                 io_q.write(fout["dq"], ax_q, drop(to_host(dq)), box_q)
                 io_kv.write(fout["dk"], ax_kv, drop(to_host(dk)), box_kv)
@@ -259,7 +259,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             resume_log.mark_done(fout, index)
             out.keep_on_failure = True  # from now on a failure leaves a resumable partial file
         progress.close()
-        head_outputs.finish(fout, rank)
+        head_outputs.finish(fout)
         fault_point("write", rank)
         fin.close()
         out.commit()
