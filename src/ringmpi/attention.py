@@ -248,7 +248,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
         before the mask.
     return_max_logit : bool
-        Also return ``max_logit``.
+        Also return ``max_logit`` (the NumPy tiles then keep an exact running
+        maximum instead of their lagging shift: a little slower).
 
     Returns
     -------
