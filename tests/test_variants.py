@@ -165,3 +165,21 @@ def test_file_job_with_sinks_resumes_bitwise(tmp_path):
     for name in ref:
         assert got[name].tobytes() == ref[name].tobytes(), name
     assert np.isfinite(ref["dsinks"]).all() and np.isfinite(ref["max_logit"]).all()
+
+
+def test_every_block_kernel_takes_the_modifier_scalars():
+    """``MOD_PARAMS`` follows ``MASK_PARAMS`` in every block kernel, in the order
+    ``CupyBackend._mask_args`` packs them (mask scalars, then ``modifier_scalars``)."""
+    import inspect
+    import re
+
+    from ringmpi import kernels as K
+    from ringmpi.backends import cupy_backend
+
+    for name in ("forward.cu", "backward.cu"):
+        text = (K.KERNEL_DIR / name).read_text()
+        kernels = re.findall(r"__global__ void[^(]*\(([^{]*)\)\s*\{", text)
+        assert kernels, name
+        for params in kernels:
+            assert re.search(r"MASK_PARAMS,\s*MOD_PARAMS,", params), params
+    assert "+ modifier_scalars(mask.spec)" in inspect.getsource(cupy_backend.CupyBackend._mask_args)
