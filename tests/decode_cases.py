@@ -197,7 +197,9 @@ def error_case(comm, case):
     kl, vl = lay.shard(k, rank), lay.shard(v, rank)
     kw = dict(comm=comm, layout="contiguous", backend="numpy")
     what = case["what"]
-    if what == "softcap" or (what == "softcap_one_rank" and rank == size - 1):
+    if what == "softcap":
+        kw["softcap"] = -1.0
+    elif what == "softcap_one_rank" and rank == size - 1:
         kw["softcap"] = 30.0
     elif what == "dtype_one_rank" and rank == size - 1:
         kl = kl.astype(np.float64)

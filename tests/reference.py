@@ -47,13 +47,47 @@ def _expand_kv(x, heads):
     return np.repeat(x.transpose(0, 2, 1, 3), group, axis=1)
 
 
-def dense_forward(q, k, v, vis, scale, dtype):
-    """o (B, N, H, D_v) and lse (B, H, N) computed densely in ``dtype`` (v: (B, N, Hkv, D_v))."""
+def _capped(s, softcap, dtype):
+    """Logit softcap ``c * tanh(s / c)`` in ``dtype`` (identity when ``softcap`` is None)."""
+    if softcap is None:
+        return s
+    c = dtype.type(softcap)
+    return (c * np.tanh((s / c).astype(dtype))).astype(dtype)
+
+
+def _with_sinks(s, vh, vis, sinks, dtype):
+    """Scores, values and visibility with the sinks as one more key column:
+    logit ``sinks[h]``, a zero value, visible from every query."""
+    b, h, n_q, n_kv = s.shape
+    col = np.broadcast_to(np.asarray(sinks, dtype=np.float64).astype(dtype)[None, :, None, None], (b, h, n_q, 1))
+    s = np.concatenate([s, col], axis=-1)
+    vh = np.concatenate([vh, np.zeros(vh.shape[:2] + (1, vh.shape[3]), dtype=vh.dtype)], axis=2)
+    vis = np.concatenate([np.broadcast_to(vis, (max(b, vis.shape[0]), n_q, n_kv)),
+                          np.ones((max(b, vis.shape[0]), n_q, 1), dtype=bool)], axis=-1)
+    return s, vh, vis
+
+
+def dense_max_logit(q, k, vis, scale, dtype, softcap=None):
+    """(H,): per head the largest visible score (after scale and softcap) over
+    batch and rows; -inf for a head with none."""
+    dtype = np.dtype(dtype)
+    qh = q.transpose(0, 2, 1, 3).astype(dtype)
+    kh = _expand_kv(k, q.shape[2]).astype(dtype)
+    s = _capped(_mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale), softcap, dtype)
+    s = np.where(vis[:, None], s, -np.inf)
+    return s.max(axis=(0, 2, 3))
+
+
+def dense_forward(q, k, v, vis, scale, dtype, sinks=None, softcap=None):
+    """o (B, N, H, D_v) and lse (B, H, N) computed densely in ``dtype``
+    (v: (B, N, Hkv, D_v); sinks as an extra key column with a zero value, softcap through tanh)."""
     dtype = np.dtype(dtype)
     qh = q.transpose(0, 2, 1, 3).astype(dtype)
     kh = _expand_kv(k, q.shape[2]).astype(dtype)
     vh = _expand_kv(v, q.shape[2]).astype(dtype)
-    s = _mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale)
+    s = _capped(_mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale), softcap, dtype)
+    if sinks is not None:
+        s, vh, vis = _with_sinks(s, vh, vis, sinks, dtype)
     mask = vis[:, None]
     s = np.where(mask, s, dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True)
@@ -67,16 +101,22 @@ def dense_forward(q, k, v, vis, scale, dtype):
     return o.transpose(0, 2, 1, 3), lse
 
 
-def dense_backward(do, q, k, v, vis, scale, dtype):
-    """dq, dk, dv computed densely in ``dtype`` (shapes like q, k, v; ``do`` like o, D_v wide)."""
+def dense_backward(do, q, k, v, vis, scale, dtype, sinks=None, softcap=None):
+    """dq, dk, dv computed densely in ``dtype`` (shapes like q, k, v; ``do`` like o, D_v wide), and dsinks
+    (H,) after them when ``sinks`` is given: the extra column's dS summed over
+    batch and rows.  The softcap's slope ``1 - tanh^2`` multiplies dS."""
     dtype = np.dtype(dtype)
     heads, kv_heads = q.shape[2], k.shape[2]
     group = heads // kv_heads
+    n_kv = k.shape[1]
     qh = q.transpose(0, 2, 1, 3).astype(dtype)
     kh = _expand_kv(k, heads).astype(dtype)
     vh = _expand_kv(v, heads).astype(dtype)
     doh = do.transpose(0, 2, 1, 3).astype(dtype)
-    s = _mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale)
+    raw = _mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale)
+    s = _capped(raw, softcap, dtype)
+    if sinks is not None:
+        s, vh, vis = _with_sinks(s, vh, vis, sinks, dtype)
     s = np.where(vis[:, None], s, dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0).astype(dtype)
@@ -86,12 +126,18 @@ def dense_backward(do, q, k, v, vis, scale, dtype):
     dv = _mm(p.transpose(0, 1, 3, 2), doh, dtype)
     dp = _mm(doh, vh.transpose(0, 1, 3, 2), dtype)
     ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True))).astype(dtype)
+    dsinks = ds[..., n_kv:].sum(axis=(0, 2, 3)) if sinks is not None else None
+    ds, dv = ds[..., :n_kv], dv[:, :, :n_kv]
+    if softcap is not None:
+        c = dtype.type(softcap)
+        ds = (ds * (1 - np.square(np.tanh((raw / c).astype(dtype))))).astype(dtype)
     dq = _mm(ds, kh, dtype) * dtype.type(scale)
     dk = _mm(ds.transpose(0, 1, 3, 2), qh, dtype) * dtype.type(scale)
     b, _, n_kv, d = dk.shape
     dk = dk.reshape(b, kv_heads, group, n_kv, d).sum(axis=2).astype(dtype)
     dv = dv.reshape(b, kv_heads, group, n_kv, dv.shape[-1]).sum(axis=2).astype(dtype)  # D_v may differ
-    return dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+    grads = (dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3))
+    return grads if sinks is None else grads + (dsinks,)
 
 
 def max_err(x, ref):

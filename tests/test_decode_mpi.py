@@ -46,10 +46,10 @@ def cases_for(p):
     add("static-root", "static", N=30, S=2, layout="contiguous", root=p - 1)
     add("cache-contiguous-owner", "cache", layout="contiguous", prefill=10, steps=[2, 3],
         expect_rows=[10 // p + (r < 10 % p) + 5 * (r == p - 1) for r in range(p)])  # appends: last rank
-    for what, expect in (("softcap", "softcap is not supported"), ("softcap_one_rank", "softcap is not supported"),
+    for what, expect in (("softcap", "softcap must be finite and > 0"), ("softcap_one_rank", "ranks disagree"),
                          ("dtype_one_rank", "k_cache dtype"),
                          ("q_differs", "ranks disagree"), ("lengths", "cache_lengths")):
-        if p > 1 or what != "q_differs":
+        if p > 1 or what not in ("q_differs", "softcap_one_rank"):
             add(f"error-{what}", "error", what=what, expect=expect)
     return cases
 

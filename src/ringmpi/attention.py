@@ -23,6 +23,7 @@ from typing import Optional, Union
 import numpy as np
 
 from . import dtypes as _dtypes
+from . import variants as _variants
 from .backends import get_backend
 from .errors import agree
 from .layout import KINDS, Layout
@@ -51,6 +52,7 @@ class _Plan:
     seg_q: Optional[np.ndarray]   # (B, S_q_local) int64
     seg_kv: Optional[np.ndarray]  # (B, S_kv_local) int64, this rank's only
     timeout: Optional[float]
+    sinks: Optional[object] = None  # (H,) compute dtype, this backend's array
 
     def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
         """The ring schedule of this call, loaded with this rank's ``k (B, S_kv_local, H_kv, D)``
@@ -134,7 +136,8 @@ def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
 
 
 def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-          softmax_scale, backend, timeout, check_finite, extra=(), declared=None) -> _Plan:
+          softmax_scale, backend, timeout, check_finite, extra=(), declared=None,
+          sinks=None, softcap=None, exact_max=False) -> _Plan:
     comm = resolve_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     be = get_backend(backend, (q, k, v))
@@ -142,17 +145,20 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
     agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared)
-          or _value_dim_problem(be.name, q.shape[3], v.shape[3]))  # one collective: v is 4-D here
+          or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
+          or _variants.softcap_problem(softcap) or _variants.sinks_problem(sinks, q.shape[2]))
 
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
-    shapes = comm.allgather((signature, q.shape[1], k.shape[1]))
-    sigs = {s for s, _, _ in shapes}
+    shapes = comm.allgather((signature, q.shape[1], k.shape[1], _variants.digest(sinks, softcap)))
+    sigs = {s for s, _, _, _ in shapes}
     problem = None
-    if len(sigs) > 1:
+    if len({d for _, _, _, d in shapes}) > 1:
+        problem = "ranks disagree on sinks or softcap: every rank must pass the same values"
+    if problem is None and len(sigs) > 1:
         problem = ("ranks disagree on (batch, heads, kv_heads, head_dim, value_head_dim, dtype): "
-                   + "; ".join(f"rank {r}: {s}" for r, (s, _, _) in enumerate(shapes)))
-    n_q = sum(n for _, n, _ in shapes)
-    n_kv = sum(n for _, _, n in shapes)
+                   + "; ".join(f"rank {r}: {s}" for r, (s, _, _, _) in enumerate(shapes)))
+    n_q = sum(n for _, n, _, _ in shapes)
+    n_kv = sum(n for _, _, n, _ in shapes)
     kind = layout.kind if isinstance(layout, Layout) else layout
     if problem is None and kind not in KINDS:
         problem = f"unknown layout {kind!r}: expected one of {', '.join(KINDS)}"
@@ -165,7 +171,7 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     if problem is None:
         layout_q, layout_kv = Layout(kind, n_q, size), Layout(kind, n_kv, size)
         want_q, want_kv = layout_q.counts(), layout_kv.counts()
-        bad = [r for r, (_, nq, nkv) in enumerate(shapes) if nq != want_q[r] or nkv != want_kv[r]]
+        bad = [r for r, (_, nq, nkv, _) in enumerate(shapes) if nq != want_q[r] or nkv != want_kv[r]]
         if bad:
             r = bad[0]
             problem = (f"shard lengths do not match the {kind} layout of N_q={n_q}, N_kv={n_kv} "
@@ -192,12 +198,14 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
     spec = MaskSpec(causal=bool(causal),
                     window=None if window is None else tuple(None if w is None else int(w) for w in window),
-                    offset=n_kv - n_q)
+                    offset=n_kv - n_q, softcap=None if softcap is None else float(softcap),
+                    exact_max=bool(exact_max))
     return _Plan(comm=comm, backend=be, rank=rank, batch=q.shape[0], heads=q.shape[2],
                  compute_dtype=be.compute_dtype(q.dtype),
                  layout_q=layout_q, layout_kv=layout_kv, spec=spec, scale=scale, seg_q=seg_q,
                  seg_kv=seg_kv,
-                 timeout=default_timeout() if timeout is None else timeout)
+                 timeout=default_timeout() if timeout is None else timeout,
+                 sinks=None if sinks is None else be.asarray(sinks).astype(be.compute_dtype(q.dtype)))
 
 
 def _host(x):
@@ -209,7 +217,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    softmax_scale: Optional[float] = None, backend: str = "auto",
                    timeout: Optional[float] = None, check_finite: bool = False,
                    stats: Optional[list] = None, dtype: Optional[str] = None,
-                   head_parallel: Union[int, str, None] = None):
+                   head_parallel: Union[int, str, None] = None,
+                   sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
@@ -263,20 +272,38 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.topology`).
         Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
         out are the same for every ``U``.
+    sinks : (H,) float32 or float64, optional, the same on every rank
+        Attention sinks (gpt-oss): every query's softmax denominator gains
+        ``exp(sinks[h])``, a virtual key with zero value that every query sees;
+        ``lse`` includes it.
+    softcap : float > 0, optional, the same on every rank
+        Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
+        before the mask.
+    return_max_logit : bool
+        Also return ``max_logit`` (the NumPy tiles then keep an exact running
+        maximum instead of their lagging shift: a little slower).
 
     Returns
     -------
     o : (B, S_q_local, H, D_v), the input dtype
     lse : (B, H, S_q_local) natural-log softmax normaliser, float32 (float64 for
-        float64 inputs); ``-inf`` (and ``o = 0``) for a query that sees no key.
+        float64 inputs); ``-inf`` (and ``o = 0``) for a query that sees no key
+        (with sinks: ``lse = sinks[h]``, ``o = 0``).
+    max_logit : (H,) NumPy array, float32 (float64 for float64 inputs), only with
+        ``return_max_logit``: per head, the largest score (after scale and
+        softcap, masked keys excluded, sinks not counted) over the batch and the
+        whole sequence, the same on every rank; ``-inf`` for a head whose
+        queries see no key.
     """
     (q, k, v), bits = _dtypes.view_declared(dtype, q, k, v)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-                 softmax_scale, backend, timeout, check_finite, declared=dtype)
+                 softmax_scale, backend, timeout, check_finite, declared=dtype,
+                 sinks=sinks, softcap=softcap, exact_max=return_max_logit)
     groups = resolve_groups(plan.comm, plan.heads, head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
-        return _two_level.forward(plan, groups, q, k, v, stats=stats, bits=bits)
+        return _two_level.forward(plan, groups, q, k, v, stats=stats, bits=bits,
+                                  return_max_logit=return_max_logit)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     qh = be.to_heads(be.asarray(q), ct)
@@ -292,9 +319,14 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                          resident=resident)
     records = schedule.records
     del schedule, block, resident  # the ring's buffers go before the outputs are made
+    max_logit = _variants.max_logits(m, plan.comm) if return_max_logit else None
+    if plan.sinks is not None:
+        _variants.fold_sinks(xp, o_acc, m, l, plan.sinks)
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     if stats is not None:
         stats.extend(records)
+    if return_max_logit:
+        return (o.view(np.uint16) if bits else o), lse, max_logit
     return (o.view(np.uint16) if bits else o), lse
 
 
@@ -304,8 +336,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             softmax_scale: Optional[float] = None, backend: str = "auto",
                             timeout: Optional[float] = None, check_finite: bool = False,
                             stats: Optional[list] = None, dtype: Optional[str] = None,
-                            head_parallel: Union[int, str, None] = None):
-    """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v``.
+                            head_parallel: Union[int, str, None] = None,
+                            sinks=None, softcap: Optional[float] = None):
+    """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
 
@@ -324,11 +357,14 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     inputs), for this rank's own shards.  K/V travel the ring in the input
     dtype (bfloat16: 2 bytes per element); their gradients are accumulated in
     float32 (float64 for float64 inputs) as they travel.
+    dsinks : (H,) NumPy array in ``sinks``' dtype, only when ``sinks`` is given:
+        the gradient w.r.t. the sinks, summed over the batch and all ranks (the
+        same on every rank).
     """
     (do, q, k, v, o), bits = _dtypes.view_declared(dtype, do, q, k, v, o)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                  softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)),
-                 declared=dtype)
+                 declared=dtype, sinks=sinks, softcap=softcap)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     lse = be.asarray(lse)
@@ -338,7 +374,11 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     groups = resolve_groups(plan.comm, plan.heads, head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
-        return _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits)
+        result = _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits)
+        if plan.sinks is None:
+            return result
+        dvec = be.row_dot(be.to_heads(be.asarray(do), ct), be.to_heads(be.asarray(o), ct))
+        return result + (_sink_grads(plan, lse.astype(ct, copy=False), dvec, sinks),)
     qh = be.to_heads(be.asarray(q), ct)
     doh = be.to_heads(be.asarray(do), ct)
     dvec = be.row_dot(doh, be.to_heads(be.asarray(o), ct))
@@ -353,6 +393,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                          plan.scale, block.mask, resident=resident, **pieces)
     dk, dv = schedule.finished_grads()
     records = schedule.records
+    dsinks = None if plan.sinks is None else _sink_grads(plan, lse, dvec, sinks)
     # keep only dq and the finished dk, dv (their message) before the outputs are made
     del schedule, block, pieces, resident, qh, doh, dvec
     dq *= ct.type(plan.scale)
@@ -363,4 +404,10 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
         stats.extend(records)
-    return result
+    return result if dsinks is None else result + (dsinks,)
+
+
+def _sink_grads(plan, lse, dvec, sinks):
+    """``dsinks (H,)`` in ``sinks``' dtype, from this rank's ``lse, dvec (B, H, S_q_local)``
+    (compute dtype), summed over all ranks."""
+    return _variants.sink_grads(plan.backend.xp, lse, dvec, plan.sinks, plan.comm).astype(sinks.dtype)

@@ -42,6 +42,7 @@ from .errors import ConfigError, agree
 from .layout import KINDS, Layout
 from .masks import BlockMask, MaskSpec
 from .ring import resolve_comm
+from .variants import softcap_problem
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _EXTRA = 4  # lse, flag, sig, -sig after the D output columns
@@ -129,9 +130,8 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths, sinks) -> Optional[str]:
 
 
 def _option_problem(window, softcap) -> Optional[str]:
-    if softcap is not None:
-        return ("softcap is not supported by decode_attention yet (the block kernels have no score cap; "
-                "see issue 13): pass softcap=None")
+    if softcap_problem(softcap):
+        return softcap_problem(softcap)
     if window is not None and (len(window) != 2 or any(
             w is not None and (int(w) != w or w < 0) for w in window)):
         return f"window must be (left, right) with non-negative ints or None, got {window!r}"
@@ -140,7 +140,8 @@ def _option_problem(window, softcap) -> Optional[str]:
 
 def _signature(q, lengths, sinks, spec, scale, n_cache) -> float:
     """A 24-bit digest of what every rank must agree on (exact in float32)."""
-    head = repr((tuple(q.shape), str(q.dtype), spec.causal, spec.window, scale, n_cache)).encode()
+    head = repr((tuple(q.shape), str(q.dtype), spec.causal, spec.window, scale, n_cache)
+                + (() if spec.softcap is None else (spec.softcap,))).encode()
     crc = zlib.crc32(head)
     for x in (q, lengths, sinks):
         if x is not None:
@@ -211,9 +212,8 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         One extra logit per head in every softmax denominator (attention sink,
         no value): the result is ``o * 1 / (1 + e^(sink - lse))`` and ``lse``
         includes the sink.
-    softcap : None
-        Not supported yet (needs the kernel support of issue 13); a value
-        raises :class:`ConfigError`.
+    softcap : float > 0, optional
+        Logit softcap: scores become ``softcap * tanh(scale * q.k / softcap)``.
     root : int, optional
         Return the result on ``root`` only (``(None, None)`` elsewhere).
     backend : "auto" | "numpy" | "cupy"
@@ -244,7 +244,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     n_cache, pos, problem = _positions(layout, comm, n_local)
     problem = problem or _option_problem(window, softcap)
     if problem:
-        window = None
+        window = softcap = None
     start = time.perf_counter()
     lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
     sinks_h = None if sinks is None else np.asarray(_host(sinks), dtype=np.float64)
@@ -258,7 +258,8 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     ct = be.compute_dtype(q.dtype)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_q)
     spec = MaskSpec(causal=bool(causal),
-                    window=None if window is None else tuple(None if w is None else int(w) for w in window))
+                    window=None if window is None else tuple(None if w is None else int(w) for w in window),
+                    softcap=None if softcap is None else float(softcap))
 
     xp = be.xp
     qh = be.to_heads(q, ct)
@@ -296,7 +297,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     if flat[0, dim + 1] > 0 or flat[0, dim + 2] != -flat[0, dim + 3]:
         agree(comm, problem)  # raises: some rank failed its checks
         raise ConfigError("ranks disagree on decode_attention's arguments (q, sinks, cache_lengths, "
-                          "causal, window, softmax_scale or N_cache must be the same on every rank)")
+                          "causal, window, softmax_scale, softcap or N_cache must be the same on every rank)")
     if sinks_h is not None:
         sink_rows = np.zeros_like(merged)
         sink_rows[..., dim] = sinks_h.astype(ct)[None, None, :]

@@ -36,6 +36,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from . import variants as _variants
 from .errors import RingTimeout
 from .ring import StepRecord
 from .schedule import RingSchedule
@@ -170,12 +171,14 @@ class _Split:
         return slice(start, start + rows[i])
 
 
-def forward(plan, groups, q, k, v, stats=None, bits: bool = False):
+def forward(plan, groups, q, k, v, stats=None, bits: bool = False, return_max_logit: bool = False):
     """:func:`ringmpi.ring_attention` on ``groups`` (a :class:`~ringmpi.topology.HeadGroups`).
 
     ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D)``: this rank's
     sequence shards, checked by the call's plan.  Returns ``o (B, S_q_local,
-    H, D)`` in the input dtype and ``lse (B, H, S_q_local)``, this rank's shards.
+    H, D)`` in the input dtype and ``lse (B, H, S_q_local)``, this rank's shards
+    (and, with ``return_max_logit``, ``max_logit (H,)``).  The group's heads
+    fold in their own sinks; each head's max logit is reduced over all ranks.
     """
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
@@ -219,6 +222,10 @@ def forward(plan, groups, q, k, v, stats=None, bits: bool = False):
         schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
                          resident=resident)
     del resident
+    mine = split.heads(me)
+    max_logit = _variants.max_logits(m, plan.comm, heads=(mine, heads)) if return_max_logit else None
+    if plan.sinks is not None:
+        _variants.fold_sinks(xp, o_acc, m, l, plan.sinks[mine])
     og, lseg = be.finalize(o_acc, m, l, q.dtype)   # (B, S_group, hu, D_v), (B, hu, S_group)
 
     exchange.step = len(schedule.records)
@@ -236,6 +243,8 @@ def forward(plan, groups, q, k, v, stats=None, bits: bool = False):
     if stats is not None:
         stats.extend([records[0], *schedule.records, records[1]])
     o, lse = be.asarray(o), be.asarray(lse)
+    if return_max_logit:
+        return (o.view(np.uint16) if bits else o), lse, max_logit
     return (o.view(np.uint16) if bits else o), lse
 
 

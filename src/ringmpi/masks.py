@@ -50,11 +50,21 @@ class MaskSpec:
         Sliding window in global positions; either side may be ``None``.
     offset : int
         ``N_kv - N_q`` (global lengths); 0 when they are equal.
+    softcap : float or None
+        Score modifier (Gemma 2): a visible score ``s = scale * q.k`` becomes
+        ``softcap * tanh(s / softcap)`` before the softmax (``None``: no cap).
+        It changes scores, never visibility.
+    exact_max : bool
+        Keep the running maximum ``m`` of the online softmax exact (the NumPy
+        tiles then skip their lagging-shift fast path), so that after the last
+        block ``m`` is each row's largest visible score: the max logit.
     """
 
     causal: bool = False
     window: Optional[Tuple[Optional[int], Optional[int]]] = None
     offset: int = 0
+    softcap: Optional[float] = None
+    exact_max: bool = False
 
     def __post_init__(self):
         if self.window is not None:
@@ -158,6 +168,12 @@ def kernel_scalars(spec: MaskSpec):
     lo, hi = spec.key_deltas()
     return (np.int32(lo is not None), np.int64(0 if lo is None else lo),
             np.int32(hi is not None), np.int64(0 if hi is None else hi))
+
+
+def modifier_scalars(spec: MaskSpec):
+    """``(softcap float64,)``: the typed launch scalars of the score modifiers
+    (``MOD_PARAMS`` in common.cuh); ``softcap = 0`` means no cap."""
+    return (np.float64(0.0 if spec.softcap is None else spec.softcap),)
 
 
 def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:

@@ -38,14 +38,18 @@ class DenseReference:
     ``0 .. N_q - 1`` and ``0 .. N_kv - 1``; ``mask.offset`` aligns them
     (``N_kv - N_q`` for bottom-right alignment, as ``ringmpi run`` uses).
     Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
+    ``mask.softcap`` caps the scores (``c * tanh(s / c)``); ``sinks (H,)``, when
+    given, add one zero-value key of logit ``sinks[h]`` to every row.
     """
 
-    def __init__(self, mask: MaskSpec, scale: float, dtype):
+    def __init__(self, mask: MaskSpec, scale: float, dtype, sinks=None):
         self.mask, self.scale = mask, scale
         self.dtype = resolve_dtype(dtype)
+        self.sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)
 
     def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None):
-        """``{"o", "lse", and with do "dq", "dk", "dv"}`` in ``dtype``; lse ``(H, N_q)``."""
+        """``{"o", "lse", "max_logit" (H,), and with do "dq", "dk", "dv" (and "dsinks" (H,)
+        with sinks)}`` in ``dtype``; lse ``(H, N_q)``."""
         dt = self.dtype
 
         def mm(a, b):  # a GEMM in dt: bfloat16 operands give a float32 product, rounded back
@@ -56,9 +60,13 @@ class DenseReference:
         group = heads // kv_heads
         kv_pos = np.arange(n_kv)
         scale = dt.type(self.scale)
-        out = {"o": np.zeros(q.shape[:2] + v.shape[2:], dt), "lse": np.full((heads, n_q), -np.inf, dt)}  # o: D_v wide
+        cap = None if self.mask.softcap is None else dt.type(self.mask.softcap)
+        out = {"o": np.zeros(q.shape[:2] + v.shape[2:], dt), "lse": np.full((heads, n_q), -np.inf, dt),  # o: D_v wide
+               "max_logit": np.full(heads, -np.inf, dt)}
         if do is not None:
             out.update(dq=np.zeros(q.shape, dt), dk=np.zeros(k.shape, dt), dv=np.zeros(v.shape, dt))
+            if self.sinks is not None:
+                out["dsinks"] = np.zeros(heads, dt)
         for h in range(heads):
             g = h // group
             kh, vh = k[:, g, :].astype(dt), v[:, g, :].astype(dt)
@@ -66,7 +74,14 @@ class DenseReference:
                 rows = np.arange(r0, min(r0 + ROW_BLOCK, n_q))
                 qb = q[rows, h, :].astype(dt)
                 vis = self.mask.visible(rows, kv_pos, None if seg_q is None else seg_q[rows], seg_kv)
-                s = np.where(vis, mm(qb, kh.T) * scale, dt.type(-np.inf))
+                s = mm(qb, kh.T) * scale
+                if cap is not None:
+                    t = np.tanh((s / cap).astype(dt)).astype(dt)
+                    s = (cap * t).astype(dt)
+                s = np.where(vis, s, dt.type(-np.inf))
+                out["max_logit"][h] = max(out["max_logit"][h], s.max()) if s.size else out["max_logit"][h]
+                if self.sinks is not None:  # the sink: one more column, value 0
+                    s = np.concatenate([s, np.full((len(rows), 1), self.sinks[h], dt)], axis=1)
                 m = s.max(axis=-1, keepdims=True)
                 m = np.where(np.isfinite(m), m, 0).astype(dt)
                 p = np.exp(s - m)
@@ -74,6 +89,9 @@ class DenseReference:
                 seen = l > 0
                 l_safe = np.where(seen, l, 1).astype(dt)
                 p = np.where(seen, p / l_safe, 0).astype(dt)
+                p_sink = None
+                if self.sinks is not None:
+                    p, p_sink = p[:, :-1], p[:, -1]
                 out["o"][rows, h, :] = mm(p, vh)
                 with np.errstate(divide="ignore"):
                     out["lse"][h, rows] = np.where(seen[:, 0], m[:, 0] + np.log(l_safe[:, 0]), -np.inf)
@@ -82,7 +100,12 @@ class DenseReference:
                 dob = do[rows, h, :].astype(dt)
                 out["dv"][:, g, :] += mm(p.T, dob)
                 dp = mm(dob, vh.T)
-                ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True))).astype(dt, copy=False)
+                dvec = (dp * p).sum(axis=-1, keepdims=True)
+                ds = (p * (dp - dvec)).astype(dt, copy=False)
+                if p_sink is not None:
+                    out["dsinks"][h] -= (p_sink * dvec[:, 0]).sum()
+                if cap is not None:
+                    ds = (ds * (1 - t * t)).astype(dt, copy=False)
                 out["dq"][rows, h, :] = mm(ds, kh) * scale
                 out["dk"][:, g, :] += mm(ds.T, qb) * scale
         return out

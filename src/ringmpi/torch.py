@@ -112,30 +112,39 @@ def _backend_problem(backend: str, q, k, v) -> tuple:
 
 
 # ------------------------------------------------------------ autograd
-def _forward(q, k, v, opts):
+def _sinks_opt(sinks) -> dict:
+    """``{"sinks": array}`` for the library call, or nothing without sinks."""
+    return {} if sinks is None else {"sinks": to_array(sinks)}
+
+
+def _forward(q, k, v, opts, sinks=None):
     with _on_torch_stream(q.device):
-        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **opts)
+        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **opts, **_sinks_opt(sinks))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
 class _RingAttention(torch.autograd.Function):
-    """o, lse = f(q, k, v); lse is not differentiable."""
+    """o, lse = f(q, k, v, sinks); lse is not differentiable; sinks may be None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, opts):
-        o, lse = _forward(q, k, v, opts)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, sinks, opts):
+        o, lse = _forward(q, k, v, opts, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)))
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, *sinks = ctx.saved_tensors
+        sinks = sinks[0] if sinks else None
         with torch.no_grad(), _on_torch_stream(q.device):
             grads = ringmpi.ring_attention_backward(
-                *(to_array(x) for x in (do.contiguous(), q, k, v, o, lse)), **ctx.opts)
-            grads = [to_tensor(g, q.device) if want else None for g, want in zip(grads, ctx.needs_input_grad)]
+                *(to_array(x) for x in (do.contiguous(), q, k, v, o, lse)), **ctx.opts, **_sinks_opt(sinks))
+            devices = (q.device,) * 3 + (None if sinks is None else sinks.device,)
+            grads = [to_tensor(np.ascontiguousarray(g) if i == 3 else g, devices[i]) if want else None
+                     for i, (g, want) in enumerate(zip(tuple(grads) + (None,) * (4 - len(grads)),
+                                                        ctx.needs_input_grad))]
         if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
             wanted = [g for g in grads if g is not None]
             refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in wanted)))
@@ -163,7 +172,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    segment_ids_q=None, segment_ids_kv=None, softmax_scale: Optional[float] = None,
                    return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
                    check_finite: bool = False, stats: Optional[list] = None,
-                   head_parallel: Union[int, str, None] = None):
+                   head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
+                   softcap: Optional[float] = None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -188,6 +198,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     stats : list, optional
         Ring step records of the forward are appended to it, and those of the
         backward when it runs.
+    sinks : (H,) float32/float64 tensor, optional, the same on every rank
+        Attention sinks (see :func:`ringmpi.ring_attention`); when it requires a
+        gradient it receives ``dsinks`` summed over all ranks (every rank gets the
+        same value: do not sum it again across ranks).
+    softcap : float > 0, optional
+        Logit softcap, as in :func:`ringmpi.ring_attention`.
 
     Returns
     -------
@@ -212,11 +228,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                 segment_ids_q=_host_ids(segment_ids_q), segment_ids_kv=_host_ids(segment_ids_kv),
                 softmax_scale=softmax_scale, backend=backend, timeout=timeout,
                 check_finite=check_finite, stats=stats, head_parallel=head_parallel)
+    if softcap is not None:
+        opts["softcap"] = softcap
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = _RingAttention.apply(q, k, v, opts)
+    sinks = None if sinks is None else sinks.contiguous()
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        o, lse = _RingAttention.apply(q, k, v, sinks, opts)
     else:
-        o, lse = _forward(q, k, v, opts)
+        o, lse = _forward(q, k, v, opts, sinks)
     return (o, lse) if return_lse else o
 
 

@@ -34,6 +34,7 @@ from ..dtypes import compute_dtype
 from ..dtypes import resolve as resolve_dtype
 from ..masks import SKIP, BlockMask, classify_tiles, tile_bounds
 from ..masks import kernel_scalars as mask_scalars
+from ..masks import modifier_scalars
 
 _THREADS_1D = 256
 
@@ -237,7 +238,7 @@ class CupyBackend:
         return data, dev
 
     def _mask_args(self, mask: BlockMask, batch: int, kernel: "K.BlockKernel", sq: int, skv: int):
-        """The kernel's ``MASK_PARAMS`` values and the block's ``(tiles computed,
+        """The kernel's ``MASK_PARAMS`` and ``MOD_PARAMS`` values and the block's ``(tiles computed,
         tiles skipped)``, counted as the kernel classifies them."""
         has_seg = mask.seg_q is not None
         if has_seg and mask.seg_kv is None:
@@ -260,7 +261,7 @@ class CupyBackend:
         counts = (classes.size * per_class - skipped, skipped)
         has_lo, lo_delta, has_hi, hi_delta = mask_scalars(mask.spec)
         return (q_pos, kv_pos, dseg_q, dseg_kv, dq_bounds, dkv_bounds,
-                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta), counts
+                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta) + modifier_scalars(mask.spec), counts
 
     def _kv_operand(self, x, ct):
         """K/V as a contiguous array the kernels for compute dtype ``ct`` read."""

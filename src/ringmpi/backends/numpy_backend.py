@@ -108,11 +108,21 @@ def _extend(x, fill, dtype=None):
     return out
 
 
-def _scores(qe, ke, s, bias, scale, shift_column, dim):
-    """``s = scale * ([q, shift_column] . [k, 1]) + bias``, in place: the tile's scores."""
+def _cap(s, softcap):
+    """``s = softcap * tanh(s / softcap)`` in place (the logit softcap)."""
+    s /= softcap
+    np.tanh(s, out=s)
+    s *= softcap
+
+
+def _scores(qe, ke, s, bias, scale, shift_column, dim, softcap=None):
+    """``s = scale * ([q, shift_column] . [k, 1]) + bias``, in place: the tile's scores
+    (capped before the mask when ``softcap`` is given; then ``shift_column`` is 0)."""
     qe[:, dim] = shift_column
     np.matmul(qe, ke.T, out=s)
     s *= scale
+    if softcap is not None:
+        _cap(s, softcap)
     if bias is not None:
         s += bias
 
@@ -141,9 +151,10 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, f
     return True
 
 
-def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None):
-    """One tile of the classic online softmax, updating the row state in place."""
-    _scores(qe, ke, s, bias, scale, 0, dim)
+def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, softcap=None):
+    """One tile of the classic online softmax, updating the row state in place
+    (``m_rows`` stays the exact running maximum of the visible scores)."""
+    _scores(qe, ke, s, bias, scale, 0, dim, softcap)
     m_new = np.maximum(m_rows, s.max(axis=1))
     # rows that have seen nothing yet keep m = -inf; shift them by 0
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
@@ -200,7 +211,7 @@ def _clean_copy(x, bad, dim=None):
 
 
 def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                          bad_q, bad_k, bad_v):
+                          bad_q, bad_k, bad_v, softcap=None, exact=False):
     """One tile when its rows or columns hold non-finite values (forward).
 
     ``bad_q`` (rows: a NaN/Inf in q, or a row state already non-finite),
@@ -228,14 +239,17 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
             terms = weights[:, bad_v, None] * v_raw[None]
             pv_tile[:, :dim_v] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
 
-    if not (np.isfinite(m_rows).all() and _shifted_tile(
+    if exact or not (np.isfinite(m_rows).all() and _shifted_tile(
             q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)):
-        _exact_tile(q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)
+        _exact_tile(q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv,
+                    softcap)
     if not redo.any():
         return
     m_old, l_old, o_old = saved
     with np.errstate(invalid="ignore", over="ignore"):
         sc = (qe[redo, :dim] @ ke[:, :dim].T) * scale
+        if softcap is not None:
+            _cap(sc, softcap)
         sc = np.where(vis[redo], sc, -np.inf).astype(s.dtype, copy=False)
         m_new = np.maximum(m_old, sc.max(axis=1))
         shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
@@ -249,7 +263,7 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
 
 
 def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale,
-                           dq_t, dk_t, dv_t, bad_rows, bad_cols):
+                           dq_t, dk_t, dv_t, bad_rows, bad_cols, softcap=None, t=None):
     """One backward tile when its rows or columns hold non-finite values.
 
     ``bad_rows``: a NaN/Inf in q, do, lse or ``dvec``; ``bad_cols``: in k or v.
@@ -260,16 +274,24 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     redo = bad_rows | vis[:, bad_cols].any(axis=1)
     lse_clean = np.where(redo, np.inf, lse_t).astype(lse_t.dtype, copy=False)  # P = 0 on those rows
     dvec_clean = np.where(redo, 0, dvec_t).astype(dvec_t.dtype, copy=False)
-    _backward_tile(_clean_copy(q_t, bad_rows), _clean_copy(do_t, bad_rows), _clean_copy(k_t, bad_cols),
-                   _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, bias, scale, dq_t, dk_t, dv_t)
+    clean = (_clean_copy(q_t, bad_rows), _clean_copy(do_t, bad_rows), _clean_copy(k_t, bad_cols),
+             _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, bias, scale, dq_t, dk_t, dv_t)
+    if softcap is None:
+        _backward_tile(*clean)
+    else:
+        _softcap_backward_tile(*clean, softcap, t)
     if not redo.any():
         return
     vis_r = vis[redo]
     q_r, do_r = q_t[redo], do_t[redo]
     with np.errstate(invalid="ignore", over="ignore"):
         sc = (q_r @ k_t.T) * scale
+        slope = 1
+        if softcap is not None:
+            _cap(sc, softcap)
+            slope = 1 - np.square(sc / softcap)  # d(c tanh(x / c)) / dx
         p_r = np.where(vis_r, np.exp(sc - lse_t[redo, None]), 0).astype(p.dtype, copy=False)
-        ds = np.where(vis_r, p_r * ((do_r @ v_t.T) - dvec_t[redo, None]), 0).astype(p.dtype, copy=False)
+        ds = np.where(vis_r, p_r * ((do_r @ v_t.T) - dvec_t[redo, None]) * slope, 0).astype(p.dtype, copy=False)
         dv_t += _visible_matmul(p_r.T, do_r, vis_r.T)
         dq_t[redo] += _visible_matmul(ds, k_t, vis_r)
         dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
@@ -287,6 +309,31 @@ def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t,
     np.matmul(do_t, v_t.T, out=dp)
     dp -= dvec_t[:, None]
     dp *= p
+    dq_t += dp @ k_t
+    dk_t += dp.T @ q_t
+
+
+def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t,
+                           softcap, t):
+    """:func:`_backward_tile` with the logit softcap: ``P = exp(c tanh(x / c) - lse)``
+    with ``x = scale * q.k``, and ``dS`` carried through the cap's slope
+    ``1 - tanh(x / c)^2``.  ``t`` is scratch shaped like ``p``."""
+    np.matmul(q_t, k_t.T, out=t)
+    t *= scale
+    t /= softcap
+    np.tanh(t, out=t)
+    np.multiply(t, softcap, out=p)
+    if bias is not None:
+        p += bias
+    p -= lse_t[:, None]
+    np.exp(p, out=p)
+    dv_t += p.T @ do_t
+    np.matmul(do_t, v_t.T, out=dp)
+    dp -= dvec_t[:, None]
+    dp *= p
+    np.square(t, out=t)
+    np.subtract(1, t, out=t)
+    dp *= t
     dq_t += dp @ k_t
     dk_t += dp.T @ q_t
 
@@ -363,6 +410,8 @@ class NumpyBackend:
         bad_q = _once(resident, "bad_q", lambda: _bad_rows(qh)) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
         bad_k, bad_v = _bad_rows(kh), _bad_rows(vh)
         careful = bool(bad_q.any() or bad_k.any() or bad_v.any())
+        softcap = None if mask.spec.softcap is None else ct.type(mask.spec.softcap)
+        exact = softcap is not None or mask.spec.exact_max  # no lagging shift: scores are capped first
         tiles = _TilePlan(mask, sq, skv, batch, ct)
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
@@ -378,10 +427,11 @@ class NumpyBackend:
                     if careful and (bad_rows.any() or bad_k[b, kvh, cols].any() or bad_v[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are expected here
                             _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                                                  bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols])
-                    elif not (np.isfinite(m_rows).all() and _shifted_tile(
+                                                  bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols],
+                                                  softcap, exact)
+                    elif exact or not (np.isfinite(m_rows).all() and _shifted_tile(
                             qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)):
-                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)
+                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, softcap=softcap)
                     if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
                         tick()
         return tiles.counts()
@@ -423,6 +473,8 @@ class NumpyBackend:
         lse_use = _once(resident, "lse", lambda: np.where(np.isneginf(lse), np.inf, lse).astype(ct, copy=False))
         size = min(sq, TILE_Q) * min(skv, TILE_KV)
         scratch_p, scratch_dp = _scratch(resident, "p", size, ct), _scratch(resident, "dp", size, ct)
+        softcap = None if mask.spec.softcap is None else ct.type(mask.spec.softcap)
+        scratch_t = None if softcap is None else _scratch(resident, "t", size, ct)
         # rows with NaN/Inf in q, do, lse or dvec (scanned once per call); keys with NaN/Inf
         # in k or v (once per block)
         bad_rows = _once(resident, "bad_rows", lambda: _bad_rows(qh) | _bad_rows(doh) | np.isnan(lse_use)
@@ -438,6 +490,7 @@ class NumpyBackend:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
+            t = None if softcap is None else scratch_t[: nq * nk].reshape(nq, nk)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
@@ -446,7 +499,10 @@ class NumpyBackend:
                             dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
                     if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):
-                            _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols])
+                            _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols],
+                                                   softcap, t)
+                    elif softcap is not None:
+                        _softcap_backward_tile(*args, softcap, t)
                     else:
                         _backward_tile(*args)
                     if tick is not None:

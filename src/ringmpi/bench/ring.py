@@ -96,8 +96,10 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--inter-node-gbps", type=click.FloatRange(min=0, min_open=True), default=None, metavar="X",
               help="Bench-only link model: delay each message between (pretend, RINGMPI_NODE_SIZE) nodes "
                    "by bytes / X Gbit/s (ringmpi.bench.linkmodel).")
+@click.option("--softcap", type=float, default=None, metavar="C", help="Logit softcap C > 0 (ring only).")
+@click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new, head_parallel, inter_node_gbps):
+          sweep, json_path, plot_path, decode, cache, new, head_parallel, inter_node_gbps, softcap, sinks):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -118,8 +120,11 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
                         **({"dim_v": dim_v} if dim_v != dim else {})), json_path)
     comm = resolve_comm(None)
     problem = None
+    from ..variants import softcap_problem
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
+    elif softcap_problem(softcap):
+        problem = f"--softcap: {softcap_problem(softcap)}"
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
     else:
@@ -136,6 +141,8 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
         cfg["dim_v"] = dim_v
     if head_parallel != 1:
         cfg["head_parallel"] = head_parallel
+    if softcap is not None or sinks:  # only then: the report of a plain run keeps its keys
+        cfg.update(softcap=softcap, sinks=bool(sinks))
     if sweep == "head-parallel":
         from .head_parallel import run as run_head_parallel
         return run_head_parallel(comm, be, cfg, n, inter_node_gbps, json_path, plot_path)
@@ -271,6 +278,10 @@ def _measure(comm, be, cfg, n):
     kw = dict(comm=comm, layout=cfg["layout"], causal=cfg["causal"], backend=be.name)
     if "head_parallel" in cfg:
         kw["head_parallel"] = cfg["head_parallel"]
+    if cfg.get("softcap") is not None:
+        kw["softcap"] = cfg["softcap"]
+    if cfg.get("sinks"):
+        kw["sinks"] = be.asarray(np.random.default_rng(cfg["seed"]).standard_normal(h).astype(np.float32))
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):
@@ -601,6 +612,8 @@ def _format_single(r):
     head = (f"ringmpi bench: P={r['world_size']} N={r['n']} B={r['batch']} H={r['heads']} "
             f"Hkv={r['kv_heads']} D={r['dim']}{_dim_v(r)} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
             f"{r['layout']}, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up")
+    head += "".join(part for part, used in ((f", softcap {r.get('softcap')}", r.get("softcap") is not None),
+                                            (", sinks", r.get("sinks"))) if used)
     lines = [head]
     phases = [ph for ph in ("forward", "backward") if ph in r]
     for ph in phases:

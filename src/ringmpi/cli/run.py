@@ -124,8 +124,15 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
 @click.option("--head-parallel", "head_parallel", default=None, metavar="U|auto",
               help="Two-level head x ring schedule: all-to-all over heads in groups of U ranks, ring "
                    "across groups; auto = the ranks of a node [default: RINGMPI_HEAD_PARALLEL, else 1].")
+@click.option("--sinks-dataset", default=None, metavar="NAME",
+              help="Attention sinks: the (H,) float32/float64 dataset NAME of the input (one logit per "
+                   "query head); writes sinks and, with --backward, dsinks.")
+@click.option("--softcap", type=float, default=None, metavar="C",
+              help="Logit softcap: scores become C * tanh(score / C) (C > 0).")
+@click.option("--max-logit", "max_logit", is_flag=True,
+              help="Also write max_logit (H,): each head's largest score over the whole input.")
 def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
-        check_finite, resume, timeout, heads_per_pass, head_parallel):
+        check_finite, resume, timeout, heads_per_pass, head_parallel, sinks_dataset, softcap, max_logit):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
     \b
@@ -134,11 +141,14 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     with --backward, dq, dk, dv.  See docs/file-format.md.
     \b
       mpirun -n 4 ringmpi run in.h5 -o out.h5 --causal --backward
+      mpirun -n 4 ringmpi run in.h5 -o out.h5 --sinks-dataset sinks --softcap 30 --max-logit
     """
     from mpi4py import MPI
 
     from ..errors import ConfigError, agree
     from ..faults import fault_point
+    from .. import head_outputs
+    from ..variants import softcap_problem
     from ..io import AtomicOutput, ShardIO, inspect_input, open_file
     from .. import resume as resume_log
     from ..layout import Layout
@@ -157,6 +167,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         raise ConfigError(f"--timeout must be positive, got {timeout}")
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ConfigError(f"--scale must be a positive finite number, got {scale}")
+    if softcap_problem(softcap):
+        raise ConfigError(f"--softcap: {softcap_problem(softcap)}")
 
     spec = inspect_input(input_path, comm, backward=backward)
     if heads_per_pass is not None and (heads_per_pass < 1 or heads_per_pass % spec.group != 0):
@@ -168,7 +180,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     passes = plan_passes(spec, size, heads_per_pass, budget)
     job = _job_record(spec, input_path, size, passes, layout=layout, causal=bool(causal),
                       window=None if win is None else list(win), backward=bool(backward),
-                      softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass)
+                      softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass,
+                      **_variant_options(sinks_dataset, softcap, max_logit))
     passes, done = _resume_state(out, comm, job, resume)
     head_parallel = _head_parallel(comm, head_parallel, spec, passes)
     lay_q, lay_kv = Layout(layout, spec.n_q, size), Layout(layout, spec.n_kv, size)
@@ -181,6 +194,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         "dtype": spec.dtype, "backward": bool(backward), "input_path": os.path.abspath(input_path),
         "input_shapes": json.dumps({k: list(v) for k, v in spec.shapes.items()}, sort_keys=True),
         "heads_per_pass": -1 if heads_per_pass is None else int(heads_per_pass),
+        "softcap": 0.0 if softcap is None else float(softcap), "sinks_dataset": sinks_dataset or "",
+        "max_logit": bool(max_logit),
     }
     to_device, to_host = _converters(backend)
     kw = dict(comm=comm, layout=layout, causal=causal, window=win, softmax_scale=softmax_scale,
@@ -191,9 +206,11 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     try:
         if check_finite:  # every input of every pass, before any compute
             _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward)
+        sinks = None if sinks_dataset is None else head_outputs.read_sinks(fin, sinks_dataset, spec.heads, comm)
         fout = out.open(resume=done is not None)
         if done is None:
             _create_outputs(fout, spec, backward, attrs)
+            head_outputs.create(fout, spec, sinks, max_logit, backward and sinks is not None)
             resume_log.start(fout, job)
             done = np.zeros(len(passes), dtype=np.uint8)
         for index, p in enumerate(passes):
@@ -217,10 +234,15 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             if spec.seg_q:
                 seg = dict(segment_ids_q=_read_segments(fin, spec.seg_q, io_q, p),
                            segment_ids_kv=_read_segments(fin, spec.seg_kv, io_kv, p))
+            if sinks is not None:
+                seg["sinks"] = to_device(sinks[p.g0 * spec.group:p.g1 * spec.group])
+            if softcap is not None:
+                seg["softcap"] = softcap
             stats: list = []
             t0 = time.perf_counter()
             qd, kd, vd = to_device(q), to_device(k), to_device(v)
-            o, lse = ring_attention(qd, kd, vd, stats=stats, **kw, **seg)
+            o, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, return_max_logit=max_logit, **kw, **seg)
+            head_outputs.write_pass(fout, p, spec.group, max_logit=pass_max[0] if max_logit else None)
             ring_s += time.perf_counter() - t0
             o_host, lse_host = to_host(o), to_host(lse)
             io_q.write(fout["o"], ax_o, drop(o_host), box_o)
@@ -230,7 +252,9 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             if backward:
                 do = lift(io_q.read(fin["do"], ax_o, box_o))
                 t0 = time.perf_counter()
-                dq, dk, dv = ring_attention_backward(to_device(do), qd, kd, vd, o, lse, stats=stats, **kw, **seg)
+                dq, dk, dv, *dsinks = ring_attention_backward(to_device(do), qd, kd, vd, o, lse, stats=stats,
+                                                              **kw, **seg)
+                head_outputs.write_pass(fout, p, spec.group, dsinks=dsinks[0] if dsinks else None)
                 ring_s += time.perf_counter() - t0
                 io_q.write(fout["dq"], ax_q, drop(to_host(dq)), box_q)
                 io_kv.write(fout["dk"], ax_kv, drop(to_host(dk)), box_kv)
@@ -242,6 +266,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             resume_log.mark_done(fout, index)
             out.keep_on_failure = True  # from now on a failure leaves a resumable partial file
         progress.close()
+        head_outputs.finish(fout)
         fault_point("write", rank)
         fin.close()
         out.commit()
@@ -301,6 +326,13 @@ def _job_record(spec, input_path, world_size, passes, **options):
     return JobRecord(version=__version__, world_size=world_size, options=options,
                      input=input_fingerprint(input_path, spec),
                      passes=[[p.b0, p.b1, p.g0, p.g1] for p in passes])
+
+
+def _variant_options(sinks_dataset, softcap, max_logit) -> dict:
+    """The job-record options of sinks/softcap/max logit; none when unused, so the record of
+    a job without them is unchanged."""
+    options = dict(sinks_dataset=sinks_dataset, softcap=softcap, max_logit=bool(max_logit) or None)
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _resume_state(out, comm, job, resume: bool):

@@ -22,6 +22,9 @@ from ..masks import MaskSpec
 from ..reference import GRADIENTS, DenseReference, max_err, tolerance
 
 
+PER_HEAD = ("max_logit", "dsinks")  # (H,) datasets of --max-logit and --sinks-dataset
+
+
 def _window_from_attr(value) -> Optional[Tuple[Optional[int], Optional[int]]]:
     value = np.asarray(value).ravel()
     if value.size == 0:
@@ -55,7 +58,9 @@ def _check(in_path: str, out_path: str, max_n: int):
         causal = bool(fo.attrs["causal"])
         window = _window_from_attr(fo.attrs.get("window", []))
         scale = float(fo.attrs["softmax_scale"])
-        names = [n for n in ("o", "lse", "dq", "dk", "dv") if n in fo]
+        names = [n for n in ("o", "lse", "dq", "dk", "dv") + PER_HEAD if n in fo]
+        softcap = float(fo.attrs.get("softcap", 0.0)) or None
+        sinks = fo["sinks"][()] if "sinks" in fo else None
         for name in ("o", "lse"):
             if name not in fo:
                 raise ConfigError(f"{out_path}: missing dataset '{name}'")
@@ -64,34 +69,38 @@ def _check(in_path: str, out_path: str, max_n: int):
             raise ConfigError(f"{in_path}: has no 'do', but {out_path} holds gradients")
         lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
         load = {name: lift(read_float_dataset(fi[name])) for name in ("q", "k", "v") + (("do",) if backward else ())}
-        ours = {name: lift(read_float_dataset(fo[name])) for name in names}
+        ours = {name: (fo[name][()] if name in PER_HEAD else lift(read_float_dataset(fo[name]))) for name in names}
         segs = [None, None]
         if spec.seg_q:
             for i, (name, n_) in enumerate(((spec.seg_q, spec.n_q), (spec.seg_kv, spec.n_kv))):
                 ids = fi[name][()].astype(np.int64)
                 segs[i] = np.broadcast_to(ids, (spec.batch, n_))
-    mask = MaskSpec(causal=causal, window=window, offset=spec.n_kv - spec.n_q)
+    mask = MaskSpec(causal=causal, window=window, offset=spec.n_kv - spec.n_q, softcap=softcap)
     refs: Dict[str, list] = {name: [] for name in names}
     naives: Dict[str, list] = {name: [] for name in names}
     for b in range(spec.batch):
         args = [load["q"][b], load["k"][b], load["v"][b], load["do"][b] if backward else None,
                 None if segs[0] is None else segs[0][b], None if segs[1] is None else segs[1][b]]
         for dtype, into in ((np.float64, refs), (spec.dtype, naives)):
-            result = DenseReference(mask, scale, dtype).compute(*args)
+            result = DenseReference(mask, scale, dtype, sinks=sinks).compute(*args)
             for name in names:
                 into[name].append(result[name])
+    extras = (f", softcap {softcap:g}" if softcap else "") + (", sinks" if sinks is not None else "")
     lines = [f"verify {out_path} against a float64 dense reference of {in_path} "
-             f"({'causal' if causal else 'full'}{f', window {window}' if window else ''}, scale {scale:.6g})",
+             f"({'causal' if causal else 'full'}{f', window {window}' if window else ''}, scale {scale:.6g}{extras})",
              f"  {'dataset':8s} {'max abs err':>12s} {'max rel err':>12s} {'bound':>12s} {'naive err':>12s}  ok"]
     status = 0
     for name in names:
         ref, naive = np.stack(refs[name]), np.stack(naives[name])
+        if name in PER_HEAD:  # reduced over the batch, as ringmpi run writes them
+            reduce = np.max if name == "max_logit" else np.sum
+            ref, naive = reduce(ref, axis=0), reduce(naive, axis=0)
         mine = ours[name]
         if mine.shape != ref.shape:
             raise ConfigError(f"{out_path}: dataset '{name}' has shape {mine.shape}, expected {ref.shape}")
         err, base = max_err(mine, ref), max_err(naive, ref)
         base = base if math.isfinite(base) else 0.0
-        bound = tolerance(base, gradient=name in GRADIENTS)
+        bound = tolerance(base, gradient=name in GRADIENTS + ("dsinks",))
         finite = np.isfinite(ref)
         scale_ref = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
         rel = err / scale_ref if scale_ref > 0 else err

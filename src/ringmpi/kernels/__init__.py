@@ -175,8 +175,8 @@ class BlockKernel:
              sq: int, skv: int, d: int, d_v: Optional[int] = None) -> tuple:
         """The kernel's argument tuple: ``tensors`` (forward: ``qh, kh, vh, o_acc, m, l``;
         backward: ``qh, doh, lse, dvec, kh, vh, dq, dk, dv``), the typed ``scale``,
-        the ``MASK_PARAMS`` values, then the int32 shape scalars (the value head
-        dim ``d_v``, default ``d``, last)."""
+        the ``MASK_PARAMS`` then ``MOD_PARAMS`` values (``CupyBackend._mask_args``), then the
+        int32 shape scalars (the value head dim ``d_v``, default ``d``, last)."""
         nqt, nkt = self.tile_counts(sq, skv)
         d_v = d if d_v is None else d_v
         shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt, d_v))

@@ -98,9 +98,11 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ dvec, const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v, float* __restrict__ dq, float* __restrict__ dk,
-    float* __restrict__ dv, const float scale, MASK_PARAMS, BWD_SHAPE_PARAMS) {
+    float* __restrict__ dv, const float scale, MASK_PARAMS, MOD_PARAMS, BWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
+    MOD_INIT(mk);
     BWD_SHAPE_INIT(a);
+    const float cap = (float)mk.softcap;
     constexpr int BN = BWD_MMA_BN;
     constexpr int BM = DP <= 64 ? 64 : 32;
     constexpr int RS = DP + 8;   // row stride of Ks, Vs, Qs, dOs   ([row][d])
@@ -233,13 +235,18 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                 for (int e = 0; e < 4; ++e) {
                     const int ql = nt * 8 + 2 * c + (e & 1);
                     const int key = e < 2 ? key0 : key1;
-                    float s = p[nt][e] * scale;
+                    float s = p[nt][e] * scale, slope = 1.f;
+                    if (cap != 0.f) {
+                        const float t = tanh_acc(s / cap);
+                        s = cap * t;
+                        slope = 1.f - t * t;
+                    }
                     const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                     if (hidden) s = neg_inf<float>();
-                    // careful: a hidden pair is 0 even for a NaN lse or a NaN do v^T
+                    // careful: a hidden pair is 0 even for a NaN lse, a NaN do v^T or a NaN slope
                     const float pe = (careful && hidden) ? 0.f : expf(s - lse_s[ql]);
                     p[nt][e] = pe;
-                    ds[nt][e] = (careful && hidden) ? 0.f : pe * (ds[nt][e] - dvec_s[ql]);
+                    ds[nt][e] = (careful && hidden) ? 0.f : pe * (ds[nt][e] - dvec_s[ql]) * slope;
                 }
             }
             // dV += P^T dO and dK += dS^T Q (k = queries); the score
@@ -347,10 +354,12 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const typename Kind<KIND>::storage* __restrict__ k, const typename Kind<KIND>::storage* __restrict__ v,
     typename Kind<KIND>::acc* __restrict__ dq, typename Kind<KIND>::acc* __restrict__ dk,
     typename Kind<KIND>::acc* __restrict__ dv, const typename Kind<KIND>::acc scale, MASK_PARAMS,
-    BWD_SHAPE_PARAMS) {
+    MOD_PARAMS, BWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
+    MOD_INIT(mk);
     BWD_SHAPE_INIT(a);
     typedef typename Kind<KIND>::acc T;
+    const T cap = (T)mk.softcap;
     constexpr int BM = BN;
     constexpr int NTH = BWD_SIMT_THREADS(BN);
     constexpr int TPR = NTH / BN;
@@ -451,12 +460,20 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                 for (int d = dmin; d < a.D; ++d) s += Qs[ql * RS + d] * Ks[cr * RS + d];
                 for (int d = dmin; d < a.Dv; ++d) dp += dOs[ql * VRS + d] * Vs[cr * VRS + d];
                 s *= scale;
+                T slope = T(1);
+                if (cap != T(0)) {
+                    const T t = tanh_acc(s / cap);
+                    s = cap * t;
+                    slope = T(1) - t * t;
+                }
                 const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                 if (hidden) s = neg_inf<T>();
                 const T pe = (careful && hidden) ? T(0) : exp_acc(s - lse_s[ql]);  // even for a NaN lse
                 Ps[ql * PS + cr] = pe;
                 // a hidden pair: dS = 0 even when do v^T is NaN
-                dSs[ql * PS + cr] = (careful && hidden) ? T(0) : pe * (dp - dvec_s[ql]);
+                T dse = (careful && hidden) ? T(0) : pe * (dp - dvec_s[ql]);
+                if (cap != T(0) && !(careful && hidden)) dse *= slope;  // (a NaN score's slope is NaN)
+                dSs[ql * PS + cr] = dse;
             }
             __syncthreads();
             // dv, dk of key cr, columns j, j + TPR, ...

@@ -132,6 +132,7 @@ struct MaskArgs {
     const long long* kv_bounds; // same for kv tiles
     long long lo_delta, hi_delta;
     int has_lo, has_hi;
+    double softcap;             // score modifier (MOD_PARAMS); 0: none
 };
 
 // Kernel parameters for the mask (scalars typed on the host: np.int32 flags,
@@ -147,6 +148,18 @@ struct MaskArgs {
     mk.seg_q = has_seg ? seg_q : 0; mk.seg_kv = has_seg ? seg_kv : 0;                     \
     mk.q_bounds = q_bounds; mk.kv_bounds = kv_bounds;                                     \
     mk.lo_delta = lo_delta; mk.hi_delta = hi_delta; mk.has_lo = has_lo; mk.has_hi = has_hi
+
+// ---------------------------------------------------------------- score modifiers
+// Logit softcap (MaskSpec.softcap; masks.modifier_scalars types it as a
+// float64 launch scalar): a score s = scale * q.k becomes c * tanh(s / c)
+// before the mask; c = 0 means no cap.  The backward multiplies dS by the
+// cap's slope 1 - tanh(s / c)^2.  The kernels test the flag once, so a call
+// without a cap runs the same operations as before.
+#define MOD_PARAMS double softcap
+#define MOD_INIT(mk) mk.softcap = softcap
+
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
 __device__ __forceinline__ bool pos_visible(const MaskArgs& mk, long long qp, long long kp) {
     return (!mk.has_lo || kp >= qp + mk.lo_delta) && (!mk.has_hi || kp <= qp + mk.hi_delta);

@@ -67,9 +67,11 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     const float* __restrict__ q, const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v, float* __restrict__ o_acc,
     float* __restrict__ m_state, float* __restrict__ l_state, const float scale, MASK_PARAMS,
-    FWD_SHAPE_PARAMS) {
+    MOD_PARAMS, FWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
+    MOD_INIT(mk);
     FWD_SHAPE_INIT(a);
+    const float cap = (float)mk.softcap;
     constexpr int BM = FWD_MMA_BM, BN = FWD_MMA_BN;
     constexpr int QS = DP + 8;   // row stride (elements) of Qs and Ks
     constexpr int VS = BN + 8;   // row stride of Vt (V transposed: [d][key])
@@ -166,6 +168,12 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
+        if (cap != 0.f) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] = cap * tanh_acc(s[nt][e] / cap);
+        }
         if (need_mask) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
@@ -260,10 +268,12 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::storage* __restrict__ k,
     const typename Kind<KIND>::storage* __restrict__ v, typename Kind<KIND>::acc* __restrict__ o_acc,
     typename Kind<KIND>::acc* __restrict__ m_state, typename Kind<KIND>::acc* __restrict__ l_state,
-    const typename Kind<KIND>::acc scale, MASK_PARAMS, FWD_SHAPE_PARAMS) {
+    const typename Kind<KIND>::acc scale, MASK_PARAMS, MOD_PARAMS, FWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
+    MOD_INIT(mk);
     FWD_SHAPE_INIT(a);
     typedef typename Kind<KIND>::acc T;
+    const T cap = (T)mk.softcap;
     constexpr int BM = FWD_SIMT_BM, TPR = 4;
     constexpr int RS = DP + 1;   // row stride of Qs, Ks
     constexpr int VRS = DVP + 1; // row stride of Vs
@@ -335,6 +345,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
 #pragma unroll
         for (int i = 0; i < NC; ++i) {
             s[i] *= scale;
+            if (cap != T(0)) s[i] = cap * tanh_acc(s[i] / cap);
             if (need_mask && !elem_visible(mk, b, row, k0 + j + TPR * i, a.Sq, a.Skv)) s[i] = neg_inf<T>();
             mx = max_acc(mx, s[i]);
         }

@@ -1,0 +1,189 @@
+"""Attention sinks, logit softcap and max logit (issue 13, parts 1, 2, 4) under real mpirun.
+
+One launch per world size (P = 1, 3, 4) runs the whole case list of
+``variant_cases.py``; each case is its own pytest item.  Shapes are uneven
+(N % P != 0, N_q != N_kv), every layout, alone and combined with window,
+segments and GQA; float64 finite differences check dsinks through the ring.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from mpi_util import run_cases
+
+WORLD_SIZES = (1, 3, 4)
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def cases_for(p):
+    cases, spin = [], itertools.count()
+
+    def add(name, **kw):
+        i = next(spin)
+        case = dict(id=f"P{p}-{name}", B=1, H=4, Hkv=2, D=16, dtype="float32", seed=5000 * p + i)
+        case.update(kw)
+        cases.append(case)
+
+    for layout in LAYOUTS:
+        add(f"sinks-{layout}", n_q=37, layout=layout, causal=True, sinks=True)
+        add(f"softcap-{layout}", n_q=41, layout=layout, softcap=2.0, k_scale=4.0)
+        add(f"maxlogit-{layout}", n_q=30, n_kv=45, layout=layout, causal=True, window=[7, 0])
+        add(f"combined-{layout}", n_q=53, layout=layout, causal=True, window=[12, 0], segments=3, B=2,
+            H=6, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0)
+        add(f"combined64-{layout}", n_q=29, n_kv=40, layout=layout, causal=True, window=[9, 2], segments=2,
+            H=4, Hkv=1, sinks=True, sink_dtype="float64", softcap=1.5, k_scale=3.0, dtype="float64")
+    if p == 4:  # the head x ring schedule (U ranks per group) carries all three
+        for u in (2, 4):
+            add(f"combined-U{u}", n_q=53, layout="zigzag", causal=True, window=[12, 0], segments=3, B=2,
+                H=4, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0, head_parallel=u)
+    add("large-sinks", n_q=33, layout="zigzag", sinks=True, sink_scale=30.0)  # sink far above the scores
+    add("disjoint-sinks", n_q=20, layout="striped", segments=2, disjoint=True, sinks=True)
+    add("disjoint", n_q=20, layout="contiguous", segments=2, disjoint=True, softcap=3.0)
+    add("float16", n_q=45, layout="zigzag", causal=True, sinks=True, softcap=4.0, dtype="float16")
+    add("bfloat16", n_q=45, layout="striped", window=[5, 5], sinks=True, softcap=4.0, dtype="bfloat16")
+    add("scale", n_q=27, layout="contiguous", scale=0.7, softcap=0.5, sinks=True, q_scale=3.0)
+    add("fd", kind="fd", n_q=11, n_kv=13, H=2, Hkv=1, D=5, layout="zigzag", causal=True, sinks=True,
+        softcap=1.3, k_scale=2.0)
+    add("errors", kind="errors", n_q=12, layout="striped")
+    # file jobs: batch passes (a tiny pass budget) and head passes
+    add("file-batch-passes", kind="file", n_q=23, B=3, layout="zigzag", causal=True, softcap=3.0, k_scale=3.0,
+        pass_bytes=1)
+    add("file-head-passes", kind="file", n_q=19, H=4, Hkv=2, layout="striped", softcap=1.0,
+        argv=["--heads-per-pass", "2"])
+    add("file-bad-sinks", kind="file", n_q=8, layout="contiguous", softcap=1.0, dataset="bad_sinks",
+        expect_error="shape (5,), expected (H,) = (4,)")
+    add("file-missing-sinks", kind="file", n_q=8, layout="contiguous", softcap=1.0, dataset="nope",
+        expect_error="no such dataset")
+    if p == 3:  # torch imports slowly: one launch
+        add("torch", kind="torch", n_q=31, layout="zigzag", causal=True, sinks=True, softcap=2.0,
+            k_scale=3.0)
+    for layout in LAYOUTS:
+        add(f"decode-{layout}", kind="decode", n_q=3, n_kv=50, layout=layout, window=[20, 0], softcap=2.0,
+            k_scale=4.0, sinks=layout != "zigzag")
+    return cases
+
+
+ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(p):
+        if p not in cache:
+            tmp = tmp_path_factory.mktemp(f"variants{p}")
+            cases = [dict(c, dir=str(tmp)) for c in cases_for(p)]
+            cache[p] = run_cases(p, cases, tmp, timeout=300, driver="variant_cases.py")
+        return cache[p]
+    return get
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
+def test_variant_case(results, p, case):
+    ok, msg = results(p)[case["id"]]
+    assert ok, msg
+
+
+def test_mask_spec_carries_softcap():
+    from ringmpi.masks import MaskSpec, kernel_scalars, modifier_scalars
+
+    spec = MaskSpec(causal=True, softcap=2.5)
+    assert modifier_scalars(spec) == (np.float64(2.5),)
+    assert modifier_scalars(MaskSpec()) == (np.float64(0.0),)
+    # the cap changes scores, never visibility
+    assert kernel_scalars(spec) == kernel_scalars(MaskSpec(causal=True))
+
+
+def test_fold_sinks_rows_without_keys():
+    from ringmpi.variants import fold_sinks
+
+    o_acc = np.zeros((1, 2, 3, 4))
+    o_acc[0, 0, 0] = 2.0
+    m = np.array([[[0.5, -np.inf, -np.inf], [1.0, 2.0, -np.inf]]])
+    l = np.array([[[2.0, 0.0, 0.0], [1.0, 1.0, 0.0]]])
+    sinks = np.array([0.25, 3.0])
+    lse_before = m + np.log(np.where(l > 0, l, 1))
+    fold_sinks(np, o_acc, m, l, sinks)
+    lse = m + np.log(l)
+    seen = np.array([[[True, False, False], [True, True, False]]])
+    want = np.where(seen, np.logaddexp(lse_before, sinks[None, :, None]), sinks[None, :, None])
+    np.testing.assert_allclose(lse, want, rtol=1e-15)
+    np.testing.assert_allclose(o_acc[0, 0, 0] / l[0, 0, 0], 2.0 / (2.0 + np.exp(0.25 - 0.5)), rtol=1e-15)
+    assert (o_acc[~seen[0][None].repeat(1, 0)] == 0).all()
+
+
+def test_option_problems():
+    from ringmpi.variants import sinks_problem, softcap_problem
+
+    assert softcap_problem(None) is None and softcap_problem(30) is None
+    for bad in (0, -1.0, float("nan"), float("inf"), "x"):
+        assert softcap_problem(bad)
+    assert sinks_problem(np.zeros(3, np.float32), 3) is None
+    assert "shape" in sinks_problem(np.zeros((3, 1), np.float32), 3)
+    assert "float32 or float64" in sinks_problem(np.zeros(3, np.int64), 3)
+    assert "finite" in sinks_problem(np.array([0, np.inf, 0], np.float64), 3)
+
+
+@pytest.mark.mpi
+def test_bench_takes_softcap_and_sinks():
+    import sys
+
+    from mpi_util import ROOT, mpirun
+
+    base = [sys.executable, "-m", "ringmpi", "bench", "--n", "200", "--heads", "2", "--dim", "16", "--repeat", "1",
+            "--warmup", "0", "--backend", "numpy"]
+    rc, out, err, _ = mpirun(2, base + ["--softcap", "30", "--sinks", "--backward"], 120, cwd=ROOT)
+    assert rc == 0, err[-2000:]
+    assert "softcap 30.0, sinks" in out and "backward" in out
+    rc, out, err, _ = mpirun(2, base + ["--softcap", "0"], 120, cwd=ROOT)
+    assert rc == 2 and "--softcap: softcap must be finite and > 0" in err
+
+
+@pytest.mark.mpi
+def test_file_job_with_sinks_resumes_bitwise(tmp_path):
+    """A job with sinks, softcap and max logit in 6 passes (3 batch x 2 head groups), killed at
+    the start of pass 3 and resumed, writes the same bits as an uninterrupted one: the per-pass
+    rows of max_logit/dsinks are rewritten, never added twice."""
+    import h5py
+
+    from test_cli import write_input
+    from test_resume import job, load
+
+    src = write_input(tmp_path / "in.h5", n=30, b=3)
+    with h5py.File(src, "a") as f:
+        f["sinks"] = np.array([0.5, -1.0, 2.0, 0.0], dtype=np.float32)
+    extra = ["--sinks-dataset", "sinks", "--softcap", "2.5", "--max-logit"]
+    rc, _, err, _ = job(3, src, tmp_path / "ref.h5", *extra)
+    assert rc == 0, err
+    out = tmp_path / "out.h5"
+    rc, _, err, _ = job(3, src, out, *extra, fault="raise:0:3:pass")
+    assert rc != 0 and not out.exists()
+    rc, _, err, _ = job(3, src, out, "--resume", *extra)
+    assert rc == 0 and "3 of 6 pass(es) already complete" in err, err
+    ref, got = load(tmp_path / "ref.h5")[0], load(out)[0]
+    assert sorted(got) == sorted(ref) and {"sinks", "dsinks", "max_logit"} <= set(ref)
+    for name in ref:
+        assert got[name].tobytes() == ref[name].tobytes(), name
+    assert np.isfinite(ref["dsinks"]).all() and np.isfinite(ref["max_logit"]).all()
+
+
+def test_every_block_kernel_takes_the_modifier_scalars():
+    """``MOD_PARAMS`` follows ``MASK_PARAMS`` in every block kernel, in the order
+    ``CupyBackend._mask_args`` packs them (mask scalars, then ``modifier_scalars``)."""
+    import inspect
+    import re
+
+    from ringmpi import kernels as K
+    from ringmpi.backends import cupy_backend
+
+    for name in ("forward.cu", "backward.cu"):
+        text = (K.KERNEL_DIR / name).read_text()
+        kernels = re.findall(r"__global__ void[^(]*\(([^{]*)\)\s*\{", text)
+        assert kernels, name
+        for params in kernels:
+            assert re.search(r"MASK_PARAMS,\s*MOD_PARAMS,", params), params
+    assert "+ modifier_scalars(mask.spec)" in inspect.getsource(cupy_backend.CupyBackend._mask_args)
