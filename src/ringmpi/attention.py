@@ -24,7 +24,9 @@ import numpy as np
 
 from . import dtypes as _dtypes
 from .backends import get_backend
-from .errors import agree
+from .dropout import MAX_POSITION, Dropout
+from .dropout import validate as _dropout_problem
+from .errors import ConfigError, agree
 from .layout import KINDS, Layout
 from .masks import MaskSpec
 from .ring import default_timeout, resolve_comm
@@ -114,7 +116,8 @@ def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
 
 
 def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-          softmax_scale, backend, timeout, check_finite, extra=(), declared=None) -> _Plan:
+          softmax_scale, backend, timeout, check_finite, extra=(), declared=None,
+          dropout_p=0.0, dropout_seed=None, dropout_offsets=None) -> _Plan:
     comm = resolve_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     be = get_backend(backend, (q, k, v))
@@ -169,14 +172,41 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
         seg_kv = seg_kv.astype(np.int64, copy=False)
     dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    dropout = _plan_dropout(comm, dropout_p, dropout_seed, dropout_offsets, q.shape[0], q.shape[2], n_q, n_kv)
     spec = MaskSpec(causal=bool(causal),
                     window=None if window is None else tuple(None if w is None else int(w) for w in window),
-                    offset=n_kv - n_q)
+                    offset=n_kv - n_q, dropout=dropout)
     return _Plan(comm=comm, backend=be, rank=rank, batch=q.shape[0], heads=q.shape[2],
                  compute_dtype=be.compute_dtype(q.dtype),
                  layout_q=layout_q, layout_kv=layout_kv, spec=spec, scale=scale, seg_q=seg_q,
                  seg_kv=seg_kv,
                  timeout=default_timeout() if timeout is None else timeout)
+
+
+def _plan_dropout(comm, p, seed, offsets, batch: int, heads: int, n_q: int, n_kv: int) -> Optional[Dropout]:
+    """The call's :class:`~ringmpi.dropout.Dropout` (None for ``p == 0``), checked
+    and agreed on every rank (collective)."""
+    problem = _dropout_problem(p, seed)
+    b0, h0, total = (0, 0, heads) if offsets is None else offsets
+    if problem is None and offsets is not None and not (
+            len(offsets) == 3 and min(offsets) >= 0 and h0 + heads <= total):
+        problem = f"dropout_offsets must be (batch_offset, head_offset, total_heads) covering this call, got {offsets!r}"
+    if problem is None and float(p) > 0:
+        if max(n_q, n_kv) > MAX_POSITION:
+            problem = f"dropout needs sequence lengths <= 2^48, got N_q={n_q}, N_kv={n_kv}"
+        elif (b0 + batch) * total > 1 << 32:
+            problem = "dropout needs (batch entries x heads) <= 2^32"
+    mine = None if problem else (float(p), None if seed is None else int(seed), (int(b0), int(h0), int(total)))
+    everyone = comm.allgather((problem, mine))  # one collective for both checks
+    if any(pr for pr, _ in everyone):
+        agree(comm, problem)
+    values = [x for _, x in everyone]
+    if any(x != values[0] for x in values):
+        raise ConfigError("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
+                          + "; ".join(f"rank {r}: {x}" for r, x in enumerate(values)))
+    if float(p) == 0:
+        return None
+    return Dropout(p=float(p), seed=int(seed), heads=int(total), batch_offset=int(b0), head_offset=int(h0))
 
 
 def _host(x):
@@ -187,7 +217,9 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    causal: bool = False, window=None, segment_ids_q=None, segment_ids_kv=None,
                    softmax_scale: Optional[float] = None, backend: str = "auto",
                    timeout: Optional[float] = None, check_finite: bool = False,
-                   stats: Optional[list] = None, dtype: Optional[str] = None):
+                   stats: Optional[list] = None, dtype: Optional[str] = None,
+                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                   dropout_offsets=None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
@@ -231,6 +263,16 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         The dtype every input must have.  ``"bfloat16"`` also accepts ``uint16``
         arrays holding bfloat16 bit patterns (then the outputs are ``uint16``
         bit patterns too); a ``uint16`` array is never read as bfloat16 without it.
+    dropout_p : float in [0, 1)
+        Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
+        scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
+        global i, global j)`` (:mod:`ringmpi.dropout`), so the same seed gives the
+        same mask for every number of ranks, layout and backend.  ``lse`` is the
+        one without dropout (as FlashAttention's).
+    dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
+    dropout_offsets : (batch_offset, head_offset, total_heads), optional
+        Where this call's batch entry 0 and head 0 sit in a larger tensor whose
+        mask it should draw (a call over a slice); default ``(0, 0, H)``.
 
     Returns
     -------
@@ -240,7 +282,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     """
     (q, k, v), bits = _dtypes.view_declared(dtype, q, k, v)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-                 softmax_scale, backend, timeout, check_finite, declared=dtype)
+                 softmax_scale, backend, timeout, check_finite, declared=dtype,
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offsets=dropout_offsets)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     qh = be.to_heads(be.asarray(q), ct)
@@ -263,7 +306,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             window=None, segment_ids_q=None, segment_ids_kv=None,
                             softmax_scale: Optional[float] = None, backend: str = "auto",
                             timeout: Optional[float] = None, check_finite: bool = False,
-                            stats: Optional[list] = None, dtype: Optional[str] = None):
+                            stats: Optional[list] = None, dtype: Optional[str] = None,
+                            dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                            dropout_offsets=None):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v``.
 
     Collective; every keyword must match the forward call.
@@ -274,6 +319,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     q, k, v : as for :func:`ring_attention`.
     o : (B, S_q_local, H, D), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
+    dropout_p, dropout_seed, dropout_offsets : the forward's values: the mask
+        is regenerated, never stored.
 
     Returns
     -------
@@ -286,7 +333,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     (do, q, k, v, o), bits = _dtypes.view_declared(dtype, do, q, k, v, o)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                  softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)),
-                 declared=dtype)
+                 declared=dtype, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                 dropout_offsets=dropout_offsets)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     lse = be.asarray(lse)

@@ -31,9 +31,12 @@ later, score modifiers such as softcap, sinks or dropout: a new field on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .dropout import Dropout
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
@@ -50,11 +53,15 @@ class MaskSpec:
         Sliding window in global positions; either side may be ``None``.
     offset : int
         ``N_kv - N_q`` (global lengths); 0 when they are equal.
+    dropout : ringmpi.dropout.Dropout or None
+        Dropout on the visible weights (a function of global positions too);
+        it never changes visibility, tile classes or the softmax denominator.
     """
 
     causal: bool = False
     window: Optional[Tuple[Optional[int], Optional[int]]] = None
     offset: int = 0
+    dropout: Optional["Dropout"] = None
 
     def __post_init__(self):
         if self.window is not None:

@@ -92,22 +92,25 @@ def _scores(qe, ke, s, bias, scale, shift_column, dim):
         s += bias
 
 
-def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None) -> bool:
+def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, drop=None) -> bool:
     """One tile with the running maximum as the shift, folded into the GEMM.
 
     Returns False, having changed nothing, when the tile overflows; the caller
     then takes the exact path.  ``fix_pv(weights, pv)``, when given, adds the
     contributions of non-finite ``v`` rows (see :func:`_careful_forward_tile`).
+    ``drop``, when given, multiplies the weights after their row sums are taken
+    (dropout: ``l`` stays the sum of the un-dropped weights).
     """
     _scores(qe, ke, s, bias, scale, -m_rows / scale, dim)
     np.exp(s, out=s)
+    sums = None if drop is None else _drop_weights(s, drop)
     np.matmul(s, ve, out=pv)
-    if not np.isfinite(pv).all():
+    if not np.isfinite(pv).all() or (sums is not None and not np.isfinite(sums).all()):
         return False
     if fix_pv is not None:
         fix_pv(s, pv)
     o_rows += pv[:, :dim]
-    l_rows += pv[:, dim]
+    l_rows += pv[:, dim] if sums is None else sums
     big = l_rows > _RENORM
     if big.any():  # keep the state far from overflow: move the shift up to the sum
         o_rows[big] /= l_rows[big, None]
@@ -116,23 +119,32 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, f
     return True
 
 
-def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None):
-    """One tile of the classic online softmax, updating the row state in place."""
+def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, drop=None):
+    """One tile of the classic online softmax, updating the row state in place
+    (``drop``: as for :func:`_shifted_tile`)."""
     _scores(qe, ke, s, bias, scale, 0, dim)
     m_new = np.maximum(m_rows, s.max(axis=1))
     # rows that have seen nothing yet keep m = -inf; shift them by 0
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
     s -= shift[:, None]
     np.exp(s, out=s)
+    sums = None if drop is None else _drop_weights(s, drop)
     np.matmul(s, ve, out=pv)
     if fix_pv is not None:
         fix_pv(s, pv)
     alpha = np.exp(m_rows - shift)
     l_rows *= alpha
-    l_rows += pv[:, dim]
+    l_rows += pv[:, dim] if sums is None else sums
     o_rows *= alpha[:, None]
     o_rows += pv[:, :dim]
     m_rows[...] = m_new
+
+
+def _drop_weights(weights, drop):
+    """Dropout on a tile's weights, in place; returns their row sums taken before."""
+    sums = weights.sum(axis=1)
+    weights *= drop
+    return sums
 
 
 # ------------------------------------------------------------ non-finite values
@@ -175,7 +187,7 @@ def _clean_copy(x, bad, dim=None):
 
 
 def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                          bad_q, bad_k, bad_v):
+                          bad_q, bad_k, bad_v, drop=None):
     """One tile when its rows or columns hold non-finite values (forward).
 
     ``bad_q`` (rows: a NaN/Inf in q, or a row state already non-finite),
@@ -203,8 +215,8 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
             pv_tile[:, :dim] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
 
     if not (np.isfinite(m_rows).all() and _shifted_tile(
-            q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)):
-        _exact_tile(q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)
+            q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv, drop)):
+        _exact_tile(q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv, drop)
     if not redo.any():
         return
     m_old, l_old, o_old = saved
@@ -216,14 +228,15 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
         p = np.where(vis[redo], np.exp(sc - shift[:, None]), 0).astype(s.dtype, copy=False)
         alpha = np.exp(m_old - shift)
         l_rows[redo] = l_old * alpha + p.sum(axis=1)
-        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p, ve[:, :dim], vis[redo])
+        p_o = p if drop is None else (p * drop[redo]).astype(s.dtype, copy=False)
+        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p_o, ve[:, :dim], vis[redo])
         # a row whose visible scores were all -inf has weight 0 so far (l = 0) but is no longer
         # fresh: a finite shift keeps later tiles on a clean run's path
         m_rows[redo] = np.where(np.isneginf(m_new) & vis[redo].any(axis=1), 0, m_new)
 
 
 def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale,
-                           dq_t, dk_t, dv_t, bad_rows, bad_cols):
+                           dq_t, dk_t, dv_t, bad_rows, bad_cols, drop=None):
     """One backward tile when its rows or columns hold non-finite values.
 
     ``bad_rows``: a NaN/Inf in q, do, lse or ``dvec``; ``bad_cols``: in k or v.
@@ -235,7 +248,8 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     lse_clean = np.where(redo, np.inf, lse_t).astype(lse_t.dtype, copy=False)  # P = 0 on those rows
     dvec_clean = np.where(redo, 0, dvec_t).astype(dvec_t.dtype, copy=False)
     _backward_tile(_clean_copy(q_t, bad_rows), _clean_copy(do_t, bad_rows), _clean_copy(k_t, bad_cols),
-                   _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, bias, scale, dq_t, dk_t, dv_t)
+                   _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, bias, scale, dq_t, dk_t, dv_t,
+                   drop)
     if not redo.any():
         return
     vis_r = vis[redo]
@@ -243,22 +257,35 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     with np.errstate(invalid="ignore", over="ignore"):
         sc = (q_r @ k_t.T) * scale
         p_r = np.where(vis_r, np.exp(sc - lse_t[redo, None]), 0).astype(p.dtype, copy=False)
-        ds = np.where(vis_r, p_r * ((do_r @ v_t.T) - dvec_t[redo, None]), 0).astype(p.dtype, copy=False)
-        dv_t += _visible_matmul(p_r.T, do_r, vis_r.T)
+        dp_r = do_r @ v_t.T
+        p_v = p_r
+        if drop is not None:
+            dp_r = dp_r * drop[redo]
+            p_v = (p_r * drop[redo]).astype(p.dtype, copy=False)
+        ds = np.where(vis_r, p_r * (dp_r - dvec_t[redo, None]), 0).astype(p.dtype, copy=False)
+        dv_t += _visible_matmul(p_v.T, do_r, vis_r.T)
         dq_t[redo] += _visible_matmul(ds, k_t, vis_r)
         dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
 
 
-def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t):
-    """One backward tile, accumulating into the ``dq_t``, ``dk_t``, ``dv_t`` views in place."""
+def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t, drop=None):
+    """One backward tile, accumulating into the ``dq_t``, ``dk_t``, ``dv_t`` views in place.
+
+    With dropout (``drop``: the tile's keep/(1-p) factors) ``dv += (P Z)^T do`` and
+    ``dS = P * ((do v^T) Z - dvec)``."""
     np.matmul(q_t, k_t.T, out=p)
     p *= scale
     if bias is not None:
         p += bias
     p -= lse_t[:, None]
     np.exp(p, out=p)
-    dv_t += p.T @ do_t
+    if drop is None:
+        dv_t += p.T @ do_t
+    else:
+        dv_t += (p * drop).T @ do_t
     np.matmul(do_t, v_t.T, out=dp)
+    if drop is not None:
+        dp *= drop
     dp -= dvec_t[:, None]
     dp *= p
     dq_t += dp @ k_t
@@ -331,6 +358,7 @@ class NumpyBackend:
         bad_q = _bad_rows(qh) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
         bad_k, bad_v = _bad_rows(kh), _bad_rows(vh)
         careful = bool(bad_q.any() or bad_k.any() or bad_v.any())
+        dropout = mask.spec.dropout
         tiles = _TilePlan(mask, sq, skv, batch, ct)
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
@@ -341,15 +369,17 @@ class NumpyBackend:
                     kvh = h // group
                     qe, ke, ve = q_ext[b, h, rows], k_ext[b, kvh, cols], v_ext[b, kvh, cols]
                     m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
+                    drop = None if dropout is None else dropout.multiplier(
+                        b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
                     if careful:  # a state can turn non-finite within this block: look again
                         bad_rows = bad_q[b, h, rows] | np.isnan(l_rows) | np.isnan(m_rows) | np.isposinf(m_rows)
                     if careful and (bad_rows.any() or bad_k[b, kvh, cols].any() or bad_v[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are expected here
                             _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                                                  bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols])
+                                                  bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols], drop)
                     elif not (np.isfinite(m_rows).all() and _shifted_tile(
-                            qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)):
-                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)
+                            qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, drop=drop)):
+                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, drop=drop)
                     if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
                         tick()
         return tiles.counts()
@@ -385,6 +415,7 @@ class NumpyBackend:
         bad_rows = _bad_rows(qh) | _bad_rows(doh) | np.isnan(lse_use) | ~np.isfinite(dvec)
         bad_cols = _bad_rows(kh) | _bad_rows(vh)
         careful = bool(bad_rows.any() or bad_cols.any())
+        dropout = mask.spec.dropout
         tiles = _TilePlan(mask, sq, skv, batch, ct)
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
@@ -396,11 +427,13 @@ class NumpyBackend:
                     args = (qh[b, h, rows], doh[b, h, rows], kh[b, kvh, cols], vh[b, kvh, cols],
                             lse_use[b, h, rows], dvec[b, h, rows], p, dp, bias, scale,
                             dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
+                    drop = None if dropout is None else dropout.multiplier(
+                        b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
                     if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):
-                            _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols])
+                            _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols], drop)
                     else:
-                        _backward_tile(*args)
+                        _backward_tile(*args, drop=drop)
                     if tick is not None:
                         tick()
         return tiles.counts()
