@@ -120,8 +120,13 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
               help="Deadline in seconds for each ring wait; a peer that never answers ends the job.")
 @click.option("--heads-per-pass", type=int, default=None, metavar="K",
               help="Query heads per pass (a multiple of H/H_kv) to bound memory [default: all].")
+@click.option("--dropout", "dropout_p", type=float, default=0.0, show_default=True, metavar="P",
+              help="Dropout on the attention weights, 0 <= P < 1: the same mask for any number of "
+                   "ranks, layout, pass plan or backend (needs --seed).")
+@click.option("--seed", "dropout_seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, metavar="S",
+              help="Dropout seed (0 <= S < 2^64).")
 def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
-        check_finite, resume, timeout, heads_per_pass):
+        check_finite, resume, timeout, heads_per_pass, dropout_p, dropout_seed):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
     \b
@@ -153,6 +158,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         raise ConfigError(f"--timeout must be positive, got {timeout}")
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ConfigError(f"--scale must be a positive finite number, got {scale}")
+    dropout_options = _dropout_options(dropout_p, dropout_seed)
 
     spec = inspect_input(input_path, comm, backward=backward)
     if heads_per_pass is not None and (heads_per_pass < 1 or heads_per_pass % spec.group != 0):
@@ -164,7 +170,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     passes = plan_passes(spec, size, heads_per_pass, budget)
     job = _job_record(spec, input_path, size, passes, layout=layout, causal=bool(causal),
                       window=None if win is None else list(win), backward=bool(backward),
-                      softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass)
+                      softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass,
+                      **dropout_options)
     passes, done = _resume_state(out, comm, job, resume)
     lay_q, lay_kv = Layout(layout, spec.n_q, size), Layout(layout, spec.n_kv, size)
     io_q, io_kv = ShardIO(comm, lay_q.indices(rank)), ShardIO(comm, lay_kv.indices(rank))
@@ -177,6 +184,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         "input_shapes": json.dumps({k: list(v) for k, v in spec.shapes.items()}, sort_keys=True),
         "heads_per_pass": -1 if heads_per_pass is None else int(heads_per_pass),
     }
+    if dropout_options:
+        attrs.update(dropout_p=float(dropout_p), dropout_seed=np.uint64(dropout_seed))
     to_device, to_host = _converters(backend)
     kw = dict(comm=comm, layout=layout, causal=causal, window=win, softmax_scale=softmax_scale,
               backend=backend, timeout=timeout)
@@ -210,6 +219,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
             if spec.seg_q:
                 seg = dict(segment_ids_q=_read_segments(fin, spec.seg_q, io_q, p),
                            segment_ids_kv=_read_segments(fin, spec.seg_kv, io_kv, p))
+            if dropout_options:  # this pass draws its slice of the whole tensor's mask
+                seg.update(dropout_offsets=(p.b0, p.g0 * spec.group, spec.heads), **dropout_options)
             stats: list = []
             t0 = time.perf_counter()
             qd, kd, vd = to_device(q), to_device(k), to_device(v)
@@ -252,6 +263,19 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     if rank == 0:
         _summary(spec, size, layout, causal, win, backward, backend, passes, every, out.path)
     comm.Free()
+
+
+def _dropout_options(p: float, seed) -> dict:
+    """``{dropout_p, dropout_seed}`` for the ring calls (empty without dropout);
+    a bad pair is a ConfigError (exit 2)."""
+    from ..dropout import validate
+    from ..errors import ConfigError
+
+    problem = validate(p, seed)
+    if problem:
+        raise ConfigError(problem.replace("dropout_p", "--dropout").replace("a dropout_seed", "--seed")
+                          .replace("dropout_seed", "--seed"))
+    return dict(dropout_p=float(p), dropout_seed=int(seed)) if p > 0 else {}
 
 
 def _job_record(spec, input_path, world_size, passes, **options):
