@@ -72,6 +72,9 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="Untimed calls before the timed ones.")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic inputs.")
+@click.option("--dropout", type=float, default=0.0, show_default=True, metavar="P",
+              help="Dropout on the attention weights (0 <= P < 1), seeded by --seed; "
+                   "the torch SDPA column runs without dropout.")
 @click.option("--sweep", type=click.Choice(["strong", "weak"]), default=None,
               help="Scaling sweep over P = 1, 2, 4, ... ranks of the job.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -85,7 +88,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --decode: new tokens per call S_new.")
 def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new):
+          sweep, json_path, plot_path, decode, cache, new, dropout):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -108,6 +111,10 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
+    elif dropout:
+        from ..dropout import validate
+        problem = validate(dropout, seed if seed >= 0 else None)
+        problem = problem and "--dropout/--seed: " + problem
     agree(comm, problem)
     if backend == "cupy":
         from ..device import require_gpu
@@ -116,6 +123,8 @@ def bench(n, heads, kv_heads, dim, batch, dtype, causal, layout, backward, repea
 
     cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, causal=causal,
                layout=layout, backward=backward, repeat=repeat, warmup=warmup, seed=seed)
+    if dropout:
+        cfg["dropout"] = float(dropout)
     rank, size = comm.Get_rank(), comm.Get_size()
     sizes = [size] if sweep is None else _sweep_sizes(size)
     load_before = os.getloadavg()
@@ -216,6 +225,8 @@ def _measure(comm, be, cfg, n):
 
     q, k, v = randn(h), randn(hkv), randn(hkv)
     kw = dict(comm=comm, layout=cfg["layout"], causal=cfg["causal"], backend=be.name)
+    if cfg.get("dropout"):
+        kw.update(dropout_p=cfg["dropout"], dropout_seed=cfg["seed"])
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):
@@ -517,6 +528,8 @@ def _format_single(r):
     head = (f"ringmpi bench: P={r['world_size']} N={r['n']} B={r['batch']} H={r['heads']} "
             f"Hkv={r['kv_heads']} D={r['dim']} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
             f"{r['layout']}, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up")
+    if r.get("dropout"):
+        head += f", dropout {r['dropout']}"
     lines = [head]
     phases = [ph for ph in ("forward", "backward") if ph in r]
     for ph in phases:
