@@ -12,6 +12,8 @@ Kinds (``case["kind"]``):
 * ``fd``: float64 finite differences of ``sum(o * do)`` along random
   directions against the ring backward, the mask fixed by the seed.
 * ``errors``: bad dropout arguments give one ConfigError, the same on every rank.
+* ``torch``: ``ringmpi.torch.ring_attention`` with dropout, forward and autograd
+  backward, bitwise equal to the library calls.
 """
 
 import json
@@ -111,6 +113,27 @@ def fd_case(comm, case):
     return worst < 1e-7, f"finite-difference worst relative error {worst:.3g}"
 
 
+def torch_case(comm, case):
+    """ringmpi.torch with dropout: autograd gives the library's forward and backward, bitwise."""
+    import torch
+
+    import ringmpi.torch as rt
+
+    rank = comm.Get_rank()
+    case = dict(case, dtype="float64")
+    (q, k, v, do, _, _), (lay_q, lay_kv), _, kw = _setup(comm, case)
+    local = [lay.shard(x, rank) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
+    o, lse = ringmpi.ring_attention(*local, **kw)
+    want = (o,) + tuple(ringmpi.ring_attention_backward(lay_q.shard(do, rank), *local, o, lse, **kw))
+    tensors = [torch.tensor(x, requires_grad=True) for x in local]
+    kw.pop("backend")
+    out = rt.ring_attention(*tensors, **kw)
+    out.backward(torch.tensor(lay_q.shard(do, rank)))
+    got = [out.detach().numpy()] + [t.grad.numpy() for t in tensors]
+    same = all(np.array_equal(a, b) for a, b in zip(got, want))
+    return comm.allreduce(int(same), op=MPI.MIN) == 1, "torch forward/backward bitwise equal to the library's"
+
+
 def errors_case(comm, case):
     from ringmpi.errors import ConfigError
 
@@ -146,7 +169,7 @@ def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    kinds = {"fd": fd_case, "errors": errors_case}
+    kinds = {"fd": fd_case, "errors": errors_case, "torch": torch_case}
     run_all(comm, cases, lambda case: kinds.get(case.get("kind"), ref_case)(comm, case))
 
 

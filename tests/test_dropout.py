@@ -97,6 +97,8 @@ def cases_for(p, tmp):
                  causal=True, p=0.4),
         ]
     cases.append(dict(id=f"P{p}-errors", kind="errors", B=1, H=2, Hkv=2, D=4, n_q=10, layout="zigzag"))
+    cases.append(dict(id=f"P{p}-torch", kind="torch", B=1, H=2, Hkv=1, D=4, n_q=19, layout="zigzag",
+                      causal=True, p=0.3, dropout_seed=77))
     return cases
 
 

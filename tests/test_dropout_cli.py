@@ -50,3 +50,12 @@ def test_bad_dropout_exits_2(tmp_path, args, message):
     rc, out, err = ringmpi(["run", src, "-o", tmp_path / "out.h5"] + args)
     assert rc == 2 and message in err, err
     assert not (tmp_path / "out.h5").exists()
+
+
+@pytest.mark.mpi
+def test_bench_with_dropout(tmp_path):
+    rc, out, err, _ = mpirun(2, [RINGMPI, "bench", "--n", "96", "--heads", "2", "--dim", "8", "--repeat", "1",
+                                 "--warmup", "0", "--backend", "numpy", "--backward", "--dropout", "0.2"],
+                             timeout=120)
+    assert rc == 0, err[-3000:]
+    assert "dropout 0.2" in out.splitlines()[0]

@@ -162,7 +162,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    layout: Union[str, Layout] = "contiguous", causal: bool = False, window=None,
                    segment_ids_q=None, segment_ids_kv=None, softmax_scale: Optional[float] = None,
                    return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
-                   check_finite: bool = False, stats: Optional[list] = None):
+                   check_finite: bool = False, stats: Optional[list] = None,
+                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -173,9 +174,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     q : (B, S_q_local, H, D) tensor, float16/bfloat16/float32/float64, CPU or CUDA
         This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D) tensors, same dtype and device; ``H % H_kv == 0``.
-    comm, layout, causal, window, softmax_scale, timeout, check_finite
+    comm, layout, causal, window, softmax_scale, timeout, check_finite, dropout_p, dropout_seed
         As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
-        duplicate of ``COMM_WORLD``).
+        duplicate of ``COMM_WORLD``); the backward regenerates the dropout mask
+        from the seed.
     segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) integer tensors or arrays, optional
         Packed documents: a query sees only keys with the same id.
     return_lse : bool
@@ -210,6 +212,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                 segment_ids_q=_host_ids(segment_ids_q), segment_ids_kv=_host_ids(segment_ids_kv),
                 softmax_scale=softmax_scale, backend=backend, timeout=timeout,
                 check_finite=check_finite, stats=stats)
+    if dropout_p or dropout_seed is not None:
+        opts.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse = _RingAttention.apply(q, k, v, opts)
@@ -229,8 +233,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     **options).transpose(1, 2)``: one copy of each input (the transpose made
     contiguous), none of the output (a transposed view).  ``options`` are
     :func:`ring_attention`'s keywords (``comm``, ``layout``, ``window``,
-    segment ids, ...) except ``return_lse``.  GQA needs no flag.  There is no
-    ``attn_mask`` or dropout; ``is_causal`` is bottom-right aligned (the same as
+    segment ids, ``dropout_p`` with ``dropout_seed``, ...) except ``return_lse``.
+    GQA needs no flag.  There is no ``attn_mask``; ``is_causal`` is bottom-right aligned (the same as
     torch's when ``N_q == N_kv``) and uses global positions.
     """
     o = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
