@@ -59,3 +59,18 @@ def test_bench_with_dropout(tmp_path):
                              timeout=120)
     assert rc == 0, err[-3000:]
     assert "dropout 0.2" in out.splitlines()[0]
+
+
+@pytest.mark.mpi
+def test_verify_applies_the_recorded_dropout(tmp_path):
+    src = write_input(tmp_path / "in.h5", n=30, h=2, hkv=1, d=8, b=2, dtype="float32")
+    out = tmp_path / "out.h5"
+    rc, _, err, _ = mpirun(2, [RINGMPI, "run", src, "-o", out, "--causal", "--backward",
+                               "--dropout", "0.4", "--seed", "9"], timeout=120)
+    assert rc == 0, err[-3000:]
+    rc, stdout, err = ringmpi(["verify", src, out])
+    assert rc == 0 and "dropout 0.4 seed 9" in stdout, stdout + err
+    with h5py.File(out, "r+") as f:  # a different seed's output must fail verification
+        f.attrs["dropout_seed"] = np.uint64(10)
+    rc, stdout, err = ringmpi(["verify", src, out])
+    assert rc == 1, stdout + err

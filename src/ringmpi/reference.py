@@ -37,6 +37,8 @@ class DenseReference:
     is ``mask.visible`` (:class:`ringmpi.masks.MaskSpec`) over positions
     ``0 .. N_q - 1`` and ``0 .. N_kv - 1``; ``mask.offset`` aligns them
     (``N_kv - N_q`` for bottom-right alignment, as ``ringmpi run`` uses).
+    With ``mask.dropout`` the weights of batch entry ``batch_index`` are
+    dropped as :mod:`ringmpi.dropout` says (``lse`` without dropout).
     Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
     """
 
@@ -44,7 +46,7 @@ class DenseReference:
         self.mask, self.scale = mask, scale
         self.dtype = resolve_dtype(dtype)
 
-    def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None):
+    def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None, batch_index=0):
         """``{"o", "lse", and with do "dq", "dk", "dv"}`` in ``dtype``; lse ``(H, N_q)``."""
         dt = self.dtype
 
@@ -74,14 +76,19 @@ class DenseReference:
                 seen = l > 0
                 l_safe = np.where(seen, l, 1).astype(dt)
                 p = np.where(seen, p / l_safe, 0).astype(dt)
-                out["o"][rows, h, :] = mm(p, vh)
+                drop = None if self.mask.dropout is None else self.mask.dropout.multiplier(
+                    batch_index, h, rows, kv_pos, dt)
+                pz = p if drop is None else (p * drop).astype(dt)
+                out["o"][rows, h, :] = mm(pz, vh)
                 with np.errstate(divide="ignore"):
                     out["lse"][h, rows] = np.where(seen[:, 0], m[:, 0] + np.log(l_safe[:, 0]), -np.inf)
                 if do is None:
                     continue
                 dob = do[rows, h, :].astype(dt)
-                out["dv"][:, g, :] += mm(p.T, dob)
+                out["dv"][:, g, :] += mm(pz.T, dob)
                 dp = mm(dob, vh.T)
+                if drop is not None:
+                    dp = (dp * drop).astype(dt)
                 ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True))).astype(dt, copy=False)
                 out["dq"][rows, h, :] = mm(ds, kh) * scale
                 out["dk"][:, g, :] += mm(ds.T, qb) * scale
