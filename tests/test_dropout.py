@@ -9,6 +9,7 @@ rounding) for P = 1, 2, 3 and every layout with one seed, different ones with an
 """
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,7 +114,7 @@ def launches(tmp_path_factory):
     return tmp, out
 
 
-ALL = [(p, c["id"]) for p in WORLD_SIZES for c in cases_for(p, __import__("pathlib").Path("."))]
+ALL = [(p, c["id"]) for p in WORLD_SIZES for c in cases_for(p, Path("."))]
 
 
 @pytest.mark.mpi

@@ -20,26 +20,31 @@ _LOW = np.uint64(0xFFFFFFFF)
 _SHIFT = np.uint64(32)
 
 
-def _mulhilo(multiplier: int, x: np.ndarray):
-    """``(hi, lo)`` uint32 words of the 64-bit product ``multiplier * x``."""
-    prod = np.uint64(multiplier) * x.astype(np.uint64)
-    return (prod >> _SHIFT).astype(np.uint32), (prod & _LOW).astype(np.uint32)
-
-
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = ROUNDS):
     """Philox 4x32 with ``rounds`` rounds, elementwise over broadcast arrays.
 
     ``c0..c3``: the counter words, ``k0, k1``: the key words (Python ints or
     integer arrays, each in ``[0, 2^32)``).  Returns the four output words as
     ``uint32`` arrays of the broadcast shape.
+
+    Words are held in uint64 (the 64-bit product of two 32-bit words is exact
+    there), so a round is two multiplies, shifts, masks and xors in place.
     """
-    c = [np.asarray(x, dtype=np.uint64).astype(np.uint32) for x in np.broadcast_arrays(c0, c1, c2, c3)]
-    key = [np.uint32(int(k0)), np.uint32(int(k1))]
+    c = [np.array(x, dtype=np.uint64) & _LOW for x in np.broadcast_arrays(c0, c1, c2, c3)]
+    key = [int(k0) & 0xFFFFFFFF, int(k1) & 0xFFFFFFFF]
+    m0, m1 = np.uint64(MULTIPLIERS[0]), np.uint64(MULTIPLIERS[1])
     for r in range(rounds):
         if r:  # the key is bumped between rounds
-            key = [np.uint32((int(key[0]) + WEYL[0]) & 0xFFFFFFFF),
-                   np.uint32((int(key[1]) + WEYL[1]) & 0xFFFFFFFF)]
-        hi0, lo0 = _mulhilo(MULTIPLIERS[0], c[0])
-        hi1, lo1 = _mulhilo(MULTIPLIERS[1], c[2])
-        c = [hi1 ^ c[1] ^ key[0], lo1, hi0 ^ c[3] ^ key[1], lo0]
-    return tuple(c)
+            key = [(key[0] + WEYL[0]) & 0xFFFFFFFF, (key[1] + WEYL[1]) & 0xFFFFFFFF]
+        prod0 = c[0] * m0  # becomes (hi0 ^ c3 ^ k1) and lo0
+        prod1 = c[2] * m1
+        new0 = prod1 >> _SHIFT
+        new0 ^= c[1]
+        new0 ^= np.uint64(key[0])
+        prod1 &= _LOW
+        new2 = prod0 >> _SHIFT
+        new2 ^= c[3]
+        new2 ^= np.uint64(key[1])
+        prod0 &= _LOW
+        c = [new0, prod1, new2, prod0]
+    return tuple(x.astype(np.uint32) for x in c)
