@@ -137,3 +137,35 @@ def test_same_mask_for_every_world_size_and_layout(launches):
                                            err_msg=f"{name} at P={p} {layout} differs from P=1 contiguous")
             else:
                 assert np.max(np.abs(x - base[name])) > 1e-2, f"{name}: seed {seed} gives seed {SEEDS[0]}'s result"
+
+
+def test_nonfinite_row_leaves_the_others_bitwise():
+    """The careful (NaN/Inf) path applies the same mask: other rows are bitwise a clean run's."""
+    from ringmpi.backends.numpy_backend import NumpyBackend
+    from ringmpi.masks import BlockMask, MaskSpec
+
+    be, rng = NumpyBackend(), np.random.default_rng(4)
+    q = rng.standard_normal((1, 2, 40, 8))
+    k, v, do = rng.standard_normal((1, 1, 30, 8)), rng.standard_normal((1, 1, 30, 8)), rng.standard_normal(q.shape)
+    mask = BlockMask(MaskSpec(causal=True, offset=-10, dropout=Dropout(p=0.3, seed=5, heads=2)),
+                     np.arange(40), np.arange(30))
+    runs = []
+    for bad in (False, True):
+        qq = q.copy()
+        if bad:
+            qq[0, 1, 25, 3] = np.nan
+        o, m, l = np.zeros_like(q), np.full(q.shape[:3], -np.inf), np.zeros(q.shape[:3])
+        with np.errstate(invalid="ignore"):
+            be.forward_block(qq, k, v, o, m, l, 0.5, mask)
+            out, lse = be.finalize(o, m, l, np.float64)
+            oh = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
+            dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+            be.backward_block(qq, do, lse, be.row_dot(do, oh), k, v, dq, dk, dv, 0.5, mask)
+        runs.append((oh, lse, dq))
+    (o0, lse0, dq0), (o1, lse1, dq1) = runs
+    assert np.isnan(o1[0, 1, 25]).all() and np.isnan(lse1[0, 1, 25])
+    keep = np.ones(o0.shape[:3], dtype=bool)
+    keep[0, 1, 25] = False
+    np.testing.assert_array_equal(o1[keep], o0[keep])
+    np.testing.assert_array_equal(lse1[keep], lse0[keep])
+    np.testing.assert_array_equal(dq1[keep], dq0[keep])
