@@ -7,6 +7,10 @@ same-dtype" computation that sets the tolerance).  In float16 and bfloat16
 plain framework computation in it does (a GEMM accumulates in float32 and
 rounds its result; NumPy's bfloat16 matmul would return float32).
 ``tolerance_check`` applies the tolerance rule of docs/design.md.
+Dropout: ``dropout_factors`` draws the keep matrix straight from the Philox
+generator (``ringmpi.philox``, itself checked against the Random123
+known-answer vectors) with the packing documented in ``ringmpi.dropout``,
+written out again here; ``drop=`` applies it.
 """
 
 import ml_dtypes
@@ -41,6 +45,23 @@ def visible(n_q, n_kv, causal=False, window=None, seg_q=None, seg_kv=None):
     return vis
 
 
+def dropout_factors(seed, p, batch, heads, n_q, n_kv):
+    """(B, H, n_q, n_kv) float64: ``1/(1-p)`` where weight (b, h, i, j) is kept, else 0.
+
+    Counter ``(j, i, 0, b*H + h)`` (positions < 2^32 here), key ``(seed lo, seed hi)``;
+    kept iff Philox word 0 >= ceil(p * 2^32)."""
+    from ringmpi.philox import philox4x32
+    i = np.arange(n_q, dtype=np.uint64)[:, None]
+    j = np.arange(n_kv, dtype=np.uint64)[None, :]
+    out = np.empty((batch, heads, n_q, n_kv))
+    threshold = int(np.ceil(p * 2.0 ** 32))
+    for b in range(batch):
+        for h in range(heads):
+            word = philox4x32(j, i, 0, b * heads + h, seed & 0xFFFFFFFF, seed >> 32)[0]
+            out[b, h] = np.where(word.astype(np.uint64) >= threshold, 1.0 / (1.0 - p), 0.0)
+    return out
+
+
 def _expand_kv(x, heads):
     """(B, N, Hkv, D) -> (B, Hq, N, D) by repeating each kv head."""
     group = heads // x.shape[2]
@@ -67,6 +88,11 @@ def _with_sinks(s, vh, vis, sinks, dtype):
     return s, vh, vis
 
 
+def _drop_sink_column(drop):
+    """Dropout factors with a factor 1 for the sink column (the sink is never dropped)."""
+    return np.concatenate([drop, np.ones(drop.shape[:3] + (1,), dtype=drop.dtype)], axis=-1)
+
+
 def dense_max_logit(q, k, vis, scale, dtype, softcap=None):
     """(H,): per head the largest visible score (after scale and softcap) over
     batch and rows; -inf for a head with none."""
@@ -78,9 +104,10 @@ def dense_max_logit(q, k, vis, scale, dtype, softcap=None):
     return s.max(axis=(0, 2, 3))
 
 
-def dense_forward(q, k, v, vis, scale, dtype, sinks=None, softcap=None):
+def dense_forward(q, k, v, vis, scale, dtype, sinks=None, softcap=None, drop=None):
     """o (B, N, H, D_v) and lse (B, H, N) computed densely in ``dtype``
-    (v: (B, N, Hkv, D_v); sinks as an extra key column with a zero value, softcap through tanh)."""
+    (v: (B, N, Hkv, D_v); sinks as an extra key column with a zero value, softcap through tanh);
+    ``drop`` (B, H, N_q, N_kv): dropout factors on the weights (lse without them)."""
     dtype = np.dtype(dtype)
     qh = q.transpose(0, 2, 1, 3).astype(dtype)
     kh = _expand_kv(k, q.shape[2]).astype(dtype)
@@ -95,16 +122,20 @@ def dense_forward(q, k, v, vis, scale, dtype, sinks=None, softcap=None):
     p = np.exp(s - m_safe)
     l = p.sum(axis=-1, keepdims=True)
     l_safe = np.where(l > 0, l, 1).astype(dtype)
-    o = np.where(l > 0, _mm((p / l_safe).astype(dtype), vh, dtype), 0).astype(dtype)
+    w = (p / l_safe).astype(dtype)
+    if drop is not None:
+        w = (w * (drop if sinks is None else _drop_sink_column(drop))).astype(dtype)
+    o = np.where(l > 0, _mm(w, vh, dtype), 0).astype(dtype)
     with np.errstate(divide="ignore"):
         lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l_safe[..., 0]), -np.inf).astype(dtype)
     return o.transpose(0, 2, 1, 3), lse
 
 
-def dense_backward(do, q, k, v, vis, scale, dtype, sinks=None, softcap=None):
+def dense_backward(do, q, k, v, vis, scale, dtype, sinks=None, softcap=None, drop=None):
     """dq, dk, dv computed densely in ``dtype`` (shapes like q, k, v; ``do`` like o, D_v wide), and dsinks
     (H,) after them when ``sinks`` is given: the extra column's dS summed over
-    batch and rows.  The softcap's slope ``1 - tanh^2`` multiplies dS."""
+    batch and rows.  The softcap's slope ``1 - tanh^2`` multiplies dS; ``drop`` as
+    for :func:`dense_forward`."""
     dtype = np.dtype(dtype)
     heads, kv_heads = q.shape[2], k.shape[2]
     group = heads // kv_heads
@@ -123,8 +154,13 @@ def dense_backward(do, q, k, v, vis, scale, dtype, sinks=None, softcap=None):
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
     p = np.where(l > 0, p / np.where(l > 0, l, 1), 0).astype(dtype)
-    dv = _mm(p.transpose(0, 1, 3, 2), doh, dtype)
+    if drop is not None and sinks is not None:
+        drop = _drop_sink_column(drop)
+    pz = p if drop is None else (p * drop).astype(dtype)
+    dv = _mm(pz.transpose(0, 1, 3, 2), doh, dtype)
     dp = _mm(doh, vh.transpose(0, 1, 3, 2), dtype)
+    if drop is not None:
+        dp = (dp * drop).astype(dtype)
     ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True))).astype(dtype)
     dsinks = ds[..., n_kv:].sum(axis=(0, 2, 3)) if sinks is not None else None
     ds, dv = ds[..., :n_kv], dv[:, :, :n_kv]

@@ -77,6 +77,7 @@ def test_sources_carry_line_directives():
         src = K.source(filename)
         assert f'#line 1 "{(K.KERNEL_DIR / filename).as_posix()}"' in src
         assert f'#line 1 "{(K.KERNEL_DIR / K.PREAMBLE).as_posix()}"' in src
+        assert f'#line 1 "{(K.KERNEL_DIR / K.DROPOUT_PREAMBLE).as_posix()}"' in src
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -95,7 +96,8 @@ def test_compile_errors_name_the_real_file(tmp_path, monkeypatch):
     bad = tmp_path / "broken.cu"
     bad.write_text("__global__ void ringmpi_broken() { undefined_symbol(); }\n")
     monkeypatch.setattr(K, "KERNEL_DIR", tmp_path)
-    (tmp_path / K.PREAMBLE).write_text("")
+    for preamble in (K.PREAMBLE, K.DROPOUT_PREAMBLE):
+        (tmp_path / preamble).write_text("")
     K.source.cache_clear()
     try:
         ok, log, _ = _compile("broken.cu", [], "sm_80")

@@ -34,10 +34,15 @@ def cases_for(p):
             H=6, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0)
         add(f"combined64-{layout}", n_q=29, n_kv=40, layout=layout, causal=True, window=[9, 2], segments=2,
             H=4, Hkv=1, sinks=True, sink_dtype="float64", softcap=1.5, k_scale=3.0, dtype="float64")
-    if p == 4:  # the head x ring schedule (U ranks per group) carries all three
+        # and with dropout: every option of issue 13 in one call
+        add(f"all-{layout}", n_q=47, n_kv=52, layout=layout, causal=True, window=[15, 0], segments=2, B=2,
+            H=4, Hkv=2, sinks=True, softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242)
+    if p == 4:  # the head x ring schedule (U ranks per group) carries all of them
         for u in (2, 4):
             add(f"combined-U{u}", n_q=53, layout="zigzag", causal=True, window=[12, 0], segments=3, B=2,
                 H=4, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0, head_parallel=u)
+            add(f"all-U{u}", n_q=47, layout="striped", causal=True, segments=2, B=2, H=4, Hkv=2, sinks=True,
+                softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, head_parallel=u)
     add("large-sinks", n_q=33, layout="zigzag", sinks=True, sink_scale=30.0)  # sink far above the scores
     add("disjoint-sinks", n_q=20, layout="striped", segments=2, disjoint=True, sinks=True)
     add("disjoint", n_q=20, layout="contiguous", segments=2, disjoint=True, softcap=3.0)

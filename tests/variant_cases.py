@@ -47,6 +47,8 @@ def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
               softmax_scale=case.get("scale"), backend=BACKEND, softcap=case.get("softcap"),
               head_parallel=case.get("head_parallel", 1))
+    if case.get("dropout"):
+        kw.update(dropout_p=case["dropout"], dropout_seed=case["dropout_seed"])
     if seg_q is not None:
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
     if sinks is not None:
@@ -89,8 +91,13 @@ def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sin
     softcap = case.get("softcap")
     scale = case.get("scale") or 1.0 / np.sqrt(q.shape[3])
     vis = reference.visible(q.shape[1], k.shape[1], case.get("causal", False), window, seg_q, seg_kv)
-    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64, sinks=sinks, softcap=softcap)
-    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype, sinks=sinks, softcap=softcap)
+    drop = None
+    if case.get("dropout"):  # the mask drawn straight from Philox (reference.dropout_factors)
+        drop = reference.dropout_factors(case["dropout_seed"], case["dropout"], q.shape[0], q.shape[2],
+                                         q.shape[1], k.shape[1])
+    opts = dict(sinks=sinks, softcap=softcap, drop=drop)
+    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64, **opts)
+    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype, **opts)
     ref_m = reference.dense_max_logit(q, k, vis, scale, np.float64, softcap)
     naive_m = reference.dense_max_logit(q, k, vis, scale, dtype, softcap)
     o = lay_q.unshard([g["o"] for g in gathered], axis=1)
@@ -107,8 +114,8 @@ def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sin
         messages.append(f"max_logit {ml.dtype} {ml.shape}")
     checks = [("o", o, ref_o, naive_o, False), ("lse", lse, ref_lse, naive_lse, False),
               ("max_logit", ml, ref_m, naive_m, False)]
-    refs = reference.dense_backward(do, q, k, v, vis, scale, np.float64, sinks=sinks, softcap=softcap)
-    naives = reference.dense_backward(do, q, k, v, vis, scale, dtype, sinks=sinks, softcap=softcap)
+    refs = reference.dense_backward(do, q, k, v, vis, scale, np.float64, **opts)
+    naives = reference.dense_backward(do, q, k, v, vis, scale, dtype, **opts)
     for i, name in enumerate(("dq", "dk", "dv")):
         lay = lay_q if name == "dq" else lay_kv
         checks.append((name, lay.unshard([g[name] for g in gathered], axis=1), refs[i], naives[i], True))

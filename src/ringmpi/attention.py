@@ -25,6 +25,8 @@ import numpy as np
 from . import dtypes as _dtypes
 from . import variants as _variants
 from .backends import get_backend
+from .dropout import MAX_POSITION, Dropout
+from .dropout import validate as _dropout_validate
 from .errors import agree
 from .layout import KINDS, Layout
 from .masks import MaskSpec
@@ -137,7 +139,8 @@ def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
 
 def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
           softmax_scale, backend, timeout, check_finite, extra=(), declared=None,
-          sinks=None, softcap=None, exact_max=False) -> _Plan:
+          sinks=None, softcap=None, exact_max=False,
+          dropout_p=0.0, dropout_seed=None, dropout_offsets=None) -> _Plan:
     comm = resolve_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     be = get_backend(backend, (q, k, v))
@@ -146,14 +149,19 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
     agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared)
           or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
-          or _variants.softcap_problem(softcap) or _variants.sinks_problem(sinks, q.shape[2]))
+          or _variants.softcap_problem(softcap) or _variants.sinks_problem(sinks, q.shape[2])
+          or _dropout_problem(dropout_p, dropout_seed, dropout_offsets, q.shape[2]))
 
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
-    shapes = comm.allgather((signature, q.shape[1], k.shape[1], _variants.digest(sinks, softcap)))
+    drop_key = _dropout_key(dropout_p, dropout_seed, dropout_offsets, q.shape[2])
+    shapes = comm.allgather((signature, q.shape[1], k.shape[1], (_variants.digest(sinks, softcap), drop_key)))
     sigs = {s for s, _, _, _ in shapes}
     problem = None
-    if len({d for _, _, _, d in shapes}) > 1:
+    if len({d[0] for _, _, _, d in shapes}) > 1:
         problem = "ranks disagree on sinks or softcap: every rank must pass the same values"
+    if problem is None and len({d[1] for _, _, _, d in shapes}) > 1:
+        problem = ("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
+                   + "; ".join(f"rank {r}: {d[1]}" for r, (_, _, _, d) in enumerate(shapes)))
     if problem is None and len(sigs) > 1:
         problem = ("ranks disagree on (batch, heads, kv_heads, head_dim, value_head_dim, dtype): "
                    + "; ".join(f"rank {r}: {s}" for r, (s, _, _, _) in enumerate(shapes)))
@@ -164,6 +172,8 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
         problem = f"unknown layout {kind!r}: expected one of {', '.join(KINDS)}"
     if problem is None and (n_q < 1 or n_kv < 1):
         problem = f"global sequence lengths must be >= 1, got N_q={n_q}, N_kv={n_kv}"
+    if problem is None:
+        problem = _dropout_size_problem(drop_key, q.shape[0], n_q, n_kv)
     if problem is None and isinstance(layout, Layout):
         if layout.world_size != size or layout.n != n_q:
             problem = (f"layout {layout} does not match the communicator: world size {size}, "
@@ -196,16 +206,48 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
         seg_kv = seg_kv.astype(np.int64, copy=False)
     dim = q.shape[3]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    dropout = None if drop_key is None else Dropout(p=drop_key[0], seed=drop_key[1], heads=drop_key[4],
+                                                    batch_offset=drop_key[2], head_offset=drop_key[3])
     spec = MaskSpec(causal=bool(causal),
                     window=None if window is None else tuple(None if w is None else int(w) for w in window),
                     offset=n_kv - n_q, softcap=None if softcap is None else float(softcap),
-                    exact_max=bool(exact_max))
+                    exact_max=bool(exact_max), dropout=dropout)
     return _Plan(comm=comm, backend=be, rank=rank, batch=q.shape[0], heads=q.shape[2],
                  compute_dtype=be.compute_dtype(q.dtype),
                  layout_q=layout_q, layout_kv=layout_kv, spec=spec, scale=scale, seg_q=seg_q,
                  seg_kv=seg_kv,
                  timeout=default_timeout() if timeout is None else timeout,
                  sinks=None if sinks is None else be.asarray(sinks).astype(be.compute_dtype(q.dtype)))
+
+
+def _dropout_problem(p, seed, offsets, heads: int) -> Optional[str]:
+    """This rank's problem with its dropout options (None when fine)."""
+    problem = _dropout_validate(p, seed)
+    if problem is None and offsets is not None:
+        ok = len(offsets) == 3 and all(isinstance(x, (int, np.integer)) for x in offsets)
+        if not (ok and min(offsets) >= 0 and offsets[1] + heads <= offsets[2]):
+            problem = f"dropout_offsets must be (batch_offset, head_offset, total_heads) covering this call, got {offsets!r}"
+    return problem
+
+
+def _dropout_key(p, seed, offsets, heads: int):
+    """``(p, seed, batch_offset, head_offset, total_heads)`` of checked options, None
+    without dropout: what every rank must agree on."""
+    if float(p) == 0:
+        return None
+    b0, h0, total = (0, 0, heads) if offsets is None else offsets
+    return float(p), int(seed), int(b0), int(h0), int(total)
+
+
+def _dropout_size_problem(key, batch: int, n_q: int, n_kv: int) -> Optional[str]:
+    """The problem with dropout's counter ranges for these global sizes (None when fine)."""
+    if key is None:
+        return None
+    if max(n_q, n_kv) > MAX_POSITION:
+        return f"dropout needs sequence lengths <= 2^48, got N_q={n_q}, N_kv={n_kv}"
+    if (key[2] + batch) * key[4] > 1 << 32:
+        return "dropout needs (batch entries x heads) <= 2^32"
+    return None
 
 
 def _host(x):
@@ -218,7 +260,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    timeout: Optional[float] = None, check_finite: bool = False,
                    stats: Optional[list] = None, dtype: Optional[str] = None,
                    head_parallel: Union[int, str, None] = None,
-                   sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False):
+                   sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False,
+                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
@@ -282,6 +325,16 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     return_max_logit : bool
         Also return ``max_logit`` (the NumPy tiles then keep an exact running
         maximum instead of their lagging shift: a little slower).
+    dropout_p : float in [0, 1)
+        Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
+        scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
+        global i, global j)`` (:mod:`ringmpi.dropout`), so the same seed gives the
+        same mask for every number of ranks, layout and backend.  ``lse`` is the
+        one without dropout (as FlashAttention's).
+    dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
+    dropout_offsets : (batch_offset, head_offset, total_heads), optional
+        Where this call's batch entry 0 and head 0 sit in a larger tensor whose
+        mask it should draw (a call over a slice); default ``(0, 0, H)``.
 
     Returns
     -------
@@ -298,7 +351,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     (q, k, v), bits = _dtypes.view_declared(dtype, q, k, v)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                  softmax_scale, backend, timeout, check_finite, declared=dtype,
-                 sinks=sinks, softcap=softcap, exact_max=return_max_logit)
+                 sinks=sinks, softcap=softcap, exact_max=return_max_logit,
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offsets=dropout_offsets)
     groups = resolve_groups(plan.comm, plan.heads, head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
@@ -337,7 +391,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             timeout: Optional[float] = None, check_finite: bool = False,
                             stats: Optional[list] = None, dtype: Optional[str] = None,
                             head_parallel: Union[int, str, None] = None,
-                            sinks=None, softcap: Optional[float] = None):
+                            sinks=None, softcap: Optional[float] = None,
+                            dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                            dropout_offsets=None):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
@@ -348,6 +404,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     q, k, v : as for :func:`ring_attention`.
     o : (B, S_q_local, H, D_v), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
+    dropout_p, dropout_seed, dropout_offsets : the forward's values: the mask
+        is regenerated, never stored.
 
     Returns
     -------
@@ -364,7 +422,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     (do, q, k, v, o), bits = _dtypes.view_declared(dtype, do, q, k, v, o)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
                  softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)),
-                 declared=dtype, sinks=sinks, softcap=softcap)
+                 declared=dtype, sinks=sinks, softcap=softcap, dropout_p=dropout_p,
+                 dropout_seed=dropout_seed, dropout_offsets=dropout_offsets)
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
     lse = be.asarray(lse)

@@ -31,7 +31,7 @@ Records: :class:`ExchangeRecord` (a :class:`~ringmpi.ring.StepRecord` with a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Sequence, Tuple
 
 import numpy as np
@@ -171,6 +171,16 @@ class _Split:
         return slice(start, start + rows[i])
 
 
+def _group_spec(plan, split):
+    """The call's mask spec for this rank's group of heads: dropout draws the
+    masks of those heads (global head = the group's first head + local head)."""
+    drop = plan.spec.dropout
+    if drop is None:
+        return plan.spec
+    first = split.heads(split.index).start
+    return replace(plan.spec, dropout=replace(drop, head_offset=drop.head_offset + first))
+
+
 def forward(plan, groups, q, k, v, stats=None, bits: bool = False, return_max_logit: bool = False):
     """:func:`ringmpi.ring_attention` on ``groups`` (a :class:`~ringmpi.topology.HeadGroups`).
 
@@ -216,7 +226,8 @@ def forward(plan, groups, q, k, v, stats=None, bits: bool = False, return_max_lo
     l = xp.zeros(shape[:3], dtype=ct)
     schedule = RingSchedule(groups.ring_comm, be, be.to_heads(kg, kg.dtype), be.to_heads(vg, vg.dtype),
                             kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
-                            spec=plan.spec, seg_q=seg_q, seg_kv=seg_kv, timeout=plan.timeout, phase="fwd")
+                            spec=_group_spec(plan, split), seg_q=seg_q, seg_kv=seg_kv, timeout=plan.timeout,
+                            phase="fwd")
     resident = {}  # what the backend derives from qh once per call
     for block in schedule:
         schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
@@ -294,7 +305,7 @@ def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False):
     dq = xp.zeros_like(qh)
     schedule = RingSchedule(groups.ring_comm, be, be.to_heads(kg, kg.dtype), be.to_heads(vg, vg.dtype),
                             kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
-                            spec=plan.spec, seg_q=seg_q, seg_kv=seg_kv, grad_dtype=ct,
+                            spec=_group_spec(plan, split), seg_q=seg_q, seg_kv=seg_kv, grad_dtype=ct,
                             timeout=plan.timeout, phase="bwd")
     resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
     for block in schedule:

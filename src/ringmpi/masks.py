@@ -31,9 +31,12 @@ later, score modifiers such as softcap, sinks or dropout: a new field on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .dropout import Dropout
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
@@ -58,6 +61,9 @@ class MaskSpec:
         Keep the running maximum ``m`` of the online softmax exact (the NumPy
         tiles then skip their lagging-shift fast path), so that after the last
         block ``m`` is each row's largest visible score: the max logit.
+    dropout : ringmpi.dropout.Dropout or None
+        Dropout on the visible weights (a function of global positions too);
+        it never changes visibility, tile classes or the softmax denominator.
     """
 
     causal: bool = False
@@ -65,6 +71,7 @@ class MaskSpec:
     offset: int = 0
     softcap: Optional[float] = None
     exact_max: bool = False
+    dropout: Optional["Dropout"] = None
 
     def __post_init__(self):
         if self.window is not None:

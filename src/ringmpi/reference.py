@@ -37,6 +37,8 @@ class DenseReference:
     is ``mask.visible`` (:class:`ringmpi.masks.MaskSpec`) over positions
     ``0 .. N_q - 1`` and ``0 .. N_kv - 1``; ``mask.offset`` aligns them
     (``N_kv - N_q`` for bottom-right alignment, as ``ringmpi run`` uses).
+    With ``mask.dropout`` the weights of batch entry ``batch_index`` are
+    dropped as :mod:`ringmpi.dropout` says (``lse`` without dropout).
     Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
     ``mask.softcap`` caps the scores (``c * tanh(s / c)``); ``sinks (H,)``, when
     given, add one zero-value key of logit ``sinks[h]`` to every row.
@@ -47,7 +49,7 @@ class DenseReference:
         self.dtype = resolve_dtype(dtype)
         self.sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)
 
-    def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None):
+    def compute(self, q, k, v, do=None, seg_q=None, seg_kv=None, batch_index=0):
         """``{"o", "lse", "max_logit" (H,), and with do "dq", "dk", "dv" (and "dsinks" (H,)
         with sinks)}`` in ``dtype``; lse ``(H, N_q)``."""
         dt = self.dtype
@@ -92,14 +94,19 @@ class DenseReference:
                 p_sink = None
                 if self.sinks is not None:
                     p, p_sink = p[:, :-1], p[:, -1]
-                out["o"][rows, h, :] = mm(p, vh)
+                drop = None if self.mask.dropout is None else self.mask.dropout.multiplier(
+                    batch_index, h, rows, kv_pos, dt)
+                pz = p if drop is None else (p * drop).astype(dt)
+                out["o"][rows, h, :] = mm(pz, vh)
                 with np.errstate(divide="ignore"):
                     out["lse"][h, rows] = np.where(seen[:, 0], m[:, 0] + np.log(l_safe[:, 0]), -np.inf)
                 if do is None:
                     continue
                 dob = do[rows, h, :].astype(dt)
-                out["dv"][:, g, :] += mm(p.T, dob)
+                out["dv"][:, g, :] += mm(pz.T, dob)
                 dp = mm(dob, vh.T)
+                if drop is not None:
+                    dp = (dp * drop).astype(dt)
                 dvec = (dp * p).sum(axis=-1, keepdims=True)
                 ds = (p * (dp - dvec)).astype(dt, copy=False)
                 if p_sink is not None:

@@ -173,7 +173,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
                    check_finite: bool = False, stats: Optional[list] = None,
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
-                   softcap: Optional[float] = None):
+                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -185,9 +185,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D), (B, S_kv_local, H_kv, D_v) tensors, same dtype and
         device; ``H % H_kv == 0``; ``D_v`` may differ from ``D`` (as in torch's SDPA).
-    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel
+    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel, dropout_p, dropout_seed
         As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
-        duplicate of ``COMM_WORLD``).
+        duplicate of ``COMM_WORLD``); the backward regenerates the dropout mask
+        from the seed.
     segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) integer tensors or arrays, optional
         Packed documents: a query sees only keys with the same id.
     return_lse : bool
@@ -230,6 +231,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                 check_finite=check_finite, stats=stats, head_parallel=head_parallel)
     if softcap is not None:
         opts["softcap"] = softcap
+    if dropout_p or dropout_seed is not None:
+        opts.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
@@ -250,8 +253,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     **options).transpose(1, 2)``: one copy of each input (the transpose made
     contiguous), none of the output (a transposed view).  ``options`` are
     :func:`ring_attention`'s keywords (``comm``, ``layout``, ``window``,
-    segment ids, ...) except ``return_lse``.  GQA needs no flag.  There is no
-    ``attn_mask`` or dropout; ``is_causal`` is bottom-right aligned (the same as
+    segment ids, ``dropout_p`` with ``dropout_seed``, ...) except ``return_lse``.
+    GQA needs no flag.  There is no ``attn_mask``; ``is_causal`` is bottom-right aligned (the same as
     torch's when ``N_q == N_kv``) and uses global positions.
     """
     o = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),

@@ -30,6 +30,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import kernels as K
+from ..dropout import no_dropout_scalars
 from ..dtypes import compute_dtype
 from ..dtypes import resolve as resolve_dtype
 from ..masks import SKIP, BlockMask, classify_tiles, tile_bounds
@@ -48,6 +49,12 @@ def _kind_of_dtype(dtype) -> int:
 def storage_dtype(dtype) -> np.dtype:
     """The CuPy array dtype that holds ``dtype`` (``"bfloat16"`` -> ``ml_dtypes.bfloat16``)."""
     return resolve_dtype(dtype)
+
+
+def _dropout_args(mask: BlockMask, ct) -> tuple:
+    """The kernels' ``DROPOUT_PARAMS`` values (philox.cuh) for this block's spec."""
+    dropout = mask.spec.dropout
+    return no_dropout_scalars(ct) if dropout is None else dropout.kernel_scalars(ct)
 
 
 def _grid_1d(n: int) -> int:
@@ -308,6 +315,7 @@ class CupyBackend:
                 # the SIMT kernel multiplies qh as given: round it as the MMA kernel does
                 qh = self._convert(self._convert(qh, kh.dtype), ct)
             margs, counts = self._mask_args(mask, batch, kernel, sq, skv)
+            margs += _dropout_args(mask, ct)
             smem = kernel.shared_mem_bytes()
             self._kernel(kernel.filename, kernel.expr, smem)(
                 kernel.grid(batch, heads, kv_heads, sq, skv), kernel.block(),
@@ -363,6 +371,7 @@ class CupyBackend:
                 # the SIMT kernel multiplies qh/doh as given: round them as the MMA kernels do
                 qh, doh = (self._convert(self._convert(x, kh.dtype), ct) for x in (qh, doh))
             margs, counts = self._mask_args(mask, batch, kernel, sq, skv)
+            margs += _dropout_args(mask, ct)
             smem = kernel.shared_mem_bytes()
             self._kernel(kernel.filename, kernel.expr, smem)(
                 kernel.grid(batch, heads, kv_heads, sq, skv), kernel.block(),

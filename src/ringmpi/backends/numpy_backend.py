@@ -127,22 +127,25 @@ def _scores(qe, ke, s, bias, scale, shift_column, dim, softcap=None):
         s += bias
 
 
-def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None) -> bool:
+def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, drop=None) -> bool:
     """One tile with the running maximum as the shift, folded into the GEMM.
 
     Returns False, having changed nothing, when the tile overflows; the caller
     then takes the exact path.  ``fix_pv(weights, pv)``, when given, adds the
     contributions of non-finite ``v`` rows (see :func:`_careful_forward_tile`).
+    ``drop``, when given, multiplies the weights after their row sums are taken
+    (dropout: ``l`` stays the sum of the un-dropped weights).
     """
     _scores(qe, ke, s, bias, scale, -m_rows / scale, dim)
     np.exp(s, out=s)
+    sums = None if drop is None else _drop_weights(s, drop)
     np.matmul(s, ve, out=pv)
-    if not np.isfinite(pv).all():
+    if not np.isfinite(pv).all() or (sums is not None and not np.isfinite(sums).all()):
         return False
     if fix_pv is not None:
         fix_pv(s, pv)
     o_rows += pv[:, :-1]
-    l_rows += pv[:, -1]
+    l_rows += pv[:, -1] if sums is None else sums
     big = l_rows > _RENORM
     if big.any():  # keep the state far from overflow: move the shift up to the sum
         o_rows[big] /= l_rows[big, None]
@@ -151,24 +154,34 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, f
     return True
 
 
-def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, softcap=None):
+def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, softcap=None,
+                drop=None):
     """One tile of the classic online softmax, updating the row state in place
-    (``m_rows`` stays the exact running maximum of the visible scores)."""
+    (``m_rows`` stays the exact running maximum of the visible scores; ``drop``:
+    as for :func:`_shifted_tile`)."""
     _scores(qe, ke, s, bias, scale, 0, dim, softcap)
     m_new = np.maximum(m_rows, s.max(axis=1))
     # rows that have seen nothing yet keep m = -inf; shift them by 0
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
     s -= shift[:, None]
     np.exp(s, out=s)
+    sums = None if drop is None else _drop_weights(s, drop)
     np.matmul(s, ve, out=pv)
     if fix_pv is not None:
         fix_pv(s, pv)
     alpha = np.exp(m_rows - shift)
     l_rows *= alpha
-    l_rows += pv[:, -1]
+    l_rows += pv[:, -1] if sums is None else sums
     o_rows *= alpha[:, None]
     o_rows += pv[:, :-1]
     m_rows[...] = m_new
+
+
+def _drop_weights(weights, drop):
+    """Dropout on a tile's weights, in place; returns their row sums taken before."""
+    sums = weights.sum(axis=1)
+    weights *= drop
+    return sums
 
 
 # ------------------------------------------------------------ non-finite values
@@ -211,7 +224,7 @@ def _clean_copy(x, bad, dim=None):
 
 
 def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                          bad_q, bad_k, bad_v, softcap=None, exact=False):
+                          bad_q, bad_k, bad_v, softcap=None, exact=False, drop=None):
     """One tile when its rows or columns hold non-finite values (forward).
 
     ``bad_q`` (rows: a NaN/Inf in q, or a row state already non-finite),
@@ -240,9 +253,9 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
             pv_tile[:, :dim_v] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
 
     if exact or not (np.isfinite(m_rows).all() and _shifted_tile(
-            q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv)):
+            q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv, drop)):
         _exact_tile(q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv,
-                    softcap)
+                    softcap, drop)
     if not redo.any():
         return
     m_old, l_old, o_old = saved
@@ -256,14 +269,15 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
         p = np.where(vis[redo], np.exp(sc - shift[:, None]), 0).astype(s.dtype, copy=False)
         alpha = np.exp(m_old - shift)
         l_rows[redo] = l_old * alpha + p.sum(axis=1)
-        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p, ve[:, :dim_v], vis[redo])
+        p_o = p if drop is None else (p * drop[redo]).astype(s.dtype, copy=False)
+        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p_o, ve[:, :dim_v], vis[redo])
         # a row whose visible scores were all -inf has weight 0 so far (l = 0) but is no longer
         # fresh: a finite shift keeps later tiles on a clean run's path
         m_rows[redo] = np.where(np.isneginf(m_new) & vis[redo].any(axis=1), 0, m_new)
 
 
 def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale,
-                           dq_t, dk_t, dv_t, bad_rows, bad_cols, softcap=None, t=None):
+                           dq_t, dk_t, dv_t, bad_rows, bad_cols, softcap=None, t=None, drop=None):
     """One backward tile when its rows or columns hold non-finite values.
 
     ``bad_rows``: a NaN/Inf in q, do, lse or ``dvec``; ``bad_cols``: in k or v.
@@ -277,9 +291,9 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     clean = (_clean_copy(q_t, bad_rows), _clean_copy(do_t, bad_rows), _clean_copy(k_t, bad_cols),
              _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, bias, scale, dq_t, dk_t, dv_t)
     if softcap is None:
-        _backward_tile(*clean)
+        _backward_tile(*clean, drop=drop)
     else:
-        _softcap_backward_tile(*clean, softcap, t)
+        _softcap_backward_tile(*clean, softcap, t, drop=drop)
     if not redo.any():
         return
     vis_r = vis[redo]
@@ -291,22 +305,35 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
             _cap(sc, softcap)
             slope = 1 - np.square(sc / softcap)  # d(c tanh(x / c)) / dx
         p_r = np.where(vis_r, np.exp(sc - lse_t[redo, None]), 0).astype(p.dtype, copy=False)
-        ds = np.where(vis_r, p_r * ((do_r @ v_t.T) - dvec_t[redo, None]) * slope, 0).astype(p.dtype, copy=False)
-        dv_t += _visible_matmul(p_r.T, do_r, vis_r.T)
+        dp_r = do_r @ v_t.T
+        p_v = p_r
+        if drop is not None:
+            dp_r = dp_r * drop[redo]
+            p_v = (p_r * drop[redo]).astype(p.dtype, copy=False)
+        ds = np.where(vis_r, p_r * (dp_r - dvec_t[redo, None]) * slope, 0).astype(p.dtype, copy=False)
+        dv_t += _visible_matmul(p_v.T, do_r, vis_r.T)
         dq_t[redo] += _visible_matmul(ds, k_t, vis_r)
         dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
 
 
-def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t):
-    """One backward tile, accumulating into the ``dq_t``, ``dk_t``, ``dv_t`` views in place."""
+def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t, drop=None):
+    """One backward tile, accumulating into the ``dq_t``, ``dk_t``, ``dv_t`` views in place.
+
+    With dropout (``drop``: the tile's keep/(1-p) factors) ``dv += (P Z)^T do`` and
+    ``dS = P * ((do v^T) Z - dvec)``."""
     np.matmul(q_t, k_t.T, out=p)
     p *= scale
     if bias is not None:
         p += bias
     p -= lse_t[:, None]
     np.exp(p, out=p)
-    dv_t += p.T @ do_t
+    if drop is None:
+        dv_t += p.T @ do_t
+    else:
+        dv_t += (p * drop).T @ do_t
     np.matmul(do_t, v_t.T, out=dp)
+    if drop is not None:
+        dp *= drop
     dp -= dvec_t[:, None]
     dp *= p
     dq_t += dp @ k_t
@@ -314,10 +341,10 @@ def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t,
 
 
 def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t,
-                           softcap, t):
+                           softcap, t, drop=None):
     """:func:`_backward_tile` with the logit softcap: ``P = exp(c tanh(x / c) - lse)``
     with ``x = scale * q.k``, and ``dS`` carried through the cap's slope
-    ``1 - tanh(x / c)^2``.  ``t`` is scratch shaped like ``p``."""
+    ``1 - tanh(x / c)^2`` (after dropout's factor).  ``t`` is scratch shaped like ``p``."""
     np.matmul(q_t, k_t.T, out=t)
     t *= scale
     t /= softcap
@@ -327,8 +354,10 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
         p += bias
     p -= lse_t[:, None]
     np.exp(p, out=p)
-    dv_t += p.T @ do_t
+    dv_t += (p if drop is None else p * drop).T @ do_t
     np.matmul(do_t, v_t.T, out=dp)
+    if drop is not None:
+        dp *= drop
     dp -= dvec_t[:, None]
     dp *= p
     np.square(t, out=t)
@@ -412,6 +441,7 @@ class NumpyBackend:
         careful = bool(bad_q.any() or bad_k.any() or bad_v.any())
         softcap = None if mask.spec.softcap is None else ct.type(mask.spec.softcap)
         exact = softcap is not None or mask.spec.exact_max  # no lagging shift: scores are capped first
+        dropout = mask.spec.dropout
         tiles = _TilePlan(mask, sq, skv, batch, ct)
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
@@ -422,16 +452,19 @@ class NumpyBackend:
                     kvh = h // group
                     qe, ke, ve = q_ext[b, h, rows], k_ext[b, kvh, cols], v_ext[b, kvh, cols]
                     m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
+                    drop = None if dropout is None else dropout.multiplier(
+                        b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
                     if careful:  # a state can turn non-finite within this block: look again
                         bad_rows = bad_q[b, h, rows] | np.isnan(l_rows) | np.isnan(m_rows) | np.isposinf(m_rows)
                     if careful and (bad_rows.any() or bad_k[b, kvh, cols].any() or bad_v[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are expected here
                             _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
                                                   bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols],
-                                                  softcap, exact)
+                                                  softcap, exact, drop)
                     elif exact or not (np.isfinite(m_rows).all() and _shifted_tile(
-                            qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim)):
-                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, softcap=softcap)
+                            qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, drop=drop)):
+                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, softcap=softcap,
+                                    drop=drop)
                     if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
                         tick()
         return tiles.counts()
@@ -481,6 +514,7 @@ class NumpyBackend:
                          | ~np.isfinite(dvec))
         bad_cols = _bad_rows(kh) | _bad_rows(vh)
         careful = bool(bad_rows.any() or bad_cols.any())
+        dropout = mask.spec.dropout
         tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
         final = 0  # dk, dv rows [0, final) are finished
         for rows, cols, bsel, bias in tiles:
@@ -497,14 +531,16 @@ class NumpyBackend:
                     args = (qh[b, h, rows], doh[b, h, rows], kh[b, kvh, cols], vh[b, kvh, cols],
                             lse_use[b, h, rows], dvec[b, h, rows], p, dp, bias, scale,
                             dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
+                    drop = None if dropout is None else dropout.multiplier(
+                        b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
                     if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):
                             _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols],
-                                                   softcap, t)
+                                                   softcap, t, drop)
                     elif softcap is not None:
-                        _softcap_backward_tile(*args, softcap, t)
+                        _softcap_backward_tile(*args, softcap, t, drop=drop)
                     else:
-                        _backward_tile(*args)
+                        _backward_tile(*args, drop=drop)
                     if tick is not None:
                         tick()
         if kv_done is not None:

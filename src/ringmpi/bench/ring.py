@@ -78,6 +78,9 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="Untimed calls before the timed ones.")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic inputs.")
+@click.option("--dropout", type=float, default=0.0, show_default=True, metavar="P",
+              help="Dropout on the attention weights (0 <= P < 1), seeded by --seed; "
+                   "the torch SDPA column runs without dropout.")
 @click.option("--sweep", type=click.Choice(["strong", "weak", "head-parallel"]), default=None,
               help="Scaling sweep over P = 1, 2, 4, ... ranks of the job; head-parallel: every U "
                    "dividing P and H on all ranks (ringmpi.bench.head_parallel).")
@@ -99,7 +102,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--softcap", type=float, default=None, metavar="C", help="Logit softcap C > 0 (ring only).")
 @click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new, head_parallel, inter_node_gbps, softcap, sinks):
+          dropout, sweep, json_path, plot_path, decode, cache, new, head_parallel, inter_node_gbps, softcap, sinks):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -121,12 +124,15 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
     comm = resolve_comm(None)
     problem = None
     from ..variants import softcap_problem
+    from ..dropout import validate as validate_dropout
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
     elif softcap_problem(softcap):
         problem = f"--softcap: {softcap_problem(softcap)}"
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
+    elif dropout and validate_dropout(dropout, seed if seed >= 0 else None):
+        problem = "--dropout/--seed: " + validate_dropout(dropout, seed if seed >= 0 else None)
     else:
         head_parallel, problem = _head_parallel_option(head_parallel, sweep)
     agree(comm, problem)
@@ -143,6 +149,8 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
         cfg["head_parallel"] = head_parallel
     if softcap is not None or sinks:  # only then: the report of a plain run keeps its keys
         cfg.update(softcap=softcap, sinks=bool(sinks))
+    if dropout:
+        cfg["dropout"] = float(dropout)
     if sweep == "head-parallel":
         from .head_parallel import run as run_head_parallel
         return run_head_parallel(comm, be, cfg, n, inter_node_gbps, json_path, plot_path)
@@ -282,6 +290,8 @@ def _measure(comm, be, cfg, n):
         kw["softcap"] = cfg["softcap"]
     if cfg.get("sinks"):
         kw["sinks"] = be.asarray(np.random.default_rng(cfg["seed"]).standard_normal(h).astype(np.float32))
+    if cfg.get("dropout"):
+        kw.update(dropout_p=cfg["dropout"], dropout_seed=cfg["seed"])
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):
@@ -614,6 +624,8 @@ def _format_single(r):
             f"{r['layout']}, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up")
     head += "".join(part for part, used in ((f", softcap {r.get('softcap')}", r.get("softcap") is not None),
                                             (", sinks", r.get("sinks"))) if used)
+    if r.get("dropout"):
+        head += f", dropout {r['dropout']}"
     lines = [head]
     phases = [ph for ph in ("forward", "backward") if ph in r]
     for ph in phases:

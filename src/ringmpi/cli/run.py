@@ -131,8 +131,14 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
               help="Logit softcap: scores become C * tanh(score / C) (C > 0).")
 @click.option("--max-logit", "max_logit", is_flag=True,
               help="Also write max_logit (H,): each head's largest score over the whole input.")
+@click.option("--dropout", "dropout_p", type=float, default=0.0, show_default=True, metavar="P",
+              help="Dropout on the attention weights, 0 <= P < 1: the same mask for any number of "
+                   "ranks, layout, pass plan or backend (needs --seed).")
+@click.option("--seed", "dropout_seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, metavar="S",
+              help="Dropout seed (0 <= S < 2^64).")
 def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
-        check_finite, resume, timeout, heads_per_pass, head_parallel, sinks_dataset, softcap, max_logit):
+        check_finite, resume, timeout, heads_per_pass, head_parallel, sinks_dataset, softcap, max_logit,
+        dropout_p, dropout_seed):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
     \b
@@ -169,6 +175,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         raise ConfigError(f"--scale must be a positive finite number, got {scale}")
     if softcap_problem(softcap):
         raise ConfigError(f"--softcap: {softcap_problem(softcap)}")
+    dropout_options = _dropout_options(dropout_p, dropout_seed)
 
     spec = inspect_input(input_path, comm, backward=backward)
     if heads_per_pass is not None and (heads_per_pass < 1 or heads_per_pass % spec.group != 0):
@@ -181,7 +188,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     job = _job_record(spec, input_path, size, passes, layout=layout, causal=bool(causal),
                       window=None if win is None else list(win), backward=bool(backward),
                       softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass,
-                      **_variant_options(sinks_dataset, softcap, max_logit))
+                      **_variant_options(sinks_dataset, softcap, max_logit), **dropout_options)
     passes, done = _resume_state(out, comm, job, resume)
     head_parallel = _head_parallel(comm, head_parallel, spec, passes)
     lay_q, lay_kv = Layout(layout, spec.n_q, size), Layout(layout, spec.n_kv, size)
@@ -197,6 +204,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         "softcap": 0.0 if softcap is None else float(softcap), "sinks_dataset": sinks_dataset or "",
         "max_logit": bool(max_logit),
     }
+    if dropout_options:
+        attrs.update(dropout_p=float(dropout_p), dropout_seed=np.uint64(dropout_seed))
     to_device, to_host = _converters(backend)
     kw = dict(comm=comm, layout=layout, causal=causal, window=win, softmax_scale=softmax_scale,
               backend=backend, timeout=timeout, head_parallel=head_parallel)
@@ -238,6 +247,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
                 seg["sinks"] = to_device(sinks[p.g0 * spec.group:p.g1 * spec.group])
             if softcap is not None:
                 seg["softcap"] = softcap
+            if dropout_options:  # this pass draws its slice of the whole tensor's mask
+                seg.update(dropout_offsets=(p.b0, p.g0 * spec.group, spec.heads), **dropout_options)
             stats: list = []
             t0 = time.perf_counter()
             qd, kd, vd = to_device(q), to_device(k), to_device(v)
@@ -317,6 +328,19 @@ def _head_parallel(comm, value, spec, passes) -> int:
                    f"({', '.join(map(str, pass_heads))}); choose --heads-per-pass accordingly")
     agree(comm, None if problem is None else f"--head-parallel: {problem}")
     return setting
+
+
+def _dropout_options(p: float, seed) -> dict:
+    """``{dropout_p, dropout_seed}`` for the ring calls (empty without dropout);
+    a bad pair is a ConfigError (exit 2)."""
+    from ..dropout import validate
+    from ..errors import ConfigError
+
+    problem = validate(p, seed)
+    if problem:
+        raise ConfigError(problem.replace("dropout_p", "--dropout").replace("a dropout_seed", "--seed")
+                          .replace("dropout_seed", "--seed"))
+    return dict(dropout_p=float(p), dropout_seed=int(seed)) if p > 0 else {}
 
 
 def _job_record(spec, input_path, world_size, passes, **options):

@@ -61,6 +61,10 @@ def _check(in_path: str, out_path: str, max_n: int):
         names = [n for n in ("o", "lse", "dq", "dk", "dv") + PER_HEAD if n in fo]
         softcap = float(fo.attrs.get("softcap", 0.0)) or None
         sinks = fo["sinks"][()] if "sinks" in fo else None
+        dropout = None
+        if float(fo.attrs.get("dropout_p", 0.0)) > 0:
+            from ..dropout import Dropout
+            dropout = Dropout(p=float(fo.attrs["dropout_p"]), seed=int(fo.attrs["dropout_seed"]), heads=spec.heads)
         for name in ("o", "lse"):
             if name not in fo:
                 raise ConfigError(f"{out_path}: missing dataset '{name}'")
@@ -75,19 +79,20 @@ def _check(in_path: str, out_path: str, max_n: int):
             for i, (name, n_) in enumerate(((spec.seg_q, spec.n_q), (spec.seg_kv, spec.n_kv))):
                 ids = fi[name][()].astype(np.int64)
                 segs[i] = np.broadcast_to(ids, (spec.batch, n_))
-    mask = MaskSpec(causal=causal, window=window, offset=spec.n_kv - spec.n_q, softcap=softcap)
+    mask = MaskSpec(causal=causal, window=window, offset=spec.n_kv - spec.n_q, softcap=softcap, dropout=dropout)
     refs: Dict[str, list] = {name: [] for name in names}
     naives: Dict[str, list] = {name: [] for name in names}
     for b in range(spec.batch):
         args = [load["q"][b], load["k"][b], load["v"][b], load["do"][b] if backward else None,
                 None if segs[0] is None else segs[0][b], None if segs[1] is None else segs[1][b]]
         for dtype, into in ((np.float64, refs), (spec.dtype, naives)):
-            result = DenseReference(mask, scale, dtype, sinks=sinks).compute(*args)
+            result = DenseReference(mask, scale, dtype, sinks=sinks).compute(*args, batch_index=b)
             for name in names:
                 into[name].append(result[name])
     extras = (f", softcap {softcap:g}" if softcap else "") + (", sinks" if sinks is not None else "")
     lines = [f"verify {out_path} against a float64 dense reference of {in_path} "
-             f"({'causal' if causal else 'full'}{f', window {window}' if window else ''}, scale {scale:.6g}{extras})",
+             f"({'causal' if causal else 'full'}{f', window {window}' if window else ''}, scale {scale:.6g}{extras}"
+             f"{f', dropout {dropout.p} seed {dropout.seed}' if dropout else ''})",
              f"  {'dataset':8s} {'max abs err':>12s} {'max rel err':>12s} {'bound':>12s} {'naive err':>12s}  ok"]
     status = 0
     for name in names:

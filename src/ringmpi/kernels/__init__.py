@@ -22,6 +22,7 @@ import numpy as np
 
 KERNEL_DIR = Path(__file__).resolve().parent
 PREAMBLE = "common.cuh"
+DROPOUT_PREAMBLE = "philox.cuh"  # Philox and the dropout rule, after common.cuh's MaskArgs
 SOURCES = ("forward.cu", "backward.cu", "finalize.cu")
 
 # element kinds (must match KIND_* in common.cuh)
@@ -90,9 +91,9 @@ def split_rows(rows: int) -> Tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def source(filename: str) -> str:
-    """The full NVRTC source of ``filename``: preamble + file, with ``#line``."""
+    """The full NVRTC source of ``filename``: preambles + file, with ``#line``."""
     parts = []
-    for name in (PREAMBLE, filename):
+    for name in (PREAMBLE, DROPOUT_PREAMBLE, filename):
         path = KERNEL_DIR / name
         parts.append(f'#line 1 "{path.as_posix()}"\n{path.read_text()}')
     return "\n".join(parts)
@@ -175,8 +176,8 @@ class BlockKernel:
              sq: int, skv: int, d: int, d_v: Optional[int] = None) -> tuple:
         """The kernel's argument tuple: ``tensors`` (forward: ``qh, kh, vh, o_acc, m, l``;
         backward: ``qh, doh, lse, dvec, kh, vh, dq, dk, dv``), the typed ``scale``,
-        the ``MASK_PARAMS`` then ``MOD_PARAMS`` values (``CupyBackend._mask_args``), then the
-        int32 shape scalars (the value head dim ``d_v``, default ``d``, last)."""
+        the ``MASK_PARAMS``, ``MOD_PARAMS`` then ``DROPOUT_PARAMS`` values (``mask_args``),
+        then the int32 shape scalars (the value head dim ``d_v``, default ``d``, last)."""
         nqt, nkt = self.tile_counts(sq, skv)
         d_v = d if d_v is None else d_v
         shape = tuple(np.int32(x) for x in (batch, heads, kv_heads, sq, skv, d, nqt, nkt, d_v))

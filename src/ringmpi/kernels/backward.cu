@@ -98,9 +98,11 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ dvec, const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v, float* __restrict__ dq, float* __restrict__ dk,
-    float* __restrict__ dv, const float scale, MASK_PARAMS, MOD_PARAMS, BWD_SHAPE_PARAMS) {
+    float* __restrict__ dv, const float scale, MASK_PARAMS, MOD_PARAMS, DROPOUT_PARAMS(float),
+    BWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
     MOD_INIT(mk);
+    DROPOUT_INIT(dr);
     BWD_SHAPE_INIT(a);
     const float cap = (float)mk.softcap;
     constexpr int BN = BWD_MMA_BN;
@@ -245,6 +247,12 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     if (hidden) s = neg_inf<float>();
                     // careful: a hidden pair is 0 even for a NaN lse, a NaN do v^T or a NaN slope
                     const float pe = (careful && hidden) ? 0.f : expf(s - lse_s[ql]);
+                    if (dr.on) {  // dV += (P Z)^T dO;  dS = P * (dP Z - dvec), then the softcap's slope
+                        const float z = dropout_factor(dr, drop_rescale, mk, b, h, q0 + ql, key, a.Sq, a.Skv);
+                        p[nt][e] = pe * z;
+                        ds[nt][e] = (careful && hidden) ? 0.f : pe * (ds[nt][e] * z - dvec_s[ql]) * slope;
+                        continue;
+                    }
                     p[nt][e] = pe;
                     ds[nt][e] = (careful && hidden) ? 0.f : pe * (ds[nt][e] - dvec_s[ql]) * slope;
                 }
@@ -354,9 +362,10 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const typename Kind<KIND>::storage* __restrict__ k, const typename Kind<KIND>::storage* __restrict__ v,
     typename Kind<KIND>::acc* __restrict__ dq, typename Kind<KIND>::acc* __restrict__ dk,
     typename Kind<KIND>::acc* __restrict__ dv, const typename Kind<KIND>::acc scale, MASK_PARAMS,
-    MOD_PARAMS, BWD_SHAPE_PARAMS) {
+    MOD_PARAMS, DROPOUT_PARAMS(typename Kind<KIND>::acc), BWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
     MOD_INIT(mk);
+    DROPOUT_INIT(dr);
     BWD_SHAPE_INIT(a);
     typedef typename Kind<KIND>::acc T;
     const T cap = (T)mk.softcap;
@@ -469,9 +478,10 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                 const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                 if (hidden) s = neg_inf<T>();
                 const T pe = (careful && hidden) ? T(0) : exp_acc(s - lse_s[ql]);  // even for a NaN lse
-                Ps[ql * PS + cr] = pe;
+                const T z = dr.on ? dropout_factor(dr, drop_rescale, mk, b, h, q0 + ql, key, a.Sq, a.Skv) : T(1);
+                Ps[ql * PS + cr] = dr.on ? pe * z : pe;
                 // a hidden pair: dS = 0 even when do v^T is NaN
-                T dse = (careful && hidden) ? T(0) : pe * (dp - dvec_s[ql]);
+                T dse = (careful && hidden) ? T(0) : pe * ((dr.on ? dp * z : dp) - dvec_s[ql]);
                 if (cap != T(0) && !(careful && hidden)) dse *= slope;  // (a NaN score's slope is NaN)
                 dSs[ql * PS + cr] = dse;
             }

@@ -67,9 +67,10 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     const float* __restrict__ q, const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v, float* __restrict__ o_acc,
     float* __restrict__ m_state, float* __restrict__ l_state, const float scale, MASK_PARAMS,
-    MOD_PARAMS, FWD_SHAPE_PARAMS) {
+    MOD_PARAMS, DROPOUT_PARAMS(float), FWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
     MOD_INIT(mk);
+    DROPOUT_INIT(dr);
     FWD_SHAPE_INIT(a);
     const float cap = (float)mk.softcap;
     constexpr int BM = FWD_MMA_BM, BN = FWD_MMA_BN;
@@ -215,6 +216,17 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
             rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
             l_r[i] = l_r[i] * alpha[i] + rs[i];
         }
+        if (dr.on) {  // dropout after the row sums: l keeps every weight
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = e < 2 ? row0 : row1;
+                    const int col = k0 + nt * 8 + 2 * c + (e & 1);
+                    s[nt][e] *= dropout_factor(dr, drop_rescale, mk, b, h, row, col, a.Sq, a.Skv);
+                }
+            }
+        }
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
             o[dt][0] *= alpha[0];
@@ -268,9 +280,11 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::storage* __restrict__ k,
     const typename Kind<KIND>::storage* __restrict__ v, typename Kind<KIND>::acc* __restrict__ o_acc,
     typename Kind<KIND>::acc* __restrict__ m_state, typename Kind<KIND>::acc* __restrict__ l_state,
-    const typename Kind<KIND>::acc scale, MASK_PARAMS, MOD_PARAMS, FWD_SHAPE_PARAMS) {
+    const typename Kind<KIND>::acc scale, MASK_PARAMS, MOD_PARAMS, DROPOUT_PARAMS(typename Kind<KIND>::acc),
+    FWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
     MOD_INIT(mk);
+    DROPOUT_INIT(dr);
     FWD_SHAPE_INIT(a);
     typedef typename Kind<KIND>::acc T;
     const T cap = (T)mk.softcap;
@@ -360,7 +374,8 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
         for (int i = 0; i < NC; ++i) {
             const T p = exp_acc(s[i] - shift);
             rs += p;
-            Ps[r * PS + j + TPR * i] = p;
+            Ps[r * PS + j + TPR * i] =
+                dr.on ? p * dropout_factor(dr, drop_rescale, mk, b, h, row, k0 + j + TPR * i, a.Sq, a.Skv) : p;
         }
         rs += __shfl_xor_sync(0xffffffffu, rs, 1);
         rs += __shfl_xor_sync(0xffffffffu, rs, 2);
