@@ -51,20 +51,6 @@ def environment(extra):
                 os.environ[k] = v
 
 
-def _call_args(comm, case):
-    rank, size = comm.Get_rank(), comm.Get_size()
-    q, k, v, do, seg_q, seg_kv = ring_cases.make_inputs(case)
-    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
-    window = None if case.get("window") is None else tuple(case["window"])
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
-              softmax_scale=case.get("scale"), backend=BACKEND)
-    if seg_q is not None:
-        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
-    local = dict(q=lay_q.shard(q, rank), k=lay_kv.shard(k, rank), v=lay_kv.shard(v, rank),
-                 do=lay_q.shard(do, rank))
-    return (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local
-
-
 def want_ring_bytes(comm, case, u, k, has_seg, itemsize, grad_itemsize, backward):
     """Bytes every rank's ring sends, summed over ranks: each of the U rings moves its groups' blocks."""
     size = comm.Get_size()
@@ -86,7 +72,7 @@ def want_ring_bytes(comm, case, u, k, has_seg, itemsize, grad_itemsize, backward
 
 def run_case(comm, case):
     rank = comm.Get_rank()
-    (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = _call_args(comm, case)
+    (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = ring_cases.shard_case(comm, case)
     to_backend, to_host = ring_cases._converters(case.get("bits", False))
     if case.get("bits"):
         kw["dtype"] = "bfloat16"
@@ -127,7 +113,7 @@ def run_case(comm, case):
 
 def bitwise_case(comm, case):
     """U = 1 in every spelling is the flat ring, bitwise (outputs and gradients)."""
-    _, _, kw, local = _call_args(comm, case)
+    _, _, kw, local = ring_cases.shard_case(comm, case)
     args = [local[n] for n in ("q", "k", "v")]
 
     def both(**extra):
@@ -152,7 +138,7 @@ def errors_case(comm, case):
     """Unusable choices: one ConfigError, the same on every rank, before any data moves."""
     from ringmpi.errors import ConfigError
 
-    _, _, kw, local = _call_args(comm, case)
+    _, _, kw, local = ring_cases.shard_case(comm, case)
     args = [local[n] for n in ("q", "k", "v")]
     size, heads = comm.Get_size(), case["H"]
     attempts = [(dict(head_parallel=u), want, {}) for u, want in case["attempts"]]

@@ -60,6 +60,19 @@ def mpirun(nprocs, args, timeout, env=None, cwd=None):
     return proc.returncode, out, err, time.monotonic() - start
 
 
+def launch_cache(launch):
+    """A lazy per-launch cache for a module fixture: ``get(key)`` runs ``launch(key)``
+    (one mpirun with many cases) the first time a test asks for ``key`` and returns
+    the same results afterwards, so a ``-k`` selection starts only the launches it needs."""
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            cache[key] = launch(key)
+        return cache[key]
+    return get
+
+
 def run_cases(nprocs, cases, tmp_path, timeout, env=None, driver="ring_cases.py"):
     """Run cases on ``nprocs`` ranks in one launch of ``tests/<driver>``; return {id: (ok, msg)}."""
     path = tmp_path / f"cases_{nprocs}.json"

@@ -67,11 +67,13 @@ def ring_traffic(size, kv_bytes, grad_bytes, backward=True):
             ((size - 1) * kv_bytes + (size * grad_bytes if size > 1 else 0)) if backward else 0]
 
 
-def run_case(comm, case):
+def shard_case(comm, case):
+    """One case's global inputs and this rank's part of them:
+    ``(q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local`` with ``kw``
+    the call's keywords (segment ids sharded) and ``local`` this rank's q, k, v, do."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = make_inputs(case)
-    lay_q = Layout(case["layout"], q.shape[1], size)
-    lay_kv = Layout(case["layout"], k.shape[1], size)
+    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
     window = None if case.get("window") is None else tuple(case["window"])
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
               softmax_scale=case.get("scale"), backend=BACKEND)
@@ -79,6 +81,12 @@ def run_case(comm, case):
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
     local = dict(q=lay_q.shard(q, rank), k=lay_kv.shard(k, rank), v=lay_kv.shard(v, rank),
                  do=lay_q.shard(do, rank))
+    return (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local
+
+
+def run_case(comm, case):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = shard_case(comm, case)
     to_backend, to_host = _converters(case.get("bits", False))
     if case.get("bits"):  # bfloat16 passed as uint16 bit patterns, declared with dtype=
         kw["dtype"] = "bfloat16"

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from mpi_util import mpirun_env, run_cases
+from mpi_util import launch_cache, mpirun_env, run_cases
 
 WORLD_SIZES = (1, 2, 3, 4)
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -74,18 +74,14 @@ ALL = [((p, a), c) for p, a in LAUNCHES for c in (cases_for(p) if a is None else
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache = {}
-
-    def get(launch):
-        if launch not in cache:
-            p, algorithm = launch
-            cases = cases_for(p) if algorithm is None else forced_cases(algorithm)
-            env = None if algorithm is None else mpirun_env(OMPI_MCA_coll_tuned_use_dynamic_rules=1,
-                                                            OMPI_MCA_coll_tuned_allreduce_algorithm=algorithm)
-            cache[launch] = run_cases(p, cases, tmp_path_factory.mktemp(f"decode{p}"), timeout=240, env=env,
-                                      driver="decode_cases.py")
-        return cache[launch]
-    return get
+    def launch(key):
+        p, algorithm = key
+        cases = cases_for(p) if algorithm is None else forced_cases(algorithm)
+        env = None if algorithm is None else mpirun_env(OMPI_MCA_coll_tuned_use_dynamic_rules=1,
+                                                        OMPI_MCA_coll_tuned_allreduce_algorithm=algorithm)
+        return run_cases(p, cases, tmp_path_factory.mktemp(f"decode{p}"), timeout=240, env=env,
+                         driver="decode_cases.py")
+    return launch_cache(launch)
 
 
 @pytest.mark.mpi

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from mpi_util import run_cases
+from mpi_util import launch_cache, run_cases
 from ringmpi.head_parallel import kv_heads_of, replicated
 from ringmpi.topology import (auto_head_parallel, group_members, head_parallel_problem,
                               head_parallel_setting, spans_nodes)
@@ -84,14 +84,8 @@ ALL = [(p, c) for p in LAUNCHES for c in launch_cases(p)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache = {}
-
-    def get(p):
-        if p not in cache:
-            cache[p] = run_cases(p, launch_cases(p), tmp_path_factory.mktemp(f"hp{p}"), timeout=400,
-                                 driver="head_parallel_cases.py")
-        return cache[p]
-    return get
+    return launch_cache(lambda p: run_cases(p, launch_cases(p), tmp_path_factory.mktemp(f"hp{p}"), timeout=400,
+                                            driver="head_parallel_cases.py"))
 
 
 @pytest.mark.mpi

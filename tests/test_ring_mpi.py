@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from mpi_util import mpirun_env, run_cases
+from mpi_util import launch_cache, mpirun_env, run_cases
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 SMALL_TILES = {"RINGMPI_TILE_Q": 32, "RINGMPI_TILE_KV": 48}
@@ -81,16 +81,11 @@ ALL = [((p, small), c) for p, small in LAUNCHES for c in cases_for(p, small)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache = {}
-
-    def get(launch):
-        if launch not in cache:
-            p, small = launch
-            env = mpirun_env(**SMALL_TILES) if small else None
-            cache[launch] = run_cases(p, cases_for(p, small), tmp_path_factory.mktemp(f"p{p}"),
-                                      timeout=300, env=env)
-        return cache[launch]
-    return get
+    def launch(key):
+        p, small = key
+        env = mpirun_env(**SMALL_TILES) if small else None
+        return run_cases(p, cases_for(p, small), tmp_path_factory.mktemp(f"p{p}"), timeout=300, env=env)
+    return launch_cache(launch)
 
 
 @pytest.mark.mpi

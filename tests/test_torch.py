@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import reference
-from mpi_util import ROOT, mpirun, mpirun_env, run_cases
+from mpi_util import ROOT, launch_cache, mpirun, mpirun_env, run_cases
 
 pytest.importorskip("torch", reason="ringmpi.torch needs PyTorch (the 'torch' extra)")
 
@@ -70,16 +70,12 @@ def cuda_skip_reason():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache = {}
-
-    def get(launch):
-        if launch not in cache:
-            p, cuda = launch
-            env = mpirun_env(RINGMPI_TEST_DEVICE="cuda" if cuda else "cpu")
-            cache[launch] = run_cases(p, cases_for(p, cuda), tmp_path_factory.mktemp(f"torch{p}"),
-                                      timeout=300, env=env, driver="torch_cases.py")
-        return cache[launch]
-    return get
+    def launch(key):
+        p, cuda = key
+        env = mpirun_env(RINGMPI_TEST_DEVICE="cuda" if cuda else "cpu")
+        return run_cases(p, cases_for(p, cuda), tmp_path_factory.mktemp(f"torch{p}"), timeout=300, env=env,
+                         driver="torch_cases.py")
+    return launch_cache(launch)
 
 
 @pytest.mark.mpi

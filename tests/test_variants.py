@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mpi_util import run_cases
+from mpi_util import launch_cache, run_cases
 
 WORLD_SIZES = (1, 3, 4)
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -75,15 +75,11 @@ ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    cache = {}
-
-    def get(p):
-        if p not in cache:
-            tmp = tmp_path_factory.mktemp(f"variants{p}")
-            cases = [dict(c, dir=str(tmp)) for c in cases_for(p)]
-            cache[p] = run_cases(p, cases, tmp, timeout=300, driver="variant_cases.py")
-        return cache[p]
-    return get
+    def launch(p):
+        tmp = tmp_path_factory.mktemp(f"variants{p}")
+        return run_cases(p, [dict(c, dir=str(tmp)) for c in cases_for(p)], tmp, timeout=300,
+                         driver="variant_cases.py")
+    return launch_cache(launch)
 
 
 @pytest.mark.mpi

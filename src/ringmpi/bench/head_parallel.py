@@ -93,9 +93,9 @@ def format_table(report) -> str:
     mib = 2 ** 20
     link = (f"inter-node link {report['inter_node_gbps']:g} Gbit/s (modelled)" if report["inter_node_gbps"]
             else "no link model")
-    lines = [f"ringmpi bench --sweep head-parallel: P={report['world_size']} N={report['n']} B={report['batch']} "
-             f"H={report['heads']} Hkv={report['kv_heads']} D={report['dim']} {report['dtype']} "
-             f"{'causal' if report['causal'] else 'non-causal'} {report['layout']}, backend {report['backend']}, "
+    from .ring import describe
+
+    lines = [f"ringmpi bench --sweep head-parallel: P={report['world_size']} N={report['n']} {describe(report)}, "
              f"nodes {report['nodes']}, {link}",
              f"{'U':>3} {'groups':>6} {'phase':>8} {'time s':>9} {'compute s':>9} {'exposed s':>9} "
              f"{'exposed':>8} {'a2a s':>7} {'MiB intra':>9} {'MiB inter':>9} {'peak MiB':>9}"]

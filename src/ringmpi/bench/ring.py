@@ -618,10 +618,15 @@ def _format_phase(name, s):
     return lines
 
 
+def describe(r) -> str:
+    """The problem of a report, for its table's first line: shape, dtype, mask, layout, backend."""
+    return (f"B={r['batch']} H={r['heads']} Hkv={r['kv_heads']} D={r['dim']}{_dim_v(r)} {r['dtype']} "
+            f"{'causal' if r['causal'] else 'non-causal'} {r['layout']}, backend {r['backend']}")
+
+
 def _format_single(r):
-    head = (f"ringmpi bench: P={r['world_size']} N={r['n']} B={r['batch']} H={r['heads']} "
-            f"Hkv={r['kv_heads']} D={r['dim']}{_dim_v(r)} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
-            f"{r['layout']}, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up")
+    head = (f"ringmpi bench: P={r['world_size']} N={r['n']} {describe(r)}, "
+            f"{r['repeat']} repeats after {r['warmup']} warm-up")
     head += "".join(part for part, used in ((f", softcap {r.get('softcap')}", r.get("softcap") is not None),
                                             (", sinks", r.get("sinks"))) if used)
     if r.get("dropout"):
@@ -653,9 +658,8 @@ def _dim_v(r) -> str:
 
 def _format_sweep(r):
     what = "per-rank S_local" if r["sweep"] == "weak" else "global N"
-    lines = [f"ringmpi bench --sweep {r['sweep']}: {what}={r['n']} B={r['batch']} H={r['heads']} "
-             f"Hkv={r['kv_heads']} D={r['dim']}{_dim_v(r)} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
-             f"{r['layout']}, backend {r['backend']}; efficiency = TFLOP/s(P) / (P * TFLOP/s(1))",
+    lines = [f"ringmpi bench --sweep {r['sweep']}: {what}={r['n']} {describe(r)}; "
+             f"efficiency = TFLOP/s(P) / (P * TFLOP/s(1))",
              f"{'P':>3} {'phase':>8} {'N':>8} {'time s':>9} {'TFLOP/s':>9} {'effic.':>7} {'exposed':>8} "
              f"{'overlap':>7} {'imbal.':>6} {'peak MiB':>9} {'alloc MiB':>9}"]
     for pt in r["points"]:

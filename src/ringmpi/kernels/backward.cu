@@ -18,6 +18,29 @@ struct BwdArgs {
 #define BWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt, int Dv
 #define BWD_SHAPE_INIT(a) const BwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt, Dv}
 
+// lse_s, dvec_s of query rows q0 .. q0 + BM of row base ``row0`` (threads tid,
+// tid + NTH, ...): lse = -inf (a row that saw nothing) and rows past Sq read as
+// +inf, so that P = 0 there.  Returns nonzero when one of this thread's rows has
+// a NaN lse or a non-finite dvec (the step is then careful).
+template <int BM, int NTH, typename T>
+__device__ __forceinline__ int bwd_load_row_stats(T* lse_s, T* dvec_s, const T* __restrict__ lse,
+                                                  const T* __restrict__ dvec, long long row0, int q0, int Sq,
+                                                  int tid) {
+    int bad = 0;
+    for (int r = tid; r < BM; r += NTH) {
+        T lv = pos_inf<T>(), dvv = T(0);
+        if (q0 + r < Sq) {
+            lv = lse[row0 + q0 + r];
+            if (lv == neg_inf<T>()) lv = pos_inf<T>();
+            dvv = dvec[row0 + q0 + r];
+            bad |= (lv != lv) || !finite_acc(dvv);
+        }
+        lse_s[r] = lv;
+        dvec_s[r] = dvv;
+    }
+    return bad;
+}
+
 // ---------------------------------------------------------------------------
 // Tensor-core kernel for f16 / bf16 K/V (DP <= 128): 4 warps, 64 keys
 // (16 per warp), BM query rows per inner step; q, do, P and dS are rounded
@@ -190,17 +213,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                 dOs[r * RS + d] = db;
                 dOt[d * QTS + r] = db;
             }
-            for (int r = tid; r < BM; r += 128) {
-                float lv = pos_inf<float>(), dvv = 0.f;
-                if (q0 + r < a.Sq) {
-                    lv = lse[bh * a.Sq + q0 + r];
-                    if (lv == neg_inf<float>()) lv = pos_inf<float>();
-                    dvv = dvec[bh * a.Sq + q0 + r];
-                    bad |= (lv != lv) || !finite_acc(dvv);
-                }
-                lse_s[r] = lv;
-                dvec_s[r] = dvv;
-            }
+            bad |= bwd_load_row_stats<BM, 128>(lse_s, dvec_s, lse, dvec, bh * a.Sq, q0, a.Sq, tid);
             const bool careful = __syncthreads_or(bad) || bad_kv;  // this step's operands hold a NaN/Inf
 
             // S^T (16 keys x BM queries) and dP^T = V dO^T
@@ -445,17 +458,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                 if (d < DP) Qs[r * RS + d] = qx;
                 if (d < DVP) dOs[r * VRS + d] = dx;
             }
-            for (int r = tid; r < BM; r += NTH) {
-                T lv = pos_inf<T>(), dvv = T(0);
-                if (q0 + r < a.Sq) {
-                    lv = lse[bh * a.Sq + q0 + r];
-                    if (lv == neg_inf<T>()) lv = pos_inf<T>();
-                    dvv = dvec[bh * a.Sq + q0 + r];
-                    bad |= (lv != lv) || !finite_acc(dvv);
-                }
-                lse_s[r] = lv;
-                dvec_s[r] = dvv;
-            }
+            bad |= bwd_load_row_stats<BM, NTH>(lse_s, dvec_s, lse, dvec, bh * a.Sq, q0, a.Sq, tid);
             const bool careful = __syncthreads_or(bad) || bad_kv;
             // thread (key cr, lane-in-row j): queries j, j + TPR, ...
 #pragma unroll
