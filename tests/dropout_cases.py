@@ -16,7 +16,6 @@ Kinds (``case["kind"]``):
   backward, bitwise equal to the library calls.
 """
 
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
-from case_driver import run_all  # noqa: E402
+from case_driver import agreed_error, run_file  # noqa: E402
 from ring_cases import BACKEND, _converters, make_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
@@ -135,8 +134,7 @@ def torch_case(comm, case):
 
 
 def errors_case(comm, case):
-    from ringmpi.errors import ConfigError
-
+    """Bad dropout arguments: one ConfigError, the same on every rank."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, _, _, _ = make_inputs(case)
     lay = Layout(case["layout"], q.shape[1], size)
@@ -154,23 +152,15 @@ def errors_case(comm, case):
     for what, (extra, want) in attempts.items():
         if what == "seeds differ" and size == 1:
             continue
-        try:
-            ringmpi.ring_attention(*args, comm=comm, layout=case["layout"], backend=BACKEND, **extra)
-            got = None
-        except ConfigError as exc:
-            got = str(exc)
-        every = comm.allgather(got)
-        if got is None or want not in got or len(set(every)) != 1:
-            problems.append(f"{what}: wanted one ConfigError containing {want!r}, ranks got {every}")
+        problem = agreed_error(comm, lambda: ringmpi.ring_attention(
+            *args, comm=comm, layout=case["layout"], backend=BACKEND, **extra), want)
+        if problem:
+            problems.append(f"{what}: {problem}")
     return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
 
 
 def main():
-    comm = MPI.COMM_WORLD
-    with open(sys.argv[1]) as fh:
-        cases = json.load(fh)
-    kinds = {"fd": fd_case, "errors": errors_case, "torch": torch_case}
-    run_all(comm, cases, lambda case: kinds.get(case.get("kind"), ref_case)(comm, case))
+    run_file(MPI.COMM_WORLD, {"fd": fd_case, "errors": errors_case, "torch": torch_case}, ref_case)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ run ``decode_attention`` over a D_v-wide cache (given shards and a ``KVCache``);
 ``kind: "torch"`` cases compare ``ringmpi.torch`` with torch's SDPA.
 """
 
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 import ring_cases  # noqa: E402
-from case_driver import run_all  # noqa: E402
+from case_driver import agreed_error, run_file  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.dtypes  # noqa: E402
 from ringmpi import Layout  # noqa: E402
@@ -75,8 +74,6 @@ def run_case(comm, case):
 
 def errors_case(comm, case):
     """Shapes that do not fit together: one ConfigError, the same on every rank."""
-    from ringmpi.errors import ConfigError
-
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, _, _ = make_inputs(case)
     lay = Layout(case["layout"], q.shape[1], size)
@@ -94,14 +91,9 @@ def errors_case(comm, case):
     }
     problems = []
     for what, (call, want) in attempts.items():
-        try:
-            call()
-            got = None
-        except ConfigError as exc:
-            got = str(exc)
-        every = comm.allgather(got)
-        if got is None or want not in got or len(set(every)) != 1:
-            problems.append(f"{what}: wanted one ConfigError containing {want!r}, ranks got {every}")
+        problem = agreed_error(comm, call, want)
+        if problem:
+            problems.append(f"{what}: {problem}")
     return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
 
 
@@ -190,11 +182,7 @@ def torch_case(comm, case):
 
 
 def main():
-    comm = MPI.COMM_WORLD
-    with open(sys.argv[1]) as fh:
-        cases = json.load(fh)
-    kinds = {"errors": errors_case, "decode": decode_case, "torch": torch_case}
-    run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
+    run_file(MPI.COMM_WORLD, {"errors": errors_case, "decode": decode_case, "torch": torch_case}, run_case)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ case: ``CASE <json>``.  The backend comes from ``RINGMPI_TEST_BACKEND``
 (default numpy).
 """
 
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
-from case_driver import run_all  # noqa: E402
+from case_driver import agreed_error, run_file  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.dtypes  # noqa: E402
 from ringmpi import Layout  # noqa: E402
@@ -218,8 +217,6 @@ def fd_case(comm, case):
 
 def bf16_errors_case(comm, case):
     """bfloat16 input errors: one ConfigError, the same on every rank, before any compute."""
-    from ringmpi.errors import ConfigError
-
     rank, size = comm.Get_rank(), comm.Get_size()
     case = dict(case, dtype="bfloat16")
     q, k, v, _, _, _ = make_inputs(case)
@@ -240,23 +237,15 @@ def bf16_errors_case(comm, case):
     }
     problems = []
     for what, (args, extra, want) in attempts.items():
-        try:
-            ringmpi.ring_attention(*args, comm=comm, layout=case["layout"], backend=BACKEND, **extra)
-            got = None
-        except ConfigError as exc:
-            got = str(exc)
-        every = comm.allgather(got)
-        if got is None or want not in got or len(set(every)) != 1:
-            problems.append(f"{what}: wanted one ConfigError containing {want!r}, ranks got {every}")
+        problem = agreed_error(comm, lambda: ringmpi.ring_attention(
+            *args, comm=comm, layout=case["layout"], backend=BACKEND, **extra), want)
+        if problem:
+            problems.append(f"{what}: {problem}")
     return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
 
 
 def main():
-    comm = MPI.COMM_WORLD
-    with open(sys.argv[1]) as fh:
-        cases = json.load(fh)
-    kinds = {"fd": fd_case, "bf16_errors": bf16_errors_case}
-    run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
+    run_file(MPI.COMM_WORLD, {"fd": fd_case, "bf16_errors": bf16_errors_case}, run_case)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ every rank.  Other kinds: ``errors`` (ConfigError agreed on every rank) and
 ``fd`` (float64 finite differences through the ring, dsinks included).
 """
 
-import json
 import os
 import sys
 
@@ -21,11 +20,10 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
-from case_driver import run_all  # noqa: E402
+from case_driver import agreed_error, run_file  # noqa: E402
 from ring_cases import BACKEND, _converters, make_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
-from ringmpi.errors import ConfigError  # noqa: E402
 
 
 def make_sinks(case, heads):
@@ -343,29 +341,21 @@ def errors_case(comm, case):
     problems = []
     for what, (extra, want) in attempts.items():
         extra = {n: (to_backend(x) if isinstance(x, np.ndarray) else x) for n, x in extra.items()}
-        for call in ("forward", "backward"):
-            try:
-                if call == "forward":
-                    ringmpi.ring_attention(*args, comm=comm, layout=case["layout"], backend=BACKEND, **extra)
-                else:
-                    ringmpi.ring_attention_backward(args[0], *args, args[0], to_backend(np.zeros(
-                        (q.shape[0], heads, args[0].shape[1]), np.float32)), comm=comm, layout=case["layout"],
-                        backend=BACKEND, **extra)
-                got = None
-            except ConfigError as exc:
-                got = str(exc)
-            every = comm.allgather(got)
-            if got is None or want not in got or len(set(every)) != 1:
-                problems.append(f"{what} ({call}): wanted one ConfigError containing {want!r}, ranks got {every}")
+        lse0 = to_backend(np.zeros((q.shape[0], heads, args[0].shape[1]), np.float32))
+        calls = {"forward": lambda: ringmpi.ring_attention(
+                     *args, comm=comm, layout=case["layout"], backend=BACKEND, **extra),
+                 "backward": lambda: ringmpi.ring_attention_backward(
+                     args[0], *args, args[0], lse0, comm=comm, layout=case["layout"], backend=BACKEND, **extra)}
+        for call, fn in calls.items():
+            problem = agreed_error(comm, fn, want)
+            if problem:
+                problems.append(f"{what} ({call}): {problem}")
     return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
 
 
 def main():
-    comm = MPI.COMM_WORLD
-    with open(sys.argv[1]) as fh:
-        cases = json.load(fh)
     kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case, "file": file_case, "torch": torch_case}
-    run_all(comm, cases, lambda case: kinds.get(case.get("kind"), run_case)(comm, case))
+    run_file(MPI.COMM_WORLD, kinds, run_case)
 
 
 if __name__ == "__main__":
