@@ -260,14 +260,11 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     if (hidden) s = neg_inf<float>();
                     // careful: a hidden pair is 0 even for a NaN lse, a NaN do v^T or a NaN slope
                     const float pe = (careful && hidden) ? 0.f : expf(s - lse_s[ql]);
-                    if (dr.on) {  // dV += (P Z)^T dO;  dS = P * (dP Z - dvec), then the softcap's slope
-                        const float z = dropout_factor(dr, drop_rescale, mk, b, h, q0 + ql, key, a.Sq, a.Skv);
-                        p[nt][e] = pe * z;
-                        ds[nt][e] = (careful && hidden) ? 0.f : pe * (ds[nt][e] * z - dvec_s[ql]) * slope;
-                        continue;
-                    }
-                    p[nt][e] = pe;
-                    ds[nt][e] = (careful && hidden) ? 0.f : pe * (ds[nt][e] - dvec_s[ql]) * slope;
+                    // dropout: dV += (P Z)^T dO;  dS = P * (dP Z - dvec), then the softcap's slope
+                    const float z = dr.on ? dropout_factor(dr, drop_rescale, mk, b, h, q0 + ql, key, a.Sq, a.Skv) : 1.f;
+                    p[nt][e] = dr.on ? pe * z : pe;
+                    const float dpz = dr.on ? ds[nt][e] * z : ds[nt][e];
+                    ds[nt][e] = (careful && hidden) ? 0.f : pe * (dpz - dvec_s[ql]) * slope;
                 }
             }
             // dV += P^T dO and dK += dS^T Q (k = queries); the score
