@@ -433,11 +433,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     groups = resolve_groups(plan.comm, plan.heads, head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
-        result = _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits)
-        if plan.sinks is None:
-            return result
-        dvec = be.row_dot(be.to_heads(be.asarray(do), ct), be.to_heads(be.asarray(o), ct))
-        return result + (_sink_grads(plan, lse.astype(ct, copy=False), dvec, sinks),)
+        return _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits,
+                                   sinks_dtype=None if sinks is None else sinks.dtype)
     qh = be.to_heads(be.asarray(q), ct)
     doh = be.to_heads(be.asarray(do), ct)
     dvec = be.row_dot(doh, be.to_heads(be.asarray(o), ct))
@@ -452,7 +449,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                          plan.scale, block.mask, resident=resident, **pieces)
     dk, dv = schedule.finished_grads()
     records = schedule.records
-    dsinks = None if plan.sinks is None else _sink_grads(plan, lse, dvec, sinks)
+    dsinks = None if plan.sinks is None else _variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm)
     # keep only dq and the finished dk, dv (their message) before the outputs are made
     del schedule, block, pieces, resident, qh, doh, dvec
     dq *= ct.type(plan.scale)
@@ -463,10 +460,4 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
         stats.extend(records)
-    return result if dsinks is None else result + (dsinks,)
-
-
-def _sink_grads(plan, lse, dvec, sinks):
-    """``dsinks (H,)`` in ``sinks``' dtype, from this rank's ``lse, dvec (B, H, S_q_local)``
-    (compute dtype), summed over all ranks."""
-    return _variants.sink_grads(plan.backend.xp, lse, dvec, plan.sinks, plan.comm).astype(sinks.dtype)
+    return result if dsinks is None else result + (dsinks.astype(sinks.dtype),)
