@@ -201,18 +201,23 @@ def fd_case(comm, case):
     o, lse = ringmpi.ring_attention(*args, **kw)
     grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, **kw)
     full = [lay.unshard(comm.allgather(to_host(g)), axis=1) for lay, g in zip((lay_q, lay_kv, lay_kv), grads)]
-    rng = np.random.default_rng(123)
-    eps, worst = 1e-6, 0.0
-    for which in range(3):
-        for _ in range(4):
-            base = [q.copy(), k.copy(), v.copy()]
+    worst = fd_worst(loss, [q, k, v], full, np.random.default_rng(123), probes=4)
+    return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
+
+
+def fd_worst(loss, base, full, rng, probes, eps=1e-6):
+    """The worst relative error of central differences of ``loss(*base)`` against the
+    gradients ``full``, at ``probes`` random entries of each array of ``base``."""
+    worst = 0.0
+    for which in range(len(base)):
+        for _ in range(probes):
             idx = tuple(int(rng.integers(0, s)) for s in base[which].shape)
             plus, minus = [x.copy() for x in base], [x.copy() for x in base]
             plus[which][idx] += eps
             minus[which][idx] -= eps
             numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
             worst = max(worst, abs(numeric - full[which][idx]) / max(1.0, abs(numeric)))
-    return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
+    return worst
 
 
 def bf16_errors_case(comm, case):

@@ -21,7 +21,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import BACKEND, _converters, make_inputs  # noqa: E402
+from ring_cases import BACKEND, _converters, fd_worst, make_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
@@ -157,17 +157,7 @@ def fd_case(comm, case):
                                                          o, lse, sinks=to_backend(sinks), **kw)
     full = [lay.unshard(comm.allgather(to_host(g)), axis=1) for lay, g in ((lay_q, dq), (lay_kv, dk), (lay_kv, dv))]
     full.append(np.asarray(dsinks))
-    rng = np.random.default_rng(321)
-    eps, worst = 1e-6, 0.0
-    for which in range(4):
-        for _ in range(3):
-            base = [q, k, v, sinks]
-            idx = tuple(int(rng.integers(0, s)) for s in base[which].shape)
-            plus, minus = [x.copy() for x in base], [x.copy() for x in base]
-            plus[which][idx] += eps
-            minus[which][idx] -= eps
-            numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
-            worst = max(worst, abs(numeric - full[which][idx]) / max(1.0, abs(numeric)))
+    worst = fd_worst(loss, [q, k, v, sinks], full, np.random.default_rng(321), probes=3)
     return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
 
 
