@@ -140,11 +140,14 @@ class Ring:
             self._pending[channel] = transfers
 
     def tick(self) -> None:
-        """Let MPI progress every pending transfer (cheap; call between tiles)."""
+        """Let MPI progress every pending transfer (cheap; call between tiles).
+
+        One ``Testall`` over every channel: each MPI test runs the whole progress
+        engine (TCP polling included), so one call per channel would repeat it."""
         from mpi4py import MPI
 
-        for transfers in self._pending.values():
-            MPI.Request.Testall([t.request for t in transfers])
+        if self._pending:
+            MPI.Request.Testall([t.request for transfers in self._pending.values() for t in transfers])
 
     def test(self, channel: str) -> bool:
         """True when the transfers of ``channel`` are complete (then released) or none is
