@@ -60,41 +60,121 @@ CASES = {
     "two-sided window": dict(window=(5, 7)),
     "causal segments": dict(causal=True, segments=True),
 }
+VARIANTS = {"plain": {}, "softcap": dict(softcap=2.5), "dropout": dict(dropout_p=0.2, dropout_seed=77)}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_banded_tiles_match_the_dense_reference(monkeypatch, case):
-    kw = dict(CASES[case])
-    seg = SEG if kw.pop("segments", False) else None
-    if seg is not None:
-        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
+def _inputs(seed):
+    rng = np.random.default_rng(seed)
+    q, do = rng.standard_normal((2, B, N, H, D)).astype(np.float32)
+    k, v = rng.standard_normal((2, B, N, HKV, D)).astype(np.float32)
+    return q, k, v, do
+
+
+@pytest.fixture
+def banded(monkeypatch):
+    """8 x 8 tiles in bands of 3 rows; yields the band counts of every banded tile."""
     monkeypatch.setattr(nb, "TILE_Q", 8)
     monkeypatch.setattr(nb, "TILE_KV", 8)
     monkeypatch.setattr(nb, "BAND_Q", 3)
-    bands = []
+    tiles = []
     real = nb._bands
 
     def counted(vis, rows, cols, band):
+        tiles.append([])
         for item in real(vis, rows, cols, band):
-            bands.append((item[0].stop - item[0].start, item[1].stop - item[1].start))
+            tiles[-1].append(item[1].stop - item[1].start)
             yield item
     monkeypatch.setattr(nb, "_bands", counted)
+    return tiles
 
-    rng = np.random.default_rng(3)
-    q, do = rng.standard_normal((2, B, N, H, D)).astype(np.float32)
-    k, v = rng.standard_normal((2, B, N, HKV, D)).astype(np.float32)
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES)
+def test_banded_tiles_match_the_dense_reference(banded, case, variant):
+    kw = dict(CASES[case], **VARIANTS[variant])
+    seg = SEG if kw.pop("segments", False) else None
+    if seg is not None:
+        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
+    q, k, v, do = _inputs(3)
     o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
     grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)
-    assert any(r < 8 for r, _ in bands) and any(c < 8 for _, c in bands), "no tile ran banded"
+    assert any(len(widths) > 1 for widths in banded), "no tile ran as several bands"
+    assert any(w < 8 for widths in banded for w in widths), "no band was cut to its visible columns"
 
     vis = reference.visible(N, N, kw.get("causal", False), kw.get("window"), seg, seg)
     scale = 1 / np.sqrt(D)
-    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64)
-    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, np.float32)
+    extra = dict(softcap=kw.get("softcap"))
+    if "dropout_p" in kw:
+        extra["drop"] = reference.dropout_factors(kw["dropout_seed"], kw["dropout_p"], B, H, N, N)
+    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64, **extra)
+    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, np.float32, **extra)
     checks = [reference.tolerance_check("o", o, ref_o, naive_o),
               reference.tolerance_check("lse", lse, ref_lse, naive_lse)]
-    ref_g = reference.dense_backward(do, q, k, v, vis, scale, np.float64)
-    naive_g = reference.dense_backward(do, q, k, v, vis, scale, np.float32)
+    ref_g = reference.dense_backward(do, q, k, v, vis, scale, np.float64, **extra)
+    naive_g = reference.dense_backward(do, q, k, v, vis, scale, np.float32, **extra)
     checks += [reference.tolerance_check(name, got, want, naive, gradient=True)
                for name, got, want, naive in zip(("dq", "dk", "dv"), grads, ref_g, naive_g)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+@pytest.mark.parametrize("where", [("k", 21), ("v", 21), ("q", 30)])
+def test_a_nan_under_bands_reaches_only_the_queries_that_see_it(banded, where):
+    """Causal: a NaN in key or value ``j`` reaches the queries from ``j`` on (queries
+    before it are bitwise the clean run's); a NaN in query ``j`` reaches that query only."""
+    name, j = where
+    clean = _inputs(5)
+    bad = [x.copy() for x in clean]
+    bad["qkv".index(name)][1, j, 0, 3] = np.nan
+    runs = []
+    for q, k, v, do in (clean, bad):
+        with np.errstate(invalid="ignore"):
+            o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", causal=True)
+            dq, _, _ = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", causal=True)
+        runs.append((o, lse, dq))
+    (o0, lse0, dq0), (o1, lse1, dq1) = runs
+    hit = np.zeros(N, dtype=bool)
+    hit[j:j + 1] = True
+    if name != "q":
+        hit[j:] = True
+    np.testing.assert_array_equal(o1[:, ~hit], o0[:, ~hit])
+    np.testing.assert_array_equal(lse1[:, :, ~hit], lse0[:, :, ~hit])
+    np.testing.assert_array_equal(dq1[:, ~hit], dq0[:, ~hit])
+    np.testing.assert_array_equal(o1[0], o0[0])  # the other batch entry
+    heads = slice(0, 1) if name == "q" else slice(0, H // HKV)  # the query heads that read the bad head
+    assert np.isnan(o1[1, hit, heads]).any(axis=-1).all()
+    assert any(len(widths) > 1 for widths in banded)
+
+
+@pytest.mark.parametrize("tiles", [(8, 12, 3), (5, 4, 2)])
+def test_kv_done_reports_only_rows_no_later_band_changes(monkeypatch, tiles):
+    """``kv_done(n)`` lets the ring send ``dk, dv`` rows ``[0, n)`` home early: no band
+    may add to them afterwards, even one cut to start past its key tile's start."""
+    from ringmpi.masks import BlockMask, MaskSpec
+
+    monkeypatch.setattr(nb, "TILE_Q", tiles[0])
+    monkeypatch.setattr(nb, "TILE_KV", tiles[1])
+    monkeypatch.setattr(nb, "BAND_Q", tiles[2])
+    be = nb.NumpyBackend()
+    q, k, v, do = _inputs(9)
+    qh, doh = be.to_heads(q, np.float32), be.to_heads(do, np.float32)
+    kh, vh = be.to_heads(k, np.float32), be.to_heads(v, np.float32)
+    rng = np.random.default_rng(1)
+    lse = rng.standard_normal((B, H, N)).astype(np.float32) + 3
+    dvec = rng.standard_normal((B, H, N)).astype(np.float32)
+    seg = np.sort(rng.integers(0, 6, (B, N)), axis=1).astype(np.int64)
+    mask = BlockMask(MaskSpec(), np.arange(N), np.arange(N), seg, seg)
+    dq, dk, dv = np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)
+    reported = []
+    be.backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, 0.3, mask,
+                      kv_done=lambda n: reported.append((n, dk[:, :, :n].copy(), dv[:, :, :n].copy())))
+    assert len(reported) > 2 and reported[-1][0] == N
+    for n, dk_then, dv_then in reported:
+        np.testing.assert_array_equal(dk_then, dk[:, :, :n])
+        np.testing.assert_array_equal(dv_then, dv[:, :, :n])
+
+
+def test_a_tile_size_that_is_not_positive_is_refused(monkeypatch):
+    for text in ("0", "-3", "many"):
+        monkeypatch.setenv("RINGMPI_BAND_Q", text)
+        with pytest.raises(ValueError, match="RINGMPI_BAND_Q"):
+            nb._size_from_env("RINGMPI_BAND_Q", 128)
