@@ -87,6 +87,7 @@ class Ring:
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._pending: Dict[str, List[_Transfer]] = {}
+        self._all_requests: Optional[list] = None  # tick's list: every pending request (None: rebuild)
         self._tags: Dict[str, int] = dict(_TAGS)
         self._step = 0
 
@@ -138,6 +139,7 @@ class Ring:
             rec.bytes_sent += int(buf.nbytes)
         if transfers:
             self._pending[channel] = transfers
+            self._all_requests = None
 
     def tick(self) -> None:
         """Let MPI progress every pending transfer (cheap; call between tiles).
@@ -146,8 +148,11 @@ class Ring:
         engine (TCP polling included), so one call per channel would repeat it."""
         from mpi4py import MPI
 
-        if self._pending:
-            MPI.Request.Testall([t.request for transfers in self._pending.values() for t in transfers])
+        if not self._pending:
+            return
+        if self._all_requests is None:
+            self._all_requests = [t.request for transfers in self._pending.values() for t in transfers]
+        MPI.Request.Testall(self._all_requests)
 
     def test(self, channel: str) -> bool:
         """True when the transfers of ``channel`` are complete (then released) or none is
@@ -159,6 +164,7 @@ class Ring:
             return True
         if MPI.Request.Testall([t.request for t in transfers]):
             del self._pending[channel]
+            self._all_requests = None
             return True
         return False
 
@@ -169,6 +175,7 @@ class Ring:
         transfers = self._pending.pop(channel, None)
         if transfers is None:
             return
+        self._all_requests = None
         requests = [t.request for t in transfers]
         start = time.perf_counter()
         deadline = None if self.timeout is None else start + self.timeout
@@ -176,6 +183,7 @@ class Ring:
         while not MPI.Request.Testall(requests):
             if deadline is not None and time.perf_counter() > deadline:
                 self._pending[channel] = transfers
+                self._all_requests = None
                 stuck = [t for t in transfers if not t.request.Test()]  # name only what is incomplete
                 peers = ", ".join(f"{t.direction} rank {t.peer}" for t in stuck)
                 sizes = ", ".join(f"{t.direction.split()[0]} {t.nbytes} bytes" for t in stuck)
