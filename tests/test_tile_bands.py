@@ -174,7 +174,13 @@ def test_kv_done_reports_only_rows_no_later_band_changes(monkeypatch, tiles):
 
 
 def test_a_tile_size_that_is_not_positive_is_refused(monkeypatch):
+    from ringmpi.env import positive_int
+
     for text in ("0", "-3", "many"):
         monkeypatch.setenv("RINGMPI_BAND_Q", text)
         with pytest.raises(ValueError, match="RINGMPI_BAND_Q"):
-            nb._size_from_env("RINGMPI_BAND_Q", 128)
+            positive_int("RINGMPI_BAND_Q", 128)
+    monkeypatch.setenv("RINGMPI_BAND_Q", "64")
+    assert positive_int("RINGMPI_BAND_Q", 128) == 64
+    monkeypatch.delenv("RINGMPI_BAND_Q")
+    assert positive_int("RINGMPI_BAND_Q", 128) == 128

@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
+from .env import positive_int
+
 ENV_HEAD_PARALLEL = "RINGMPI_HEAD_PARALLEL"
 ENV_NODE_SIZE = "RINGMPI_NODE_SIZE"
 
@@ -59,16 +61,7 @@ def head_parallel_setting(value=None) -> Union[int, str]:
 
 def node_size_override() -> Optional[int]:
     """``RINGMPI_NODE_SIZE`` as a positive int, None when unset; ``ValueError`` when malformed."""
-    text = os.environ.get(ENV_NODE_SIZE)
-    if not text:
-        return None
-    try:
-        size = int(text)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise ValueError(f"{ENV_NODE_SIZE} must be a positive integer, got {text!r}")
-    return size
+    return positive_int(ENV_NODE_SIZE)
 
 
 def node_ids(comm, node_size: Optional[int] = None) -> List[int]:

@@ -11,31 +11,18 @@ per rank (``OPENBLAS_NUM_THREADS=1``).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 
 from ..dtypes import compute_dtype, is_16bit
+from ..env import positive_int
 from ..masks import FULL, SKIP, BlockMask
 from . import HostMessage
 
-
-def _size_from_env(name: str, default: int) -> int:
-    """A tile size from the environment: a positive integer, or a clear error."""
-    text = os.environ.get(name, str(default))
-    try:
-        size = int(text)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise ValueError(f"{name}={text!r}: a tile size must be a positive integer")
-    return size
-
-
-TILE_Q = _size_from_env("RINGMPI_TILE_Q", 512)
-TILE_KV = _size_from_env("RINGMPI_TILE_KV", 512)
+TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
+TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
 # a partly hidden tile runs as row bands of this many rows, each cut to its visible columns
-BAND_Q = _size_from_env("RINGMPI_BAND_Q", 128)
+BAND_Q = positive_int("RINGMPI_BAND_Q", 128)
 _RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf only past ~2^127)
 
 
