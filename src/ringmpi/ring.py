@@ -87,7 +87,9 @@ class Ring:
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._pending: Dict[str, List[_Transfer]] = {}
-        self._all_requests: Optional[list] = None  # tick's list: every pending request (None: rebuild)
+        # tick's list of requests, rebuilt after a post; a released channel's requests stay
+        # in it until then, complete (null), which Testall takes as done
+        self._all_requests: Optional[list] = None
         self._tags: Dict[str, int] = dict(_TAGS)
         self._step = 0
 
@@ -164,7 +166,6 @@ class Ring:
             return True
         if MPI.Request.Testall([t.request for t in transfers]):
             del self._pending[channel]
-            self._all_requests = None
             return True
         return False
 
@@ -175,7 +176,6 @@ class Ring:
         transfers = self._pending.pop(channel, None)
         if transfers is None:
             return
-        self._all_requests = None
         requests = [t.request for t in transfers]
         start = time.perf_counter()
         deadline = None if self.timeout is None else start + self.timeout
@@ -183,7 +183,6 @@ class Ring:
         while not MPI.Request.Testall(requests):
             if deadline is not None and time.perf_counter() > deadline:
                 self._pending[channel] = transfers
-                self._all_requests = None
                 stuck = [t for t in transfers if not t.request.Test()]  # name only what is incomplete
                 peers = ", ".join(f"{t.direction} rank {t.peer}" for t in stuck)
                 sizes = ", ".join(f"{t.direction.split()[0]} {t.nbytes} bytes" for t in stuck)
