@@ -28,11 +28,13 @@ from .backends import get_backend
 from .dropout import MAX_POSITION, Dropout
 from .dropout import validate as _dropout_validate
 from .errors import agree
+from .faults import fault_point
 from .layout import KINDS, Layout
 from .masks import MaskSpec
 from .ring import default_timeout, resolve_comm
 from .schedule import RingSchedule
-from .topology import resolve_groups
+from .topology import resolve_groups, ring_order
+from .watchdog import phase
 
 FLOAT_DTYPES = _dtypes.NAMES
 
@@ -64,7 +66,8 @@ class _Plan:
             self.comm, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype),
             kv_counts=self.layout_kv.counts(), q_pos=self.layout_q.indices(self.rank),
             kv_pos=self.layout_kv.indices(self.rank), spec=self.spec, seg_q=self.seg_q,
-            seg_kv=self.seg_kv, grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
+            seg_kv=self.seg_kv, grad_dtype=grad_dtype, timeout=self.timeout, phase=phase,
+            order=ring_order(self.comm))
 
 
 def _describe(x) -> str:
@@ -154,7 +157,9 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
 
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
     drop_key = _dropout_key(dropout_p, dropout_seed, dropout_offsets, q.shape[2])
-    shapes = comm.allgather((signature, q.shape[1], k.shape[1], (_variants.digest(sinks, softcap), drop_key)))
+    fault_point("plan", rank)
+    with phase("the ranks' agreement on the call's shapes (allgather)", timeout):
+        shapes = comm.allgather((signature, q.shape[1], k.shape[1], (_variants.digest(sinks, softcap), drop_key)))
     sigs = {s for s, _, _, _ in shapes}
     problem = None
     if len({d[0] for _, _, _, d in shapes}) > 1:
@@ -303,7 +308,9 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         score makes its row NaN, a -Inf score is a weight of zero), and every
         other query's outputs are bitwise those of a run without the bad value.
     stats : list, optional
-        When given, one :class:`ringmpi.ring.StepRecord` per ring step is appended.
+        When given, one :class:`ringmpi.ring.StepRecord` per ring step is appended
+        (with ``head_parallel`` U > 1, an :class:`ringmpi.head_parallel.ExchangeRecord`
+        before and after them, whose ``head_parallel`` is the U this call ran with).
     dtype : str, optional
         The dtype every input must have.  ``"bfloat16"`` also accepts ``uint16``
         arrays holding bfloat16 bit patterns (then the outputs are ``uint16``

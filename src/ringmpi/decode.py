@@ -43,6 +43,7 @@ from .layout import KINDS, Layout
 from .masks import BlockMask, MaskSpec
 from .ring import resolve_comm
 from .variants import softcap_problem
+from .watchdog import phase
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _EXTRA = 4  # lse, flag, sig, -sig after the D output columns
@@ -159,7 +160,8 @@ def _positions(layout, comm, n_local):
     if isinstance(layout, str):
         if layout not in KINDS:
             raise ConfigError(f"unknown layout {layout!r}: expected one of {', '.join(KINDS)}")
-        counts = comm.allgather(int(n_local))
+        with phase("decode: gathering the cache shard lengths (allgather)"):
+            counts = comm.allgather(int(n_local))
         n = sum(counts)
         if n == 0:
             return 0, np.zeros(0, dtype=np.int64), None
@@ -233,7 +235,8 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     if root is not None:
         if not 0 <= int(root) < comm.Get_size():
             raise ConfigError(f"root {root} outside the communicator of size {comm.Get_size()}")
-        q = comm.bcast(_host(q) if rank == root else None, root=root)
+        with phase(f"decode: broadcasting q from rank {root}"):
+            q = comm.bcast(_host(q) if rank == root else None, root=root)
     be = get_backend(backend, (q, k_cache, v_cache))
     q, k_cache, v_cache = be.asarray(q), be.asarray(k_cache), be.asarray(v_cache)
     problem = _q_problem(q)
@@ -292,7 +295,8 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     packed[..., dim + 3] = -sig
     row, op = _merge_op(dim + _EXTRA, ct)
     merged = np.empty_like(packed)
-    comm.Allreduce([packed, batch * s_new * heads, row], [merged, batch * s_new * heads, row], op=op)
+    with phase("the decode merge (Allreduce)"):
+        comm.Allreduce([packed, batch * s_new * heads, row], [merged, batch * s_new * heads, row], op=op)
     flat = merged.reshape(-1, dim + _EXTRA)
     if flat[0, dim + 1] > 0 or flat[0, dim + 2] != -flat[0, dim + 3]:
         agree(comm, problem)  # raises: some rank failed its checks

@@ -31,7 +31,10 @@ def agree(comm, problem: Optional[str]) -> None:
     The message raised is the lowest failing rank's; when ranks disagree, the
     count of failing ranks is added.
     """
-    problems = comm.allgather(problem)
+    from .watchdog import phase
+
+    with phase("the ranks' agreement on the configuration (allgather)"):
+        problems = comm.allgather(problem)
     failing = [(r, p) for r, p in enumerate(problems) if p is not None]
     if not failing:
         return

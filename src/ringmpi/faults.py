@@ -17,6 +17,9 @@ class InjectedFault(RingmpiError):
     """Raised by :func:`fault_point` when ``RINGMPI_FAULT`` asks for it (tests only)."""
 
 
+_REACHED: dict = {}  # times each named point was reached (the sleep fault's nth)
+
+
 def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
     """Testing aid: misbehave here when ``RINGMPI_FAULT`` asks for it.
 
@@ -26,6 +29,11 @@ def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
 
     * ``write:<rank>`` - raise :class:`InjectedFault` at that point (``write``
       alone: on every rank);
+    * ``sleep:<where>:<rank>:<seconds>[:<nth>]`` - the ``nth`` time (default 1)
+      that rank reaches ``where`` (``create``: before the file job creates its
+      output; ``plan``: before a call's agreement on shapes; ``fwd``/``bwd``:
+      ring step 1 of a pass), say so on stderr and sleep, while the other ranks
+      wait in what follows (a test cuts a link meanwhile);
     * ``<action>:<rank>:<step>[:fwd|bwd|pass]`` at a ring step (both ring phases when
       omitted; with ``pass``: at the start of that pass of ``ringmpi run``),
       with action ``raise`` (raise :class:`InjectedFault`), ``exit``
@@ -40,6 +48,17 @@ def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
     if not want:
         return
     action, *fields = want.split(":")
+    if action == "sleep":
+        if len(fields) >= 3 and fields[0] == where and int(fields[1]) == rank and step in (None, 1):
+            _REACHED[where] = _REACHED.get(where, 0) + 1
+            if _REACHED[where] == (int(fields[3]) if len(fields) > 3 else 1):
+                import sys
+                import time
+
+                print(f"[rank {rank}] ringmpi fault: sleeping {fields[2]} s at '{where}' (RINGMPI_FAULT={want})",
+                      file=sys.stderr, flush=True)
+                time.sleep(float(fields[2]))
+        return
     if step is None:
         if action == where and (not fields or int(fields[0]) == rank):
             raise InjectedFault(f"injected fault at '{where}' on rank {rank} (RINGMPI_FAULT={want})")

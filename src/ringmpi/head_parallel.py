@@ -70,9 +70,12 @@ def replicated(u: int, heads: int, kv_heads: int) -> bool:
 @dataclass
 class ExchangeRecord(StepRecord):
     """One all-to-all inside a group: seconds (in ``wait_s``) and the bytes that left or
-    reached this rank (its own part excluded).  ``stage``: ``"a2a in"`` or ``"a2a out"``."""
+    reached this rank (its own part excluded).  ``stage``: ``"a2a in"`` or ``"a2a out"``;
+    ``head_parallel``: the ``U`` the call ran with (what ``"auto"`` chose).  A call's
+    ``stats`` without such a record ran the flat ring (``U = 1``)."""
 
     stage: str = ""
+    head_parallel: int = 1
 
 
 def _host(x):
@@ -124,7 +127,7 @@ class GroupExchange:
                 arrays.append(recvbuf[offset:offset + n].view(np.dtype(dtype)).reshape(shape))
                 offset += n
             out.append(arrays)
-        record = ExchangeRecord(step=self.step, stage=stage,
+        record = ExchangeRecord(step=self.step, stage=stage, head_parallel=self.comm.Get_size(),
                                 bytes_sent=sum(c for u, c in enumerate(send_counts) if u != me),
                                 bytes_recv=sum(c for u, c in enumerate(recv_counts) if u != me))
         record.wait_s = time.perf_counter() - start

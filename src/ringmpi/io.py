@@ -26,6 +26,7 @@ import numpy as np
 
 from .dtypes import BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
 from .errors import agree
+from .watchdog import phase, sync
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -89,20 +90,38 @@ def open_file(path: str, mode: str, comm):
     import h5py
 
     kwargs = dict(driver="mpio", comm=comm)
-    if "HDF5_USE_FILE_LOCKING" in os.environ:
-        return h5py.File(path, mode, **kwargs)
-    try:
-        handle, failure = h5py.File(path, mode, **kwargs), None
-    except OSError as exc:
-        handle, failure = None, str(exc)
-    failures = comm.allgather(failure)
-    if not any(failures):
-        return handle
-    if handle is not None:
+    verb = "open" if mode in ("r", "r+") else "create"
+    with phase(f"HDF5 {verb} {path}"):
+        sync(comm)
+        if "HDF5_USE_FILE_LOCKING" in os.environ:
+            return h5py.File(path, mode, **kwargs)
+        try:
+            handle, failure = h5py.File(path, mode, **kwargs), None
+        except OSError as exc:
+            handle, failure = None, str(exc)
+        failures = comm.allgather(failure)
+        if not any(failures):
+            return handle
+        if handle is not None:
+            handle.close()
+        if any("lock" in f.lower() for f in failures if f):
+            sync(comm)
+            return h5py.File(path, mode, locking=False, **kwargs)
+        raise OSError(next(f for f in failures if f))
+
+
+def close_file(handle, comm) -> None:
+    """Close a file opened with :func:`open_file` (collective), under the deadline."""
+    with phase(f"HDF5 close {handle.filename}"):
+        sync(comm)
         handle.close()
-    if any("lock" in f.lower() for f in failures if f):
-        return h5py.File(path, mode, locking=False, **kwargs)
-    raise OSError(next(f for f in failures if f))
+
+
+def flush_file(handle, comm) -> None:
+    """Flush a file opened with :func:`open_file` (collective), under the deadline."""
+    with phase(f"HDF5 flush {handle.filename}"):
+        sync(comm)
+        handle.flush()
 
 
 def _peek(path: str):
@@ -250,7 +269,8 @@ def inspect_input(path: str, comm, backward: bool = False) -> InputSpec:
     spec, problem = None, None
     if comm.Get_rank() == 0:
         spec, problem = _inspect_serial(path, backward)
-    spec, problem = comm.bcast((spec, problem), root=0)
+    with phase(f"sharing the description of {path} (bcast)"):
+        spec, problem = comm.bcast((spec, problem), root=0)
     agree(comm, problem)
     return spec
 
@@ -384,6 +404,10 @@ class ShardIO:
         Filtered datasets (gzip, lzf, shuffle, fletcher32) are read with independent
         transfers, every rank still making the same number of calls.
         """
+        with phase(f"HDF5 read {dset.name}"):
+            return self._read(dset, row_axis, box)
+
+    def _read(self, dset, row_axis, box) -> np.ndarray:
         import time
 
         self.comm.Barrier()  # time the transfer, not the wait for ranks still computing
@@ -404,6 +428,10 @@ class ShardIO:
     def write(self, dset, row_axis: int, data: np.ndarray,
               box: Optional[Sequence[Tuple[int, int]]] = None) -> None:
         """Write this rank's rows ``data`` into ``dset`` within ``box`` (collective)."""
+        with phase(f"HDF5 write {dset.name}"):
+            self._write(dset, row_axis, data, box)
+
+    def _write(self, dset, row_axis, data, box) -> None:
         import time
 
         self.comm.Barrier()  # time the transfer, not the wait for ranks still computing
@@ -461,7 +489,8 @@ class AtomicOutput:
         problem, tmp = None, None
         if comm.Get_rank() == 0:
             problem, tmp = self._check(overwrite, input_path)
-        problem, tmp = comm.bcast((problem, tmp), root=0)
+        with phase(f"checking the output path {self.path} (bcast)"):
+            problem, tmp = comm.bcast((problem, tmp), root=0)
         agree(comm, problem)
         self.tmp = tmp
 
@@ -530,16 +559,17 @@ class AtomicOutput:
     def commit(self) -> None:
         """Close collectively, then rank 0 renames the file over the output path."""
         self._release_termination()
-        self.file.close()
+        close_file(self.file, self.comm)
         self.file = None
-        self.comm.Barrier()
-        failure = None
-        if self.comm.Get_rank() == 0:
-            try:
-                os.replace(self.tmp, self.path)
-            except OSError as exc:
-                failure = f"{self.path}: cannot rename {self.tmp} into place: {exc}"
-        failure = self.comm.bcast(failure, root=0)
+        with phase(f"renaming the output into place {self.path}"):
+            self.comm.Barrier()
+            failure = None
+            if self.comm.Get_rank() == 0:
+                try:
+                    os.replace(self.tmp, self.path)
+                except OSError as exc:
+                    failure = f"{self.path}: cannot rename {self.tmp} into place: {exc}"
+            failure = self.comm.bcast(failure, root=0)
         if failure:
             raise OSError(failure)
 
@@ -552,12 +582,13 @@ class AtomicOutput:
         if self.file is not None:
             try:
                 if collective:
-                    self.file.close()
+                    close_file(self.file, self.comm)
             except Exception:
                 pass
             self.file = None
         if collective:
-            self.comm.Barrier()
+            with phase(f"discarding the output {self.tmp} (barrier)"):
+                self.comm.Barrier()
             if self.comm.Get_rank() != 0:
                 return
         try:

@@ -29,6 +29,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .io import flush_file
+
 JOB_ATTR = "ringmpi_job"
 DONE_ATTR = "ringmpi_passes_done"
 
@@ -83,24 +85,24 @@ def differences(stored: JobRecord, current: JobRecord) -> List[str]:
     return found
 
 
-def start(fout, record: JobRecord) -> None:
-    """Record a new job in a freshly created output file (collective)."""
+def start(fout, record: JobRecord, comm) -> None:
+    """Record a new job in a freshly created output file (collective over ``comm``)."""
     fout.attrs[JOB_ATTR] = record.to_json()
     fout.attrs[DONE_ATTR] = np.zeros(len(record.passes), dtype=np.uint8)
-    fout.flush()
+    flush_file(fout, comm)
 
 
-def mark_done(fout, index: int) -> None:
-    """Mark pass ``index`` complete, after its outputs were written (collective).
+def mark_done(fout, index: int, comm) -> None:
+    """Mark pass ``index`` complete, after its outputs were written (collective over ``comm``).
 
     The outputs are flushed first, then the mark is written in place and
     flushed, so a mark on disk always means the data is on disk.
     """
-    fout.flush()
+    flush_file(fout, comm)
     done = np.array(fout.attrs[DONE_ATTR], dtype=np.uint8)
     done[index] = 1
     fout.attrs.modify(DONE_ATTR, done)
-    fout.flush()
+    flush_file(fout, comm)
 
 
 def read_partial(path: str) -> Tuple[Optional[JobRecord], Optional[np.ndarray], Optional[str]]:

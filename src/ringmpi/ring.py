@@ -74,18 +74,25 @@ class Ring:
     """Nonblocking neighbour exchange on a communicator.
 
     Data flows from ``prev`` to ``rank`` to ``next``.  ``timeout`` is the
-    deadline of each wait in seconds (None: wait forever).
+    deadline of each wait in seconds (None: wait forever).  ``order``: the
+    ranks of ``comm`` in ring order, the same list on every rank (None: rank
+    order; see :func:`ringmpi.topology.ring_order`).
     """
 
     comm: object
     timeout: Optional[float] = None
     records: List[StepRecord] = field(default_factory=list)
+    order: Optional[Sequence[int]] = None
 
     def __post_init__(self):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.next = (self.rank + 1) % self.size
-        self.prev = (self.rank - 1) % self.size
+        self.order = list(range(self.size)) if self.order is None else list(self.order)
+        if sorted(self.order) != list(range(self.size)):
+            raise ValueError(f"ring order {self.order} is not a permutation of the {self.size} ranks")
+        self.position = self.order.index(self.rank)
+        self.next = self.source(-1)
+        self.prev = self.source(1)
         self._pending: Dict[str, List[_Transfer]] = {}
         # tick's list of requests, rebuilt after a post; a released channel's requests stay
         # in it until then, complete (null), which Testall takes as done
@@ -97,6 +104,10 @@ class Ring:
     def step(self) -> int:
         """The current ring step (records and timeout messages name it)."""
         return self._step
+
+    def source(self, step: int) -> int:
+        """The rank whose block reaches this rank at ring step ``step`` (``step`` hops upstream)."""
+        return self.order[(self.position - step) % self.size]
 
     def next_step(self) -> int:
         """Move to the next step and return it (only the schedule calls this)."""

@@ -145,13 +145,13 @@ class KVChannel:
     def begin_step(self, step: int) -> Tuple[int, int]:
         """Make step ``step``'s block current and start moving the next; return ``(slot, src)``."""
         ring, slot = self.ring, step % 2
-        src = (ring.rank - step) % ring.size
+        src = ring.source(step)
         cur = self.msgs[slot]
         if step > 0:
             cur.arrived()
         if step < ring.size - 1:
             cur.ready_to_send(dirty=(step == 0))
-            nxt = (ring.rank - step - 1) % ring.size
+            nxt = ring.source(step + 1)
             rows_cur, rows_nxt = int(self.counts[src]), int(self.counts[nxt])
             send = [cur.mpi_buffer()[: self.nbytes(rows_cur)],
                     self.meta[slot].mpi_buffer()[: self.meta_nbytes(rows_cur)]]
@@ -320,7 +320,7 @@ class RingSchedule:
 
     Parameters
     ----------
-    comm : mpi4py communicator (the ring: ``prev -> rank -> next`` in its rank order).
+    comm : mpi4py communicator (the ring: ``prev -> rank -> next`` in ``order``).
     backend : a block-op backend (:mod:`ringmpi.backends`).
     kh, vh : (B, H_kv, S_local, D), (B, H_kv, S_local, D_v) this rank's keys/values, head-major, in the
         transfer dtype (as ``backend.to_heads`` gives them).
@@ -333,15 +333,17 @@ class RingSchedule:
         schedule carries ``dK, dV`` partial sums (backward).
     timeout : deadline of each ring wait in seconds (None: none).
     phase : ``"fwd"`` or ``"bwd"``, the fault-injection phase.
+    order : (P,) the ranks of ``comm`` in ring order, the same on every rank (None: rank
+        order); the public calls pass :func:`ringmpi.topology.ring_order`, node by node.
     """
 
     def __init__(self, comm, backend, kh, vh, *, kv_counts: Sequence[int], q_pos: np.ndarray,
                  kv_pos: np.ndarray, spec: MaskSpec, seg_q: Optional[np.ndarray] = None,
                  seg_kv: Optional[np.ndarray] = None, grad_dtype=None, timeout: Optional[float] = None,
-                 phase: str = "fwd"):
+                 phase: str = "fwd", order: Optional[Sequence[int]] = None):
         self.backend, self.spec, self.phase = backend, spec, phase
         self.q_pos, self.seg_q = q_pos, seg_q
-        self.ring = Ring(comm, timeout=timeout)
+        self.ring = Ring(comm, timeout=timeout, order=order)
         counts = np.asarray(kv_counts, dtype=np.int64)
         if len(counts) != self.ring.size:
             raise ValueError(f"kv_counts has {len(counts)} entries for a ring of {self.ring.size} ranks")

@@ -9,6 +9,10 @@ groups.
 * :func:`node_ids` -- the node of every rank: the ranks sharing memory
   (``MPI_COMM_TYPE_SHARED``), or, with ``RINGMPI_NODE_SIZE=n``, pretend nodes
   of ``n`` consecutive ranks (so one machine can stand in for several).
+* :func:`ring_order` -- the flat ring's order: the ranks of each node
+  consecutive, nodes in order of their lowest rank, ranks ascending within a
+  node, so only one hop per node boundary crosses a link whatever the rank
+  placement (``--map-by node``, Slurm ``--distribution=cyclic``).
 * :func:`group_members` -- the groups as lists of ranks, in group order: ``U``
   consecutive ranks of one node when ``U`` divides every node's rank count,
   otherwise ``U`` consecutive ranks of the communicator.
@@ -78,12 +82,15 @@ def node_ids(comm, node_size: Optional[int] = None) -> List[int]:
         return [r // node_size for r in range(size)]
     from mpi4py import MPI
 
-    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
-    finally:
-        shared.Free()
-    return list(comm.allgather(leader))
+    from .watchdog import phase
+
+    with phase("finding the ranks' nodes (COMM_TYPE_SHARED split, allgather)"):
+        shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
+        finally:
+            shared.Free()
+        return list(comm.allgather(leader))
 
 
 def _node_ranks(nodes: Sequence[int]) -> List[List[int]]:
@@ -95,6 +102,36 @@ def _node_ranks(nodes: Sequence[int]) -> List[List[int]]:
             ranks[node] = []
         ranks[node].append(r)
     return [ranks[node] for node in order]
+
+
+def ring_order_of(nodes: Sequence[int]) -> List[int]:
+    """The ranks node by node (nodes in order of their lowest rank, ranks ascending in each)."""
+    return [r for ranks in _node_ranks(nodes) for r in ranks]
+
+
+def cached_node_ids(comm, node_size: Optional[int] = None) -> List[int]:
+    """:func:`node_ids`, computed once per communicator (its ranks' placement never changes)."""
+    cache = _cache(comm)
+    if ("nodes", node_size) not in cache:
+        cache[("nodes", node_size)] = node_ids(comm, node_size)
+    return cache[("nodes", node_size)]
+
+
+def ring_order(comm) -> List[int]:
+    """The ranks of ``comm`` in the flat ring's order (:func:`ring_order_of` of its nodes).
+
+    The same list on every rank; rank order itself when every node's ranks are
+    consecutive (block placement, ``RINGMPI_NODE_SIZE``, one node), so that
+    placement's results do not change.  Collective the first time per
+    communicator (then cached); no collective on one rank.
+    """
+    if comm.Get_size() == 1:
+        return [0]
+    try:
+        node_size = node_size_override()
+    except ValueError:  # reported by head_parallel="auto", which needs it; the flat ring runs on
+        node_size = None
+    return ring_order_of(cached_node_ids(comm, node_size))
 
 
 def group_members(nodes: Sequence[int], u: int) -> List[List[int]]:
@@ -168,8 +205,11 @@ def head_groups(comm, u: int, nodes: Sequence[int]) -> HeadGroups:
         members = group_members(nodes, u)
         rank = comm.Get_rank()
         group, index = next((g, m.index(rank)) for g, m in enumerate(members) if rank in m)
-        group_comm = comm.Split(color=group, key=index)
-        ring_comm = comm.Split(color=index, key=group)
+        from .watchdog import phase
+
+        with phase(f"splitting the head x ring groups of {u} (Comm.Split)"):
+            group_comm = comm.Split(color=group, key=index)
+            ring_comm = comm.Split(color=index, key=group)
         cache[key] = HeadGroups(u=u, group=group, index=index, members=members,
                                 group_comm=group_comm, ring_comm=ring_comm)
     return cache[key]
@@ -219,10 +259,7 @@ def resolve_groups(comm, heads: int, value=None) -> Optional[HeadGroups]:
     if setting != "auto" and problem is None:
         problem = head_parallel_problem(setting, comm.Get_size(), heads)
     agree(comm, problem)
-    cache = _cache(comm)
-    if ("nodes", node_size) not in cache:  # the placement of a communicator's ranks never changes
-        cache[("nodes", node_size)] = node_ids(comm, node_size)
-    nodes = cache[("nodes", node_size)]
+    nodes = cached_node_ids(comm, node_size)
     u = auto_head_parallel(nodes, heads) if setting == "auto" else setting
     if u == 1:
         return None

@@ -29,6 +29,8 @@ from typing import Optional
 
 import numpy as np
 
+from .watchdog import phase
+
 SINK_DTYPES = ("float32", "float64")
 
 
@@ -101,7 +103,8 @@ def max_logits(m, comm, heads=None):
     if m.shape[0] and m.shape[2]:
         local[part] = _host(m.max(axis=(0, 2)))
     out = np.empty_like(local)
-    comm.Allreduce(local, out, op=MPI.MAX)
+    with phase("the max logit reduction (Allreduce)"):
+        comm.Allreduce(local, out, op=MPI.MAX)
     return out
 
 
@@ -119,5 +122,6 @@ def sink_grads(xp, lse, dvec, sinks, comm):
         p_sink = xp.exp(sinks.astype(ct)[None, :, None] - lse)
         local = np.ascontiguousarray(_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
     out = np.empty_like(local)
-    comm.Allreduce(local, out, op=MPI.SUM)
+    with phase("the sinks' gradient reduction (Allreduce)"):
+        comm.Allreduce(local, out, op=MPI.SUM)
     return out

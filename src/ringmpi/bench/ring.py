@@ -192,6 +192,8 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
             **{k: v for k, v in cfg.items() if k != "backward"}, "environment": env}
     if sweep is None:
         report = {**base, "mode": "single", **points[0]}
+        if cfg.get("head_parallel") == "auto":
+            report["head_parallel_chosen"] = chosen_head_parallel(gathered[0][1][0]["forward"]["records"][0])
         click.echo(_format_single(report))
     else:
         for pt in points:
@@ -315,6 +317,11 @@ def _measure(comm, be, cfg, n):
                                          cfg["causal"], cfg["backward"], cfg["warmup"], cfg["repeat"], threads,
                                          device="cuda" if be.name == "cupy" else "cpu", dim_v=cfg.get("dim_v"))
     return out
+
+
+def chosen_head_parallel(records) -> int:
+    """The ``U`` one call ran with, from its stats (records as dicts): its all-to-alls' ``U``, or 1."""
+    return next((r["head_parallel"] for r in records if "stage" in r), 1)
 
 
 def _repeat(comm, be, call, cfg, out, phase):
@@ -631,6 +638,9 @@ def _format_single(r):
                                             (", sinks", r.get("sinks"))) if used)
     if r.get("dropout"):
         head += f", dropout {r['dropout']}"
+    if "head_parallel" in r:
+        chosen = f" (U={r['head_parallel_chosen']})" if "head_parallel_chosen" in r else ""
+        head += f", head_parallel {r['head_parallel']}{chosen}"
     lines = [head]
     phases = [ph for ph in ("forward", "backward") if ph in r]
     for ph in phases:

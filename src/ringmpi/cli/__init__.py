@@ -26,6 +26,25 @@ def one_thread_per_rank() -> None:
     for var in THREAD_VARIABLES:
         os.environ.setdefault(var, "1")
 
+
+def mpi_io_across_nodes() -> None:
+    """ROMIO for MPI-IO when Open MPI's ranks span nodes, unless ``OMPI_MCA_io`` is set.
+
+    Open MPI's own MPI-IO (OMPIO) gives every open file a shared file pointer;
+    across nodes its ``lockedfile`` component makes ``<file>-<jobid>-<pid>.lock``
+    beside the file at open and removes it only at close, so an aborted job
+    leaves one beside its input and its output.  HDF5 never uses the shared
+    file pointer; ROMIO makes no such file.  Reads the launcher's environment
+    (mpirun's world and node-local sizes, Slurm's node count) before MPI starts;
+    one node is left as it is.
+    """
+    if "OMPI_MCA_io" in os.environ:
+        return
+    size, local = (os.environ.get(f"OMPI_COMM_WORLD_{k}SIZE", "") for k in ("", "LOCAL_"))
+    nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
+    if (size.isdigit() and local.isdigit() and int(local) < int(size)) or (nodes.isdigit() and int(nodes) > 1):
+        os.environ["OMPI_MCA_io"] = "^ompio"
+
 COMMANDS = {
     "run": ("ringmpi.cli.run", "run", "Attention over an HDF5 file: read shards, run the ring, write outputs."),
     "make-data": ("ringmpi.cli.make_data", "make_data", "Write a reproducible random input file."),
@@ -67,6 +86,7 @@ def cli():
 def main(argv=None):
     """Console entry point: errors end the whole job, bad input exits 2 on every rank."""
     one_thread_per_rank()
+    mpi_io_across_nodes()
     from ..errors import ConfigError, abort_on_error, _rank_prefix
 
     try:

@@ -118,7 +118,8 @@ def _create_outputs(fout, spec, backward: bool, attrs: dict):
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted job from its partial output (same input and options).")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
-              help="Deadline in seconds for each ring wait; a peer that never answers ends the job.")
+              help="Deadline in seconds for each blocking phase (ring wait, HDF5 open/write/close, agreement "
+                   "between ranks); a peer that never answers ends the job, naming the phase.")
 @click.option("--heads-per-pass", type=int, default=None, metavar="K",
               help="Query heads per pass (a multiple of H/H_kv) to bound memory [default: all].")
 @click.option("--head-parallel", "head_parallel", default=None, metavar="U|auto",
@@ -155,7 +156,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     from ..faults import fault_point
     from .. import head_outputs
     from ..variants import softcap_problem
-    from ..io import AtomicOutput, ShardIO, inspect_input, open_file
+    from ..io import AtomicOutput, ShardIO, close_file, inspect_input, open_file
+    from .. import watchdog
     from .. import resume as resume_log
     from ..layout import Layout
     from .. import ring_attention, ring_attention_backward
@@ -171,6 +173,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         win = tuple(None if w == -1 else int(w) for w in window)
     if timeout <= 0:
         raise ConfigError(f"--timeout must be positive, got {timeout}")
+    watchdog.set_default(timeout)  # every blocking phase of the job, not only the ring's waits
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ConfigError(f"--scale must be a positive finite number, got {scale}")
     if softcap_problem(softcap):
@@ -190,7 +193,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
                       softmax_scale=scale, backend=backend, heads_per_pass=heads_per_pass,
                       **_variant_options(sinks_dataset, softcap, max_logit), **dropout_options)
     passes, done = _resume_state(out, comm, job, resume)
-    head_parallel = _head_parallel(comm, head_parallel, spec, passes)
+    requested_u, head_parallel = head_parallel, _head_parallel(comm, head_parallel, spec, passes)
     lay_q, lay_kv = Layout(layout, spec.n_q, size), Layout(layout, spec.n_kv, size)
     io_q, io_kv = ShardIO(comm, lay_q.indices(rank)), ShardIO(comm, lay_kv.indices(rank))
     softmax_scale = scale if scale is not None else 1.0 / math.sqrt(spec.dim)
@@ -216,11 +219,12 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
         if check_finite:  # every input of every pass, before any compute
             _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward)
         sinks = None if sinks_dataset is None else head_outputs.read_sinks(fin, sinks_dataset, spec.heads, comm)
+        fault_point("create", rank)
         fout = out.open(resume=done is not None)
         if done is None:
             _create_outputs(fout, spec, backward, attrs)
             head_outputs.create(fout, spec, sinks, max_logit, backward and sinks is not None)
-            resume_log.start(fout, job)
+            resume_log.start(fout, job, comm)
             done = np.zeros(len(passes), dtype=np.uint8)
         for index, p in enumerate(passes):
             if done[index]:
@@ -274,12 +278,12 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
                                  f"({time.perf_counter() - t0:.2f} s)")
             compute_s += sum(r.compute_s for r in stats)
             wait_s += sum(r.wait_s for r in stats)
-            resume_log.mark_done(fout, index)
+            resume_log.mark_done(fout, index, comm)
             out.keep_on_failure = True  # from now on a failure leaves a resumable partial file
         progress.close()
         head_outputs.finish(fout)
         fault_point("write", rank)
-        fin.close()
+        close_file(fin, comm)
         out.commit()
     except ConfigError:
         progress.close()
@@ -294,9 +298,13 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     every = comm.gather(mine, root=0)
     if rank == 0:
         _summary(spec, size, layout, causal, win, backward, backend, passes, every, out.path)
+        requested_u = requested_u or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
+        chosen = " (chosen by head_parallel auto)" if str(requested_u).strip().lower() == "auto" else ""
         if head_parallel > 1:
             click.echo(f"  schedule: head x ring, {head_parallel} ranks per group (all-to-all), "
-                       f"ring of {size // head_parallel} groups")
+                       f"ring of {size // head_parallel} groups{chosen}")
+        elif chosen:
+            click.echo(f"  schedule: flat ring, head_parallel U=1{chosen}")
     comm.Free()
 
 
