@@ -106,3 +106,46 @@ def test_ring_order_keeps_one_crossing_per_host(launch, p, hosts):
     assert int(cyclic["ring"]) < 1.1 * int(block["ring"]), (block, cyclic)
     assert block["order"] == ",".join(map(str, range(p))), block
     assert cyclic["order"] == ",".join(str(r) for h in range(hosts) for r in range(h, p, hosts)), cyclic
+
+
+RINGMPI = str(ROOT / ".venv" / "bin" / "ringmpi")
+
+
+@pytest.fixture(scope="module")
+def file_job(netns):
+    """make-data, run --backward (head_parallel auto) and verify on 4 ranks over 2 hosts, once."""
+    where = netns.shared / "filejob"
+    where.mkdir(exist_ok=True)
+    steps = {}
+    for name, nprocs, args in (
+            ("make-data", 4, ["make-data", "in.h5", "--n", "389", "--heads", "4", "--kv-heads", "2", "--dim", "16",
+                              "--batch", "2", "--with-do", "--overwrite"]),
+            ("run", 4, ["run", "in.h5", "-o", "out.h5", "--backward", "--causal", "--head-parallel", "auto",
+                        "--heads-per-pass", "2", "--timeout", "60"]),
+            ("verify", 4, ["verify", "in.h5", "out.h5"]),
+            ("bench", 4, ["bench", "--n", "192", "--heads", "4", "--dim", "16", "--repeat", "1", "--warmup", "0",
+                          "--backend", "numpy", "--head-parallel", "auto", "--json", "bench.json"])):
+        steps[name] = netns.mpirun(nprocs, [RINGMPI, *args], timeout=240, hosts=2, cwd=where)
+        if name != "verify":
+            assert steps[name][0] == 0, f"{name}: {steps[name][2][-3000:]}"
+    return where, steps
+
+
+def test_file_job_across_hosts(file_job):
+    where, steps = file_job
+    rc, out, err, _ = steps["verify"]
+    assert rc == 0, out + err[-3000:]
+    summary = steps["run"][1]
+    assert "P=4, layout zigzag, causal, forward+backward" in summary, summary
+    assert "schedule: head x ring, 2 ranks per group (all-to-all), ring of 2 groups (chosen by head_parallel auto)" \
+        in summary, summary
+    # nothing beside the files but themselves: no MPI-IO lock files, no partial file
+    assert sorted(p.name for p in where.iterdir()) == ["bench.json", "in.h5", "out.h5"]
+
+
+def test_bench_reports_the_u_auto_chose(file_job):
+    where, steps = file_job
+    out = steps["bench"][1]
+    assert "head_parallel auto (U=2)" in out.splitlines()[0], out
+    report = json.loads((where / "bench.json").read_text())
+    assert report["head_parallel"] == "auto" and report["head_parallel_chosen"] == 2

@@ -26,6 +26,7 @@ import numpy as np
 
 from .dtypes import BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
 from .errors import agree
+from . import watchdog
 from .watchdog import phase, sync
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -537,21 +538,26 @@ class AtomicOutput:
         import signal
 
         def on_term(signum, frame):
-            if not self.keep_on_failure:
-                try:
-                    os.unlink(self.tmp)
-                except OSError:
-                    pass
+            self._remove_unless_kept()
             os._exit(128 + signum)
 
+        self._watchdog_key = watchdog.on_abort(self._remove_unless_kept)  # a phase past its deadline
         try:
             self._previous_handler = signal.signal(signal.SIGTERM, on_term)
         except ValueError:  # not the main thread: no handler, the temporary file may stay
             self._previous_handler = None
 
+    def _remove_unless_kept(self) -> None:
+        if not self.keep_on_failure:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+
     def _release_termination(self) -> None:
         import signal
 
+        watchdog.cancel_on_abort(getattr(self, "_watchdog_key", None))
         if getattr(self, "_previous_handler", None) is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None

@@ -32,13 +32,14 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 _default: Optional[float] = None
 _lock = threading.Condition()
 _phases: Dict[int, Tuple[str, float, float]] = {}  # id -> (name, deadline, timeout)
 _ids = itertools.count()
 _thread: Optional[threading.Thread] = None
+_on_abort: Dict[int, Callable[[], None]] = {}  # id -> cleanup run before the abort
 ABORT_GRACE_S = 5.0  # after MPI_Abort, end this process anyway
 
 
@@ -77,6 +78,18 @@ def phase(name: str, timeout: Optional[float] = None):
         with _lock:
             del _phases[key]
             _arm_backstop()
+
+
+def on_abort(cleanup: Callable[[], None]) -> int:
+    """Run ``cleanup()`` on this rank before the watchdog aborts the job (e.g. remove a temporary
+    file); returns a key for :func:`cancel_on_abort`."""
+    key = next(_ids)
+    _on_abort[key] = cleanup
+    return key
+
+
+def cancel_on_abort(key: Optional[int]) -> None:
+    _on_abort.pop(key, None)
 
 
 def sync(comm) -> None:
@@ -124,5 +137,10 @@ def _expire(name: str, limit: float) -> None:
     timer = threading.Timer(ABORT_GRACE_S, os._exit, args=(1,))
     timer.daemon = True
     timer.start()  # should MPI_Abort itself block (the launcher unreachable)
+    for cleanup in list(_on_abort.values()):
+        try:
+            cleanup()
+        except Exception:
+            pass
     abort_job(f"ringmpi: {name} did not finish within {limit:g} s (host {socket.gethostname()}); "
               f"a peer rank may have died or its link may be down: aborting the job")
