@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import itertools
 import json
 import os
 import select
@@ -53,10 +54,11 @@ from typing import Dict, List, Optional, Sequence
 
 RANGE = ipaddress.ip_network("198.18.0.0/15")
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
-PREFIX = "ringmpi-"               # namespace names: ringmpi-<creator pid>-<host>
+PREFIX = "ringmpi-"               # namespace names: ringmpi-<creator pid>-<cluster>-<host>
 PROGRAMS = ("ip", "tc", "nsenter", "unshare", "mpirun", "sleep")
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 RUN_NETNS = Path("/run/netns")
+_SERIAL = itertools.count(1)
 ETC_NETNS = Path("/etc/netns")
 
 
@@ -165,7 +167,7 @@ class NetnsCluster:
         if not 1 <= hosts <= 200:
             raise ValueError("1 to 200 hosts")
         self.root = Path(root or tempfile.mkdtemp(prefix="ringmpi-netns-", dir="/var/tmp"))
-        self.tag = f"{PREFIX}{os.getpid()}"
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_SERIAL)}"
         self.slots = slots
         self.switch = f"{self.tag}-sw"
         self.hosts: Dict[str, Host] = {}
@@ -175,6 +177,8 @@ class NetnsCluster:
                                     tmp=self.root / "tmp" / name)
         self.shared = self.root / "shared"       # the job's directory, seen alike by every host
         self.agent = self.root / "rsh-agent"
+        self.created: List[str] = []             # the namespaces this object made (and deletes)
+        self.inodes: set = set()                 # their identities, which outlive their names
         self.started = False
 
     @property
@@ -194,6 +198,10 @@ class NetnsCluster:
             self.root.chmod(0o755)
             self.shared.chmod(0o1777)
             _sh(["ip", "netns", "add", self.switch])
+            self.created.append(self.switch)
+            self.inodes.add(_netns_inode(self.switch))
+            (ETC_NETNS / self.switch).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / self.switch / "cluster-root").write_text(str(self.root))  # for remove_stale
             _sh(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
             _sh(["ip", "-n", self.switch, "link", "set", "br0", "up"])
             for host in self.hosts.values():
@@ -209,6 +217,8 @@ class NetnsCluster:
     def _add_host(self, host: Host) -> None:
         ns = host.ns
         _sh(["ip", "netns", "add", ns])
+        self.created.append(ns)
+        self.inodes.add(_netns_inode(ns))
         # the veth is born inside the host with its peer in the switch: it never exists here
         _sh(["ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", host.port,
              "netns", self.switch])
@@ -343,11 +353,11 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
     # ---- stop ------------------------------------------------------------------------
 
     def _namespaces(self) -> List[str]:
-        return [self.switch] + [h.ns for h in self.hosts.values()]
+        return list(self.created)
 
     def processes(self) -> List[int]:
         """Every process living in one of the cluster's network namespaces (holders included)."""
-        inodes = {i for i in map(_netns_inode, self._namespaces()) if i is not None}
+        inodes = self.inodes - {None}
         return _pids_in(inodes) if inodes else []
 
     def kill_jobs(self, timeout: float = 10.0) -> List[int]:
@@ -357,11 +367,11 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
 
     def leftovers(self) -> List[str]:
         """What of this cluster still exists: namespaces, processes, hosts files, the directory."""
-        left = [f"namespace {ns}" for ns in _our_namespaces(os.getpid()) if ns in self._namespaces()]
+        left = [f"namespace {ns}" for ns in _our_namespaces(os.getpid()) if ns.startswith(self.tag + "-")]
         left += [f"process {pid}" for pid in self.processes()]
         left += [f"process {h.holder.pid} (holder of {h.name})" for h in self.hosts.values()
                  if h.holder is not None and h.holder.poll() is None]
-        left += [f"hosts file {ETC_NETNS / ns}" for ns in self._namespaces() if (ETC_NETNS / ns).exists()]
+        left += [f"hosts file {path}" for path in ETC_NETNS.glob(self.tag + "-*")] if ETC_NETNS.exists() else []
         here = _sh(["ip", "-j", "link", "show"]).stdout
         left += [f"interface {l['ifname']} here" for l in json.loads(here or "[]")
                  if l["ifname"] in [h.port for h in self.hosts.values()] or l["ifname"] == "br0"]
@@ -390,6 +400,7 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
                 if proc.returncode != 0:
                     problems.append(f"ip netns delete {ns}: {proc.stderr.strip()}")
             shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+        self.created.clear()
         if ETC_NETNS.exists() and not any(ETC_NETNS.iterdir()):
             try:
                 ETC_NETNS.rmdir()
@@ -434,6 +445,9 @@ def remove_stale() -> List[str]:
             if inode is not None:
                 _kill_all(lambda: _pids_in({inode}), 10.0)
             _sh(["ip", "netns", "delete", ns], check=False)
+            root = ETC_NETNS / ns / "cluster-root"
+            if root.exists() and Path(root.read_text()).name.startswith("ringmpi-netns-"):
+                shutil.rmtree(root.read_text(), ignore_errors=True)
             shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
             removed.append(ns)
     return removed
@@ -457,6 +471,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     reason = unavailable()
     if reason is not None:
         print(f"netns_cluster: {reason}", file=sys.stderr)
+        return 2
+    if Path.cwd().resolve().is_relative_to("/tmp"):
+        print("netns_cluster: run it from a directory outside /tmp: every host has its own /tmp",
+              file=sys.stderr)
         return 2
     # SIGTERM/SIGHUP end this process through the finally below, like Ctrl-C
     for sig in (signal.SIGTERM, signal.SIGHUP):
