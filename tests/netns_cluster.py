@@ -332,9 +332,10 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
         for ns, dev in ((h.ns, "eth0"), (self.switch, h.port)):
             if rate is None:
                 _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
-            else:
+            else:  # a bucket of 10 ms at the rate, so that the timer's granularity does not cap it
                 _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                     "rate", rate, "burst", "256kb", "latency", "100ms"])
+                     "rate", rate, "burst", str(max(_bits_per_second(rate) // 800, 32 * 1024)),
+                     "latency", "100ms"])
 
     def shape_all(self, rate: Optional[str]) -> None:
         for name in self.hosts:
@@ -419,6 +420,15 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
     def __exit__(self, *exc):
         self.stop(check=exc[0] is None)
         return False
+
+
+def _bits_per_second(rate: str) -> int:
+    """tc's rate spelling ("1gbit", "200mbit", "500kbit") in bits per second."""
+    units = {"gbit": 10 ** 9, "mbit": 10 ** 6, "kbit": 10 ** 3, "bit": 1}
+    for unit, factor in units.items():
+        if rate.lower().endswith(unit):
+            return int(float(rate[:-len(unit)]) * factor)
+    raise ValueError(f"rate {rate!r}: use e.g. 1gbit, 200mbit")
 
 
 def _kill_all(find, timeout: float) -> List[int]:
