@@ -120,7 +120,7 @@ def _watch() -> None:
         with _lock:
             while not _phases:
                 _lock.wait()
-            key, (name, due, limit) = min(_phases.items(), key=lambda item: item[1][1])
+            name, due, limit = min(_phases.values(), key=lambda p: p[1])
             left = due - time.monotonic()
             if left > 0:
                 _lock.wait(left)
