@@ -132,15 +132,29 @@ class Job:
 
 
 class SlurmCluster:
-    """One controller and one node (this machine) under ``root``, a temporary directory."""
+    """One controller and one node (this machine) under ``root``, a temporary directory.
 
-    def __init__(self, root: Path, cpus: Optional[int] = None):
+    ``hosts`` (e.g. a :class:`netns_cluster.NetnsCluster`): one node per host instead,
+    each ``slurmd`` entered into its host (``hosts.command``), the controller and the
+    clients on the first host; ``munged`` stays here (its socket is a path, seen by all).
+    """
+
+    def __init__(self, root: Path, cpus: Optional[int] = None, hosts=None):
         self.root = Path(root)
         self.cpus = cpus or os.cpu_count() or 1
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.ports = {}
         self.daemons: Dict[str, subprocess.Popen] = {}
+        self.hosts = hosts
+        self.nodes = [NODE] if hosts is None else list(hosts.names)
+
+    def _on(self, host: Optional[str], args: Sequence, cwd=None) -> List[str]:
+        """``args`` as run on ``host`` (None: the controller's host; here without ``hosts``)."""
+        args = [str(a) for a in args]
+        if self.hosts is None:
+            return args
+        return self.hosts.command(host or self.nodes[0], args, cwd)
 
     # ---- environment for clients --------------------------------------------------
 
@@ -155,7 +169,7 @@ class SlurmCluster:
         return env
 
     def _client(self, args: Sequence[str], timeout: float = 30.0, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=self.env(),
+        proc = subprocess.run(self._on(None, args), capture_output=True, text=True, env=self.env(),
                               timeout=timeout)
         if check and proc.returncode != 0:
             raise ClusterError(f"{' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -175,9 +189,17 @@ class SlurmCluster:
         self.ports = {"ctld": _free_port(), "slurmd": _free_port()}
         host = socket.gethostname().split(".")[0]
         r = self.root
+        if self.hosts is None:
+            ctld, nodes = f"{host}(127.0.0.1)", [f"NodeName={NODE} NodeHostname={host} NodeAddr=127.0.0.1 "
+                                                 f"CPUs={self.cpus} State=UNKNOWN"]
+        else:
+            first = self.hosts.hosts[self.nodes[0]]
+            ctld = f"{first.name}({first.addr})"
+            nodes = [f"NodeName={h.name} NodeHostname={h.name} NodeAddr={h.addr} CPUs={self.cpus} State=UNKNOWN"
+                     for h in self.hosts.hosts.values()]
         lines = [
             "ClusterName=ringmpi-test",
-            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldHost={ctld}",
             f"SlurmctldPort={self.ports['ctld']}",
             f"SlurmdPort={self.ports['slurmd']}",
             "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny",  # listen on 127.0.0.1 only
@@ -187,11 +209,11 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={r / 'ctld'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
             f"PlugStackConfig={r / 'plugstack.conf'}",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/affinity",  # --cpu-bind works as on a cluster
@@ -214,15 +236,16 @@ class SlurmCluster:
             "MinJobAge=600",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
-            f"NodeName={NODE} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
-            f"PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime=INFINITE State=UP",
+            *nodes,
+            f"PartitionName={PARTITION} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
         ]
         (r / "plugstack.conf").write_text("")
         self.conf.write_text("\n".join(lines) + "\n")
 
-    def _spawn(self, name: str, args: List[str]) -> None:
+    def _spawn(self, name: str, args: List[str], host: Optional[str] = None, here: bool = False) -> None:
         log = open(self.root / "log" / f"{name}.stderr", "w")
         try:
+            args = args if here else self._on(host, args)
             self.daemons[name] = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                                   env=self.env(), cwd=self.root, start_new_session=True)
         finally:
@@ -252,20 +275,24 @@ class SlurmCluster:
                                    f"--key-file={r / 'munge' / 'munge.key'}",
                                    f"--pid-file={r / 'munge' / 'munged.pid'}",
                                    f"--seed-file={r / 'munge' / 'munged.seed'}",
-                                   f"--log-file={r / 'log' / 'munged.log'}", "--num-threads=2"])
+                                   f"--log-file={r / 'log' / 'munged.log'}", "--num-threads=2"], here=True)
             self._wait("munged's socket", self.munge_socket.exists, timeout, "munged")
             self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
             self._wait("slurmctld answering", lambda: self._client(["scontrol", "ping"], check=False).stdout
                        .find("is UP") >= 0, timeout, "slurmctld")
-            self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", NODE])
-            self._wait(f"node {NODE} idle", lambda: self.node_state() == "idle", timeout, "slurmd")
+            for node in self.nodes:
+                name = "slurmd" if self.hosts is None else f"slurmd-{node}"
+                self._spawn(name, [_which("slurmd"), "-D", "-f", str(self.conf), "-N", node], host=node)
+            for node in self.nodes:
+                name = "slurmd" if self.hosts is None else f"slurmd-{node}"
+                self._wait(f"node {node} idle", lambda: self.node_state(node) == "idle", timeout, name)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def node_state(self) -> str:
-        proc = self._client(["sinfo", "-h", "-N", "-n", NODE, "-o", "%T"], check=False)
+    def node_state(self, node: str = NODE) -> str:
+        proc = self._client(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], check=False)
         return proc.stdout.strip()
 
     # ---- jobs -------------------------------------------------------------------
@@ -282,7 +309,7 @@ class SlurmCluster:
 
     def sbatch(self, args: Sequence, cwd: Path, env: Optional[dict] = None, timeout: float = 120.0) -> Job:
         """Submit ``sbatch args`` from ``cwd`` and wait for the job to end (cancelled at the deadline)."""
-        proc = subprocess.run(["sbatch", "--parsable", *[str(a) for a in args]], capture_output=True, text=True,
+        proc = subprocess.run(self._on(None, ["sbatch", "--parsable", *args], cwd), capture_output=True, text=True,
                               cwd=cwd, env=self.env(env), timeout=30)
         if proc.returncode != 0:
             raise ClusterError(f"sbatch {' '.join(map(str, args))} refused: {proc.stderr.strip()}")
@@ -308,7 +335,7 @@ class SlurmCluster:
     def srun(self, args: Sequence, cwd: Path, env: Optional[dict] = None, timeout: float = 120.0):
         """``srun args`` from ``cwd``: (returncode, stdout, stderr); the job is cancelled at the deadline."""
         name = f"ringmpi-test-{os.getpid()}-{time.monotonic_ns()}"
-        proc = subprocess.Popen(["srun", f"--job-name={name}", *[str(a) for a in args]], stdout=subprocess.PIPE,
+        proc = subprocess.Popen(self._on(None, ["srun", f"--job-name={name}", *args], cwd), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=cwd, env=self.env(env),
                                 start_new_session=True)
         try:
@@ -353,7 +380,7 @@ class SlurmCluster:
                 self._client(["scancel", "--full", f"--partition={PARTITION}"], timeout=10, check=False)
             except subprocess.TimeoutExpired:
                 problems.append("scancel did not answer")
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [n for n in self.daemons if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             proc = self.daemons.get(name)
             if proc is None:
                 continue
