@@ -29,6 +29,7 @@ from __future__ import annotations
 import faulthandler
 import itertools
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -105,7 +106,11 @@ def _arm_backstop() -> None:
         faulthandler.cancel_dump_traceback_later()
         return
     due = min(d for _, d, _ in _phases.values())
-    faulthandler.dump_traceback_later(max(due - time.monotonic(), 0.0) + ABORT_GRACE_S, exit=True)
+    try:  # the process's own stderr, even where sys.stderr is redirected (it needs a file descriptor)
+        faulthandler.dump_traceback_later(max(due - time.monotonic(), 0.0) + ABORT_GRACE_S, exit=True,
+                                          file=sys.__stderr__)
+    except (AttributeError, ValueError, OSError):  # no stderr with a descriptor: no backstop
+        pass
 
 
 def _start() -> None:
