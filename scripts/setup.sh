@@ -30,6 +30,8 @@ if [ -z "${HDF5_DIR:-}" ]; then
         || need_pkgs+=(libhdf5-openmpi-dev)
 fi
 command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+# the multi-node tests' cluster of network namespaces (root only): ip and tc
+if [ "$(id -u)" = 0 ]; then command -v tc >/dev/null 2>&1 || need_pkgs+=(iproute2); fi
 command -v gcc >/dev/null 2>&1 || need_pkgs+=(build-essential)
 py=${PYTHON:-python3}
 if ! command -v "$py" >/dev/null 2>&1; then

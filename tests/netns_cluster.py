@@ -58,6 +58,8 @@ PREFIX = "ringmpi-"               # namespace names: ringmpi-<creator pid>-<clus
 PROGRAMS = ("ip", "tc", "nsenter", "unshare", "mpirun", "sleep")
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 RUN_NETNS = Path("/run/netns")
+LAUNCHER_VARIABLES = ("PMIX_", "ORTE_", "OMPI_APP_", "OMPI_COMM_", "OMPI_MCA_ess", "OMPI_MCA_orte_launch",
+                      "OMPI_MCA_pmix", "OMPI_MCA_orte_ess_", "OMPI_MCA_orte_precondition", "OMPI_MCA_orte_hnp")
 _SERIAL = itertools.count(1)
 ETC_NETNS = Path("/etc/netns")
 
@@ -284,6 +286,8 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
         """Open MPI settings that reach the other hosts through the agent, TCP on the cluster's subnet."""
         env = dict(os.environ if base is None else base)
         env.pop("RINGMPI_NODE_SIZE", None)  # nodes come from MPI, as on a real cluster
+        for name in [k for k in env if k.startswith(LAUNCHER_VARIABLES)]:
+            del env[name]  # left by an MPI initialised in the calling process (a singleton)
         env.update({
             "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
             "OMPI_MCA_plm_rsh_agent": str(self.agent),

@@ -19,11 +19,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mpi_util import ROOT
+from test_file_io import RINGMPI
 
 pytestmark = pytest.mark.mpi
 
-RINGMPI = str(ROOT / ".venv" / "bin" / "ringmpi")
 T = 5.0          # --timeout
 SLEEP = 2.0      # the paused rank's nap, during which the cable is cut
 GRACE = 6.0      # "a few seconds" past the deadline (abort, process exit, load)

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from mpi_util import ROOT, launch_cache
+from test_file_io import RINGMPI
 
 pytestmark = pytest.mark.mpi
 
@@ -108,7 +109,6 @@ def test_ring_order_keeps_one_crossing_per_host(launch, p, hosts):
     assert cyclic["order"] == ",".join(str(r) for h in range(hosts) for r in range(h, p, hosts)), cyclic
 
 
-RINGMPI = str(ROOT / ".venv" / "bin" / "ringmpi")
 
 
 @pytest.fixture(scope="module")

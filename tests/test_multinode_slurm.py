@@ -10,10 +10,10 @@ import pytest
 
 import slurm_cluster
 from mpi_util import ROOT
+from test_file_io import RINGMPI
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slurm]
 
-RINGMPI = str(ROOT / ".venv" / "bin" / "ringmpi")
 CPU_JOB = ROOT / "jobs" / "slurm-cpu.sbatch"
 
 

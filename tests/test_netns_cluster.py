@@ -50,8 +50,7 @@ def test_stop_leaves_nothing():
     finally:
         cluster.stop()
     assert cluster.leftovers() == []
-    assert not netns_cluster._our_namespaces(os.getpid()) or \
-        not set(netns_cluster._our_namespaces(os.getpid())) & set(cluster._namespaces())
+    assert not [n for n in netns_cluster._our_namespaces(os.getpid()) if n.startswith(cluster.tag + "-")]
 
 
 def _wrapper_namespaces(pid):
@@ -71,7 +70,7 @@ def _wait_for(predicate, timeout=60.0):
 def test_wrapper_leaves_nothing_when_stopped(netns, how):
     """SIGTERM: the wrapper tears down itself; SIGKILL: the next cluster's start removes it."""
     with tempfile.TemporaryDirectory(dir="/var/tmp") as cwd:
-        proc = subprocess.Popen(WRAPPER + ["--hosts", "2", "--", "sleep", "1000"], cwd=cwd,
+        proc = subprocess.Popen(WRAPPER + ["--hosts", "2", "--", "sleep", "1000"], cwd=cwd, env=dict(os.environ),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert _wait_for(lambda: len(_wrapper_namespaces(proc.pid)) == 3 and
@@ -92,8 +91,9 @@ def test_wrapper_leaves_nothing_when_stopped(netns, how):
 def test_wrapper_runs_mpirun_across_hosts():
     with tempfile.TemporaryDirectory(dir="/var/tmp") as cwd:
         proc = subprocess.run(WRAPPER + ["--hosts", "2", "--", "mpirun", "-n", "4", "--map-by", "node", "hostname"],
-                              cwd=cwd, capture_output=True, text=True, timeout=120)
+                              cwd=cwd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
         assert proc.returncode == 0, proc.stderr
         assert sorted(proc.stdout.split()) == ["h1", "h1", "h2", "h2"], proc.stdout
-        refused = subprocess.run(WRAPPER + ["--", "true"], cwd="/tmp", capture_output=True, text=True, timeout=60)
+        refused = subprocess.run(WRAPPER + ["--", "true"], cwd="/tmp", capture_output=True, text=True, timeout=60,
+                                 env=dict(os.environ))
         assert refused.returncode == 2 and "outside /tmp" in refused.stderr
