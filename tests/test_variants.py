@@ -118,7 +118,7 @@ def test_fold_sinks_rows_without_keys():
 
 
 def test_option_problems():
-    from ringmpi.variants import sinks_problem, softcap_problem
+    from ringmpi.options import sinks_problem, softcap_problem
 
     assert softcap_problem(None) is None and softcap_problem(30) is None
     for bad in (0, -1.0, float("nan"), float("inf"), "x"):

@@ -1,7 +1,6 @@
-"""Attention sinks, the logit softcap and the max logit around the ring.
+"""Attention sinks and the max logit around the ring.
 
-The softcap is a score modifier the block kernels apply (``MaskSpec.softcap``);
-sinks and the max logit are per-head quantities handled here, outside the
+Sinks and the max logit are per-head quantities handled here, outside the
 block kernels, with the backend's array module ``xp`` (NumPy or CuPy):
 
 * **sinks** ``(H,)``: every query row's softmax gains a virtual key with logit
@@ -23,53 +22,10 @@ block kernels, with the backend's array module ``xp`` (NumPy or CuPy):
 
 from __future__ import annotations
 
-import math
-import zlib
-from typing import Optional
-
 import numpy as np
-
-SINK_DTYPES = ("float32", "float64")
-
 
 def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-def sinks_problem(sinks, heads: int) -> Optional[str]:
-    """This rank's problem with ``sinks`` (None when fine): shape ``(H,)``, float32/float64, finite."""
-    if sinks is None:
-        return None
-    shape = getattr(sinks, "shape", None)
-    if shape is None or tuple(shape) != (heads,):
-        return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
-    if str(sinks.dtype) not in SINK_DTYPES:
-        return f"sinks must be float32 or float64, got dtype {sinks.dtype}"
-    host = _host(sinks)
-    if not np.isfinite(host).all():
-        return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
-    return None
-
-
-def softcap_problem(softcap) -> Optional[str]:
-    """The problem with ``softcap`` (None when fine): a finite number > 0, or None."""
-    if softcap is None:
-        return None
-    try:
-        value = float(softcap)
-    except (TypeError, ValueError):
-        return f"softcap must be a number > 0, got {softcap!r}"
-    if not (math.isfinite(value) and value > 0):
-        return f"softcap must be finite and > 0, got {softcap!r}"
-    return None
-
-
-def digest(sinks, softcap) -> int:
-    """A digest of the options every rank must agree on (compare with an allgather)."""
-    crc = zlib.crc32(repr(None if softcap is None else float(softcap)).encode())
-    if sinks is not None:
-        crc = zlib.crc32(np.ascontiguousarray(_host(sinks), dtype=np.float64).view(np.uint8), crc)
-    return crc
 
 
 def fold_sinks(xp, o_acc, m, l, sinks) -> None:
