@@ -16,53 +16,22 @@ to their owner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 
 from . import dtypes as _dtypes
-from . import variants as _variants
 from .backends import get_backend
+from .backends import modifier_problem
+from .backends import value_dim_problem as _value_dim_problem
 from .errors import agree
 from .layout import KINDS, Layout
-from .masks import MaskSpec
+from .local_attention import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
 from .ring import default_timeout, resolve_comm
-from .schedule import RingSchedule
 from .topology import resolve_groups
 
 FLOAT_DTYPES = _dtypes.NAMES
-
-
-@dataclass
-class _Plan:
-    """Everything one call agreed on across ranks before the ring starts."""
-
-    comm: object
-    backend: object
-    rank: int
-    batch: int
-    heads: int
-    compute_dtype: np.dtype
-    layout_q: Layout
-    layout_kv: Layout
-    spec: MaskSpec
-    scale: float
-    seg_q: Optional[np.ndarray]   # (B, S_q_local) int64
-    seg_kv: Optional[np.ndarray]  # (B, S_kv_local) int64, this rank's only
-    timeout: Optional[float]
-    sinks: Optional[object] = None  # (H,) compute dtype, this backend's array
-
-    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
-        """The ring schedule of this call, loaded with this rank's ``k (B, S_kv_local, H_kv, D)``
-        and ``v (B, S_kv_local, H_kv, D_v)``."""
-        be = self.backend
-        return RingSchedule(
-            self.comm, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype),
-            kv_counts=self.layout_kv.counts(), q_pos=self.layout_q.indices(self.rank),
-            kv_pos=self.layout_kv.indices(self.rank), spec=self.spec, seg_q=self.seg_q,
-            seg_kv=self.seg_kv, grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
 
 
 def _describe(x) -> str:
@@ -109,15 +78,6 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
     return None
 
 
-def _value_dim_problem(backend_name: str, d: int, d_v: int) -> Optional[str]:
-    """Why a backend cannot run head dim ``d`` with value head dim ``d_v``, or None
-    (NumPy runs any pair; the CUDA kernels a compiled set, :func:`ringmpi.kernels.value_dim_problem`)."""
-    if d_v == d or backend_name != "cupy":
-        return None
-    from .kernels import value_dim_problem
-    return value_dim_problem(d, d_v)
-
-
 def _output_shape(q, v) -> tuple:
     """``(B, S_q_local, H, D_v)``: the shape of ``o`` (and ``do``) for these ``q``, ``v``."""
     return tuple(q.shape[:3]) + (v.shape[3],)
@@ -134,7 +94,7 @@ def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
 
 
 def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segment_ids_kv,
-          backend, extra=()) -> _Plan:
+          backend, extra=()) -> AgreedCall:
     """Check and agree on one call across the ranks of ``comm`` (every problem a ConfigError
     on every rank, before any compute) and plan it."""
     comm = resolve_comm(comm)
@@ -145,7 +105,7 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
     agree(comm, options.dtype_problem() or _local_problem(q, k, v, seg_q, seg_kv, extra, options.dtype)
           or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
-          or options.problem(q.shape[2]))
+          or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names()))
     layout_q, layout_kv = _agree_layouts(q, k, v, options, comm, layout)
     if options.check_finite:
         _agree_finite(comm, rank, (("q", q, layout_q), ("k", k, layout_kv), ("v", v, layout_kv))
@@ -154,12 +114,12 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
         seg_q = seg_q.astype(np.int64, copy=False)
         seg_kv = seg_kv.astype(np.int64, copy=False)
     ct = be.compute_dtype(q.dtype)
-    return _Plan(comm=comm, backend=be, rank=rank, batch=q.shape[0], heads=q.shape[2], compute_dtype=ct,
-                 layout_q=layout_q, layout_kv=layout_kv,
-                 spec=options.mask_spec(q.shape[2], offset=layout_kv.n - layout_q.n),
-                 scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
-                 timeout=default_timeout() if options.timeout is None else options.timeout,
-                 sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
+    return AgreedCall(comm=comm, backend=be, batch=q.shape[0], heads=q.shape[2], compute_dtype=ct,
+                      layout_q=layout_q, layout_kv=layout_kv,
+                      spec=options.mask_spec(q.shape[2], offset=layout_kv.n - layout_q.n),
+                      scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
+                      timeout=default_timeout() if options.timeout is None else options.timeout,
+                      sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
 
 
 def _agree_layouts(q, k, v, options: AttentionOptions, comm, layout):
@@ -198,8 +158,8 @@ def _agree_layouts(q, k, v, options: AttentionOptions, comm, layout):
 def _disagreement(shapes) -> Optional[str]:
     """The message when the ranks' ``(signature, n_q, n_kv, (digest, dropout key))`` differ."""
     if len({d[0] for _, _, _, d in shapes}) > 1:
-        return ("ranks disagree on sinks or softcap (or causal, window, softmax_scale, check_finite, "
-                "return_max_logit): every rank must pass the same values")
+        return ("ranks disagree on sinks or softcap (or alibi_slopes, causal, window, softmax_scale, "
+                "check_finite, return_max_logit): every rank must pass the same values")
     if len({d[1] for _, _, _, d in shapes}) > 1:
         return ("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
                 + "; ".join(f"rank {r}: {d[1]}" for r, (_, _, _, d) in enumerate(shapes)))
@@ -231,7 +191,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    head_parallel: Union[int, str, None] = None,
                    sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False,
                    dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None,
-                   options: Optional[AttentionOptions] = None):
+                   alibi_slopes=None, options: Optional[AttentionOptions] = None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
@@ -305,6 +265,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     dropout_offsets : (batch_offset, head_offset, total_heads), optional
         Where this call's batch entry 0 and head 0 sit in a larger tensor whose
         mask it should draw (a call over a slice); default ``(0, 0, H)``.
+    alibi_slopes : (H,) float32, optional, the same on every rank
+        ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
+        ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
+        global positions (after scale and softcap, before the mask).  NumPy backend.
     options : :class:`ringmpi.options.AttentionOptions`, optional
         All of the options above (``causal`` ... ``dropout_offsets``, ``dtype``,
         ``head_parallel``, ``timeout``, ``check_finite``) as one object, instead of
@@ -324,9 +288,9 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     """
     options = AttentionOptions(
         causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offsets=dropout_offsets,
-        head_parallel=head_parallel, timeout=timeout, check_finite=check_finite, dtype=dtype,
-        return_max_logit=return_max_logit).given_once(options)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
+        check_finite=check_finite, dtype=dtype, return_max_logit=return_max_logit).given_once(options)
     return _forward(q, k, v, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats)
 
@@ -336,36 +300,20 @@ def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str
     """:func:`ring_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
     (q, k, v), bits = _dtypes.view_declared(options.dtype, q, k, v)
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend)
-    return_max_logit = options.return_max_logit
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
-        return _two_level.forward(plan, groups, q, k, v, stats=stats, bits=bits,
-                                  return_max_logit=return_max_logit)
-    be, ct = plan.backend, plan.compute_dtype
-    xp = be.xp
-    qh = be.to_heads(be.asarray(q), ct)
-    shape = qh.shape
-    o_acc = xp.zeros(shape[:3] + (v.shape[3],), dtype=ct)
-    m = xp.full(shape[:3], -np.inf, dtype=ct)
-    l = xp.zeros(shape[:3], dtype=ct)
-
-    schedule = plan.schedule(be.asarray(k), be.asarray(v))
-    resident = {}  # what the backend derives from qh once per call
-    for block in schedule:
-        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
-                         resident=resident)
-    records = schedule.records
-    del schedule, block, resident  # the ring's buffers go before the outputs are made
-    max_logit = _variants.max_logits(m, plan.comm) if return_max_logit else None
-    if plan.sinks is not None:
-        _variants.fold_sinks(xp, o_acc, m, l, plan.sinks)
-    o, lse = be.finalize(o_acc, m, l, q.dtype)
+        o, lse, max_logit, records = _two_level.forward(plan, groups, q, k, v,
+                                                        return_max_logit=options.return_max_logit)
+    else:
+        be = plan.backend
+        o, lse, max_logit, records = forward_pass(
+            plan.flat_problem(), be.asarray(q), be.asarray(k), be.asarray(v), sinks=plan.sinks,
+            max_logit=(plan.comm, None) if options.return_max_logit else None)
     if stats is not None:
         stats.extend(records)
-    if return_max_logit:
-        return (o.view(np.uint16) if bits else o), lse, max_logit
-    return (o.view(np.uint16) if bits else o), lse
+    o = o.view(np.uint16) if bits else o
+    return (o, lse, max_logit) if options.return_max_logit else (o, lse)
 
 
 def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
@@ -377,7 +325,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             head_parallel: Union[int, str, None] = None,
                             sinks=None, softcap: Optional[float] = None,
                             dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                            dropout_offsets=None, options: Optional[AttentionOptions] = None):
+                            dropout_offsets=None, alibi_slopes=None, options: Optional[AttentionOptions] = None):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
@@ -388,8 +336,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     q, k, v : as for :func:`ring_attention`.
     o : (B, S_q_local, H, D_v), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
-    dropout_p, dropout_seed, dropout_offsets : the forward's values: the mask
-        is regenerated, never stored.
+    dropout_p, dropout_seed, dropout_offsets, alibi_slopes : the forward's values
+        (the dropout mask is regenerated, never stored).
     options : :class:`ringmpi.options.AttentionOptions`, optional
         The options as one object instead of their keywords (the forward's may be
         passed as they are: ``return_max_logit`` is ignored here).
@@ -408,8 +356,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     """
     options = AttentionOptions(
         causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offsets=dropout_offsets,
-        head_parallel=head_parallel, timeout=timeout, check_finite=check_finite, dtype=dtype).given_once(options)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
+        check_finite=check_finite, dtype=dtype).given_once(options)
     return _backward(do, q, k, v, o, lse, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
                     segment_ids_kv=segment_ids_kv, backend=backend, stats=stats)
 
@@ -421,9 +370,7 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     (do, q, k, v, o), bits = _dtypes.view_declared(options.dtype, do, q, k, v, o)
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
                  extra=(("do", do), ("o", o)))
-    sinks = options.sinks
-    be, ct = plan.backend, plan.compute_dtype
-    xp = be.xp
+    be = plan.backend
     lse = be.asarray(lse)
     want = (plan.batch, plan.heads, q.shape[1])
     agree(plan.comm, None if tuple(lse.shape) == want else
@@ -431,31 +378,14 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
-        return _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits,
-                                   sinks_dtype=None if sinks is None else sinks.dtype)
-    qh = be.to_heads(be.asarray(q), ct)
-    doh = be.to_heads(be.asarray(do), ct)
-    dvec = be.row_dot(doh, be.to_heads(be.asarray(o), ct))
-    lse = lse.astype(ct, copy=False)
-    dq = xp.zeros_like(qh)
-
-    schedule = plan.schedule(be.asarray(k), be.asarray(v), grad_dtype=ct, phase="bwd")
-    resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
-    for block in schedule:
-        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
-        schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
-                         plan.scale, block.mask, resident=resident, **pieces)
-    dk, dv = schedule.finished_grads()
-    records = schedule.records
-    dsinks = None if plan.sinks is None else _variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm)
-    # keep only dq and the finished dk, dv (their message) before the outputs are made
-    del schedule, block, pieces, resident, qh, doh, dvec
-    dq *= ct.type(plan.scale)
-    dk *= ct.type(plan.scale)
-    out_dtype = q.dtype
-    result = tuple(be.from_heads(g, out_dtype) for g in (dq, dk, dv))
+        result, dsinks, records = _two_level.backward(plan, groups, do, q, k, v, o, lse)
+    else:
+        dq, dk, dv, dsinks, records = backward_pass(
+            plan.flat_problem(), be.asarray(q), be.asarray(do), be.asarray(k), be.asarray(v), lse,
+            o=be.asarray(o), sinks=plan.sinks, sink_comm=plan.comm)
+        result = tuple(be.from_heads(g, q.dtype) for g in (dq, dk, dv))
     if bits:
         result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
         stats.extend(records)
-    return result if dsinks is None else result + (dsinks.astype(sinks.dtype),)
+    return result if dsinks is None else tuple(result) + (dsinks.astype(options.sinks.dtype),)

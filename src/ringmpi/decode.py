@@ -36,10 +36,11 @@ from typing import Optional
 
 import numpy as np
 
-from .backends import get_backend
+from .backends import get_backend, modifier_problem, value_dim_problem
 from .errors import ConfigError, agree
 from .layout import KINDS, Layout
 from .masks import BlockMask
+from .online_softmax import SoftmaxState
 from .options import AttentionOptions
 from .ring import resolve_comm
 
@@ -153,7 +154,8 @@ def _positions(layout, comm, n_local):
 def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layout="contiguous",
                      causal: bool = True, window=None, softmax_scale: Optional[float] = None, sinks=None,
                      softcap: Optional[float] = None, root: Optional[int] = None, backend: str = "auto",
-                     stats: Optional[dict] = None, options: Optional[AttentionOptions] = None):
+                     stats: Optional[dict] = None, alibi_slopes=None,
+                     options: Optional[AttentionOptions] = None):
     """Attention of ``S_new`` new tokens over a KV cache sharded across the ranks of ``comm``.
 
     Collective.  No K/V leaves its rank: each rank attends to its own shard and
@@ -191,6 +193,9 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         includes the sink.
     softcap : float > 0, optional
         Logit softcap: scores become ``softcap * tanh(scale * q.k / softcap)``.
+    alibi_slopes : (H,) float32, optional
+        ALiBi: the score of query ``i`` and key ``j`` gains ``-alibi_slopes[h] * |i - j|``
+        (global positions, as :func:`ringmpi.ring_attention`).
     root : int, optional
         Return the result on ``root`` only (``(None, None)`` elsewhere).
     backend : "auto" | "numpy" | "cupy"
@@ -198,7 +203,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         Filled with ``compute_s`` (local attention) and ``merge_s`` (packing,
         the collective, unpacking; it includes waiting for the slowest rank).
     options : :class:`ringmpi.options.AttentionOptions`, optional
-        ``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap`` as one
+        ``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes`` as one
         object instead of their keywords (giving both is a TypeError).
 
     Returns
@@ -209,7 +214,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     Identical bits on every rank.
     """
     options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, sinks=sinks,
-                               softcap=softcap).given_once(options, AttentionOptions(causal=True))
+                               softcap=softcap, alibi_slopes=alibi_slopes).given_once(options, AttentionOptions(causal=True))
     return decode(q, k_cache, v_cache, options, comm=comm, cache_lengths=cache_lengths, layout=layout,
                   root=root, backend=backend, stats=stats)
 
@@ -218,7 +223,7 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
            layout="contiguous", root: Optional[int] = None, backend: str = "auto",
            stats: Optional[dict] = None):
     """:func:`decode_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`
-    (``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap`` are read)."""
+    (``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes`` are read)."""
     comm = resolve_comm(comm)
     rank = comm.Get_rank()
     if root is not None:
@@ -233,16 +238,15 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
 
     n_local = k_cache.shape[1] if getattr(k_cache, "ndim", 0) == 4 else -1
     n_cache, pos, problem = _positions(layout, comm, n_local)
-    problem = problem or options.problem(q.shape[2])
+    problem = problem or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names())
     if problem:  # this rank still joins the collective, with options that build a spec
         options = AttentionOptions(causal=options.causal)
     start = time.perf_counter()
     lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
     if problem is None:
         problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths)
-    if problem is None and be.name == "cupy" and v_cache.shape[3] != q.shape[3]:
-        from .kernels import value_dim_problem  # the D_v pairs the CUDA kernels are compiled for
-        problem = value_dim_problem(q.shape[3], v_cache.shape[3])
+    if problem is None:
+        problem = value_dim_problem(be.name, q.shape[3], v_cache.shape[3])
     dim = v_cache.shape[3] if getattr(v_cache, "ndim", 0) == 4 else q.shape[3]  # D_v: the packed output width
     o_part, lse_part = _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim,
                                    run=problem is None)
@@ -254,12 +258,8 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
         stats["merge_s"] = time.perf_counter() - merge_start
     if root is not None and rank != root:
         return None, None
-    o = merged[..., :dim].astype(q.dtype if be.name == "numpy" else be.compute_dtype(q.dtype))
-    lse = np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1))
-    if be.name != "numpy":
-        o = be.from_heads(be.asarray(o).transpose(0, 2, 1, 3), q.dtype)
-        lse = be.asarray(lse)
-    return o, lse
+    o = be.from_heads(be.asarray(merged[..., :dim]).transpose(0, 2, 1, 3), q.dtype)
+    return o, be.asarray(np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1)))
 
 
 def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, run: bool):
@@ -268,11 +268,8 @@ def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, ru
     batch, s_new = q.shape[:2]
     ct = be.compute_dtype(q.dtype)
     scale, spec = options.scale(q.shape[3]), options.mask_spec(q.shape[2])
-    xp = be.xp
     qh = be.to_heads(q, ct)
-    o_acc = xp.zeros(qh.shape[:3] + (dim,), dtype=ct)
-    m = xp.full(qh.shape[:3], -np.inf, dtype=ct)
-    l = xp.zeros(qh.shape[:3], dtype=ct)
+    state = SoftmaxState(be, qh.shape[:3], dim, ct)
     if run and len(pos):
         kh, vh = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)  # views of the shard
         if lengths is None or (lengths == lengths[0]).all():
@@ -284,9 +281,8 @@ def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, ru
             if valid == 0:
                 continue
             mask = BlockMask(spec, np.arange(length - s_new, length, dtype=np.int64), pos[:valid])
-            be.forward_block(qh[rows], kh[rows, :, :valid], vh[rows, :, :valid], o_acc[rows], m[rows],
-                             l[rows], scale, mask)
-    return be.finalize(o_acc, m, l, ct)
+            state.fold(qh[rows], kh[rows, :, :valid], vh[rows, :, :valid], scale, mask, rows=rows)
+    return state.finalize(ct)
 
 
 def _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim) -> np.ndarray:
@@ -310,7 +306,7 @@ def _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim) -
     if flat[0, dim + 1] > 0 or flat[0, dim + 2] != -flat[0, dim + 3]:
         agree(comm, problem)  # raises: some rank failed its checks
         raise ConfigError("ranks disagree on decode_attention's arguments (q, sinks, cache_lengths, "
-                          "causal, window, softmax_scale, softcap or N_cache must be the same on every rank)")
+                          "causal, window, softmax_scale, softcap, alibi_slopes or N_cache must be the same on every rank)")
     if options.sinks is not None:  # the sink is one more partial result: o = 0, lse = sink
         sink_rows = np.zeros_like(merged)
         sink_rows[..., dim] = np.asarray(_host(options.sinks), dtype=np.float64).astype(ct)[None, None, :]

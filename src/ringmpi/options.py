@@ -31,6 +31,7 @@ from . import dtypes as _dtypes
 from .dropout import MAX_POSITION, Dropout
 from .dropout import validate as _dropout_validate
 from .masks import MaskSpec
+from .modifiers import Alibi, alibi_problem
 
 SINK_DTYPES = ("float32", "float64")
 Window = Optional[Tuple[Optional[int], Optional[int]]]
@@ -108,6 +109,7 @@ class AttentionOptions:
     softmax_scale : float or None -- None means ``1 / sqrt(D)`` (:meth:`scale`).
     softcap : float > 0 or None -- logit softcap.
     sinks : (H,) float32/float64 array or None -- attention sinks (this backend's array).
+    alibi_slopes : (H,) float32 array or None -- ALiBi (:mod:`ringmpi.modifiers`).
     dropout_p, dropout_seed, dropout_offsets -- dropout on the weights (:mod:`ringmpi.dropout`).
     head_parallel : int, "auto" or None -- checked with the communicator by
         :func:`ringmpi.topology.resolve_groups`.
@@ -122,6 +124,7 @@ class AttentionOptions:
     softmax_scale: Optional[float] = None
     softcap: Optional[float] = None
     sinks: Optional[object] = None
+    alibi_slopes: Optional[object] = None
     dropout_p: float = 0.0
     dropout_seed: Optional[int] = None
     dropout_offsets: Optional[Tuple[int, int, int]] = None
@@ -151,7 +154,12 @@ class AttentionOptions:
         (the declared dtype is :meth:`dtype_problem`, checked before the arrays)."""
         return (window_problem(self.window) or _scale_problem(self.softmax_scale)
                 or softcap_problem(self.softcap) or sinks_problem(self.sinks, heads)
+                or alibi_problem(self.alibi_slopes, heads)
                 or self._dropout_problem(heads) or _timeout_problem(self.timeout))
+
+    def modifier_names(self) -> Tuple[str, ...]:
+        """The score modifiers with per-head data these options use (``ringmpi.modifiers``)."""
+        return ("alibi",) if self.alibi_slopes is not None else ()
 
     def dtype_problem(self) -> Optional[str]:
         """The problem with ``dtype`` (None when fine): one of the four names, or None."""
@@ -203,7 +211,8 @@ class AttentionOptions:
                                                    batch_offset=key[2], head_offset=key[3])
         return MaskSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
                         softcap=None if self.softcap is None else float(self.softcap),
-                        exact_max=bool(self.return_max_logit), dropout=dropout)
+                        exact_max=bool(self.return_max_logit), dropout=dropout,
+                        alibi=Alibi.of(self.alibi_slopes))
 
     # ------------------------------------------------------------------ agreement
     def digest(self, *arrays, extra=()) -> int:
@@ -214,8 +223,10 @@ class AttentionOptions:
                    None if self.softcap is None else float(self.softcap),
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))
         crc = zlib.crc32(repr(scalars).encode())
-        if self.sinks is not None:
-            crc = zlib.crc32(np.ascontiguousarray(_host(self.sinks), dtype=np.float64).view(np.uint8), crc)
+        for name, per_head in (("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes)):
+            if per_head is not None:
+                crc = zlib.crc32(name.encode(), crc)
+                crc = zlib.crc32(np.ascontiguousarray(_host(per_head), dtype=np.float64).view(np.uint8), crc)
         for x in arrays:
             if x is not None:
                 crc = zlib.crc32(np.ascontiguousarray(_host(x)).view(np.uint8), crc)

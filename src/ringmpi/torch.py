@@ -192,7 +192,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
                    check_finite: bool = False, stats: Optional[list] = None,
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
-                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None):
+                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                   alibi_slopes=None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -224,6 +225,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         same value: do not sum it again across ranks).
     softcap : float > 0, optional
         Logit softcap, as in :func:`ringmpi.ring_attention`.
+    alibi_slopes : (H,) float32 tensor or array, optional
+        ALiBi, as in :func:`ringmpi.ring_attention` (no gradient flows to it).
 
     Returns
     -------
@@ -245,6 +248,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     backend, problem = _backend_problem(backend, q, k, v)
     agree(comm, problem)
     options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                               alibi_slopes=_host_ids(alibi_slopes),
                                dropout_p=dropout_p, dropout_seed=dropout_seed, head_parallel=head_parallel,
                                timeout=timeout, check_finite=check_finite)
     call = _Call(options, comm=comm, layout=layout, segment_ids_q=_host_ids(segment_ids_q),
