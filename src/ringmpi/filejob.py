@@ -59,7 +59,7 @@ class JobOptions:
     def check(self) -> None:
         """Raise the ConfigError of the first bad option (the same on every rank: no collective)."""
         from .dropout import validate
-        from .variants import softcap_problem
+        from .options import softcap_problem
 
         if self.window is not None and any(w < -1 for w in self.window):
             raise ConfigError(f"--window sides must be >= 0 (or -1 for unbounded), "

@@ -105,7 +105,7 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
 def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep):
     """``(U or "auto", the first problem of the options or None)``."""
     from ..dropout import validate as validate_dropout
-    from ..variants import softcap_problem
+    from ..options import softcap_problem
 
     problem = None
     if heads % kv_heads:
