@@ -122,6 +122,12 @@ def _value_dim_problem(backend_name: str, d: int, d_v: int) -> Optional[str]:
     return value_dim_problem(d, d_v)
 
 
+def _device_problem(be, dtype, d: int, d_v: int) -> Optional[str]:
+    """Why the GPU backend's device runs no kernel for ``dtype``, ``d``, ``d_v`` (its
+    shared memory per block: float64 at D > 192 on sm_75), or None; None for NumPy."""
+    return be.kernel_problem(dtype, d, d_v) if be.name == "cupy" else None
+
+
 def _output_shape(q, v) -> tuple:
     """``(B, S_q_local, H, D_v)``: the shape of ``o`` (and ``do``) for these ``q``, ``v``."""
     return tuple(q.shape[:3]) + (v.shape[3],)
@@ -149,6 +155,7 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
     agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared)
           or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
+          or _device_problem(be, k.dtype, q.shape[3], v.shape[3])
           or _variants.softcap_problem(softcap) or _variants.sinks_problem(sinks, q.shape[2])
           or _dropout_problem(dropout_p, dropout_seed, dropout_offsets, q.shape[2]))
 
