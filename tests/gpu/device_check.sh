@@ -56,8 +56,8 @@ for dtype in ("float16", "bfloat16", "float32", "float64"):
             print(f"[plan] {dtype:8s} D={d:3d}: none ({exc})")
 '
 step plan 60 "$py" -c "$plan_kernels"
-# tests/gpu/*.py: block kernels vs float64 dense, launch limits (B*H > 65535, cc 8.6 shared
-# memory plans), bf16 through the public API (multi-rank on one GPU, CUDA-aware and staged), non-finite
+# tests/gpu/*.py: block kernels vs float64 dense, launch limits (B*H > 65535, the plans of cc 8.6,
+# 7.5 and 7.0), bf16 through the public API (multi-rank on one GPU, CUDA-aware and staged), non-finite
 step tests 270 "$py" -m pytest tests/gpu -q -rfEs -p no:cacheprovider
 step torch 80 "$py" -m pytest tests/test_torch.py -k cuda -q -rfEs -p no:cacheprovider
 step bench 100 "$py" -m ringmpi.bench.gpu --quick
