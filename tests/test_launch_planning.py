@@ -90,9 +90,9 @@ def test_sm70_and_sm75_run_16_bit_inputs_through_the_simt_kernels():
 
 def test_below_sm70_nothing_is_planned():
     for plan in (K.forward_kernel, K.backward_kernel):
-        with pytest.raises(ValueError, match=r"compute capability 6\.1 is below 7\.0"):
+        with pytest.raises(ConfigError, match=r"compute capability 6\.1 is below 7\.0"):
             plan(K.F32, 64, 49152, cc=61)
-    with pytest.raises(ValueError, match="below 7.0"):
+    with pytest.raises(ConfigError, match="below 7.0"):
         K.instantiations(60)
 
 

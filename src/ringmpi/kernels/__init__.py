@@ -72,11 +72,13 @@ SMALLEST_OPTIN_SIMT = 65536
 
 
 def _check_cc(cc: Optional[int]) -> int:
-    """``cc`` (major * 10 + minor; None: sm_80 and newer) as an int >= :data:`MIN_CC`."""
+    """``cc`` (major * 10 + minor; None: sm_80 and newer) as an int >= :data:`MIN_CC`
+    (a ConfigError below: CUDA arrays on such a GPU are refused before any compute)."""
     cc = TENSOR_CORE_CC if cc is None else int(cc)
     if cc < MIN_CC:
-        raise ValueError(f"compute capability {cc // 10}.{cc % 10} is below {MIN_CC // 10}.{MIN_CC % 10}: "
-                         f"no ringmpi kernel runs there")
+        from ..errors import ConfigError
+        raise ConfigError(f"compute capability {cc // 10}.{cc % 10} is below {MIN_CC // 10}.{MIN_CC % 10}: "
+                          f"no ringmpi CUDA kernel runs there; backend='numpy' runs it")
     return cc
 
 
