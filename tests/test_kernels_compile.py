@@ -4,9 +4,9 @@ Compiles exactly what the runtime loader compiles: ``ringmpi.kernels.source``
 (preamble + file with ``#line``), ``compile_options()`` and every name
 expression of ``ringmpi.kernels.instantiations(cc)`` for each architecture:
 sm_70 and sm_75 (the SIMT kernels, bfloat16 converted in registers), sm_80,
-sm_90 and sm_100 (tensor cores too), and asserts an empty compiler log (no
-warnings).  An architecture the installed NVRTC does not know is skipped, with
-the reason shown.
+sm_90 and sm_100 (tensor cores too), and asserts a compiler log without
+warnings (but NVRTC's note that sm_70 is deprecated).  An architecture the
+installed NVRTC does not know is skipped, with the reason shown.
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ def _by_file(arch="sm_80"):
     for filename, expr in K.instantiations(int(arch[3:])):
         grouped[filename].append(expr)
     return dict(grouped)
+
+
+# NVRTC 12 notes that sm_70 is deprecated (CUDA 13 drops Volta) and has no option to
+# silence it; every other line of a log is a warning about our code
+ARCH_DEPRECATED = "nvrtc: warning: Architectures prior to '<compute/sm>_75' are deprecated"
+
+
+def _warnings(log: str):
+    return [line for line in log.splitlines() if line.strip() and not line.startswith(ARCH_DEPRECATED)]
 
 
 def _skip_unsupported(arch):
@@ -104,7 +113,7 @@ def test_kernels_compile(filename, arch):
     exprs = _by_file(arch)[filename]
     ok, log, lowered = _compile(filename, exprs, arch)
     assert ok, f"NVRTC failed for {filename} ({arch}):\n{log}"
-    assert not log.strip(), f"NVRTC warnings for {filename} ({arch}):\n{log}"
+    assert not _warnings(log), f"NVRTC warnings for {filename} ({arch}):\n{log}"
     assert len(lowered) == len(exprs) and all(lowered)
     for name in lowered:
         assert "ringmpi_" in name
