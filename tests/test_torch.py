@@ -100,7 +100,7 @@ TRAIN = ["--seq-len", 301, "--steps", 5, "--dim", 32, "--heads", 4, "--kv-heads"
 @pytest.mark.mpi
 def test_training_example_matches_one_rank(tmp_path):
     """jobs/train_context_parallel.py: after 5 Adam steps, the P = 2 losses and parameters
-    are as close to a float64 P = 1 run as a float32 P = 1 run is (DESIGN.md's gradient rule:
+    are as close to a float64 P = 1 run as a float32 P = 1 run is (docs/design.md's gradient rule:
     3x its error + 1e-5); 301 tokens make uneven zigzag shards."""
     runs = {}
     for p, dtype in ((1, "float64"), (1, "float32"), (2, "float32")):

@@ -20,6 +20,7 @@ Importing this module imports torch; ``import ringmpi`` does not.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import ml_dtypes
@@ -33,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import ringmpi
 from .errors import agree
 from .layout import Layout
+from .options import AttentionOptions
 from .ring import resolve_comm
 
 __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"]
@@ -112,14 +114,31 @@ def _backend_problem(backend: str, q, k, v) -> tuple:
 
 
 # ------------------------------------------------------------ autograd
-def _sinks_opt(sinks) -> dict:
-    """``{"sinks": array}`` for the library call, or nothing without sinks."""
-    return {} if sinks is None else {"sinks": to_array(sinks)}
+@dataclass(frozen=True)
+class _Call:
+    """What one call's forward hands its backward: the options and where the shards live."""
+
+    options: AttentionOptions
+    comm: object
+    layout: object
+    segment_ids_q: object
+    segment_ids_kv: object
+    backend: str
+    stats: Optional[list]
+
+    def options_with(self, sinks) -> AttentionOptions:
+        """The options with ``sinks`` (a tensor or None) as this backend's array."""
+        return self.options if sinks is None else replace(self.options, sinks=to_array(sinks))
+
+    def where(self) -> dict:
+        return dict(comm=self.comm, layout=self.layout, segment_ids_q=self.segment_ids_q,
+                    segment_ids_kv=self.segment_ids_kv, backend=self.backend, stats=self.stats)
 
 
-def _forward(q, k, v, opts, sinks=None):
+def _forward(q, k, v, call: _Call, sinks=None):
     with _on_torch_stream(q.device):
-        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **opts, **_sinks_opt(sinks))
+        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v),
+                                        options=call.options_with(sinks), **call.where())
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
@@ -127,10 +146,10 @@ class _RingAttention(torch.autograd.Function):
     """o, lse = f(q, k, v, sinks); lse is not differentiable; sinks may be None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, opts):
-        o, lse = _forward(q, k, v, opts, sinks)
+    def forward(ctx, q, k, v, sinks, call):
+        o, lse = _forward(q, k, v, call, sinks)
         ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)))
-        ctx.opts = opts
+        ctx.call = call
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -139,8 +158,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, o, lse, *sinks = ctx.saved_tensors
         sinks = sinks[0] if sinks else None
         with torch.no_grad(), _on_torch_stream(q.device):
-            grads = ringmpi.ring_attention_backward(
-                *(to_array(x) for x in (do.contiguous(), q, k, v, o, lse)), **ctx.opts, **_sinks_opt(sinks))
+            grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do.contiguous(), q, k, v, o, lse)),
+                                                    options=ctx.call.options_with(sinks), **ctx.call.where())
             devices = (q.device,) * 3 + (None if sinks is None else sinks.device,)
             grads = [to_tensor(np.ascontiguousarray(g) if i == 3 else g, devices[i]) if want else None
                      for i, (g, want) in enumerate(zip(tuple(grads) + (None,) * (4 - len(grads)),
@@ -173,7 +192,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
                    check_finite: bool = False, stats: Optional[list] = None,
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
-                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None):
+                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                   alibi_slopes=None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -205,6 +225,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         same value: do not sum it again across ranks).
     softcap : float > 0, optional
         Logit softcap, as in :func:`ringmpi.ring_attention`.
+    alibi_slopes : (H,) float32 tensor or array, optional
+        ALiBi, as in :func:`ringmpi.ring_attention` (no gradient flows to it).
 
     Returns
     -------
@@ -225,20 +247,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     comm = resolve_comm(comm)
     backend, problem = _backend_problem(backend, q, k, v)
     agree(comm, problem)
-    opts = dict(comm=comm, layout=layout, causal=causal, window=window,
-                segment_ids_q=_host_ids(segment_ids_q), segment_ids_kv=_host_ids(segment_ids_kv),
-                softmax_scale=softmax_scale, backend=backend, timeout=timeout,
-                check_finite=check_finite, stats=stats, head_parallel=head_parallel)
-    if softcap is not None:
-        opts["softcap"] = softcap
-    if dropout_p or dropout_seed is not None:
-        opts.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
+    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                               alibi_slopes=_host_ids(alibi_slopes),
+                               dropout_p=dropout_p, dropout_seed=dropout_seed, head_parallel=head_parallel,
+                               timeout=timeout, check_finite=check_finite)
+    call = _Call(options, comm=comm, layout=layout, segment_ids_q=_host_ids(segment_ids_q),
+                 segment_ids_kv=_host_ids(segment_ids_kv), backend=backend, stats=stats)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        o, lse = _RingAttention.apply(q, k, v, sinks, opts)
+        o, lse = _RingAttention.apply(q, k, v, sinks, call)
     else:
-        o, lse = _forward(q, k, v, opts, sinks)
+        o, lse = _forward(q, k, v, call, sinks)
     return (o, lse) if return_lse else o
 
 

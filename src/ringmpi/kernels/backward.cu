@@ -53,7 +53,11 @@ __device__ __forceinline__ int bwd_load_row_stats(T* lse_s, T* dvec_s, const T* 
 // would use, so the clean pairs round as in a clean run.  Registers hold P and
 // dS in the score layout (thread: keys kl0 = warp * 16 + g and kl0 + 8,
 // queries nt * 8 + 2c + (e & 1)); they reach each key's thread through the
-// query-major tile ts (dSq).  All threads call these (they contain barriers).
+// query-major tile ts (dSq).  These helpers contain no barrier: the
+// __syncthreads() around them are at their call sites, inside `if (careful)`
+// branches, which is correct only because `careful` is uniform per CTA (it
+// comes from __syncthreads_or); never call one, or move its barriers, into a
+// branch that can differ between threads of a CTA.
 template <int NQ, int SS, bool BF16>
 __device__ __forceinline__ void bwd_mma_store_scores(unsigned short* ts, const float (*x)[4], int warp, int g, int c) {
 #pragma unroll
@@ -188,6 +192,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     bool touched = false;
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
+        const float slope_h = alibi_slope<float>(mk, h);
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
         const long long obase = bh * a.Sq * a.Dv;
@@ -251,11 +256,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     const int ql = nt * 8 + 2 * c + (e & 1);
                     const int key = e < 2 ? key0 : key1;
                     float s = p[nt][e] * scale, slope = 1.f;
-                    if (cap != 0.f) {
-                        const float t = tanh_acc(s / cap);
-                        s = cap * t;
-                        slope = 1.f - t * t;
-                    }
+                    if (score_modified(cap, slope_h)) s = modify_score(mk, cap, slope_h, q0 + ql, key, a.Sq, a.Skv, s, &slope);
                     const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                     if (hidden) s = neg_inf<float>();
                     // careful: a hidden pair is 0 even for a NaN lse, a NaN do v^T or a NaN slope
@@ -433,6 +434,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     bool touched = false;
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
+        const T slope_h = alibi_slope<T>(mk, h);
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
         const long long obase = bh * a.Sq * a.Dv;
@@ -470,11 +472,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                 for (int d = dmin; d < a.Dv; ++d) dp += dOs[ql * VRS + d] * Vs[cr * VRS + d];
                 s *= scale;
                 T slope = T(1);
-                if (cap != T(0)) {
-                    const T t = tanh_acc(s / cap);
-                    s = cap * t;
-                    slope = T(1) - t * t;
-                }
+                if (score_modified(cap, slope_h)) s = modify_score(mk, cap, slope_h, q0 + ql, key, a.Sq, a.Skv, s, &slope);
                 const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                 if (hidden) s = neg_inf<T>();
                 const T pe = (careful && hidden) ? T(0) : exp_acc(s - lse_s[ql]);  // even for a NaN lse
