@@ -8,6 +8,8 @@ segments and GQA; float64 finite differences check dsinks through the ring.
 
 import itertools
 
+import ml_dtypes
+
 import numpy as np
 import pytest
 
@@ -125,7 +127,8 @@ def test_option_problems():
         assert softcap_problem(bad)
     assert sinks_problem(np.zeros(3, np.float32), 3) is None
     assert "shape" in sinks_problem(np.zeros((3, 1), np.float32), 3)
-    assert "float32 or float64" in sinks_problem(np.zeros(3, np.int64), 3)
+    assert "float32, float64" in sinks_problem(np.zeros(3, np.int64), 3)
+    assert sinks_problem(np.zeros(3, ml_dtypes.bfloat16), 3) is None and sinks_problem(np.zeros(3, np.float16), 3) is None
     assert "finite" in sinks_problem(np.array([0, np.inf, 0], np.float64), 3)
 
 

@@ -291,15 +291,15 @@ def torch_case(comm, case):
     ref, naive = (reference.dense_forward(q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
     refg, naiveg = (reference.dense_backward(do, q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
     ok, messages = True, []
-    if any(g["dsinks"].tobytes() != gathered[0]["dsinks"].tobytes() for g in gathered):
-        ok, messages = False, ["dsinks differ between ranks"]
     for i, (name, lay, r, nv) in enumerate((("o", lay_q, ref[0], naive[0]), ("dq", lay_q, refg[0], naiveg[0]),
                                             ("dk", lay_kv, refg[1], naiveg[1]), ("dv", lay_kv, refg[2], naiveg[2]))):
         ours = lay.unshard([g[name] for g in gathered], axis=1)
         good, msg = reference.tolerance_check(name, ours, r, nv, gradient=i > 0)
         ok &= good
         messages.append(msg)
-    good, msg = reference.tolerance_check("dsinks", gathered[0]["dsinks"], refg[3], naiveg[3], gradient=True)
+    # each rank's sinks.grad is its own share (the replicated-parameter convention): their sum is dsinks
+    dsinks = np.sum([g["dsinks"] for g in gathered], axis=0)
+    good, msg = reference.tolerance_check("dsinks", dsinks, refg[3], naiveg[3], gradient=True)
     return ok and good, "; ".join(messages + [msg])
 
 
@@ -317,7 +317,7 @@ def errors_case(comm, case):
         nan_on_last[1] = np.nan
     attempts = {
         "sinks shape": (dict(sinks=np.zeros(heads + 1, np.float32)), f"sinks must have shape (H,) = ({heads},)"),
-        "sinks dtype": (dict(sinks=np.zeros(heads, np.float16)), "sinks must be float32 or float64"),
+        "sinks dtype": (dict(sinks=np.zeros(heads, np.int32)), "sinks must be one of float16, bfloat16"),
         "sinks NaN on one rank": (dict(sinks=nan_on_last), "sinks must be finite"),
         "sinks differ": (dict(sinks=good + rank), "ranks disagree on sinks or softcap"),
         "softcap zero": (dict(softcap=0.0), "softcap must be finite and > 0"),

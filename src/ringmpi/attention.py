@@ -315,10 +315,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.topology`).
         Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
         out are the same for every ``U``.
-    sinks : (H,) float32 or float64, optional, the same on every rank
+    sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
         Attention sinks (gpt-oss): every query's softmax denominator gains
         ``exp(sinks[h])``, a virtual key with zero value that every query sees;
-        ``lse`` includes it.
+        ``lse`` includes it.  Used in the compute dtype (16-bit sinks in float32).
     softcap : float > 0, optional, the same on every rank
         Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
         before the mask.
@@ -393,7 +393,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             head_parallel: Union[int, str, None] = None,
                             sinks=None, softcap: Optional[float] = None,
                             dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                            dropout_offsets=None):
+                            dropout_offsets=None, reduce_dsinks: bool = True):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
@@ -406,6 +406,11 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     lse : (B, H, S_q_local), the forward's log-sum-exp.
     dropout_p, dropout_seed, dropout_offsets : the forward's values: the mask
         is regenerated, never stored.
+    reduce_dsinks : bool
+        True (the default): ``dsinks`` is summed over all ranks (the same on every
+        rank).  False: ``dsinks`` is this rank's own queries' contribution, so that
+        a framework's sum of replicated gradients over ranks (an Allreduce, DDP,
+        FSDP) gives the total; ``ringmpi.torch`` asks for this.
 
     Returns
     -------
@@ -417,7 +422,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     float32 (float64 for float64 inputs) as they travel.
     dsinks : (H,) NumPy array in ``sinks``' dtype, only when ``sinks`` is given:
         the gradient w.r.t. the sinks, summed over the batch and all ranks (the
-        same on every rank).
+        same on every rank), or this rank's share with ``reduce_dsinks=False``.
     """
     (do, q, k, v, o), bits = _dtypes.view_declared(dtype, do, q, k, v, o)
     plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
@@ -434,7 +439,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     if groups is not None:
         from . import head_parallel as _two_level
         return _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits,
-                                   sinks_dtype=None if sinks is None else sinks.dtype)
+                                   sinks_dtype=None if sinks is None else sinks.dtype,
+                                   reduce_dsinks=reduce_dsinks)
     qh = be.to_heads(be.asarray(q), ct)
     doh = be.to_heads(be.asarray(do), ct)
     dvec = be.row_dot(doh, be.to_heads(be.asarray(o), ct))
@@ -449,7 +455,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                          plan.scale, block.mask, resident=resident, **pieces)
     dk, dv = schedule.finished_grads()
     records = schedule.records
-    dsinks = None if plan.sinks is None else _variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm)
+    dsinks = None if plan.sinks is None else _variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm,
+                                                                        reduce_dsinks)
     # keep only dq and the finished dk, dv (their message) before the outputs are made
     del schedule, block, pieces, resident, qh, doh, dvec
     dq *= ct.type(plan.scale)

@@ -259,13 +259,15 @@ def forward(plan, groups, q, k, v, stats=None, bits: bool = False, return_max_lo
     return (o.view(np.uint16) if bits else o), lse
 
 
-def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False, sinks_dtype=None):
+def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False, sinks_dtype=None,
+             reduce_dsinks: bool = True):
     """:func:`ringmpi.ring_attention_backward` on ``groups``.
 
     ``do, q, o (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D)``,
     ``lse (B, H, S_q_local)``: this rank's shards.  Returns ``dq, dk, dv`` for
     this rank's shards in the input dtype, and with the plan's sinks ``dsinks``
-    in ``sinks_dtype`` (from the home rows' ``lse`` and ``dvec``, summed over all ranks).
+    in ``sinks_dtype`` (from the home rows' ``lse`` and ``dvec``, summed over all ranks
+    unless ``reduce_dsinks`` is false).
     """
     be, ct = plan.backend, plan.compute_dtype
     xp = be.xp
@@ -344,5 +346,6 @@ def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False, 
     if bits:
         result = [g.view(np.uint16) for g in result]
     if plan.sinks is not None:
-        result.append(_variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm).astype(sinks_dtype))
+        result.append(_variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm,
+                                                reduce_dsinks).astype(sinks_dtype))
     return tuple(result)

@@ -12,7 +12,8 @@ block kernels, with the backend's array module ``xp`` (NumPy or CuPy):
   kernel change (``P = exp(S - lse)`` already uses the sink's ``lse``, and
   ``dS = P * (dO V^T - D)`` holds because the sink's value is zero); the
   sink's own gradient is ``dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * D[b, h, i]``
-  with ``D = rowsum(dO * O)`` (:func:`sink_grads`), summed over all ranks.
+  with ``D = rowsum(dO * O)`` (:func:`sink_grads`), summed over all ranks (or
+  this rank's rows only, ``reduce_dsinks=False``, as ``ringmpi.torch`` asks).
 * **max logit** ``(H,)``: the largest score (after scale and softcap, masked
   keys excluded, the sink not counted) any query of head ``h`` saw, over the
   whole sequence.  With ``MaskSpec.exact_max`` the running maximum ``m`` is
@@ -29,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-SINK_DTYPES = ("float32", "float64")
+SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _host(x):
@@ -37,15 +38,17 @@ def _host(x):
 
 
 def sinks_problem(sinks, heads: int) -> Optional[str]:
-    """This rank's problem with ``sinks`` (None when fine): shape ``(H,)``, float32/float64, finite."""
+    """This rank's problem with ``sinks`` (None when fine): shape ``(H,)``, a float dtype, finite.
+
+    16-bit sinks are used in the compute dtype (float32 for 16-bit inputs)."""
     if sinks is None:
         return None
     shape = getattr(sinks, "shape", None)
     if shape is None or tuple(shape) != (heads,):
         return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
     if str(sinks.dtype) not in SINK_DTYPES:
-        return f"sinks must be float32 or float64, got dtype {sinks.dtype}"
-    host = _host(sinks)
+        return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
+    host = _host(sinks).astype(np.float64)
     if not np.isfinite(host).all():
         return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
     return None
@@ -105,11 +108,14 @@ def max_logits(m, comm, heads=None):
     return out
 
 
-def sink_grads(xp, lse, dvec, sinks, comm):
+def sink_grads(xp, lse, dvec, sinks, comm, reduce: bool = True):
     """``dsinks (H,)`` host array in the compute dtype: ``-sum exp(sink - lse) * dvec``
-    over the batch, this rank's rows and (``MPI.SUM``) all ranks of ``comm``.
+    over the batch, this rank's rows and (``MPI.SUM``, only with ``reduce``) all ranks of ``comm``.
 
-    ``lse, dvec (B, H, S_local)`` compute dtype (this backend's arrays).
+    ``lse, dvec (B, H, S_local)`` compute dtype (this backend's arrays).  Without
+    ``reduce`` the result is this rank's own rows' contribution: the framework
+    bridges' convention, where the usual sum of replicated gradients over ranks
+    makes the total.
     """
     from mpi4py import MPI
 
@@ -118,6 +124,8 @@ def sink_grads(xp, lse, dvec, sinks, comm):
     if lse.shape[0] and lse.shape[2]:
         p_sink = xp.exp(sinks.astype(ct)[None, :, None] - lse)
         local = np.ascontiguousarray(_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
+    if not reduce:
+        return local
     out = np.empty_like(local)
     comm.Allreduce(local, out, op=MPI.SUM)
     return out
