@@ -20,6 +20,7 @@ Importing this module imports torch; ``import ringmpi`` does not.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 import ml_dtypes
@@ -31,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
 import ringmpi
-from .errors import agree
+from .errors import ConfigError, agree
 from .layout import Layout
 from .ring import resolve_comm
 
@@ -86,13 +87,6 @@ def _on_torch_stream(device: torch.device):
         yield
 
 
-def _host_ids(ids):
-    """Segment ids as a host array (a torch tensor of any device is copied to the host)."""
-    if isinstance(ids, torch.Tensor):
-        return ids.detach().cpu().numpy()
-    return ids
-
-
 def _backend_problem(backend: str, q, k, v) -> tuple:
     """(backend name, this rank's problem or None) for tensors ``q, k, v``."""
     tensors = (("q", q), ("k", k), ("v", v))
@@ -111,49 +105,194 @@ def _backend_problem(backend: str, q, k, v) -> tuple:
     return want, None
 
 
-# ------------------------------------------------------------ autograd
-def _sinks_opt(sinks) -> dict:
-    """``{"sinks": array}`` for the library call, or nothing without sinks."""
-    return {} if sinks is None else {"sinks": to_array(sinks)}
+# ------------------------------------------------------------ typed options
+@dataclass(frozen=True)
+class _Options:
+    """The typed options of one call: the custom ops' non-tensor arguments, in order.
+
+    ``comm`` is a key of :data:`_COMMS` (the communicator's id); ``layout_n`` the
+    global length of a ``Layout`` given as one (-1 for a layout name);
+    ``dropout_seed`` is stored as a signed 64-bit integer (the op schema's int);
+    ``stats`` a key of :data:`_STATS` (0: none).
+    """
+
+    comm: int
+    layout: str
+    layout_n: int
+    causal: bool
+    window_left: Optional[int]
+    window_right: Optional[int]
+    has_window: bool
+    softmax_scale: Optional[float]
+    backend: str
+    timeout: Optional[float]
+    check_finite: bool
+    head_parallel: Optional[str]
+    softcap: Optional[float]
+    dropout_p: float
+    dropout_seed: Optional[int]
+    stats: int
+
+    def args(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def library_kwargs(self) -> dict:
+        """Keywords for :func:`ringmpi.ring_attention` / :func:`ringmpi.ring_attention_backward`."""
+        comm = _COMMS[self.comm]
+        layout = self.layout if self.layout_n < 0 else Layout(self.layout, self.layout_n, comm.Get_size())
+        hp = self.head_parallel
+        kw = dict(comm=comm, layout=layout, causal=self.causal,
+                  window=(self.window_left, self.window_right) if self.has_window else None,
+                  softmax_scale=self.softmax_scale, backend=self.backend, timeout=self.timeout,
+                  check_finite=self.check_finite, stats=_STATS.get(self.stats),
+                  head_parallel=None if hp is None else (hp if hp == "auto" else int(hp)))
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.dropout_p or self.dropout_seed is not None:
+            kw.update(dropout_p=self.dropout_p,
+                      dropout_seed=None if self.dropout_seed is None else self.dropout_seed % (1 << 64))
+        return kw
 
 
-def _forward(q, k, v, opts, sinks=None):
+_STATS: dict = {}  # stats lists of calls whose backward may still run, by id (the ops take an int)
+_COMMS: dict = {}  # the communicators calls were given, by id (the ops take an int)
+
+
+@torch.compiler.assume_constant_result
+def _comm_key(comm) -> int:
+    """The key of ``comm`` in :data:`_COMMS` (registering it); run, not traced, by torch.compile."""
+    _COMMS[id(comm)] = comm
+    return id(comm)
+
+
+def _signed64(x: Optional[int]) -> Optional[int]:
+    if x is None or not isinstance(x, (int, np.integer)) or not 0 <= int(x) < 1 << 64:
+        return x  # the library's check names the problem
+    x = int(x)
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _options(comm, layout, causal, window, softmax_scale, backend, timeout, check_finite, stats,
+             head_parallel, softcap, dropout_p, dropout_seed) -> _Options:
+    if stats is not None:
+        _STATS[id(stats)] = stats
+    has_window = window is not None
+    left, right = _typed_window(window) if has_window else (None, None)
+    return _Options(comm=_comm_key(comm), layout=layout.kind if isinstance(layout, Layout) else str(layout),
+                    layout_n=layout.n if isinstance(layout, Layout) else -1, causal=bool(causal),
+                    window_left=left, window_right=right, has_window=has_window,
+                    softmax_scale=None if softmax_scale is None else float(softmax_scale), backend=backend,
+                    timeout=None if timeout is None else float(timeout), check_finite=bool(check_finite),
+                    head_parallel=None if head_parallel is None else str(head_parallel),
+                    softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
+                    dropout_seed=_signed64(dropout_seed), stats=0 if stats is None else id(stats))
+
+
+def _typed_window(window) -> tuple:
+    """``(left, right)`` as two ints or Nones; anything else becomes ``(-1, -1)``, which the
+    library refuses on every rank (a window must be non-negative)."""
+    try:
+        if len(window) == 2 and all(w is None or int(w) == w for w in window):
+            return tuple(None if w is None else int(w) for w in window)
+    except TypeError:
+        pass
+    return -1, -1
+
+
+# ------------------------------------------------------------ the custom ops
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_OPTION_SCHEMA = ("int comm, str layout, int layout_n, bool causal, int? window_left, int? window_right, "
+                  "bool has_window, float? softmax_scale, str backend, float? timeout, bool check_finite, "
+                  "str? head_parallel, float? softcap, float dropout_p, int? dropout_seed, int stats")
+torch.library.define("ringmpi::ring_attention",
+                     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? seg_q, Tensor? seg_kv, "
+                     + _OPTION_SCHEMA + ") -> (Tensor, Tensor)")
+torch.library.define("ringmpi::ring_attention_backward",
+                     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? sinks, "
+                     "Tensor? seg_q, Tensor? seg_kv, " + _OPTION_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _segments(seg):
+    return None if seg is None else seg.detach().cpu().numpy()
+
+
+def _library_call(opts: _Options, q, k, v, seg_q, seg_kv, sinks) -> dict:
+    """The library's keywords for this call, with the backend resolved for these tensors."""
+    kw = opts.library_kwargs()
+    kw["backend"], problem = _backend_problem(opts.backend, q, k, v)
+    if problem:  # eager calls agreed on it in ring_attention already; compiled ones get it here
+        raise ConfigError(problem)
+    kw.update(segment_ids_q=_segments(seg_q), segment_ids_kv=_segments(seg_kv))
+    if sinks is not None:
+        kw["sinks"] = to_array(sinks)
+    return kw
+
+
+@torch.library.impl("ringmpi::ring_attention", "CompositeExplicitAutograd")
+def _forward_op(q, k, v, sinks, seg_q, seg_kv, *options):
+    opts = _Options(*options)
     with _on_torch_stream(q.device):
-        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **opts, **_sinks_opt(sinks))
+        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **_library_call(opts, q, k, v, seg_q, seg_kv, sinks))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
-class _RingAttention(torch.autograd.Function):
-    """o, lse = f(q, k, v, sinks); lse is not differentiable; sinks may be None."""
+@torch.library.register_fake("ringmpi::ring_attention")
+def _forward_fake(q, k, v, sinks, seg_q, seg_kv, *options):
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, v.shape[3])), q.new_empty((b, h, s), dtype=_lse_dtype(q.dtype))
 
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, opts):
-        o, lse = _forward(q, k, v, opts, sinks)
-        ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)))
-        ctx.opts = opts
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse, *sinks = ctx.saved_tensors
-        sinks = sinks[0] if sinks else None
-        with torch.no_grad(), _on_torch_stream(q.device):
-            grads = ringmpi.ring_attention_backward(
-                *(to_array(x) for x in (do.contiguous(), q, k, v, o, lse)), **ctx.opts, **_sinks_opt(sinks))
-            devices = (q.device,) * 3 + (None if sinks is None else sinks.device,)
-            grads = [to_tensor(np.ascontiguousarray(g) if i == 3 else g, devices[i]) if want else None
-                     for i, (g, want) in enumerate(zip(tuple(grads) + (None,) * (4 - len(grads)),
-                                                        ctx.needs_input_grad))]
-        if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
-            wanted = [g for g in grads if g is not None]
-            refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in wanted)))
-            grads = [None if g is None else next(refused) for g in grads]
-        return tuple(grads) + (None,)
+@torch.library.impl("ringmpi::ring_attention_backward", "CompositeExplicitAutograd")
+def _backward_op(do, q, k, v, o, lse, sinks, seg_q, seg_kv, *options):
+    """dq, dk, dv and dsinks (this rank's share; ``(0,)`` without sinks)."""
+    opts = _Options(*options)
+    with _on_torch_stream(q.device):
+        grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do, q, k, v, o, lse)),
+                                                **_library_call(opts, q, k, v, seg_q, seg_kv, sinks),
+                                                reduce_dsinks=False)
+        dq, dk, dv = (to_tensor(g, q.device) for g in grads[:3])
+        dsinks = (q.new_empty((0,)) if sinks is None
+                  else to_tensor(np.ascontiguousarray(grads[3]), sinks.device))
+        return dq, dk, dv, dsinks
+
+
+@torch.library.register_fake("ringmpi::ring_attention_backward")
+def _backward_fake(do, q, k, v, o, lse, sinks, seg_q, seg_kv, *options):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((0,)) if sinks is None else torch.empty_like(sinks))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, seg_q, seg_kv, *options = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, sinks, seg_q, seg_kv)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, sinks, seg_q, seg_kv = ctx.saved_tensors
+    with torch.no_grad():
+        dq, dk, dv, dsinks = torch.ops.ringmpi.ring_attention_backward(
+            do.contiguous(), q, k, v, o, lse, sinks, seg_q, seg_kv, *ctx.options)
+    _STATS.pop(ctx.options[-1], None)
+    grads = [g if want else None for g, want in zip((dq, dk, dv, None if sinks is None else dsinks),
+                                                     ctx.needs_input_grad[:4])]
+    if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
+        wanted = [g for g in grads if g is not None]
+        refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in wanted)))
+        grads = [None if g is None else next(refused) for g in grads]
+    return tuple(grads) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+
+torch.library.register_autograd("ringmpi::ring_attention", _backward, setup_context=_setup_context)
 
 
 class _NotDifferentiable(torch.autograd.Function):
-    """Identity whose backward raises: the gradients of :class:`_RingAttention`
+    """Identity whose backward raises: the gradients of the ring attention op
     under ``create_graph=True``, so that a double backward fails loudly instead
     of treating them as constants."""
 
@@ -165,6 +304,19 @@ class _NotDifferentiable(torch.autograd.Function):
     def backward(ctx, *_):
         raise RuntimeError("ringmpi.torch.ring_attention cannot be differentiated twice: its backward "
                            "(ringmpi.ring_attention_backward) has no derivative of its own")
+
+
+def _host_segment_tensor(ids):
+    """Segment ids as a host int64 tensor (arrays and tensors of any device)."""
+    if ids is None:
+        return None
+    if isinstance(ids, torch.Tensor):
+        return ids.detach().cpu()
+    return torch.from_numpy(np.asarray(_host(ids)))
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else x
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=None,
@@ -199,10 +351,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     stats : list, optional
         Ring step records of the forward are appended to it, and those of the
         backward when it runs.
-    sinks : (H,) float32/float64 tensor, optional, the same on every rank
-        Attention sinks (see :func:`ringmpi.ring_attention`); when it requires a
-        gradient it receives ``dsinks`` summed over all ranks (every rank gets the
-        same value: do not sum it again across ranks).
+    sinks : (H,) float16/bfloat16/float32/float64 tensor, optional, the same on every rank
+        Attention sinks (see :func:`ringmpi.ring_attention`), used in float32 for
+        16-bit inputs or sinks.  A replicated parameter: when it requires a
+        gradient, ``sinks.grad`` receives this rank's own contribution (from its
+        own queries; ``ring_attention_backward(..., reduce_dsinks=False)``), in the
+        sinks' dtype, like every other parameter's gradient, so summing gradients
+        over the ranks (``comm.Allreduce``, DDP, FSDP) gives the total.
     softcap : float > 0, optional
         Logit softcap, as in :func:`ringmpi.ring_attention`.
 
@@ -213,6 +368,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
 
     Notes
     -----
+    One ``torch.library`` custom op, ``torch.ops.ringmpi.ring_attention`` (with a
+    fake implementation and its backward op ``ringmpi::ring_attention_backward``),
+    so ``torch.compile`` keeps the call whole, as one node, without a graph break.
     No copies: tensors reach the backend as NumPy views (CPU) or through
     DLPack as CuPy arrays (CUDA), and ``o``, ``lse`` and the gradients are
     the backend's own arrays.  Non-contiguous inputs are made contiguous once
@@ -223,22 +381,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     (``create_graph=True`` through this call) is not supported and raises.
     """
     comm = resolve_comm(comm)
-    backend, problem = _backend_problem(backend, q, k, v)
-    agree(comm, problem)
-    opts = dict(comm=comm, layout=layout, causal=causal, window=window,
-                segment_ids_q=_host_ids(segment_ids_q), segment_ids_kv=_host_ids(segment_ids_kv),
-                softmax_scale=softmax_scale, backend=backend, timeout=timeout,
-                check_finite=check_finite, stats=stats, head_parallel=head_parallel)
-    if softcap is not None:
-        opts["softcap"] = softcap
-    if dropout_p or dropout_seed is not None:
-        opts.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
+    if not torch.compiler.is_compiling():  # MPI cannot be traced: compiled code checks inside the op
+        agree(comm, _backend_problem(backend, q, k, v)[1])
+    opts = _options(comm, layout, causal, window, softmax_scale, backend, timeout, check_finite, stats,
+                    head_parallel, softcap, dropout_p, dropout_seed)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        o, lse = _RingAttention.apply(q, k, v, sinks, opts)
-    else:
-        o, lse = _forward(q, k, v, opts, sinks)
+    o, lse = torch.ops.ringmpi.ring_attention(q, k, v, sinks, _host_segment_tensor(segment_ids_q),
+                                              _host_segment_tensor(segment_ids_kv), *opts.args())
+    if stats is not None and not o.requires_grad:  # no backward will append to stats
+        _STATS.pop(opts.stats, None)
     return (o, lse) if return_lse else o
 
 
@@ -270,12 +422,14 @@ class RingSelfAttention(torch.nn.Module):
     ``out: H*D -> E`` with ``D = E // H``.  The parameters are replicated:
     initialise them identically on every rank and sum their gradients over the
     ranks after the backward (``comm.Allreduce``), as
-    ``jobs/train_context_parallel.py`` does.  Keywords after ``bias`` go to
+    ``jobs/train_context_parallel.py`` does.  ``sinks=True`` adds a learned
+    attention sink per head (``self.sinks (H,)``, zeros at first), a replicated
+    parameter like the others.  Keywords after ``sinks`` go to
     :func:`ring_attention` (``comm``, ``layout``, ``causal``, ``window``, ...).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 bias: bool = False, **options):
+                 bias: bool = False, sinks: bool = False, **options):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads or num_heads % num_kv_heads:
@@ -285,11 +439,13 @@ class RingSelfAttention(torch.nn.Module):
         self.q_proj = torch.nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.kv_proj = torch.nn.Linear(embed_dim, 2 * num_kv_heads * self.head_dim, bias=bias)
         self.out_proj = torch.nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.sinks = torch.nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.options = options
 
     def forward(self, x: torch.Tensor, segment_ids=None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
         k, v = self.kv_proj(x).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
-        o = ring_attention(q, k, v, segment_ids_q=segment_ids, segment_ids_kv=segment_ids, **self.options)
+        o = ring_attention(q, k, v, segment_ids_q=segment_ids, segment_ids_kv=segment_ids, sinks=self.sinks,
+                           **self.options)
         return self.out_proj(o.reshape(b, s, self.heads * self.head_dim))
