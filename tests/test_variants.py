@@ -1,4 +1,4 @@
-"""Attention sinks, logit softcap and max logit (issue 13, parts 1, 2, 4) under real mpirun.
+"""Attention sinks, logit softcap, max logit (issue 13, parts 1, 2, 4) and ALiBi (issue 25) under real mpirun.
 
 One launch per world size (P = 1, 3, 4) runs the whole case list of
 ``variant_cases.py``; each case is its own pytest item.  Shapes are uneven
@@ -45,6 +45,16 @@ def cases_for(p):
                 H=4, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0, head_parallel=u)
             add(f"all-U{u}", n_q=47, layout="striped", causal=True, segments=2, B=2, H=4, Hkv=2, sinks=True,
                 softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, head_parallel=u)
+    # ALiBi (issue 25): alone with N_q != N_kv on every layout, then with every other option
+    for layout in LAYOUTS:
+        add(f"alibi-{layout}", n_q=37, n_kv=45, layout=layout, causal=True, alibi=True)
+    add("alibi-all", n_q=47, n_kv=52, layout="zigzag", causal=True, window=[15, 0], segments=2, B=2,
+        H=4, Hkv=2, sinks=True, softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, alibi=True)
+    add("alibi-all64", n_q=29, n_kv=40, layout="striped", window=[9, 2], H=4, Hkv=1, sinks=True,
+        sink_dtype="float64", softcap=1.5, dtype="float64", alibi=True, alibi_scale=4.0)
+    if p == 4:
+        add("alibi-all-U2", n_q=47, layout="striped", causal=True, segments=2, B=2, H=4, Hkv=2, sinks=True,
+            softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, head_parallel=2, alibi=True)
     add("large-sinks", n_q=33, layout="zigzag", sinks=True, sink_scale=30.0)  # sink far above the scores
     add("disjoint-sinks", n_q=20, layout="striped", segments=2, disjoint=True, sinks=True)
     add("disjoint", n_q=20, layout="contiguous", segments=2, disjoint=True, softcap=3.0)
@@ -66,9 +76,13 @@ def cases_for(p):
     if p == 3:  # torch imports slowly: one launch
         add("torch", kind="torch", n_q=31, layout="zigzag", causal=True, sinks=True, softcap=2.0,
             k_scale=3.0)
+        add("torch-alibi", kind="torch", n_q=31, layout="zigzag", causal=True, sinks=True, softcap=2.0,
+            k_scale=3.0, alibi=True)
     for layout in LAYOUTS:
         add(f"decode-{layout}", kind="decode", n_q=3, n_kv=50, layout=layout, window=[20, 0], softcap=2.0,
             k_scale=4.0, sinks=layout != "zigzag")
+    add("decode-alibi", kind="decode", n_q=3, n_kv=50, layout="striped", window=[20, 0], softcap=2.0,
+        k_scale=4.0, sinks=True, alibi=True, H=4, Hkv=1)
     return cases
 
 
@@ -102,15 +116,17 @@ def test_mask_spec_carries_softcap():
 
 
 def test_fold_sinks_rows_without_keys():
-    from ringmpi.variants import fold_sinks
+    from ringmpi.backends.numpy_backend import NumpyBackend
+    from ringmpi.online_softmax import SoftmaxState
 
-    o_acc = np.zeros((1, 2, 3, 4))
+    state = SoftmaxState(NumpyBackend(), (1, 2, 3), 4, np.float64)
+    o_acc, m, l = state.arrays()
     o_acc[0, 0, 0] = 2.0
-    m = np.array([[[0.5, -np.inf, -np.inf], [1.0, 2.0, -np.inf]]])
-    l = np.array([[[2.0, 0.0, 0.0], [1.0, 1.0, 0.0]]])
+    m[...] = np.array([[[0.5, -np.inf, -np.inf], [1.0, 2.0, -np.inf]]])
+    l[...] = np.array([[[2.0, 0.0, 0.0], [1.0, 1.0, 0.0]]])
     sinks = np.array([0.25, 3.0])
     lse_before = m + np.log(np.where(l > 0, l, 1))
-    fold_sinks(np, o_acc, m, l, sinks)
+    state.fold_sinks(sinks)
     lse = m + np.log(l)
     seen = np.array([[[True, False, False], [True, True, False]]])
     want = np.where(seen, np.logaddexp(lse_before, sinks[None, :, None]), sinks[None, :, None])
@@ -120,7 +136,7 @@ def test_fold_sinks_rows_without_keys():
 
 
 def test_option_problems():
-    from ringmpi.variants import sinks_problem, softcap_problem
+    from ringmpi.options import sinks_problem, softcap_problem
 
     assert softcap_problem(None) is None and softcap_problem(30) is None
     for bad in (0, -1.0, float("nan"), float("inf"), "x"):

@@ -33,6 +33,13 @@ def make_sinks(case, heads):
     return (rng.standard_normal(heads) * case.get("sink_scale", 2.0)).astype(case.get("sink_dtype", "float32"))
 
 
+def make_alibi(case, heads):
+    """ALiBi slopes (H,) float32 of a case with ``alibi``: the usual geometric ones, 2^(-8 (h+1) / H)."""
+    if not case.get("alibi"):
+        return None
+    return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads) * case.get("alibi_scale", 1.0)).astype(np.float32)
+
+
 def inputs(case):
     q, k, v, do, seg_q, seg_kv = make_inputs(case)
     if case.get("disjoint") and seg_q is not None:
@@ -51,6 +58,8 @@ def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
     if sinks is not None:
         kw["sinks"] = _converters()[0](sinks)
+    if case.get("alibi"):
+        kw["alibi_slopes"] = make_alibi(case, case["H"])
     return kw, window
 
 
@@ -93,11 +102,12 @@ def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sin
     if case.get("dropout"):  # the mask drawn straight from Philox (reference.dropout_factors)
         drop = reference.dropout_factors(case["dropout_seed"], case["dropout"], q.shape[0], q.shape[2],
                                          q.shape[1], k.shape[1])
-    opts = dict(sinks=sinks, softcap=softcap, drop=drop)
+    alibi = make_alibi(case, q.shape[2])
+    opts = dict(sinks=sinks, softcap=softcap, drop=drop, alibi=alibi)
     ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64, **opts)
     naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype, **opts)
-    ref_m = reference.dense_max_logit(q, k, vis, scale, np.float64, softcap)
-    naive_m = reference.dense_max_logit(q, k, vis, scale, dtype, softcap)
+    ref_m = reference.dense_max_logit(q, k, vis, scale, np.float64, softcap, alibi)
+    naive_m = reference.dense_max_logit(q, k, vis, scale, dtype, softcap, alibi)
     o = lay_q.unshard([g["o"] for g in gathered], axis=1)
     lse = lay_q.unshard([g["lse"] for g in gathered], axis=2)
     per_head = ["max_logit"] + (["dsinks"] if sinks is not None else [])
@@ -172,14 +182,15 @@ def decode_case(comm, case):
     o, lse = ringmpi.decode_attention(to_backend(q), to_backend(lay.shard(k, rank)), to_backend(lay.shard(v, rank)),
                                       comm=comm, layout=case["layout"], causal=True, window=window,
                                       softcap=case.get("softcap"), backend=BACKEND,
-                                      sinks=None if sinks is None else to_backend(sinks))
+                                      sinks=None if sinks is None else to_backend(sinks),
+                                      alibi_slopes=make_alibi(case, q.shape[2]))
     o, lse = to_host(o), to_host(lse)
     same = comm.allgather(o.tobytes() + lse.tobytes())
     if rank != 0:
         return None
     scale = 1.0 / np.sqrt(q.shape[3])
     vis = reference.visible(q.shape[1], k.shape[1], True, window)
-    opts = dict(sinks=sinks, softcap=case.get("softcap"))
+    opts = dict(sinks=sinks, softcap=case.get("softcap"), alibi=make_alibi(case, q.shape[2]))
     ref = reference.dense_forward(q, k, v, vis, scale, np.float64, **opts)
     naive = reference.dense_forward(q, k, v, vis, scale, q.dtype, **opts)
     ok, messages = len(set(same)) == 1, [] if len(set(same)) == 1 else ["ranks differ"]
@@ -278,7 +289,7 @@ def torch_case(comm, case):
               for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     sinks_t = torch.from_numpy(sinks.copy()).requires_grad_(True)
     o = rt.ring_attention(*leaves, comm=comm, layout=case["layout"], causal=case.get("causal", False),
-                          sinks=sinks_t, softcap=case["softcap"])
+                          sinks=sinks_t, softcap=case["softcap"], alibi_slopes=make_alibi(case, q.shape[2]))
     (o * torch.from_numpy(np.ascontiguousarray(lay_q.shard(do, rank)))).sum().backward()
     mine = dict(o=o.detach().numpy(), dq=leaves[0].grad.numpy(), dk=leaves[1].grad.numpy(),
                 dv=leaves[2].grad.numpy(), dsinks=sinks_t.grad.numpy())
@@ -287,7 +298,7 @@ def torch_case(comm, case):
         return None
     scale = 1.0 / np.sqrt(q.shape[3])
     vis = reference.visible(q.shape[1], k.shape[1], case.get("causal", False))
-    opts = dict(sinks=sinks, softcap=case["softcap"])
+    opts = dict(sinks=sinks, softcap=case["softcap"], alibi=make_alibi(case, q.shape[2]))
     ref, naive = (reference.dense_forward(q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
     refg, naiveg = (reference.dense_backward(do, q, k, v, vis, scale, dt, **opts) for dt in (np.float64, q.dtype))
     ok, messages = True, []

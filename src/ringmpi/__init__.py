@@ -25,10 +25,11 @@ _PUBLIC = {
     "abort_on_error": "errors",
     "decode_attention": "decode",
     "KVCache": "kvcache",
+    "AttentionOptions": "options",
 }
 
-__all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "abort_on_error",
-           "ConfigError", "RingTimeout", "__version__"]
+__all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "AttentionOptions",
+           "abort_on_error", "ConfigError", "RingTimeout", "__version__"]
 
 
 def __getattr__(name):

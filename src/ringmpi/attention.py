@@ -16,55 +16,22 @@ to their owner.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 
 from . import dtypes as _dtypes
-from . import variants as _variants
 from .backends import get_backend
-from .dropout import MAX_POSITION, Dropout
-from .dropout import validate as _dropout_validate
+from .backends import modifier_problem
+from .backends import value_dim_problem as _value_dim_problem
 from .errors import agree
 from .layout import KINDS, Layout
-from .masks import MaskSpec
+from .local_attention import AgreedCall, backward_pass, forward_pass
+from .options import AttentionOptions
 from .ring import default_timeout, resolve_comm
-from .schedule import RingSchedule
 from .topology import resolve_groups
 
 FLOAT_DTYPES = _dtypes.NAMES
-
-
-@dataclass
-class _Plan:
-    """Everything one call agreed on across ranks before the ring starts."""
-
-    comm: object
-    backend: object
-    rank: int
-    batch: int
-    heads: int
-    compute_dtype: np.dtype
-    layout_q: Layout
-    layout_kv: Layout
-    spec: MaskSpec
-    scale: float
-    seg_q: Optional[np.ndarray]   # (B, S_q_local) int64
-    seg_kv: Optional[np.ndarray]  # (B, S_kv_local) int64, this rank's only
-    timeout: Optional[float]
-    sinks: Optional[object] = None  # (H,) compute dtype, this backend's array
-
-    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
-        """The ring schedule of this call, loaded with this rank's ``k (B, S_kv_local, H_kv, D)``
-        and ``v (B, S_kv_local, H_kv, D_v)``."""
-        be = self.backend
-        return RingSchedule(
-            self.comm, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype),
-            kv_counts=self.layout_kv.counts(), q_pos=self.layout_q.indices(self.rank),
-            kv_pos=self.layout_kv.indices(self.rank), spec=self.spec, seg_q=self.seg_q,
-            seg_kv=self.seg_kv, grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
 
 
 def _describe(x) -> str:
@@ -73,8 +40,6 @@ def _describe(x) -> str:
 
 def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str]:
     """This rank's shape/dtype problem, or None."""
-    if declared is not None and _dtypes.declared_name(declared) is None:
-        return f"dtype={declared!r} is not one of {', '.join(FLOAT_DTYPES)}"
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(extra):
         if getattr(x, "ndim", None) != 4:
             return f"{name} must be 4-D (B, S_local, H, D), got {_describe(x) if hasattr(x, 'shape') else type(x).__name__}"
@@ -113,15 +78,6 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
     return None
 
 
-def _value_dim_problem(backend_name: str, d: int, d_v: int) -> Optional[str]:
-    """Why a backend cannot run head dim ``d`` with value head dim ``d_v``, or None
-    (NumPy runs any pair; the CUDA kernels a compiled set, :func:`ringmpi.kernels.value_dim_problem`)."""
-    if d_v == d or backend_name != "cupy":
-        return None
-    from .kernels import value_dim_problem
-    return value_dim_problem(d, d_v)
-
-
 def _output_shape(q, v) -> tuple:
     """``(B, S_q_local, H, D_v)``: the shape of ``o`` (and ``do``) for these ``q``, ``v``."""
     return tuple(q.shape[:3]) + (v.shape[3],)
@@ -137,34 +93,42 @@ def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
             f"[{b}, {layout_positions[s]}, {h}, {d}] (b, token, head, dim)")
 
 
-def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-          softmax_scale, backend, timeout, check_finite, extra=(), declared=None,
-          sinks=None, softcap=None, exact_max=False,
-          dropout_p=0.0, dropout_seed=None, dropout_offsets=None) -> _Plan:
+def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segment_ids_kv,
+          backend, extra=()) -> AgreedCall:
+    """Check and agree on one call across the ranks of ``comm`` (every problem a ConfigError
+    on every rank, before any compute) and plan it."""
     comm = resolve_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     be = get_backend(backend, (q, k, v))
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
-    agree(comm, _local_problem(q, k, v, seg_q, seg_kv, extra, declared)
+    agree(comm, options.dtype_problem() or _local_problem(q, k, v, seg_q, seg_kv, extra, options.dtype)
           or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
-          or _variants.softcap_problem(softcap) or _variants.sinks_problem(sinks, q.shape[2])
-          or _dropout_problem(dropout_p, dropout_seed, dropout_offsets, q.shape[2]))
+          or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names()))
+    layout_q, layout_kv = _agree_layouts(q, k, v, options, comm, layout)
+    if options.check_finite:
+        _agree_finite(comm, rank, (("q", q, layout_q), ("k", k, layout_kv), ("v", v, layout_kv))
+                      + tuple((n, x, layout_q) for n, x in extra))
+    if seg_q is not None:
+        seg_q = seg_q.astype(np.int64, copy=False)
+        seg_kv = seg_kv.astype(np.int64, copy=False)
+    ct = be.compute_dtype(q.dtype)
+    return AgreedCall(comm=comm, backend=be, batch=q.shape[0], heads=q.shape[2], compute_dtype=ct,
+                      layout_q=layout_q, layout_kv=layout_kv,
+                      spec=options.mask_spec(q.shape[2], offset=layout_kv.n - layout_q.n),
+                      scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
+                      timeout=default_timeout() if options.timeout is None else options.timeout,
+                      sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
 
+
+def _agree_layouts(q, k, v, options: AttentionOptions, comm, layout):
+    """``(layout_q, layout_kv)`` once every rank agrees on shapes, options and shard lengths."""
+    size = comm.Get_size()
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
-    drop_key = _dropout_key(dropout_p, dropout_seed, dropout_offsets, q.shape[2])
-    shapes = comm.allgather((signature, q.shape[1], k.shape[1], (_variants.digest(sinks, softcap), drop_key)))
-    sigs = {s for s, _, _, _ in shapes}
-    problem = None
-    if len({d[0] for _, _, _, d in shapes}) > 1:
-        problem = "ranks disagree on sinks or softcap: every rank must pass the same values"
-    if problem is None and len({d[1] for _, _, _, d in shapes}) > 1:
-        problem = ("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
-                   + "; ".join(f"rank {r}: {d[1]}" for r, (_, _, _, d) in enumerate(shapes)))
-    if problem is None and len(sigs) > 1:
-        problem = ("ranks disagree on (batch, heads, kv_heads, head_dim, value_head_dim, dtype): "
-                   + "; ".join(f"rank {r}: {s}" for r, (s, _, _, _) in enumerate(shapes)))
+    drop_key = options.dropout_key(q.shape[2])
+    shapes = comm.allgather((signature, q.shape[1], k.shape[1], (options.digest(), drop_key)))
+    problem = _disagreement(shapes)
     n_q = sum(n for _, n, _, _ in shapes)
     n_kv = sum(n for _, _, n, _ in shapes)
     kind = layout.kind if isinstance(layout, Layout) else layout
@@ -173,7 +137,7 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
     if problem is None and (n_q < 1 or n_kv < 1):
         problem = f"global sequence lengths must be >= 1, got N_q={n_q}, N_kv={n_kv}"
     if problem is None:
-        problem = _dropout_size_problem(drop_key, q.shape[0], n_q, n_kv)
+        problem = options.size_problem(q.shape[2], q.shape[0], n_q, n_kv)
     if problem is None and isinstance(layout, Layout):
         if layout.world_size != size or layout.n != n_q:
             problem = (f"layout {layout} does not match the communicator: world size {size}, "
@@ -187,67 +151,32 @@ def _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
             problem = (f"shard lengths do not match the {kind} layout of N_q={n_q}, N_kv={n_kv} "
                        f"over {size} ranks: rank {r} holds q {shapes[r][1]} / kv {shapes[r][2]} rows, "
                        f"the layout gives q {want_q[r]} / kv {want_kv[r]}")
-    if problem is None and window is not None:
-        if len(window) != 2 or any(w is not None and (int(w) != w or w < 0) for w in window):
-            problem = f"window must be (left, right) with non-negative ints or None, got {window!r}"
     agree(comm, problem)
-
-    if check_finite:
-        finite_problem = None
-        for name, x, lay in (("q", q, layout_q), ("k", k, layout_kv), ("v", v, layout_kv)) + tuple(
-                (n, x, layout_q) for n, x in extra):
-            finite_problem = _first_nonfinite(name, x, lay.indices(rank))
-            if finite_problem:
-                break
-        agree(comm, finite_problem)
-
-    if seg_q is not None:
-        seg_q = seg_q.astype(np.int64, copy=False)
-        seg_kv = seg_kv.astype(np.int64, copy=False)
-    dim = q.shape[3]
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dim)
-    dropout = None if drop_key is None else Dropout(p=drop_key[0], seed=drop_key[1], heads=drop_key[4],
-                                                    batch_offset=drop_key[2], head_offset=drop_key[3])
-    spec = MaskSpec(causal=bool(causal),
-                    window=None if window is None else tuple(None if w is None else int(w) for w in window),
-                    offset=n_kv - n_q, softcap=None if softcap is None else float(softcap),
-                    exact_max=bool(exact_max), dropout=dropout)
-    return _Plan(comm=comm, backend=be, rank=rank, batch=q.shape[0], heads=q.shape[2],
-                 compute_dtype=be.compute_dtype(q.dtype),
-                 layout_q=layout_q, layout_kv=layout_kv, spec=spec, scale=scale, seg_q=seg_q,
-                 seg_kv=seg_kv,
-                 timeout=default_timeout() if timeout is None else timeout,
-                 sinks=None if sinks is None else be.asarray(sinks).astype(be.compute_dtype(q.dtype)))
+    return layout_q, layout_kv
 
 
-def _dropout_problem(p, seed, offsets, heads: int) -> Optional[str]:
-    """This rank's problem with its dropout options (None when fine)."""
-    problem = _dropout_validate(p, seed)
-    if problem is None and offsets is not None:
-        ok = len(offsets) == 3 and all(isinstance(x, (int, np.integer)) for x in offsets)
-        if not (ok and min(offsets) >= 0 and offsets[1] + heads <= offsets[2]):
-            problem = f"dropout_offsets must be (batch_offset, head_offset, total_heads) covering this call, got {offsets!r}"
-    return problem
-
-
-def _dropout_key(p, seed, offsets, heads: int):
-    """``(p, seed, batch_offset, head_offset, total_heads)`` of checked options, None
-    without dropout: what every rank must agree on."""
-    if float(p) == 0:
-        return None
-    b0, h0, total = (0, 0, heads) if offsets is None else offsets
-    return float(p), int(seed), int(b0), int(h0), int(total)
-
-
-def _dropout_size_problem(key, batch: int, n_q: int, n_kv: int) -> Optional[str]:
-    """The problem with dropout's counter ranges for these global sizes (None when fine)."""
-    if key is None:
-        return None
-    if max(n_q, n_kv) > MAX_POSITION:
-        return f"dropout needs sequence lengths <= 2^48, got N_q={n_q}, N_kv={n_kv}"
-    if (key[2] + batch) * key[4] > 1 << 32:
-        return "dropout needs (batch entries x heads) <= 2^32"
+def _disagreement(shapes) -> Optional[str]:
+    """The message when the ranks' ``(signature, n_q, n_kv, (digest, dropout key))`` differ."""
+    if len({d[0] for _, _, _, d in shapes}) > 1:
+        return ("ranks disagree on sinks or softcap (or alibi_slopes, causal, window, softmax_scale, "
+                "check_finite, return_max_logit): every rank must pass the same values")
+    if len({d[1] for _, _, _, d in shapes}) > 1:
+        return ("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
+                + "; ".join(f"rank {r}: {d[1]}" for r, (_, _, _, d) in enumerate(shapes)))
+    if len({s for s, _, _, _ in shapes}) > 1:
+        return ("ranks disagree on (batch, heads, kv_heads, head_dim, value_head_dim, dtype): "
+                + "; ".join(f"rank {r}: {s}" for r, (s, _, _, _) in enumerate(shapes)))
     return None
+
+
+def _agree_finite(comm, rank: int, named) -> None:
+    """ConfigError on every rank when any rank's ``(name, array, layout)`` holds a NaN/Inf."""
+    problem = None
+    for name, x, lay in named:
+        problem = _first_nonfinite(name, x, lay.indices(rank))
+        if problem:
+            break
+    agree(comm, problem)
 
 
 def _host(x):
@@ -261,7 +190,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    stats: Optional[list] = None, dtype: Optional[str] = None,
                    head_parallel: Union[int, str, None] = None,
                    sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False,
-                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None):
+                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None,
+                   alibi_slopes=None, options: Optional[AttentionOptions] = None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
@@ -335,6 +265,14 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     dropout_offsets : (batch_offset, head_offset, total_heads), optional
         Where this call's batch entry 0 and head 0 sit in a larger tensor whose
         mask it should draw (a call over a slice); default ``(0, 0, H)``.
+    alibi_slopes : (H,) float32, optional, the same on every rank
+        ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
+        ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
+        global positions (after scale and softcap, before the mask).  NumPy backend.
+    options : :class:`ringmpi.options.AttentionOptions`, optional
+        All of the options above (``causal`` ... ``dropout_offsets``, ``dtype``,
+        ``head_parallel``, ``timeout``, ``check_finite``) as one object, instead of
+        their keywords (giving both is a TypeError).
 
     Returns
     -------
@@ -348,40 +286,34 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         whole sequence, the same on every rank; ``-inf`` for a head whose
         queries see no key.
     """
-    (q, k, v), bits = _dtypes.view_declared(dtype, q, k, v)
-    plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-                 softmax_scale, backend, timeout, check_finite, declared=dtype,
-                 sinks=sinks, softcap=softcap, exact_max=return_max_logit,
-                 dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offsets=dropout_offsets)
-    groups = resolve_groups(plan.comm, plan.heads, head_parallel)
+    options = AttentionOptions(
+        causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
+        check_finite=check_finite, dtype=dtype, return_max_logit=return_max_logit).given_once(options)
+    return _forward(q, k, v, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
+                   segment_ids_kv=segment_ids_kv, backend=backend, stats=stats)
+
+
+def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str, Layout] = "contiguous",
+            segment_ids_q=None, segment_ids_kv=None, backend: str = "auto", stats: Optional[list] = None):
+    """:func:`ring_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
+    (q, k, v), bits = _dtypes.view_declared(options.dtype, q, k, v)
+    plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend)
+    groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
-        return _two_level.forward(plan, groups, q, k, v, stats=stats, bits=bits,
-                                  return_max_logit=return_max_logit)
-    be, ct = plan.backend, plan.compute_dtype
-    xp = be.xp
-    qh = be.to_heads(be.asarray(q), ct)
-    shape = qh.shape
-    o_acc = xp.zeros(shape[:3] + (v.shape[3],), dtype=ct)
-    m = xp.full(shape[:3], -np.inf, dtype=ct)
-    l = xp.zeros(shape[:3], dtype=ct)
-
-    schedule = plan.schedule(be.asarray(k), be.asarray(v))
-    resident = {}  # what the backend derives from qh once per call
-    for block in schedule:
-        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
-                         resident=resident)
-    records = schedule.records
-    del schedule, block, resident  # the ring's buffers go before the outputs are made
-    max_logit = _variants.max_logits(m, plan.comm) if return_max_logit else None
-    if plan.sinks is not None:
-        _variants.fold_sinks(xp, o_acc, m, l, plan.sinks)
-    o, lse = be.finalize(o_acc, m, l, q.dtype)
+        o, lse, max_logit, records = _two_level.forward(plan, groups, q, k, v,
+                                                        return_max_logit=options.return_max_logit)
+    else:
+        be = plan.backend
+        o, lse, max_logit, records = forward_pass(
+            plan.flat_problem(), be.asarray(q), be.asarray(k), be.asarray(v), sinks=plan.sinks,
+            max_logit=(plan.comm, None) if options.return_max_logit else None)
     if stats is not None:
         stats.extend(records)
-    if return_max_logit:
-        return (o.view(np.uint16) if bits else o), lse, max_logit
-    return (o.view(np.uint16) if bits else o), lse
+    o = o.view(np.uint16) if bits else o
+    return (o, lse, max_logit) if options.return_max_logit else (o, lse)
 
 
 def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
@@ -393,7 +325,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             head_parallel: Union[int, str, None] = None,
                             sinks=None, softcap: Optional[float] = None,
                             dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                            dropout_offsets=None, reduce_dsinks: bool = True):
+                            dropout_offsets=None, alibi_slopes=None, options: Optional[AttentionOptions] = None,
+                            reduce_dsinks: bool = True):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
@@ -404,8 +337,11 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     q, k, v : as for :func:`ring_attention`.
     o : (B, S_q_local, H, D_v), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
-    dropout_p, dropout_seed, dropout_offsets : the forward's values: the mask
-        is regenerated, never stored.
+    dropout_p, dropout_seed, dropout_offsets, alibi_slopes : the forward's values
+        (the dropout mask is regenerated, never stored).
+    options : :class:`ringmpi.options.AttentionOptions`, optional
+        The options as one object instead of their keywords (the forward's may be
+        passed as they are: ``return_max_logit`` is ignored here).
     reduce_dsinks : bool
         True (the default): ``dsinks`` is summed over all ranks (the same on every
         rank).  False: ``dsinks`` is this rank's own queries' contribution, so that
@@ -424,47 +360,39 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         the gradient w.r.t. the sinks, summed over the batch and all ranks (the
         same on every rank), or this rank's share with ``reduce_dsinks=False``.
     """
-    (do, q, k, v, o), bits = _dtypes.view_declared(dtype, do, q, k, v, o)
-    plan = _plan(q, k, v, comm, layout, causal, window, segment_ids_q, segment_ids_kv,
-                 softmax_scale, backend, timeout, check_finite, extra=(("do", do), ("o", o)),
-                 declared=dtype, sinks=sinks, softcap=softcap, dropout_p=dropout_p,
-                 dropout_seed=dropout_seed, dropout_offsets=dropout_offsets)
-    be, ct = plan.backend, plan.compute_dtype
-    xp = be.xp
+    options = AttentionOptions(
+        causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
+        check_finite=check_finite, dtype=dtype).given_once(options)
+    return _backward(do, q, k, v, o, lse, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
+                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats, reduce_dsinks=reduce_dsinks)
+
+
+def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
+             layout: Union[str, Layout] = "contiguous", segment_ids_q=None, segment_ids_kv=None,
+             backend: str = "auto", stats: Optional[list] = None, reduce_dsinks: bool = True):
+    """:func:`ring_attention_backward` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
+    (do, q, k, v, o), bits = _dtypes.view_declared(options.dtype, do, q, k, v, o)
+    plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
+                 extra=(("do", do), ("o", o)))
+    be = plan.backend
     lse = be.asarray(lse)
     want = (plan.batch, plan.heads, q.shape[1])
     agree(plan.comm, None if tuple(lse.shape) == want else
           f"lse must have shape (B, H, S_q_local) = {want}, got {tuple(lse.shape)}")
-    groups = resolve_groups(plan.comm, plan.heads, head_parallel)
+    groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
+    sink_comm = plan.comm if reduce_dsinks else None  # None: this rank's own share of dsinks
     if groups is not None:
         from . import head_parallel as _two_level
-        return _two_level.backward(plan, groups, do, q, k, v, o, lse, stats=stats, bits=bits,
-                                   sinks_dtype=None if sinks is None else sinks.dtype,
-                                   reduce_dsinks=reduce_dsinks)
-    qh = be.to_heads(be.asarray(q), ct)
-    doh = be.to_heads(be.asarray(do), ct)
-    dvec = be.row_dot(doh, be.to_heads(be.asarray(o), ct))
-    lse = lse.astype(ct, copy=False)
-    dq = xp.zeros_like(qh)
-
-    schedule = plan.schedule(be.asarray(k), be.asarray(v), grad_dtype=ct, phase="bwd")
-    resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
-    for block in schedule:
-        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
-        schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
-                         plan.scale, block.mask, resident=resident, **pieces)
-    dk, dv = schedule.finished_grads()
-    records = schedule.records
-    dsinks = None if plan.sinks is None else _variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm,
-                                                                        reduce_dsinks)
-    # keep only dq and the finished dk, dv (their message) before the outputs are made
-    del schedule, block, pieces, resident, qh, doh, dvec
-    dq *= ct.type(plan.scale)
-    dk *= ct.type(plan.scale)
-    out_dtype = q.dtype
-    result = tuple(be.from_heads(g, out_dtype) for g in (dq, dk, dv))
+        result, dsinks, records = _two_level.backward(plan, groups, do, q, k, v, o, lse, sink_comm=sink_comm)
+    else:
+        dq, dk, dv, dsinks, records = backward_pass(
+            plan.flat_problem(), be.asarray(q), be.asarray(do), be.asarray(k), be.asarray(v), lse,
+            o=be.asarray(o), sinks=plan.sinks, sink_comm=sink_comm)
+        result = tuple(be.from_heads(g, q.dtype) for g in (dq, dk, dv))
     if bits:
         result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
         stats.extend(records)
-    return result if dsinks is None else result + (dsinks.astype(sinks.dtype),)
+    return result if dsinks is None else tuple(result) + (dsinks.astype(options.sinks.dtype),)

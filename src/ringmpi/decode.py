@@ -30,19 +30,19 @@ the ring's causal mask; keys at positions ``>= L_b`` are not part of entry
 
 from __future__ import annotations
 
-import math
 import time
-import zlib
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 
-from .backends import get_backend
+from .backends import get_backend, modifier_problem, value_dim_problem
 from .errors import ConfigError, agree
 from .layout import KINDS, Layout
-from .masks import BlockMask, MaskSpec
+from .masks import BlockMask
+from .online_softmax import SoftmaxState
+from .options import AttentionOptions
 from .ring import resolve_comm
-from .variants import softcap_problem
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _EXTRA = 4  # lse, flag, sig, -sig after the D output columns
@@ -102,7 +102,7 @@ def _q_problem(q) -> Optional[str]:
     return None
 
 
-def _cache_problem(q, k, v, n_local, n_cache, lengths, sinks) -> Optional[str]:
+def _cache_problem(q, k, v, n_local, n_cache, lengths) -> Optional[str]:
     """This rank's own problem with its cache shard (q already checked), or None."""
     for name, x in (("k_cache", k), ("v_cache", v)):
         if getattr(x, "ndim", None) != 4:
@@ -124,29 +124,7 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths, sinks) -> Optional[str]:
             return f"cache_lengths must have shape (B,) = ({b},), got {lengths.shape}"
         if lengths.min() < 0 or lengths.max() > n_cache:
             return f"cache_lengths must lie in [0, N_cache = {n_cache}], got {lengths.tolist()}"
-    if sinks is not None and sinks.shape != (h,):
-        return f"sinks must have shape (H,) = ({h},), got {sinks.shape}"
     return None
-
-
-def _option_problem(window, softcap) -> Optional[str]:
-    if softcap_problem(softcap):
-        return softcap_problem(softcap)
-    if window is not None and (len(window) != 2 or any(
-            w is not None and (int(w) != w or w < 0) for w in window)):
-        return f"window must be (left, right) with non-negative ints or None, got {window!r}"
-    return None
-
-
-def _signature(q, lengths, sinks, spec, scale, n_cache) -> float:
-    """A 24-bit digest of what every rank must agree on (exact in float32)."""
-    head = repr((tuple(q.shape), str(q.dtype), spec.causal, spec.window, scale, n_cache)
-                + (() if spec.softcap is None else (spec.softcap,))).encode()
-    crc = zlib.crc32(head)
-    for x in (q, lengths, sinks):
-        if x is not None:
-            crc = zlib.crc32(np.ascontiguousarray(x).view(np.uint8), crc)
-    return float(crc & 0xFFFFFF)
 
 
 def _host(x):
@@ -176,7 +154,8 @@ def _positions(layout, comm, n_local):
 def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layout="contiguous",
                      causal: bool = True, window=None, softmax_scale: Optional[float] = None, sinks=None,
                      softcap: Optional[float] = None, root: Optional[int] = None, backend: str = "auto",
-                     stats: Optional[dict] = None):
+                     stats: Optional[dict] = None, alibi_slopes=None,
+                     options: Optional[AttentionOptions] = None):
     """Attention of ``S_new`` new tokens over a KV cache sharded across the ranks of ``comm``.
 
     Collective.  No K/V leaves its rank: each rank attends to its own shard and
@@ -214,12 +193,18 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         includes the sink.
     softcap : float > 0, optional
         Logit softcap: scores become ``softcap * tanh(scale * q.k / softcap)``.
+    alibi_slopes : (H,) float32, optional
+        ALiBi: the score of query ``i`` and key ``j`` gains ``-alibi_slopes[h] * |i - j|``
+        (global positions, as :func:`ringmpi.ring_attention`).
     root : int, optional
         Return the result on ``root`` only (``(None, None)`` elsewhere).
     backend : "auto" | "numpy" | "cupy"
     stats : dict, optional
         Filled with ``compute_s`` (local attention) and ``merge_s`` (packing,
         the collective, unpacking; it includes waiting for the slowest rank).
+    options : :class:`ringmpi.options.AttentionOptions`, optional
+        ``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes`` as one
+        object instead of their keywords (giving both is a TypeError).
 
     Returns
     -------
@@ -228,6 +213,17 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         ``o = 0`` for a query that sees no key (and no sink).
     Identical bits on every rank.
     """
+    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, sinks=sinks,
+                               softcap=softcap, alibi_slopes=alibi_slopes).given_once(options, AttentionOptions(causal=True))
+    return decode(q, k_cache, v_cache, options, comm=comm, cache_lengths=cache_lengths, layout=layout,
+                  root=root, backend=backend, stats=stats)
+
+
+def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_lengths=None,
+           layout="contiguous", root: Optional[int] = None, backend: str = "auto",
+           stats: Optional[dict] = None):
+    """:func:`decode_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`
+    (``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes`` are read)."""
     comm = resolve_comm(comm)
     rank = comm.Get_rank()
     if root is not None:
@@ -242,31 +238,39 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
 
     n_local = k_cache.shape[1] if getattr(k_cache, "ndim", 0) == 4 else -1
     n_cache, pos, problem = _positions(layout, comm, n_local)
-    problem = problem or _option_problem(window, softcap)
-    if problem:
-        window = softcap = None
+    problem = problem or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names())
+    if problem:  # this rank still joins the collective, with options that build a spec
+        options = AttentionOptions(causal=options.causal)
     start = time.perf_counter()
     lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
-    sinks_h = None if sinks is None else np.asarray(_host(sinks), dtype=np.float64)
     if problem is None:
-        problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths, sinks_h)
-    if problem is None and be.name == "cupy" and v_cache.shape[3] != q.shape[3]:
-        from .kernels import value_dim_problem  # the D_v pairs the CUDA kernels are compiled for
-        problem = value_dim_problem(q.shape[3], v_cache.shape[3])
-    batch, s_new, heads, d_q = q.shape
-    dim = v_cache.shape[3] if getattr(v_cache, "ndim", 0) == 4 else d_q  # D_v: the packed output width
-    ct = be.compute_dtype(q.dtype)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d_q)
-    spec = MaskSpec(causal=bool(causal),
-                    window=None if window is None else tuple(None if w is None else int(w) for w in window),
-                    softcap=None if softcap is None else float(softcap))
+        problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths)
+    if problem is None:
+        problem = value_dim_problem(be.name, q.shape[3], v_cache.shape[3])
+    dim = v_cache.shape[3] if getattr(v_cache, "ndim", 0) == 4 else q.shape[3]  # D_v: the packed output width
+    o_part, lse_part = _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim,
+                                   run=problem is None)
+    be.synchronize()
+    merge_start = time.perf_counter()
+    merged = _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim)
+    if stats is not None:
+        stats["compute_s"] = merge_start - start
+        stats["merge_s"] = time.perf_counter() - merge_start
+    if root is not None and rank != root:
+        return None, None
+    o = be.from_heads(be.asarray(merged[..., :dim]).transpose(0, 2, 1, 3), q.dtype)
+    return o, be.asarray(np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1)))
 
-    xp = be.xp
+
+def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, run: bool):
+    """This rank's ``(o (B, S_new, H, D_v), lse (B, H, S_new))`` in the compute dtype over its
+    own cache rows (nothing seen when ``run`` is False: the rank only joins the merge)."""
+    batch, s_new = q.shape[:2]
+    ct = be.compute_dtype(q.dtype)
+    scale, spec = options.scale(q.shape[3]), options.mask_spec(q.shape[2])
     qh = be.to_heads(q, ct)
-    o_acc = xp.zeros(qh.shape[:3] + (dim,), dtype=ct)
-    m = xp.full(qh.shape[:3], -np.inf, dtype=ct)
-    l = xp.zeros(qh.shape[:3], dtype=ct)
-    if problem is None and len(pos):
+    state = SoftmaxState(be, qh.shape[:3], dim, ct)
+    if run and len(pos):
         kh, vh = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)  # views of the shard
         if lengths is None or (lengths == lengths[0]).all():
             groups = [(slice(None), n_cache if lengths is None else int(lengths[0]))]
@@ -277,16 +281,21 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
             if valid == 0:
                 continue
             mask = BlockMask(spec, np.arange(length - s_new, length, dtype=np.int64), pos[:valid])
-            be.forward_block(qh[rows], kh[rows, :, :valid], vh[rows, :, :valid], o_acc[rows], m[rows],
-                             l[rows], scale, mask)
-    o_part, lse_part = be.finalize(o_acc, m, l, ct)
-    be.synchronize()
-    merge_start = time.perf_counter()
+            state.fold(qh[rows], kh[rows, :, :valid], vh[rows, :, :valid], scale, mask, rows=rows)
+    return state.finalize(ct)
 
+
+def _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim) -> np.ndarray:
+    """The merged ``(B, S_new, H, D_v + 4)`` rows on every rank: one Allreduce of the packed
+    partial results with the agreement flag and digest, then the sinks folded in; raises
+    ConfigError on every rank when any rank had a problem or the ranks disagree."""
+    batch, s_new, heads = q.shape[:3]
+    ct = o_part.dtype
     packed = np.empty((batch, s_new, heads, dim + _EXTRA), dtype=ct)
     packed[..., :dim] = _host(o_part)
     packed[..., dim] = _host(lse_part).transpose(0, 2, 1)
-    sig = _signature(_host(q), lengths, sinks_h, spec, scale, n_cache)
+    host_q = _host(q)
+    sig = float(options.digest(host_q, lengths, extra=(tuple(q.shape), str(q.dtype), n_cache)) & 0xFFFFFF)
     packed[..., dim + 1] = 0.0 if problem is None else 1.0
     packed[..., dim + 2] = sig
     packed[..., dim + 3] = -sig
@@ -297,19 +306,9 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     if flat[0, dim + 1] > 0 or flat[0, dim + 2] != -flat[0, dim + 3]:
         agree(comm, problem)  # raises: some rank failed its checks
         raise ConfigError("ranks disagree on decode_attention's arguments (q, sinks, cache_lengths, "
-                          "causal, window, softmax_scale, softcap or N_cache must be the same on every rank)")
-    if sinks_h is not None:
+                          "causal, window, softmax_scale, softcap, alibi_slopes or N_cache must be the same on every rank)")
+    if options.sinks is not None:  # the sink is one more partial result: o = 0, lse = sink
         sink_rows = np.zeros_like(merged)
-        sink_rows[..., dim] = sinks_h.astype(ct)[None, None, :]
+        sink_rows[..., dim] = np.asarray(_host(options.sinks), dtype=np.float64).astype(ct)[None, None, :]
         merge_partials(sink_rows.reshape(-1, dim + _EXTRA), flat)
-    if stats is not None:
-        stats["compute_s"] = merge_start - start
-        stats["merge_s"] = time.perf_counter() - merge_start
-    if root is not None and rank != root:
-        return None, None
-    o = merged[..., :dim].astype(q.dtype if be.name == "numpy" else ct)
-    lse = np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1))
-    if be.name != "numpy":
-        o = be.from_heads(be.asarray(o).transpose(0, 2, 1, 3), q.dtype)
-        lse = be.asarray(lse)
-    return o, lse
+    return merged

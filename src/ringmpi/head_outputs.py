@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from .errors import agree
-from .variants import sinks_problem
+from .options import sinks_problem
 
 PARTIAL = "_partial"
 

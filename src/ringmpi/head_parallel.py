@@ -31,15 +31,14 @@ Records: :class:`ExchangeRecord` (a :class:`~ringmpi.ring.StepRecord` with a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from . import variants as _variants
 from .errors import RingTimeout
+from .local_attention import AgreedCall, LocalProblem, backward_pass, forward_pass, sink_grads
 from .ring import StepRecord
-from .schedule import RingSchedule
 
 
 def kv_heads_of(index: int, u: int, heads: int, kv_heads: int) -> List[int]:
@@ -148,19 +147,19 @@ class GroupExchange:
 class _Split:
     """Where this rank's head shard comes from and goes back to, in one group."""
 
-    def __init__(self, plan, groups, heads: int, kv_heads: int):
+    def __init__(self, call: AgreedCall, groups, heads: int, kv_heads: int):
         self.groups, self.u, self.index = groups, groups.u, groups.index
         self.hu = heads // groups.u
         self.kv = [kv_heads_of(i, groups.u, heads, kv_heads) for i in range(groups.u)]
         self.replicated = replicated(groups.u, heads, kv_heads)
         members = groups.members[groups.group]
-        q_idx = [plan.layout_q.indices(m) for m in members]
-        kv_idx = [plan.layout_kv.indices(m) for m in members]
+        q_idx = [call.layout_q.indices(m) for m in members]
+        kv_idx = [call.layout_kv.indices(m) for m in members]
         self.rows_q = [len(i) for i in q_idx]     # tokens of each member, group order
         self.rows_kv = [len(i) for i in kv_idx]
         self.q_pos = np.concatenate(q_idx)          # this group's query positions (group order)
         self.kv_pos = np.concatenate(kv_idx)
-        ckv = plan.layout_kv.counts()
+        ckv = call.layout_kv.counts()
         self.ring_kv_counts = [int(sum(ckv[m] for m in g)) for g in groups.members]
 
     def heads(self, i: int) -> slice:
@@ -170,76 +169,56 @@ class _Split:
         start = int(sum(rows[:i]))
         return slice(start, start + rows[i])
 
-
-def _group_spec(plan, split):
-    """The call's mask spec for this rank's group of heads: dropout draws the
-    masks of those heads (global head = the group's first head + local head)."""
-    drop = plan.spec.dropout
-    if drop is None:
-        return plan.spec
-    first = split.heads(split.index).start
-    return replace(plan.spec, dropout=replace(drop, head_offset=drop.head_offset + first))
+    def problem(self, call: AgreedCall, seg_q, seg_kv) -> LocalProblem:
+        """The local problem of this rank's heads over its group's tokens, on the ring across
+        groups, with the mask spec of those heads (:meth:`~ringmpi.masks.MaskSpec.for_heads`)."""
+        spec = call.spec.for_heads(self.heads(self.index).start, self.hu)
+        return LocalProblem(self.groups.ring_comm, call.backend, call.compute_dtype, spec, call.scale,
+                            kv_counts=self.ring_kv_counts, q_pos=self.q_pos, kv_pos=self.kv_pos,
+                            seg_q=seg_q, seg_kv=seg_kv, timeout=call.timeout)
 
 
-def forward(plan, groups, q, k, v, stats=None, bits: bool = False, return_max_logit: bool = False):
+def _gather(exchange, stage: str, send, recv, axes):
+    """One all-to-all; the arrays received from all members joined along ``axes`` (group order)."""
+    got = exchange.exchange(stage, send, recv)
+    return [np.concatenate([g[n] for g in got], axis=axes[n]) for n in range(len(recv[0]))]
+
+
+def forward(call: AgreedCall, groups, q, k, v, return_max_logit: bool = False):
     """:func:`ringmpi.ring_attention` on ``groups`` (a :class:`~ringmpi.topology.HeadGroups`).
 
-    ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D)``: this rank's
-    sequence shards, checked by the call's plan.  Returns ``o (B, S_q_local,
-    H, D)`` in the input dtype and ``lse (B, H, S_q_local)``, this rank's shards
-    (and, with ``return_max_logit``, ``max_logit (H,)``).  The group's heads
-    fold in their own sinks; each head's max logit is reduced over all ranks.
+    ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D | D_v)``: this rank's
+    sequence shards, checked by the call.  Returns ``(o (B, S_q_local, H, D_v)`` in the
+    input dtype, ``lse (B, H, S_q_local)``, ``max_logit (H,)`` or None, records)``: this
+    rank's shards.  The group's heads fold in their own sinks; each head's max logit is
+    reduced over all ranks.
     """
-    be, ct = plan.backend, plan.compute_dtype
-    xp = be.xp
+    be = call.backend
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
     batch, _, heads, dim = q.shape
     kv_heads, dim_v = k.shape[2], v.shape[3]
-    split = _Split(plan, groups, heads, kv_heads)
+    split = _Split(call, groups, heads, kv_heads)
     records: list = []
-    exchange = GroupExchange(groups.group_comm, plan.timeout, records)
-    has_seg = plan.seg_q is not None
-    send, recv = [], []
-    for i in range(split.u):
-        kv_i = split.kv[i]
-        parts = [q[:, :, split.heads(i)], k[:, :, kv_i], v[:, :, kv_i]]
-        if has_seg:
-            parts += [plan.seg_q, plan.seg_kv]
-        send.append(parts)
+    exchange = GroupExchange(groups.group_comm, call.timeout, records)
+    has_seg = call.seg_q is not None
     me = split.index
-    for j in range(split.u):
-        shapes = [((batch, split.rows_q[j], split.hu, dim), q.dtype),
-                  ((batch, split.rows_kv[j], len(split.kv[me]), dim), k.dtype),
-                  ((batch, split.rows_kv[j], len(split.kv[me]), dim_v), v.dtype)]
-        if has_seg:
-            shapes += [((batch, split.rows_q[j]), np.int64), ((batch, split.rows_kv[j]), np.int64)]
-        recv.append(shapes)
-    got = exchange.exchange("a2a in", send, recv)
-    joined = [np.concatenate([g[n] for g in got], axis=1) for n in range(len(recv[0]))]
-    qg, kg, vg = (be.asarray(x) for x in joined[:3])
+    send = [[q[:, :, split.heads(i)], k[:, :, split.kv[i]], v[:, :, split.kv[i]]]
+            + ([call.seg_q, call.seg_kv] if has_seg else []) for i in range(split.u)]
+    hkv = len(split.kv[me])
+    recv = [[((batch, split.rows_q[j], split.hu, dim), q.dtype), ((batch, split.rows_kv[j], hkv, dim), k.dtype),
+             ((batch, split.rows_kv[j], hkv, dim_v), v.dtype)]
+            + ([((batch, split.rows_q[j]), np.int64), ((batch, split.rows_kv[j]), np.int64)] if has_seg else [])
+            for j in range(split.u)]
+    joined = _gather(exchange, "a2a in", send, recv, [1] * 5)
     seg_q, seg_kv = (joined[3], joined[4]) if has_seg else (None, None)
-
-    qh = be.to_heads(qg, ct)
-    shape = qh.shape
-    o_acc = xp.zeros(shape, dtype=ct)
-    m = xp.full(shape[:3], -np.inf, dtype=ct)
-    l = xp.zeros(shape[:3], dtype=ct)
-    schedule = RingSchedule(groups.ring_comm, be, be.to_heads(kg, kg.dtype), be.to_heads(vg, vg.dtype),
-                            kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
-                            spec=_group_spec(plan, split), seg_q=seg_q, seg_kv=seg_kv, timeout=plan.timeout,
-                            phase="fwd")
-    resident = {}  # what the backend derives from qh once per call
-    for block in schedule:
-        schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, plan.scale, block.mask,
-                         resident=resident)
-    del resident
     mine = split.heads(me)
-    max_logit = _variants.max_logits(m, plan.comm, heads=(mine, heads)) if return_max_logit else None
-    if plan.sinks is not None:
-        _variants.fold_sinks(xp, o_acc, m, l, plan.sinks[mine])
-    og, lseg = be.finalize(o_acc, m, l, q.dtype)   # (B, S_group, hu, D_v), (B, hu, S_group)
+    og, lseg, max_logit, ring_records = forward_pass(
+        split.problem(call, seg_q, seg_kv), *(be.asarray(x) for x in joined[:3]),
+        sinks=None if call.sinks is None else call.sinks[mine],
+        max_logit=(call.comm, (mine, heads)) if return_max_logit else None)
+    # og (B, S_group, hu, D_v), lseg (B, hu, S_group)
 
-    exchange.step = len(schedule.records)
+    exchange.step = len(ring_records)
     send = [[og[:, split.cut(split.rows_q, j)], lseg[:, :, split.cut(split.rows_q, j)]]
             for j in range(split.u)]
     rows = split.rows_q[me]
@@ -251,87 +230,65 @@ def forward(plan, groups, q, k, v, stats=None, bits: bool = False, return_max_lo
     for i, (o_i, lse_i) in enumerate(got):
         o[:, :, split.heads(i)] = o_i
         lse[:, split.heads(i)] = lse_i
-    if stats is not None:
-        stats.extend([records[0], *schedule.records, records[1]])
-    o, lse = be.asarray(o), be.asarray(lse)
-    if return_max_logit:
-        return (o.view(np.uint16) if bits else o), lse, max_logit
-    return (o.view(np.uint16) if bits else o), lse
+    return be.asarray(o), be.asarray(lse), max_logit, [records[0], *ring_records, records[1]]
 
 
-def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False, sinks_dtype=None,
-             reduce_dsinks: bool = True):
+def backward(call: AgreedCall, groups, do, q, k, v, o, lse, *, sink_comm):
     """:func:`ringmpi.ring_attention_backward` on ``groups``.
 
-    ``do, q, o (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D)``,
-    ``lse (B, H, S_q_local)``: this rank's shards.  Returns ``dq, dk, dv`` for
-    this rank's shards in the input dtype, and with the plan's sinks ``dsinks``
-    in ``sinks_dtype`` (from the home rows' ``lse`` and ``dvec``, summed over all ranks
-    unless ``reduce_dsinks`` is false).
+    ``do, o (B, S_q_local, H, D_v)``, ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local,
+    H_kv, D | D_v)``, ``lse (B, H, S_q_local)``: this rank's shards.  Returns ``((dq, dk,
+    dv)`` for this rank's shards in the input dtype, ``dsinks`` (H,) in the compute dtype
+    with the call's sinks (from the home rows' ``lse`` and ``dvec``, summed over the ranks
+    of ``sink_comm``, this rank's own share when it is None) else None, records)``.
     """
-    be, ct = plan.backend, plan.compute_dtype
-    xp = be.xp
+    be, ct = call.backend, call.compute_dtype
     do, q, k, v, o = (be.asarray(x) for x in (do, q, k, v, o))
     batch, rows, heads, dim = q.shape
     kv_heads, dim_v = k.shape[2], v.shape[3]
-    split = _Split(plan, groups, heads, kv_heads)
+    split = _Split(call, groups, heads, kv_heads)
     records: list = []
-    exchange = GroupExchange(groups.group_comm, plan.timeout, records)
-    has_seg = plan.seg_q is not None
+    exchange = GroupExchange(groups.group_comm, call.timeout, records)
+    has_seg = call.seg_q is not None
     dvec = be.row_dot(be.to_heads(do, ct), be.to_heads(o, ct))   # (B, H, S_q_local): o stays home
     lse = be.asarray(lse).astype(ct, copy=False)
-    send = []
-    for i in range(split.u):
-        kv_i, h_i = split.kv[i], split.heads(i)
-        parts = [q[:, :, h_i], do[:, :, h_i], k[:, :, kv_i], v[:, :, kv_i], lse[:, h_i], dvec[:, h_i]]
-        if has_seg:
-            parts += [plan.seg_q, plan.seg_kv]
-        send.append(parts)
-    me = split.index
-    hkv = len(split.kv[me])
+    send = [[q[:, :, split.heads(i)], do[:, :, split.heads(i)], k[:, :, split.kv[i]], v[:, :, split.kv[i]],
+             lse[:, split.heads(i)], dvec[:, split.heads(i)]] + ([call.seg_q, call.seg_kv] if has_seg else [])
+            for i in range(split.u)]
+    hkv = len(split.kv[split.index])
     recv = []
     for j in range(split.u):
         rq, rkv = split.rows_q[j], split.rows_kv[j]
-        shapes = [((batch, rq, split.hu, dim), q.dtype), ((batch, rq, split.hu, dim_v), do.dtype),
-                  ((batch, rkv, hkv, dim), k.dtype), ((batch, rkv, hkv, dim_v), v.dtype),
-                  ((batch, split.hu, rq), ct), ((batch, split.hu, rq), ct)]
-        if has_seg:
-            shapes += [((batch, rq), np.int64), ((batch, rkv), np.int64)]
-        recv.append(shapes)
-    got = exchange.exchange("a2a in", send, recv)
-    axes = [1, 1, 1, 1, 2, 2, 1, 1]
-    joined = [np.concatenate([g[n] for g in got], axis=axes[n]) for n in range(len(recv[0]))]
+        recv.append([((batch, rq, split.hu, dim), q.dtype), ((batch, rq, split.hu, dim_v), do.dtype),
+                     ((batch, rkv, hkv, dim), k.dtype), ((batch, rkv, hkv, dim_v), v.dtype),
+                     ((batch, split.hu, rq), ct), ((batch, split.hu, rq), ct)]
+                    + ([((batch, rq), np.int64), ((batch, rkv), np.int64)] if has_seg else []))
+    joined = _gather(exchange, "a2a in", send, recv, [1, 1, 1, 1, 2, 2, 1, 1])
     qg, dog, kg, vg, lseg, dvecg = (be.asarray(x) for x in joined[:6])
     seg_q, seg_kv = (joined[6], joined[7]) if has_seg else (None, None)
+    dq, dkh, dvh, _, ring_records = backward_pass(split.problem(call, seg_q, seg_kv), qg, dog, kg, vg, lseg,
+                                                  dvec=dvecg)
+    exchange.step = len(ring_records)
+    result = _return_grads(be, exchange, split, q.dtype, ct, dq, dkh, dvh, batch, rows, kv_heads)
+    dsinks = None if call.sinks is None else sink_grads(be.xp, lse, dvec, call.sinks, sink_comm)
+    return result, dsinks, [records[0], *ring_records, records[1]]
 
-    qh, doh = be.to_heads(qg, ct), be.to_heads(dog, ct)
-    dq = xp.zeros_like(qh)
-    schedule = RingSchedule(groups.ring_comm, be, be.to_heads(kg, kg.dtype), be.to_heads(vg, vg.dtype),
-                            kv_counts=split.ring_kv_counts, q_pos=split.q_pos, kv_pos=split.kv_pos,
-                            spec=_group_spec(plan, split), seg_q=seg_q, seg_kv=seg_kv, grad_dtype=ct,
-                            timeout=plan.timeout, phase="bwd")
-    resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
-    for block in schedule:
-        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
-        schedule.compute(be.backward_block, qh, doh, lseg, dvecg, block.k, block.v, dq, block.dk, block.dv,
-                         plan.scale, block.mask, resident=resident, **pieces)
-    del resident
-    dkh, dvh = schedule.finished_grads()
-    dq *= ct.type(plan.scale)
-    dkh *= ct.type(plan.scale)
-    out_dtype = q.dtype
+
+def _return_grads(be, exchange, split, out_dtype, ct, dq, dkh, dvh, batch, rows, kv_heads):
+    """The all-to-all back: ``(dq, dk, dv)`` of this rank's sequence shards in ``out_dtype``;
+    the gradients of a K/V head held by several members are summed at its owner in the
+    compute dtype ``ct``, then rounded once."""
+    dim, dim_v = dq.shape[3], dvh.shape[3]
     kv_dtype = ct if split.replicated else out_dtype   # a sum of copies is rounded once, at home
     dqg = be.from_heads(dq, out_dtype)                  # (B, S_group, hu, D)
     dkg, dvg = be.from_heads(dkh, kv_dtype), be.from_heads(dvh, kv_dtype)
-
-    exchange.step = len(schedule.records)
     send = [[dqg[:, split.cut(split.rows_q, j)], dkg[:, split.cut(split.rows_kv, j)],
              dvg[:, split.cut(split.rows_kv, j)]] for j in range(split.u)]
-    rkv = split.rows_kv[me]
+    rkv = split.rows_kv[split.index]
     recv = [[((batch, rows, split.hu, dim), out_dtype), ((batch, rkv, len(split.kv[i]), dim), kv_dtype),
              ((batch, rkv, len(split.kv[i]), dim_v), kv_dtype)] for i in range(split.u)]
     got = exchange.exchange("a2a out", send, recv)
-    dq_out = np.empty((batch, rows, heads, dim), dtype=out_dtype)
+    dq_out = np.empty((batch, rows, split.u * split.hu, dim), dtype=out_dtype)
     dk_sum = np.zeros((batch, rkv, kv_heads, dim), dtype=kv_dtype)
     dv_sum = np.zeros((batch, rkv, kv_heads, dim_v), dtype=kv_dtype)
     for i, (dq_i, dk_i, dv_i) in enumerate(got):
@@ -340,12 +297,4 @@ def backward(plan, groups, do, q, k, v, o, lse, stats=None, bits: bool = False, 
             dk_sum[:, :, head] += dk_i[:, :, local]
             dv_sum[:, :, head] += dv_i[:, :, local]
     result = [dq_out, dk_sum.astype(out_dtype, copy=False), dv_sum.astype(out_dtype, copy=False)]
-    if stats is not None:
-        stats.extend([records[0], *schedule.records, records[1]])
-    result = [be.asarray(g) for g in result]
-    if bits:
-        result = [g.view(np.uint16) for g in result]
-    if plan.sinks is not None:
-        result.append(_variants.sink_grads(xp, lse, dvec, plan.sinks, plan.comm,
-                                                reduce_dsinks).astype(sinks_dtype))
-    return tuple(result)
+    return tuple(be.asarray(g) for g in result)

@@ -37,6 +37,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .dropout import Dropout
+    from .modifiers import Alibi
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
@@ -64,6 +65,9 @@ class MaskSpec:
     dropout : ringmpi.dropout.Dropout or None
         Dropout on the visible weights (a function of global positions too);
         it never changes visibility, tile classes or the softmax denominator.
+    alibi : ringmpi.modifiers.Alibi or None
+        ALiBi: a visible score gains ``-slope_h * |i + offset - j|`` after the
+        softcap (a score modifier with per-head data, :mod:`ringmpi.modifiers`).
     """
 
     causal: bool = False
@@ -72,6 +76,19 @@ class MaskSpec:
     softcap: Optional[float] = None
     exact_max: bool = False
     dropout: Optional["Dropout"] = None
+    alibi: Optional["Alibi"] = None
+
+    def for_heads(self, first: int, count: int) -> "MaskSpec":
+        """This spec for a call over the query heads ``[first, first + count)`` of this one:
+        dropout draws those heads' masks, ALiBi takes their slopes."""
+        from dataclasses import replace
+
+        spec = self
+        if spec.dropout is not None:
+            spec = replace(spec, dropout=replace(spec.dropout, head_offset=spec.dropout.head_offset + first))
+        if spec.alibi is not None:
+            spec = replace(spec, alibi=spec.alibi.for_heads(slice(first, first + count)))
+        return spec
 
     def __post_init__(self):
         if self.window is not None:

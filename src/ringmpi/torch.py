@@ -3,10 +3,13 @@
 ``ring_attention(q, k, v, comm=..., layout=..., causal=...)`` takes this
 rank's shards as torch tensors in the flash-attention layout
 ``(B, S_local, H, D)`` and returns ``o`` on the same device and dtype; it is
-a ``torch.autograd.Function``: the forward calls :func:`ringmpi.ring_attention`,
-the backward :func:`ringmpi.ring_attention_backward` with the saved ``o`` and
-``lse``.  Both are collective over ``comm``: every rank calls the forward and
-every rank backpropagates through it.
+one ``torch.library`` custom op with an autograd formula: the forward calls
+:func:`ringmpi.ring_attention`, the backward :func:`ringmpi.ring_attention_backward`
+with the saved ``o`` and ``lse``, both with one
+:class:`~ringmpi.options.AttentionOptions` rebuilt from the op's typed arguments
+(its scalar fields; ``sinks`` and ``alibi_slopes`` are tensor arguments).  Both
+are collective over ``comm``: every rank calls the forward and every rank
+backpropagates through it.
 
 Zero copy both ways: CPU tensors are handed over as NumPy views (bfloat16 as
 ``ml_dtypes.bfloat16`` over the same bytes), CUDA tensors through DLPack as
@@ -20,7 +23,7 @@ Importing this module imports torch; ``import ringmpi`` does not.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
 import ml_dtypes
@@ -34,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import ringmpi
 from .errors import ConfigError, agree
 from .layout import Layout
+from .options import AttentionOptions
 from .ring import resolve_comm
 
 __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"]
@@ -105,55 +109,39 @@ def _backend_problem(backend: str, q, k, v) -> tuple:
     return want, None
 
 
-# ------------------------------------------------------------ typed options
+# ------------------------------------------------------------ the custom ops' arguments
 @dataclass(frozen=True)
-class _Options:
-    """The typed options of one call: the custom ops' non-tensor arguments, in order.
+class _Where:
+    """Where one call's shards live: the custom ops' non-tensor arguments besides the options.
 
     ``comm`` is a key of :data:`_COMMS` (the communicator's id); ``layout_n`` the
-    global length of a ``Layout`` given as one (-1 for a layout name);
-    ``dropout_seed`` is stored as a signed 64-bit integer (the op schema's int);
-    ``stats`` a key of :data:`_STATS` (0: none).
+    global length of a ``Layout`` given as one (-1 for a layout name); ``stats`` a
+    key of :data:`_STATS` (0: none).
     """
 
     comm: int
     layout: str
     layout_n: int
-    causal: bool
-    window_left: Optional[int]
-    window_right: Optional[int]
-    has_window: bool
-    softmax_scale: Optional[float]
     backend: str
-    timeout: Optional[float]
-    check_finite: bool
-    head_parallel: Optional[str]
-    softcap: Optional[float]
-    dropout_p: float
-    dropout_seed: Optional[int]
     stats: int
 
     def args(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
 
-    def library_kwargs(self) -> dict:
-        """Keywords for :func:`ringmpi.ring_attention` / :func:`ringmpi.ring_attention_backward`."""
+    def library_kwargs(self, q, k, v, seg_q, seg_kv) -> dict:
+        """Keywords for :func:`ringmpi.ring_attention` / :func:`ringmpi.ring_attention_backward`
+        besides ``options``, with the backend resolved for the tensors ``q, k, v``."""
         comm = _COMMS[self.comm]
         layout = self.layout if self.layout_n < 0 else Layout(self.layout, self.layout_n, comm.Get_size())
-        hp = self.head_parallel
-        kw = dict(comm=comm, layout=layout, causal=self.causal,
-                  window=(self.window_left, self.window_right) if self.has_window else None,
-                  softmax_scale=self.softmax_scale, backend=self.backend, timeout=self.timeout,
-                  check_finite=self.check_finite, stats=_STATS.get(self.stats),
-                  head_parallel=None if hp is None else (hp if hp == "auto" else int(hp)))
-        if self.softcap is not None:
-            kw["softcap"] = self.softcap
-        if self.dropout_p or self.dropout_seed is not None:
-            kw.update(dropout_p=self.dropout_p,
-                      dropout_seed=None if self.dropout_seed is None else self.dropout_seed % (1 << 64))
-        return kw
+        backend, problem = _backend_problem(self.backend, q, k, v)
+        if problem:  # eager calls agreed on it in ring_attention already; compiled ones get it here
+            raise ConfigError(problem)
+        return dict(comm=comm, layout=layout, backend=backend, stats=_STATS.get(self.stats),
+                    segment_ids_q=_host_numpy(seg_q), segment_ids_kv=_host_numpy(seg_kv))
 
 
+_WHERE_SCHEMA = "int comm, str layout, int layout_n, str backend, int stats"
+_WHERE_COUNT = len(fields(_Where))
 _STATS: dict = {}  # stats lists of calls whose backward may still run, by id (the ops take an int)
 _COMMS: dict = {}  # the communicators calls were given, by id (the ops take an int)
 
@@ -165,38 +153,91 @@ def _comm_key(comm) -> int:
     return id(comm)
 
 
-def _signed64(x: Optional[int]) -> Optional[int]:
-    if x is None or not isinstance(x, (int, np.integer)) or not 0 <= int(x) < 1 << 64:
-        return x  # the library's check names the problem
+def _where(comm, layout, backend, stats) -> _Where:
+    if stats is not None:
+        _STATS[id(stats)] = stats
+    return _Where(comm=_comm_key(comm), layout=layout.kind if isinstance(layout, Layout) else str(layout),
+                  layout_n=layout.n if isinstance(layout, Layout) else -1, backend=backend,
+                  stats=0 if stats is None else id(stats))
+
+
+# AttentionOptions' scalar fields as the ops' typed arguments (the window as its two sides
+# and a flag, dropout_seed as a signed 64-bit int); sinks and alibi_slopes are tensor arguments.
+_OPTION_SCHEMA = ("bool causal, int? window_left, int? window_right, bool has_window, float? softmax_scale, "
+                  "float? softcap, float dropout_p, int? dropout_seed, str? head_parallel, float? timeout, "
+                  "bool check_finite")
+
+
+def _option_args(options: AttentionOptions) -> tuple:
+    """``options``' scalar fields as the ops' arguments; ValueError or TypeError for a value
+    those types cannot hold exactly (the caller then asks ``options`` what is wrong)."""
+    left, right = (None, None) if options.window is None else (_exact_int(w) for w in options.window)
+    return (bool(options.causal), left, right, options.window is not None, _float(options.softmax_scale),
+            _float(options.softcap), float(options.dropout_p), _signed64(options.dropout_seed),
+            _head_parallel_text(options.head_parallel), _float(options.timeout), bool(options.check_finite))
+
+
+def _options_of(args, sinks, alibi_slopes) -> AttentionOptions:
+    """The inverse of :func:`_option_args`, with the ops' ``sinks`` and ``alibi_slopes`` tensors."""
+    causal, left, right, has_window, scale, softcap, p, seed, hp, timeout, check_finite = args
+    return AttentionOptions(causal=causal, window=(left, right) if has_window else None, softmax_scale=scale,
+                            softcap=softcap, sinks=None if sinks is None else to_array(sinks),
+                            alibi_slopes=_host_numpy(alibi_slopes), dropout_p=p,
+                            dropout_seed=None if seed is None else seed % (1 << 64), head_parallel=hp,
+                            timeout=timeout, check_finite=check_finite)
+
+
+def _op_arguments(options: AttentionOptions, alibi_slopes, q) -> tuple:
+    """``(options' typed arguments, alibi_slopes as a host tensor, None)``, or ``(None, None,
+    this rank's problem)`` when they cannot be carried (named by ``options``' own checks)."""
+    try:
+        return _option_args(options), _host_tensor(alibi_slopes), None
+    except (TypeError, ValueError, OverflowError) as exc:
+        heads = q.shape[2] if getattr(q, "ndim", 0) == 4 else 0
+        problem = replace(options, alibi_slopes=alibi_slopes).problem(heads)
+        return None, None, problem or f"ringmpi.torch cannot pass an option to its custom op: {exc}"
+
+
+def _exact_int(x) -> Optional[int]:
+    if x is None:
+        return None
+    if int(x) != x:
+        raise ValueError(f"{x!r} is not an integer")
+    return int(x)
+
+
+def _float(x) -> Optional[float]:
+    return None if x is None else float(x)
+
+
+def _signed64(x) -> Optional[int]:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= int(x) < 1 << 64:
+        raise ValueError(f"{x!r} is not an int in [0, 2^64)")
     x = int(x)
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _options(comm, layout, causal, window, softmax_scale, backend, timeout, check_finite, stats,
-             head_parallel, softcap, dropout_p, dropout_seed) -> _Options:
-    if stats is not None:
-        _STATS[id(stats)] = stats
-    has_window = window is not None
-    left, right = _typed_window(window) if has_window else (None, None)
-    return _Options(comm=_comm_key(comm), layout=layout.kind if isinstance(layout, Layout) else str(layout),
-                    layout_n=layout.n if isinstance(layout, Layout) else -1, causal=bool(causal),
-                    window_left=left, window_right=right, has_window=has_window,
-                    softmax_scale=None if softmax_scale is None else float(softmax_scale), backend=backend,
-                    timeout=None if timeout is None else float(timeout), check_finite=bool(check_finite),
-                    head_parallel=None if head_parallel is None else str(head_parallel),
-                    softcap=None if softcap is None else float(softcap), dropout_p=float(dropout_p),
-                    dropout_seed=_signed64(dropout_seed), stats=0 if stats is None else id(stats))
+def _head_parallel_text(x) -> Optional[str]:
+    if x is None or isinstance(x, str):
+        return x
+    if isinstance(x, bool):
+        raise ValueError(f"head_parallel={x!r}")
+    return str(_exact_int(x))
 
 
-def _typed_window(window) -> tuple:
-    """``(left, right)`` as two ints or Nones; anything else becomes ``(-1, -1)``, which the
-    library refuses on every rank (a window must be non-negative)."""
-    try:
-        if len(window) == 2 and all(w is None or int(w) == w for w in window):
-            return tuple(None if w is None else int(w) for w in window)
-    except TypeError:
-        pass
-    return -1, -1
+def _host_tensor(x):
+    """An optional array or tensor (any device) as a host tensor (segment ids, ALiBi slopes)."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    return torch.from_numpy(np.asarray(x.get() if hasattr(x, "get") else x))
+
+
+def _host_numpy(t):
+    return None if t is None else t.detach().cpu().numpy()
 
 
 # ------------------------------------------------------------ the custom ops
@@ -204,54 +245,43 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_OPTION_SCHEMA = ("int comm, str layout, int layout_n, bool causal, int? window_left, int? window_right, "
-                  "bool has_window, float? softmax_scale, str backend, float? timeout, bool check_finite, "
-                  "str? head_parallel, float? softcap, float dropout_p, int? dropout_seed, int stats")
+_ARGUMENTS = _WHERE_SCHEMA + ", " + _OPTION_SCHEMA
 torch.library.define("ringmpi::ring_attention",
-                     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? seg_q, Tensor? seg_kv, "
-                     + _OPTION_SCHEMA + ") -> (Tensor, Tensor)")
+                     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? alibi_slopes, Tensor? seg_q, "
+                     "Tensor? seg_kv, " + _ARGUMENTS + ") -> (Tensor, Tensor)")
 torch.library.define("ringmpi::ring_attention_backward",
                      "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? sinks, "
-                     "Tensor? seg_q, Tensor? seg_kv, " + _OPTION_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor)")
+                     "Tensor? alibi_slopes, Tensor? seg_q, Tensor? seg_kv, " + _ARGUMENTS
+                     + ") -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _segments(seg):
-    return None if seg is None else seg.detach().cpu().numpy()
-
-
-def _library_call(opts: _Options, q, k, v, seg_q, seg_kv, sinks) -> dict:
-    """The library's keywords for this call, with the backend resolved for these tensors."""
-    kw = opts.library_kwargs()
-    kw["backend"], problem = _backend_problem(opts.backend, q, k, v)
-    if problem:  # eager calls agreed on it in ring_attention already; compiled ones get it here
-        raise ConfigError(problem)
-    kw.update(segment_ids_q=_segments(seg_q), segment_ids_kv=_segments(seg_kv))
-    if sinks is not None:
-        kw["sinks"] = to_array(sinks)
-    return kw
+def _library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args) -> dict:
+    """The library's keywords (``options=`` included) for the ops' arguments."""
+    where = _Where(*args[:_WHERE_COUNT])
+    return dict(options=_options_of(args[_WHERE_COUNT:], sinks, alibi_slopes),
+                **where.library_kwargs(q, k, v, seg_q, seg_kv))
 
 
 @torch.library.impl("ringmpi::ring_attention", "CompositeExplicitAutograd")
-def _forward_op(q, k, v, sinks, seg_q, seg_kv, *options):
-    opts = _Options(*options)
+def _forward_op(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args):
     with _on_torch_stream(q.device):
-        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **_library_call(opts, q, k, v, seg_q, seg_kv, sinks))
+        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v),
+                                        **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
 @torch.library.register_fake("ringmpi::ring_attention")
-def _forward_fake(q, k, v, sinks, seg_q, seg_kv, *options):
+def _forward_fake(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args):
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[3])), q.new_empty((b, h, s), dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.impl("ringmpi::ring_attention_backward", "CompositeExplicitAutograd")
-def _backward_op(do, q, k, v, o, lse, sinks, seg_q, seg_kv, *options):
+def _backward_op(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *args):
     """dq, dk, dv and dsinks (this rank's share; ``(0,)`` without sinks)."""
-    opts = _Options(*options)
     with _on_torch_stream(q.device):
         grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do, q, k, v, o, lse)),
-                                                **_library_call(opts, q, k, v, seg_q, seg_kv, sinks),
+                                                **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args),
                                                 reduce_dsinks=False)
         dq, dk, dv = (to_tensor(g, q.device) for g in grads[:3])
         dsinks = (q.new_empty((0,)) if sinks is None
@@ -260,25 +290,25 @@ def _backward_op(do, q, k, v, o, lse, sinks, seg_q, seg_kv, *options):
 
 
 @torch.library.register_fake("ringmpi::ring_attention_backward")
-def _backward_fake(do, q, k, v, o, lse, sinks, seg_q, seg_kv, *options):
+def _backward_fake(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *args):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((0,)) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, seg_q, seg_kv, *options = inputs
+    q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, seg_q, seg_kv)
-    ctx.options = options
+    ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv)
+    ctx.args = args
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, sinks, seg_q, seg_kv = ctx.saved_tensors
+    q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv = ctx.saved_tensors
     with torch.no_grad():
         dq, dk, dv, dsinks = torch.ops.ringmpi.ring_attention_backward(
-            do.contiguous(), q, k, v, o, lse, sinks, seg_q, seg_kv, *ctx.options)
-    _STATS.pop(ctx.options[-1], None)
+            do.contiguous(), q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *ctx.args)
+    _STATS.pop(_Where(*ctx.args[:_WHERE_COUNT]).stats, None)
     grads = [g if want else None for g, want in zip((dq, dk, dv, None if sinks is None else dsinks),
                                                      ctx.needs_input_grad[:4])]
     if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
@@ -306,26 +336,14 @@ class _NotDifferentiable(torch.autograd.Function):
                            "(ringmpi.ring_attention_backward) has no derivative of its own")
 
 
-def _host_segment_tensor(ids):
-    """Segment ids as a host int64 tensor (arrays and tensors of any device)."""
-    if ids is None:
-        return None
-    if isinstance(ids, torch.Tensor):
-        return ids.detach().cpu()
-    return torch.from_numpy(np.asarray(_host(ids)))
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else x
-
-
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=None,
                    layout: Union[str, Layout] = "contiguous", causal: bool = False, window=None,
                    segment_ids_q=None, segment_ids_kv=None, softmax_scale: Optional[float] = None,
                    return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
                    check_finite: bool = False, stats: Optional[list] = None,
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
-                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None):
+                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                   alibi_slopes=None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -360,6 +378,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         over the ranks (``comm.Allreduce``, DDP, FSDP) gives the total.
     softcap : float > 0, optional
         Logit softcap, as in :func:`ringmpi.ring_attention`.
+    alibi_slopes : (H,) float32 tensor or array, optional
+        ALiBi, as in :func:`ringmpi.ring_attention` (no gradient flows to it).
 
     Returns
     -------
@@ -381,16 +401,21 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     (``create_graph=True`` through this call) is not supported and raises.
     """
     comm = resolve_comm(comm)
+    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                               dropout_p=dropout_p, dropout_seed=dropout_seed, head_parallel=head_parallel,
+                               timeout=timeout, check_finite=check_finite)  # sinks, alibi: the op's tensors
+    args, alibi, problem = _op_arguments(options, alibi_slopes, q)
     if not torch.compiler.is_compiling():  # MPI cannot be traced: compiled code checks inside the op
-        agree(comm, _backend_problem(backend, q, k, v)[1])
-    opts = _options(comm, layout, causal, window, softmax_scale, backend, timeout, check_finite, stats,
-                    head_parallel, softcap, dropout_p, dropout_seed)
+        agree(comm, _backend_problem(backend, q, k, v)[1] or problem)
+    elif problem:
+        raise ConfigError(problem)
+    where = _where(comm, layout, backend, stats)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
-    o, lse = torch.ops.ringmpi.ring_attention(q, k, v, sinks, _host_segment_tensor(segment_ids_q),
-                                              _host_segment_tensor(segment_ids_kv), *opts.args())
+    o, lse = torch.ops.ringmpi.ring_attention(q, k, v, sinks, alibi, _host_tensor(segment_ids_q),
+                                              _host_tensor(segment_ids_kv), *where.args(), *args)
     if stats is not None and not o.requires_grad:  # no backward will append to stats
-        _STATS.pop(opts.stats, None)
+        _STATS.pop(where.stats, None)
     return (o, lse) if return_lse else o
 
 

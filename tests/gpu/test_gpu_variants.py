@@ -69,6 +69,40 @@ def test_sinks_softcap_max_logit(dtype, d):
     assert not failures, "; ".join(failures)
 
 
+@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128), ("bfloat16", 200),
+                                     ("float32", 59), ("float64", 64)])
+def test_alibi_with_softcap_sinks_window_segments(dtype, d):
+    """ALiBi (issue 25) through all four kernels (N_q != N_kv: the offset counts), with the
+    softcap, sinks, window, segments and GQA, forward and backward."""
+    import cupy
+    from mpi4py import MPI
+
+    import ringmpi
+
+    dt = reference.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v, do, seg, sinks = _inputs(dt, 2, 150, 6, 2, d, seed=d + 1)
+    q, do, seg_q = q[:, 30:], do[:, 30:], seg[:, 30:]
+    slopes = (2.0 ** (-8.0 * np.arange(1, 7) / 6)).astype(np.float32)
+    window, softcap, scale = (40, 0), 5.0, 1 / np.sqrt(d)
+    kw = dict(comm=MPI.COMM_SELF, causal=True, window=window, backend="cupy", softcap=softcap,
+              sinks=cupy.asarray(sinks), segment_ids_q=seg_q, segment_ids_kv=seg, alibi_slopes=slopes)
+    up = [cupy.asarray(x) for x in (q, k, v)]
+    o, lse, ml = ringmpi.ring_attention(*up, return_max_logit=True, **kw)
+    dq, dk, dv, dsinks = ringmpi.ring_attention_backward(cupy.asarray(do), *up, o, lse, **kw)
+    vis = reference.visible(q.shape[1], k.shape[1], True, window, seg_q, seg)
+    opts = dict(sinks=sinks, softcap=softcap, alibi=slopes)
+    ref, naive = (reference.dense_forward(q, k, v, vis, scale, t, **opts) for t in (np.float64, dt))
+    refg, naiveg = (reference.dense_backward(do, q, k, v, vis, scale, t, **opts) for t in (np.float64, dt))
+    refm, naivem = (reference.dense_max_logit(q, k, vis, scale, t, softcap, slopes) for t in (np.float64, dt))
+    checks = [("o", cupy.asnumpy(o), ref[0], naive[0], False), ("lse", cupy.asnumpy(lse), ref[1], naive[1], False),
+              ("max_logit", np.asarray(ml), refm, naivem, False)]
+    for i, (name, ours) in enumerate((("dq", dq), ("dk", dk), ("dv", dv), ("dsinks", dsinks))):
+        checks.append((name, cupy.asnumpy(ours) if name != "dsinks" else np.asarray(ours), refg[i], naiveg[i], True))
+    failures = [msg for name, ours, r, nv, grad in checks
+                for ok, msg in [reference.tolerance_check(name, ours, r, nv, gradient=grad)] if not ok]
+    assert not failures, "; ".join(failures)
+
+
 def test_no_cap_is_bitwise_unchanged():
     """softcap=None and an absent option launch the same kernels with c = 0: same bits."""
     import cupy

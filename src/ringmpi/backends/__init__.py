@@ -65,6 +65,8 @@ backend object provides (``INTERFACE`` lists the names; one test,
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 INTERFACE = ("name", "xp", "compute_dtype", "asarray", "to_heads", "from_heads", "row_dot",
@@ -133,6 +135,24 @@ def get_backend(name: str = "auto", arrays=()):
         from .cupy_backend import CupyBackend
         return CupyBackend.instance()
     raise ValueError(f"unknown backend {name!r}: expected 'auto', 'numpy' or 'cupy'")
+
+
+def value_dim_problem(backend_name: str, d: int, d_v: int):
+    """Why backend ``backend_name`` cannot run head dim ``d`` with value head dim ``d_v``, or None
+    (NumPy runs any pair; the CUDA kernels a compiled set, :func:`ringmpi.kernels.value_dim_problem`)."""
+    if d_v == d or backend_name != "cupy":
+        return None
+    from ..kernels import value_dim_problem as kernel_problem
+    return kernel_problem(d, d_v)
+
+
+def modifier_problem(backend, names) -> Optional[str]:
+    """Why ``backend`` cannot apply the score modifiers ``names`` (e.g. ``("alibi",)``), or None:
+    a backend lists those it applies in its ``MODIFIERS``."""
+    missing = [n for n in names if n not in getattr(backend, "MODIFIERS", ())]
+    if not missing:
+        return None
+    return f"the {backend.name} backend does not apply {', '.join(missing)} yet: use backend='numpy'"
 
 
 def gpu_available() -> bool:

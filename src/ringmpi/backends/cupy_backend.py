@@ -97,6 +97,7 @@ class CupyBackend:
     """
 
     name = "cupy"
+    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.modifiers)
     _instances: dict = {}
 
     @classmethod
@@ -268,7 +269,18 @@ class CupyBackend:
         counts = (classes.size * per_class - skipped, skipped)
         has_lo, lo_delta, has_hi, hi_delta = mask_scalars(mask.spec)
         return (q_pos, kv_pos, dseg_q, dseg_kv, dq_bounds, dkv_bounds,
-                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta) + modifier_scalars(mask.spec), counts
+                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta) + modifier_scalars(mask.spec) + self._alibi_args(mask.spec, q_pos), counts
+
+    def _alibi_args(self, spec, dummy):
+        """ALiBi's ``MOD_PARAMS`` values after the softcap: flag, slopes (device float32; the
+        device array ``dummy`` when off, never read) and ``N_kv - N_q``."""
+        if spec.alibi is None:
+            return np.int32(0), dummy, np.int64(0)
+        key = ("alibi", spec.alibi.slopes)
+        if key not in self._uploads:
+            with self.device:
+                self._uploads[key] = (None, self.xp.asarray(spec.alibi.kernel_slopes()))
+        return np.int32(1), self._uploads[key][1], np.int64(spec.offset)
 
     def _kv_operand(self, x, ct):
         """K/V as a contiguous array the kernels for compute dtype ``ct`` read."""

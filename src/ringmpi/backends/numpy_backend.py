@@ -201,6 +201,22 @@ def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix
     m_rows[...] = m_new
 
 
+def _plus(bias, extra):
+    """The tile's additive terms: the mask's 0/-inf ``bias`` and a modifier's ``extra`` (either may be None)."""
+    if extra is None:
+        return bias
+    return extra if bias is None else bias + extra
+
+
+def _modifier_terms(spec, q_pos, kv_pos, dtype):
+    """Per-head additive score terms of a tile's modifiers: a function ``h -> (rows, cols)``
+    array, or None without any (ALiBi: :meth:`ringmpi.modifiers.Alibi.bias`)."""
+    if spec.alibi is None:
+        return None
+    dist = spec.alibi.distances(q_pos, kv_pos, spec.offset, dtype)
+    return lambda h: spec.alibi.bias(h, dist)
+
+
 def _drop_weights(weights, drop):
     """Dropout on a tile's weights, in place; returns their row sums taken before."""
     sums = weights.sum(axis=1)
@@ -248,16 +264,18 @@ def _clean_copy(x, bad, dim=None):
 
 
 def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                          bad_q, bad_k, bad_v, softcap=None, exact=False, drop=None):
+                          bad_q, bad_k, bad_v, softcap=None, exact=False, drop=None, extra=None):
     """One tile when its rows or columns hold non-finite values (forward).
 
     ``bad_q`` (rows: a NaN/Inf in q, or a row state already non-finite),
     ``bad_k``, ``bad_v`` (columns) are bool masks.  Queries that see no bad
     value get exactly a clean run's arithmetic; queries that see a bad ``v``
     only keep the clean shift and sums and add ``p * v`` of their visible bad
-    rows; the others are recomputed exactly over their visible keys.
+    rows; the others are recomputed exactly over their visible keys.  ``extra``: the
+    modifiers' additive terms (see :func:`_plus`), or None.
     """
     vis = _visible(bias, s.shape)
+    full = _plus(bias, extra)
     dim_v = ve.shape[1] - 1
     redo = bad_q | vis[:, bad_k].any(axis=1)
     saved = m_rows[redo].copy(), l_rows[redo].copy(), o_rows[redo].copy()
@@ -277,8 +295,8 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
             pv_tile[:, :dim_v] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
 
     if exact or not (np.isfinite(m_rows).all() and _shifted_tile(
-            q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv, drop)):
-        _exact_tile(q_clean, k_clean, v_clean, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv,
+            q_clean, k_clean, v_clean, s, pv, full, scale, m_rows, l_rows, o_rows, dim, fix_pv, drop)):
+        _exact_tile(q_clean, k_clean, v_clean, s, pv, full, scale, m_rows, l_rows, o_rows, dim, fix_pv,
                     softcap, drop)
     if not redo.any():
         return
@@ -287,6 +305,8 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
         sc = (qe[redo, :dim] @ ke[:, :dim].T) * scale
         if softcap is not None:
             _cap(sc, softcap)
+        if extra is not None:
+            sc += extra[redo]
         sc = np.where(vis[redo], sc, -np.inf).astype(s.dtype, copy=False)
         m_new = np.maximum(m_old, sc.max(axis=1))
         shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
@@ -301,19 +321,20 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
 
 
 def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale,
-                           dq_t, dk_t, dv_t, bad_rows, bad_cols, softcap=None, t=None, drop=None):
+                           dq_t, dk_t, dv_t, bad_rows, bad_cols, softcap=None, t=None, drop=None, extra=None):
     """One backward tile when its rows or columns hold non-finite values.
 
     ``bad_rows``: a NaN/Inf in q, do, lse or ``dvec``; ``bad_cols``: in k or v.
     Every query that sees a bad value (and every bad one) is left out of the
     clean-run arithmetic and its pairs are then added over visible keys only.
+    ``extra``: the modifiers' additive terms, or None.
     """
     vis = _visible(bias, p.shape)
     redo = bad_rows | vis[:, bad_cols].any(axis=1)
     lse_clean = np.where(redo, np.inf, lse_t).astype(lse_t.dtype, copy=False)  # P = 0 on those rows
     dvec_clean = np.where(redo, 0, dvec_t).astype(dvec_t.dtype, copy=False)
     clean = (_clean_copy(q_t, bad_rows), _clean_copy(do_t, bad_rows), _clean_copy(k_t, bad_cols),
-             _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, bias, scale, dq_t, dk_t, dv_t)
+             _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, _plus(bias, extra), scale, dq_t, dk_t, dv_t)
     if softcap is None:
         _backward_tile(*clean, drop=drop)
     else:
@@ -328,6 +349,8 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
         if softcap is not None:
             _cap(sc, softcap)
             slope = 1 - np.square(sc / softcap)  # d(c tanh(x / c)) / dx
+        if extra is not None:
+            sc += extra[redo]
         p_r = np.where(vis_r, np.exp(sc - lse_t[redo, None]), 0).astype(p.dtype, copy=False)
         dp_r = do_r @ v_t.T
         p_v = p_r
@@ -396,6 +419,7 @@ class NumpyBackend:
 
     name = "numpy"
     xp = np
+    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.modifiers)
 
     @staticmethod
     def compute_dtype(dtype) -> np.dtype:
@@ -471,9 +495,12 @@ class NumpyBackend:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             s = scratch[: nq * nk].reshape(nq, nk)
             pv = pv_scratch[: nq * (dim_v + 1)].reshape(nq, dim_v + 1)
+            terms = _modifier_terms(mask.spec, mask.q_pos[rows], mask.kv_pos[cols], ct)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
+                    extra = None if terms is None else terms(h)
+                    full = _plus(bias, extra)
                     qe, ke, ve = q_ext[b, h, rows], k_ext[b, kvh, cols], v_ext[b, kvh, cols]
                     m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
                     drop = None if dropout is None else dropout.multiplier(
@@ -484,10 +511,10 @@ class NumpyBackend:
                         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are expected here
                             _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
                                                   bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols],
-                                                  softcap, exact, drop)
+                                                  softcap, exact, drop, extra)
                     elif exact or not (np.isfinite(m_rows).all() and _shifted_tile(
-                            qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, drop=drop)):
-                        _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, softcap=softcap,
+                            qe, ke, ve, s, pv, full, scale, m_rows, l_rows, o_rows, dim, drop=drop)):
+                        _exact_tile(qe, ke, ve, s, pv, full, scale, m_rows, l_rows, o_rows, dim, softcap=softcap,
                                     drop=drop)
                     if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
                         tick()
@@ -549,18 +576,21 @@ class NumpyBackend:
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
             t = None if softcap is None else scratch_t[: nq * nk].reshape(nq, nk)
+            terms = _modifier_terms(mask.spec, mask.q_pos[rows], mask.kv_pos[cols], ct)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
-                    args = (qh[b, h, rows], doh[b, h, rows], kh[b, kvh, cols], vh[b, kvh, cols],
-                            lse_use[b, h, rows], dvec[b, h, rows], p, dp, bias, scale,
-                            dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
+                    extra = None if terms is None else terms(h)
+                    operands = (qh[b, h, rows], doh[b, h, rows], kh[b, kvh, cols], vh[b, kvh, cols],
+                                lse_use[b, h, rows], dvec[b, h, rows], p, dp)
+                    outs = (scale, dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
+                    args = operands + (_plus(bias, extra),) + outs
                     drop = None if dropout is None else dropout.multiplier(
                         b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
                     if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):
-                            _careful_backward_tile(*args, bad_rows[b, h, rows], bad_cols[b, kvh, cols],
-                                                   softcap, t, drop)
+                            _careful_backward_tile(*operands, bias, *outs, bad_rows[b, h, rows],
+                                                   bad_cols[b, kvh, cols], softcap, t, drop, extra)
                     elif softcap is not None:
                         _softcap_backward_tile(*args, softcap, t, drop=drop)
                     else:

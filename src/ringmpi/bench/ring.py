@@ -123,7 +123,7 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
                         **({"dim_v": dim_v} if dim_v != dim else {})), json_path)
     comm = resolve_comm(None)
     problem = None
-    from ..variants import softcap_problem
+    from ..options import softcap_problem
     from ..dropout import validate as validate_dropout
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"

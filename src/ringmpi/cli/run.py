@@ -154,7 +154,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     from ..errors import ConfigError, agree
     from ..faults import fault_point
     from .. import head_outputs
-    from ..variants import softcap_problem
+    from ..options import softcap_problem
     from ..io import AtomicOutput, ShardIO, inspect_input, open_file
     from .. import resume as resume_log
     from ..layout import Layout

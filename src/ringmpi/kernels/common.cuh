@@ -132,7 +132,9 @@ struct MaskArgs {
     const long long* kv_bounds; // same for kv tiles
     long long lo_delta, hi_delta;
     int has_lo, has_hi;
-    double softcap;             // score modifier (MOD_PARAMS); 0: none
+    double softcap;             // score modifiers (MOD_PARAMS): the cap, 0: none
+    const float* alibi;         // ALiBi slopes (H,) of the call's query heads, or null
+    long long alibi_offset;     // N_kv - N_q
 };
 
 // Kernel parameters for the mask (scalars typed on the host: np.int32 flags,
@@ -150,16 +152,49 @@ struct MaskArgs {
     mk.lo_delta = lo_delta; mk.hi_delta = hi_delta; mk.has_lo = has_lo; mk.has_hi = has_hi
 
 // ---------------------------------------------------------------- score modifiers
-// Logit softcap (MaskSpec.softcap; masks.modifier_scalars types it as a
-// float64 launch scalar): a score s = scale * q.k becomes c * tanh(s / c)
-// before the mask; c = 0 means no cap.  The backward multiplies dS by the
-// cap's slope 1 - tanh(s / c)^2.  The kernels test the flag once, so a call
-// without a cap runs the same operations as before.
-#define MOD_PARAMS double softcap
-#define MOD_INIT(mk) mk.softcap = softcap
+// A visible score s = scale * q.k of query row `row`, key column `col` becomes,
+// in this order (modify_score, the one place the kernels apply them):
+//  * logit softcap (MaskSpec.softcap, a float64 launch scalar; c = 0: none):
+//    c * tanh(s / c), slope 1 - tanh(s / c)^2;
+//  * ALiBi (MaskSpec.alibi, ringmpi.modifiers; has_alibi = 0: none):
+//    s - slope_h * |i + alibi_offset - j| with i = q_pos[row], j = kv_pos[col]
+//    (global positions), slope 1.
+// The slope is d(modified) / d(s): the backward multiplies dS by it.  Kernels
+// test the flags once (score_modified), so a call without modifiers runs the
+// same operations as before.  `alibi` is a dummy pointer when has_alibi is 0.
+#define MOD_PARAMS double softcap, int has_alibi, const float* __restrict__ alibi, long long alibi_offset
+#define MOD_INIT(mk) mk.softcap = softcap; mk.alibi = has_alibi ? alibi : 0; mk.alibi_offset = alibi_offset
 
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+
+// Query head h's ALiBi slope (0 without ALiBi).
+template <typename T>
+__device__ __forceinline__ T alibi_slope(const MaskArgs& mk, int h) { return mk.alibi ? (T)mk.alibi[h] : T(0); }
+
+// Whether any modifier changes scores (cap c, ALiBi slope of this head).
+template <typename T>
+__device__ __forceinline__ bool score_modified(T cap, T slope_h) { return cap != T(0) || slope_h != T(0); }
+
+// The modified score of (row, col) and, in *slope, its derivative; rows and
+// columns past Sq / Skv get no ALiBi term (they are hidden or never stored).
+template <typename T>
+__device__ __forceinline__ T modify_score(const MaskArgs& mk, T cap, T slope_h, int row, int col, int Sq,
+                                          int Skv, T s, T* slope) {
+    T d = T(1);
+    if (cap != T(0)) {
+        const T t = tanh_acc(s / cap);
+        s = cap * t;
+        d = T(1) - t * t;
+    }
+    if (slope_h != T(0) && row < Sq && col < Skv) {
+        long long dist = mk.q_pos[row] + mk.alibi_offset - mk.kv_pos[col];
+        dist = dist < 0 ? -dist : dist;
+        s -= slope_h * (T)dist;
+    }
+    *slope = d;
+    return s;
+}
 
 __device__ __forceinline__ bool pos_visible(const MaskArgs& mk, long long qp, long long kp) {
     return (!mk.has_lo || kp >= qp + mk.lo_delta) && (!mk.has_hi || kp <= qp + mk.hi_delta);

@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     const int qt = blockIdx.x, bh = cta_row();
     if (bh >= a.B * a.H) return;  // padding CTA of the last z slice
     const int b = bh / a.H, h = bh % a.H;
+    const float slope_h = alibi_slope<float>(mk, h);
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM;
     const long long qbase = ((long long)bh * a.Sq) * a.D;
@@ -169,11 +170,14 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
-        if (cap != 0.f) {
+        if (score_modified(cap, slope_h)) {
+            float unused;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[nt][e] = cap * tanh_acc(s[nt][e] / cap);
+                for (int e = 0; e < 4; ++e)
+                    s[nt][e] = modify_score(mk, cap, slope_h, e < 2 ? row0 : row1, k0 + nt * 8 + 2 * c + (e & 1),
+                                            a.Sq, a.Skv, s[nt][e], &unused);
         }
         if (need_mask) {
 #pragma unroll
@@ -305,6 +309,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     const int qt = blockIdx.x, bh = cta_row();
     if (bh >= a.B * a.H) return;  // padding CTA of the last z slice
     const int b = bh / a.H, h = bh % a.H;
+    const T slope_h = alibi_slope<T>(mk, h);
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM, row = q0 + r;
     const long long qbase = ((long long)bh * a.Sq) * a.D;
@@ -359,7 +364,10 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
 #pragma unroll
         for (int i = 0; i < NC; ++i) {
             s[i] *= scale;
-            if (cap != T(0)) s[i] = cap * tanh_acc(s[i] / cap);
+            if (score_modified(cap, slope_h)) {
+                T unused;
+                s[i] = modify_score(mk, cap, slope_h, row, k0 + j + TPR * i, a.Sq, a.Skv, s[i], &unused);
+            }
             if (need_mask && !elem_visible(mk, b, row, k0 + j + TPR * i, a.Sq, a.Skv)) s[i] = neg_inf<T>();
             mx = max_acc(mx, s[i]);
         }

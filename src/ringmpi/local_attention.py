@@ -1,0 +1,179 @@
+"""The forward and backward passes of one local problem over a ring: the core of every schedule.
+
+A :class:`LocalProblem` is what one rank computes once its data is in place:
+resident queries at global positions ``q_pos``, its own K/V rows at ``kv_pos``
+(the ring's members hold ``kv_counts`` rows each), the mask spec, the scale and
+the ring's communicator.  The flat ring (:mod:`ringmpi.attention`) builds one
+from the call's layouts; the head x ring schedule (:mod:`ringmpi.head_parallel`)
+builds one from its all-to-all (the group's tokens, this member's heads) and
+sends the results back.  :func:`forward_pass` and :func:`backward_pass` run the
+:class:`~ringmpi.schedule.RingSchedule` over it, folding each visiting block
+into a :class:`~ringmpi.online_softmax.SoftmaxState` (forward) or the gradient
+accumulators (backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .layout import Layout
+from .masks import MaskSpec
+from .online_softmax import SoftmaxState
+from .schedule import RingSchedule
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+@dataclass(frozen=True)
+class LocalProblem:
+    """One rank's share of an attention call, ready for a ring.
+
+    comm : the ring's communicator (``COMM_WORLD``'s dup, or a head group's ring).
+    backend : the block-op backend; compute_dtype its compute dtype for the inputs.
+    spec : the mask spec (dropout's heads already those of this problem).
+    scale : the softmax scale.
+    kv_counts : K/V rows each ring member holds; q_pos, kv_pos : (S_q,), (S_kv,) int64
+        global positions of the resident queries and of this rank's K/V rows.
+    seg_q, seg_kv : (B, S_q), (B, S_kv) int64 segment ids, or None.
+    timeout : deadline of each ring wait, or None.
+    """
+
+    comm: object
+    backend: object
+    compute_dtype: np.dtype
+    spec: MaskSpec
+    scale: float
+    kv_counts: Sequence[int]
+    q_pos: np.ndarray
+    kv_pos: np.ndarray
+    seg_q: Optional[np.ndarray] = None
+    seg_kv: Optional[np.ndarray] = None
+    timeout: Optional[float] = None
+
+    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
+        """The ring schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``."""
+        be = self.backend
+        return RingSchedule(
+            self.comm, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype), kv_counts=self.kv_counts,
+            q_pos=self.q_pos, kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
+            grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
+
+
+@dataclass(frozen=True)
+class AgreedCall:
+    """Everything one sharded call agreed on across the ranks of ``comm`` before any compute.
+
+    layout_q, layout_kv : the call's layouts of ``N_q`` queries and ``N_kv`` keys over ``comm``.
+    seg_q, seg_kv : (B, S_q_local), (B, S_kv_local) int64 segment ids of this rank, or None.
+    sinks : (H,) this backend's array in the compute dtype, or None.
+    The other fields as :class:`LocalProblem`'s.
+    """
+
+    comm: object
+    backend: object
+    compute_dtype: np.dtype
+    batch: int
+    heads: int
+    layout_q: Layout
+    layout_kv: Layout
+    spec: MaskSpec
+    scale: float
+    seg_q: Optional[np.ndarray] = None
+    seg_kv: Optional[np.ndarray] = None
+    timeout: Optional[float] = None
+    sinks: Optional[object] = None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def flat_problem(self) -> LocalProblem:
+        """The flat ring's problem: this rank's own shards, the ring of all ranks of ``comm``."""
+        return LocalProblem(self.comm, self.backend, self.compute_dtype, self.spec, self.scale,
+                            kv_counts=self.layout_kv.counts(), q_pos=self.layout_q.indices(self.rank),
+                            kv_pos=self.layout_kv.indices(self.rank), seg_q=self.seg_q, seg_kv=self.seg_kv,
+                            timeout=self.timeout)
+
+
+def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
+    """``(o (B, S_q, H, D_v) q.dtype, lse (B, H, S_q), max_logit (H,) or None, records)``.
+
+    ``q (B, S_q, H, D)``, ``k, v`` this backend's arrays, sequence-major.  ``sinks
+    (H,)``: this problem's heads' sinks (this backend's array, compute dtype).
+    ``max_logit``: ``(comm, heads)`` to reduce the max logit over (``heads`` as
+    :meth:`~ringmpi.online_softmax.SoftmaxState.max_logit`), or None for none.
+    """
+    be, ct = problem.backend, problem.compute_dtype
+    qh = be.to_heads(q, ct)
+    state = SoftmaxState(be, qh.shape[:3], v.shape[3], ct)
+    schedule = problem.schedule(k, v)
+    resident = {}  # what the backend derives from qh once per call
+    for block in schedule:
+        schedule.compute(be.forward_block, qh, block.k, block.v, *state.arrays(), problem.scale, block.mask,
+                         resident=resident)
+    records = schedule.records
+    del schedule, block, resident  # the ring's buffers go before the outputs are made
+    top = None if max_logit is None else state.max_logit(*max_logit)
+    if sinks is not None:
+        state.fold_sinks(sinks)
+    o, lse = state.finalize(q.dtype)
+    return o, lse, top, records
+
+
+def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, sinks=None, sink_comm=None):
+    """``(dq (B, H, S_q, D), dk (B, H_kv, S_kv, D), dv (B, H_kv, S_kv, D_v), dsinks, records)``.
+
+    Head-major compute-dtype gradients, scaled, of this rank's rows.  ``q, do``
+    sequence-major (this backend's arrays); ``lse (B, H, S_q)``; ``dvec = rowsum(do
+    * o)`` head-major, or None to compute it from ``o`` (sequence-major).  With
+    ``sinks`` (compute dtype) ``dsinks (H,)`` is summed over ``sink_comm`` (this rank's
+    own share when it is None: the framework bridges' convention); else None.
+    """
+    be, ct = problem.backend, problem.compute_dtype
+    qh, doh = be.to_heads(q, ct), be.to_heads(do, ct)
+    if dvec is None:
+        dvec = be.row_dot(doh, be.to_heads(o, ct))
+    lse = lse.astype(ct, copy=False)
+    dq = be.xp.zeros_like(qh)
+    schedule = problem.schedule(k, v, grad_dtype=ct, phase="bwd")
+    resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
+    for block in schedule:
+        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
+        schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
+                         problem.scale, block.mask, resident=resident, **pieces)
+    dk, dv = schedule.finished_grads()
+    records = schedule.records
+    dsinks = None if sinks is None else sink_grads(be.xp, lse, dvec, sinks, sink_comm)
+    # keep only dq and the finished dk, dv (their message) before the outputs are made
+    del schedule, block, pieces, resident, qh, doh, dvec
+    dq *= ct.type(problem.scale)
+    dk *= ct.type(problem.scale)
+    return dq, dk, dv, dsinks, records
+
+
+def sink_grads(xp, lse, dvec, sinks, comm):
+    """``dsinks (H,)`` host array in the compute dtype: ``-sum exp(sink - lse) * dvec``
+    over the batch, this rank's rows and (``MPI.SUM``) all ranks of ``comm``.
+
+    ``lse, dvec (B, H, S_local)`` compute dtype (this backend's arrays).  With ``comm``
+    None the result is this rank's own rows' contribution: the framework bridges'
+    convention (``ring_attention_backward(reduce_dsinks=False)``), where the usual sum
+    of replicated gradients over ranks makes the total.
+    """
+    from mpi4py import MPI
+
+    ct = lse.dtype
+    local = np.zeros(lse.shape[1], dtype=ct)
+    if lse.shape[0] and lse.shape[2]:
+        p_sink = xp.exp(sinks.astype(ct)[None, :, None] - lse)
+        local = np.ascontiguousarray(_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
+    if comm is None:
+        return local
+    out = np.empty_like(local)
+    comm.Allreduce(local, out, op=MPI.SUM)
+    return out

@@ -1,0 +1,263 @@
+"""One attention call's options: the rules they obey, what ranks agree on, the mask they imply.
+
+Every entry point (:func:`ringmpi.ring_attention`, :func:`ringmpi.ring_attention_backward`,
+:func:`ringmpi.decode_attention`, :mod:`ringmpi.torch`, the file job, ``ringmpi
+bench``) builds one :class:`AttentionOptions` from its keywords; inside, that
+object travels and nothing else checks what it checks:
+
+* :meth:`AttentionOptions.problem` -- this rank's problem with its options (a
+  message, or None), for the caller to agree on across ranks (``errors.agree``);
+* :meth:`AttentionOptions.digest` -- a CRC of everything the ranks must pass
+  alike (the call's own arrays may be added), compared with one collective;
+* :meth:`AttentionOptions.mask_spec` -- the :class:`~ringmpi.masks.MaskSpec` the
+  options imply for a call with global lengths ``N_q``, ``N_kv``;
+* :meth:`AttentionOptions.to_attrs` / :meth:`AttentionOptions.from_attrs` -- the
+  HDF5 output attributes of the file job and their inverse (``ringmpi verify``).
+
+Per-device data (``sinks`` as this backend's array) stays as the caller gave it;
+the object never copies it.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple, Union
+
+import numpy as np
+
+from . import dtypes as _dtypes
+from .dropout import MAX_POSITION, Dropout
+from .dropout import validate as _dropout_validate
+from .masks import MaskSpec
+from .modifiers import Alibi, alibi_problem
+
+SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
+Window = Optional[Tuple[Optional[int], Optional[int]]]
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def window_problem(window) -> Optional[str]:
+    """The problem with ``window`` (None when fine): ``(left, right)``, each a non-negative int or None."""
+    if window is None:
+        return None
+    try:
+        ok = len(window) == 2 and all(w is None or (int(w) == w and w >= 0) for w in window)
+    except TypeError:
+        ok = False
+    return None if ok else f"window must be (left, right) with non-negative ints or None, got {window!r}"
+
+
+def softcap_problem(softcap) -> Optional[str]:
+    """The problem with ``softcap`` (None when fine): a finite number > 0, or None."""
+    if softcap is None:
+        return None
+    try:
+        value = float(softcap)
+    except (TypeError, ValueError):
+        return f"softcap must be a number > 0, got {softcap!r}"
+    if not (math.isfinite(value) and value > 0):
+        return f"softcap must be finite and > 0, got {softcap!r}"
+    return None
+
+
+def sinks_problem(sinks, heads: int) -> Optional[str]:
+    """The problem with ``sinks`` (None when fine): shape ``(H,)``, a float dtype, finite.
+
+    16-bit sinks are used in the compute dtype (float32 for 16-bit inputs)."""
+    if sinks is None:
+        return None
+    shape = getattr(sinks, "shape", None)
+    if shape is None or tuple(shape) != (heads,):
+        return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
+    if str(sinks.dtype) not in SINK_DTYPES:
+        return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
+    host = _host(sinks).astype(np.float64)
+    if not np.isfinite(host).all():
+        return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
+    return None
+
+
+def _scale_problem(scale) -> Optional[str]:
+    if scale is None:
+        return None
+    try:
+        ok = math.isfinite(float(scale))
+    except (TypeError, ValueError):
+        ok = False
+    return None if ok else f"softmax_scale must be a finite number, got {scale!r}"
+
+
+def _timeout_problem(timeout) -> Optional[str]:
+    if timeout is None:
+        return None
+    try:
+        ok = float(timeout) > 0
+    except (TypeError, ValueError):
+        ok = False
+    return None if ok else f"timeout must be a number of seconds > 0, got {timeout!r}"
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Everything about one attention call except its arrays, communicator, layout and backend.
+
+    causal : bool -- bottom-right aligned causal mask.
+    window : (left, right) or None -- sliding window in global positions.
+    softmax_scale : float or None -- None means ``1 / sqrt(D)`` (:meth:`scale`).
+    softcap : float > 0 or None -- logit softcap.
+    sinks : (H,) float16/bfloat16/float32/float64 array or None -- attention sinks (this
+        backend's array; used in the compute dtype).
+    alibi_slopes : (H,) float32 array or None -- ALiBi (:mod:`ringmpi.modifiers`).
+    dropout_p, dropout_seed, dropout_offsets -- dropout on the weights (:mod:`ringmpi.dropout`).
+    head_parallel : int, "auto" or None -- checked with the communicator by
+        :func:`ringmpi.topology.resolve_groups`.
+    timeout : float > 0 or None -- deadline of each ring wait (None: ``RINGMPI_TIMEOUT``).
+    check_finite : bool -- reject NaN/Inf inputs.
+    dtype : str or None -- the dtype every input must have (``"bfloat16"`` reads uint16 bits).
+    return_max_logit : bool -- also return the max logit (exact running maxima).
+    """
+
+    causal: bool = False
+    window: Window = None
+    softmax_scale: Optional[float] = None
+    softcap: Optional[float] = None
+    sinks: Optional[object] = None
+    alibi_slopes: Optional[object] = None
+    dropout_p: float = 0.0
+    dropout_seed: Optional[int] = None
+    dropout_offsets: Optional[Tuple[int, int, int]] = None
+    head_parallel: Union[int, str, None] = None
+    timeout: Optional[float] = None
+    check_finite: bool = False
+    dtype: Optional[str] = None
+    return_max_logit: bool = False
+
+    def given_once(self, options: Optional["AttentionOptions"],
+                   defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
+        """``options`` when given (then these, built from an entry point's keywords, must
+        equal that entry point's ``defaults``, by default the class's), else these."""
+        if options is None:
+            return self
+        defaults = AttentionOptions() if defaults is None else defaults
+        for f in fields(self):
+            mine, default = getattr(self, f.name), getattr(defaults, f.name)
+            if mine is not default and not (isinstance(mine, (bool, int, float, str)) and mine == default):
+                raise TypeError("give the attention options either as keywords or as options=, not both "
+                                f"({f.name}={mine!r} and options= were given)")
+        return options
+
+    # ------------------------------------------------------------------ rules
+    def problem(self, heads: int) -> Optional[str]:
+        """This rank's problem with its options for a call with ``heads`` query heads, or None
+        (the declared dtype is :meth:`dtype_problem`, checked before the arrays)."""
+        return (window_problem(self.window) or _scale_problem(self.softmax_scale)
+                or softcap_problem(self.softcap) or sinks_problem(self.sinks, heads)
+                or alibi_problem(self.alibi_slopes, heads)
+                or self._dropout_problem(heads) or _timeout_problem(self.timeout))
+
+    def modifier_names(self) -> Tuple[str, ...]:
+        """The score modifiers with per-head data these options use (``ringmpi.modifiers``)."""
+        return ("alibi",) if self.alibi_slopes is not None else ()
+
+    def dtype_problem(self) -> Optional[str]:
+        """The problem with ``dtype`` (None when fine): one of the four names, or None."""
+        if self.dtype is not None and _dtypes.declared_name(self.dtype) is None:
+            return f"dtype={self.dtype!r} is not one of {', '.join(_dtypes.NAMES)}"
+        return None
+
+    def _dropout_problem(self, heads: int) -> Optional[str]:
+        problem = _dropout_validate(self.dropout_p, self.dropout_seed)
+        offsets = self.dropout_offsets
+        if problem is None and offsets is not None:
+            ok = len(offsets) == 3 and all(isinstance(x, (int, np.integer)) for x in offsets)
+            if not (ok and min(offsets) >= 0 and offsets[1] + heads <= offsets[2]):
+                problem = ("dropout_offsets must be (batch_offset, head_offset, total_heads) covering "
+                           f"this call, got {offsets!r}")
+        return problem
+
+    def size_problem(self, heads: int, batch: int, n_q: int, n_kv: int) -> Optional[str]:
+        """The problem with dropout's counter ranges for these global sizes (None when fine)."""
+        key = self.dropout_key(heads)
+        if key is None:
+            return None
+        if max(n_q, n_kv) > MAX_POSITION:
+            return f"dropout needs sequence lengths <= 2^48, got N_q={n_q}, N_kv={n_kv}"
+        if (key[2] + batch) * key[4] > 1 << 32:
+            return "dropout needs (batch entries x heads) <= 2^32"
+        return None
+
+    # ------------------------------------------------------------------ derived values (checked options)
+    def scale(self, dim: int) -> float:
+        """The softmax scale for head dim ``dim``: ``softmax_scale``, else ``1 / sqrt(dim)``."""
+        return float(self.softmax_scale) if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
+
+    def window_sides(self) -> Window:
+        """``window`` as a tuple of ints or None."""
+        return None if self.window is None else tuple(None if w is None else int(w) for w in self.window)
+
+    def dropout_key(self, heads: int):
+        """``(p, seed, batch_offset, head_offset, total_heads)``, None without dropout."""
+        if float(self.dropout_p) == 0:
+            return None
+        b0, h0, total = (0, 0, heads) if self.dropout_offsets is None else self.dropout_offsets
+        return float(self.dropout_p), int(self.dropout_seed), int(b0), int(h0), int(total)
+
+    def mask_spec(self, heads: int, offset: int = 0) -> MaskSpec:
+        """The mask spec of a call with ``heads`` query heads and ``offset = N_kv - N_q``."""
+        key = self.dropout_key(heads)
+        dropout = None if key is None else Dropout(p=key[0], seed=key[1], heads=key[4],
+                                                   batch_offset=key[2], head_offset=key[3])
+        return MaskSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
+                        softcap=None if self.softcap is None else float(self.softcap),
+                        exact_max=bool(self.return_max_logit), dropout=dropout,
+                        alibi=Alibi.of(self.alibi_slopes))
+
+    # ------------------------------------------------------------------ agreement
+    def digest(self, *arrays, extra=()) -> int:
+        """CRC-32 of the options every rank must pass alike, then of ``arrays`` (host or
+        device, by their bytes) and ``repr(extra)``; compare across ranks with one collective."""
+        scalars = (bool(self.causal), self.window_sides(),
+                   None if self.softmax_scale is None else float(self.softmax_scale),
+                   None if self.softcap is None else float(self.softcap),
+                   bool(self.check_finite), bool(self.return_max_logit), tuple(extra))
+        crc = zlib.crc32(repr(scalars).encode())
+        for name, per_head in (("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes)):
+            if per_head is not None:
+                crc = zlib.crc32(name.encode(), crc)
+                crc = zlib.crc32(np.ascontiguousarray(_host(per_head), dtype=np.float64).view(np.uint8), crc)
+        for x in arrays:
+            if x is not None:
+                crc = zlib.crc32(np.ascontiguousarray(_host(x)).view(np.uint8), crc)
+        return crc
+
+    # ------------------------------------------------------------------ file attributes
+    def to_attrs(self, dim: int) -> dict:
+        """The output attributes of a file job with head dim ``dim`` (see docs/file-format.md):
+        ``causal``, ``window`` (int64 ``[left, right]``, -1 unbounded; empty without a window),
+        ``softmax_scale`` (resolved), ``softcap`` (0: none), and with dropout ``dropout_p``,
+        ``dropout_seed``.  Sinks are a dataset, not an attribute."""
+        sides = self.window_sides()
+        attrs = {"causal": bool(self.causal),
+                 "window": np.array([] if sides is None else [-1 if w is None else w for w in sides],
+                                    dtype=np.int64),
+                 "softmax_scale": float(self.scale(dim)),
+                 "softcap": 0.0 if self.softcap is None else float(self.softcap)}
+        if float(self.dropout_p) > 0:
+            attrs.update(dropout_p=float(self.dropout_p), dropout_seed=np.uint64(self.dropout_seed))
+        return attrs
+
+    @classmethod
+    def from_attrs(cls, attrs, sinks=None) -> "AttentionOptions":
+        """The options :meth:`to_attrs` wrote (``softmax_scale`` resolved), with ``sinks``."""
+        window = np.asarray(attrs.get("window", [])).ravel()
+        dropout_p = float(attrs.get("dropout_p", 0.0))
+        return cls(causal=bool(attrs["causal"]),
+                   window=tuple(None if int(w) < 0 else int(w) for w in window) if window.size else None,
+                   softmax_scale=float(attrs["softmax_scale"]),
+                   softcap=float(attrs.get("softcap", 0.0)) or None, sinks=sinks,
+                   dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None)

@@ -1,0 +1,94 @@
+"""AttentionOptions (issue 25): its rules, the agreement digest, the mask spec it implies and the
+file-attributes round trip; the ALiBi modifier's own pieces.  In process, no MPI launch."""
+
+import numpy as np
+import pytest
+
+from ringmpi.modifiers import Alibi, alibi_problem
+from ringmpi.options import AttentionOptions
+
+
+def test_rules_name_the_bad_option():
+    heads = 4
+    assert AttentionOptions().problem(heads) is None
+    bad = {
+        "window must be (left, right)": dict(window=(1, -2)),
+        "softcap must be finite and > 0": dict(softcap=0.0),
+        "sinks must have shape (H,) = (4,)": dict(sinks=np.zeros(3, np.float32)),
+        "alibi_slopes must be float32": dict(alibi_slopes=np.zeros(heads, np.float64)),
+        "alibi_slopes must have shape": dict(alibi_slopes=np.zeros((heads, 1), np.float32)),
+        "alibi_slopes must be finite": dict(alibi_slopes=np.array([0, np.nan, 0, 0], np.float32)),
+        "dropout_p > 0 needs a dropout_seed": dict(dropout_p=0.1),
+        "dropout_offsets must be": dict(dropout_p=0.1, dropout_seed=1, dropout_offsets=(0, 2, 4)),
+        "softmax_scale must be a finite number": dict(softmax_scale=float("inf")),
+        "timeout must be a number of seconds > 0": dict(timeout=0),
+    }
+    for want, kw in bad.items():
+        problem = AttentionOptions(**kw).problem(heads)
+        assert problem is not None and want in problem, (kw, problem)
+    assert "is not one of" in AttentionOptions(dtype="int8").dtype_problem()
+    assert AttentionOptions(dtype="bf16").dtype_problem() is None
+
+
+def test_digest_sees_what_ranks_must_share():
+    base = AttentionOptions(causal=True, window=(4, 0), softcap=2.0, sinks=np.ones(2, np.float32))
+    same = AttentionOptions(causal=True, window=[4.0, 0], softcap=2, sinks=np.ones(2, np.float64))
+    assert base.digest() == same.digest()
+    for changed in (dict(causal=False), dict(window=(5, 0)), dict(softcap=3.0), dict(softmax_scale=0.5),
+                    dict(sinks=np.zeros(2, np.float32)), dict(alibi_slopes=np.ones(2, np.float32)),
+                    dict(check_finite=True)):
+        kw = dict(causal=True, window=(4, 0), softcap=2.0, sinks=np.ones(2, np.float32))
+        kw.update(changed)
+        assert AttentionOptions(**kw).digest() != base.digest(), changed
+    # sinks and ALiBi slopes of the same values are told apart
+    assert (AttentionOptions(sinks=np.ones(2, np.float32)).digest()
+            != AttentionOptions(alibi_slopes=np.ones(2, np.float32)).digest())
+    assert base.digest(np.arange(3)) != base.digest(np.arange(4))
+
+
+def test_mask_spec_and_scale():
+    opts = AttentionOptions(causal=True, window=(3, None), softcap=2.5, dropout_p=0.5, dropout_seed=9,
+                            dropout_offsets=(1, 2, 8), alibi_slopes=np.array([0.5, 0.25], np.float32),
+                            return_max_logit=True)
+    spec = opts.mask_spec(2, offset=5)
+    assert spec.causal and spec.window == (3, None) and spec.offset == 5 and spec.softcap == 2.5
+    assert spec.exact_max and spec.alibi == Alibi((0.5, 0.25))
+    assert (spec.dropout.p, spec.dropout.seed, spec.dropout.heads) == (0.5, 9, 8)
+    assert (spec.dropout.batch_offset, spec.dropout.head_offset) == (1, 2)
+    part = spec.for_heads(1, 1)
+    assert part.alibi == Alibi((0.25,)) and part.dropout.head_offset == 3
+    assert AttentionOptions().mask_spec(4).dropout is None and AttentionOptions().mask_spec(4).alibi is None
+    assert AttentionOptions().scale(16) == 0.25 and AttentionOptions(softmax_scale=0.7).scale(16) == 0.7
+
+
+def test_file_attributes_round_trip():
+    for opts in (AttentionOptions(), AttentionOptions(causal=True, window=(7, None), softcap=3.0),
+                 AttentionOptions(window=(None, 2), softmax_scale=0.3, dropout_p=0.25, dropout_seed=2 ** 63 + 5)):
+        attrs = opts.to_attrs(dim=16)
+        back = AttentionOptions.from_attrs(attrs)
+        assert back.to_attrs(dim=16).keys() == attrs.keys()
+        for key, value in attrs.items():
+            assert np.array_equal(back.to_attrs(dim=16)[key], value), key
+        assert back.mask_spec(4) == opts.mask_spec(4)
+        assert back.scale(16) == opts.scale(16)
+    assert AttentionOptions().to_attrs(dim=16)["window"].dtype == np.int64
+
+
+def test_options_object_or_keywords_not_both():
+    opts = AttentionOptions(causal=True)
+    assert AttentionOptions().given_once(opts) is opts
+    assert AttentionOptions(causal=True).given_once(None).causal
+    with pytest.raises(TypeError, match="softcap=2.0"):
+        AttentionOptions(softcap=2.0).given_once(opts)
+    # decode's own defaults (causal=True) count as "no keyword given"
+    assert AttentionOptions(causal=True).given_once(opts, AttentionOptions(causal=True)) is opts
+
+
+def test_alibi_terms():
+    assert alibi_problem(None, 3) is None and alibi_problem(np.zeros(3, np.float32), 3) is None
+    alibi = Alibi.of(np.array([0.5, 0.125], np.float32))
+    dist = alibi.distances(np.array([0, 4]), np.array([1, 2, 9]), offset=3, dtype=np.float32)
+    assert dist.tolist() == [[2, 1, 6], [6, 5, 2]]
+    assert alibi.bias(1, dist).tolist() == [[-0.25, -0.125, -0.75], [-0.75, -0.625, -0.25]]
+    assert alibi.for_heads(slice(1, 2)).slopes == (0.125,)
+    assert alibi.kernel_slopes().dtype == np.float32
