@@ -81,6 +81,11 @@ def run_case(comm, case):
     results.update(dq=to_host(grads[0]), dk=to_host(grads[1]), dv=to_host(grads[2]))
     if sinks is not None and len(grads) == 4:
         results["dsinks"] = np.asarray(grads[3])
+    if case.get("own_share"):  # reduce_dsinks=False: this rank's share of dsinks, dq/dk/dv unchanged
+        own = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, reduce_dsinks=False,
+                                              **kw)
+        results["dsinks_share"] = np.asarray(own[3])
+        results["same_grads_own"] = all(to_host(a).tobytes() == to_host(b).tobytes() for a, b in zip(own[:3], grads))
     gathered = comm.gather(results, root=0)
     if rank != 0:
         return None
@@ -133,6 +138,12 @@ def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sin
             ok = False
             messages.append(f"dsinks {ds.dtype} {ds.shape}, sinks {sinks.dtype} {sinks.shape}")
         checks.append(("dsinks", ds, refs[3], naives[3], True))
+    if case.get("own_share"):
+        if not all(g["same_grads_own"] for g in gathered):
+            ok = False
+            messages.append("reduce_dsinks=False changed dq, dk or dv")
+        shares = np.array([g["dsinks_share"] for g in gathered])
+        checks.append(("sum of dsinks shares", shares.sum(axis=0), refs[3], naives[3], True))
     for name, ours, ref, naive, grad in checks:
         good, msg = reference.tolerance_check(name, ours, ref, naive, gradient=grad)
         ok &= good
