@@ -248,7 +248,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
         Attention sinks (gpt-oss): every query's softmax denominator gains
         ``exp(sinks[h])``, a virtual key with zero value that every query sees;
-        ``lse`` includes it.  Used in the compute dtype (16-bit sinks in float32).
+        ``lse`` includes it.  Used in the compute dtype (float32 for 16-bit inputs).
     softcap : float > 0, optional, the same on every rank
         Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
         before the mask.

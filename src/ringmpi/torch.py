@@ -39,6 +39,7 @@ from .errors import ConfigError, agree
 from .layout import Layout
 from .options import AttentionOptions
 from .ring import resolve_comm
+from .topology import head_parallel_setting
 
 __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"]
 
@@ -195,7 +196,7 @@ def _op_arguments(options: AttentionOptions, alibi_slopes, q) -> tuple:
     except (TypeError, ValueError, OverflowError) as exc:
         heads = q.shape[2] if getattr(q, "ndim", 0) == 4 else 0
         problem = replace(options, alibi_slopes=alibi_slopes).problem(heads)
-        return None, None, problem or f"ringmpi.torch cannot pass an option to its custom op: {exc}"
+        return None, None, problem or str(exc)
 
 
 def _exact_int(x) -> Optional[int]:
@@ -220,11 +221,9 @@ def _signed64(x) -> Optional[int]:
 
 
 def _head_parallel_text(x) -> Optional[str]:
-    if x is None or isinstance(x, str):
-        return x
-    if isinstance(x, bool):
-        raise ValueError(f"head_parallel={x!r}")
-    return str(_exact_int(x))
+    """None and strings as they are (the library reads them); a number as its int's text,
+    or the library's ValueError (:func:`ringmpi.topology.head_parallel_setting`)."""
+    return x if x is None or isinstance(x, str) else str(head_parallel_setting(x))
 
 
 def _host_tensor(x):
@@ -370,8 +369,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         Ring step records of the forward are appended to it, and those of the
         backward when it runs.
     sinks : (H,) float16/bfloat16/float32/float64 tensor, optional, the same on every rank
-        Attention sinks (see :func:`ringmpi.ring_attention`), used in float32 for
-        16-bit inputs or sinks.  A replicated parameter: when it requires a
+        Attention sinks (see :func:`ringmpi.ring_attention`), used in the compute
+        dtype (float32 for 16-bit inputs, float64 for float64).  A replicated parameter: when it requires a
         gradient, ``sinks.grad`` receives this rank's own contribution (from its
         own queries; ``ring_attention_backward(..., reduce_dsinks=False)``), in the
         sinks' dtype, like every other parameter's gradient, so summing gradients
