@@ -319,7 +319,10 @@ def errors_case(comm, case, device):
     results = []
     attempts = [("a NumPy q on rank 1", dict(q=q.detach().cpu().numpy() if comm.Get_rank() == 1 else q)),
                 ("a backend that does not fit the device",
-                 dict(backend="numpy" if device.type == "cuda" else "cupy"))]
+                 dict(backend="numpy" if device.type == "cuda" else "cupy")),
+                ("a window the op's int arguments cannot hold, on rank 1",  # AttentionOptions names it
+                 dict(window=(1.5, 0) if comm.Get_rank() == 1 else None)),
+                ("head_parallel=2.5 on every rank", dict(head_parallel=2.5))]
     for what, change in attempts:
         args = dict(q=q, k=k, v=v, **kw)
         args.update(change)
