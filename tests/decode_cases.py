@@ -7,7 +7,7 @@ Every rank builds the same global cache and new tokens from the case's seed.
 :class:`ringmpi.KVCache` over several appends and check every step; ``error``
 cases expect the same ConfigError on every rank.  Rank 0 gathers every rank's
 result, checks that all ranks got the same bits, compares with a float64 dense
-reference on the gathered cache (DESIGN.md's tolerance rule) and prints
+reference on the gathered cache (docs/design.md's tolerance rule) and prints
 ``CASE <json>`` per case.
 """
 

@@ -2,7 +2,7 @@
 
 One body per backend: the documented names exist, the messages behave as
 the schedule expects, forward_block/backward_block return their tile counts
-and agree with a float64 dense reference (DESIGN.md's tolerance rule).
+and agree with a float64 dense reference (docs/design.md's tolerance rule).
 CuPy is skipped, with the reason shown, where no GPU is visible.
 """
 

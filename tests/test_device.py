@@ -76,3 +76,16 @@ INSUFFICIENT = "cudaErrorInsufficientDriver: CUDA driver version is insufficient
 ], ids=["no-driver", "driver-too-old", "no-device-masked", "no-device", "busy"])
 def test_cuda_error_reason(error, driver, runtime, visible, expected):
     assert cuda_error_reason(error, driver, runtime, visible) == expected
+
+
+def test_a_gpu_below_sm70_is_unusable_and_named():
+    """The kernels need compute capability 7.0: an older device is named with its
+    capability (``gpu_unavailable_reason`` asks this of every visible device)."""
+    from ringmpi.device import capability_reason
+
+    assert capability_reason([(0, "Tesla V100-SXM2-16GB", 7, 0), (1, "Tesla T4", 7, 5)]) is None
+    assert capability_reason([(0, "NVIDIA H100 80GB HBM3", 9, 0)]) is None
+    reason = capability_reason([(0, "Tesla T4", 7, 5), (1, "Tesla P100-PCIE-16GB", 6, 0)])
+    assert reason == ("device 1 (Tesla P100-PCIE-16GB) has compute capability 6.0; ringmpi's CUDA kernels "
+                      "need compute capability 7.0 (Volta) or newer (use backend numpy, or "
+                      "CUDA_VISIBLE_DEVICES to hide that device)")

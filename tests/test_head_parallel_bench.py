@@ -1,7 +1,6 @@
 """``ringmpi bench --sweep head-parallel`` and ``--head-parallel`` under real mpirun, tiny sizes.
 
-No timed assertions on speed: the byte counts are exact identities, and the
-link model's delay is a lower bound it must impose (a sleep, not a race).
+No timed assertions on speed: the byte counts are exact identities.
 """
 
 import json
@@ -19,10 +18,9 @@ P, N, H, D = 4, 64, 4, 16
 
 def test_sweep_reports_every_u_with_exact_byte_split(tmp_path):
     out, png = tmp_path / "hp.json", tmp_path / "hp.png"
-    gbps = 0.05
     rc, stdout, stderr, _ = mpirun(P, RINGMPI + [
         "bench", "--sweep", "head-parallel", "--n", N, "--heads", H, "--dim", D, "--backward", "--causal",
-        "--layout", "zigzag", "--repeat", "1", "--warmup", "0", "--inter-node-gbps", gbps,
+        "--layout", "zigzag", "--repeat", "1", "--warmup", "0",
         "--json", out, "--plot", png], 180, env=mpirun_env(RINGMPI_NODE_SIZE=2))
     assert rc == 0, f"exit {rc}\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
     report = json.loads(out.read_text())
@@ -48,10 +46,6 @@ def test_sweep_reports_every_u_with_exact_byte_split(tmp_path):
         bwd_a2a = share * rows * (4 * H * D * 4 + 2 * H * 4 + 3 * H * D * 4)
         assert fwd["bytes_sent_intra_group"] == [pytest.approx(fwd_a2a)] * P
         assert bwd["bytes_sent_intra_group"] == [pytest.approx(bwd_a2a)] * P
-        if u == 1:
-            # ranks 1 and 3 send every K/V block across the modelled link (0 -> 1 -> 2 -> 3 -> 0)
-            at_least = (groups - 1) * kv * 8 / (gbps * 1e9)
-            assert fwd["seconds_median"] >= at_least
     assert "* = the U that head_parallel='auto' picks" in stdout
 
 
@@ -67,8 +61,7 @@ def test_bench_head_parallel_single_and_bad_choices(tmp_path):
     assert [s.get("stage") for s in steps] == ["a2a in", None, None, "a2a out"]  # auto = 2: a ring of 2
     bad = {"not-dividing-P": (["--head-parallel", "3"], "head_parallel=3 must divide the number of ranks (4)"),
            "not-a-number": (["--head-parallel", "x"], "--head-parallel: head_parallel must be a positive"),
-           "with-strong": (["--head-parallel", "2", "--sweep", "strong"], "use --sweep head-parallel"),
-           "zero-gbps": (["--inter-node-gbps", "0"], "Invalid value for '--inter-node-gbps'")}
+           "with-strong": (["--head-parallel", "2", "--sweep", "strong"], "use --sweep head-parallel")}
     cases = [{"id": name, "argv": [str(a) for a in args[len(RINGMPI):]] + extra}
              for name, (extra, _) in bad.items()]
     path = tmp_path / "cases.json"

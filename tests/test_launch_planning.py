@@ -1,8 +1,9 @@
 """Launch planning of the GPU block kernels, checked on CPU against CUDA's limits.
 
 No GPU needed: :mod:`ringmpi.kernels` plans grid, block and shared memory
-without CuPy.  The device limits are those of compute capability 8.0, 8.6,
-8.9 and 9.0 (``cudaDevAttrMaxSharedMemoryPerBlockOptin``).
+without CuPy.  The device limits are those of compute capability 7.0, 7.5,
+8.0, 8.6, 8.9, 9.0 and 10.0 (``cudaDevAttrMaxSharedMemoryPerBlockOptin``);
+below 8.0 the planner picks no tensor-core kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import pytest
 from ringmpi import kernels as K
 from ringmpi.errors import ConfigError
 
-SMEM_OPTIN = {"8.0": 166912, "8.6": 101376, "8.9": 101376, "9.0": 232448}
+SMEM_OPTIN = {"7.0": 98304, "7.5": 65536, "8.0": 166912, "8.6": 101376, "8.9": 101376, "9.0": 232448,
+              "10.0": 232448}
+# where the planner has no kernel: float64 at D > 192 on 7.5 (its 64 KB per block)
+NO_KERNEL = {("7.5", K.F64, d) for d in range(193, K.MAX_HEAD_DIM + 1)}
+
+
+def _cc(text: str) -> int:
+    major, minor = text.split(".")
+    return int(major) * 10 + int(minor)
 KINDS = (K.F16, K.BF16, K.F32, K.F64)
 ROWS = (1, 7, 65535, 65536, 2 * 65535 + 1, 1_000_003, 2 ** 20)
 
@@ -27,12 +36,20 @@ def _within_cuda_grid(grid):
 
 @pytest.mark.parametrize("cc", sorted(SMEM_OPTIN))
 def test_every_chosen_kernel_fits_the_device(cc):
-    limit = SMEM_OPTIN[cc]
-    compiled = set(K.instantiations())
+    limit, arch = SMEM_OPTIN[cc], _cc(cc)
+    compiled = set(K.instantiations(arch))
+    refused = set()
     for kind, d in itertools.product(KINDS, range(1, K.MAX_HEAD_DIM + 1)):
-        for kernel in (K.forward_kernel(kind, d, limit), K.backward_kernel(kind, d, limit)):
+        try:
+            kernels = (K.forward_kernel(kind, d, limit, cc=arch), K.backward_kernel(kind, d, limit, cc=arch))
+        except ConfigError as exc:
+            assert f"compute capability {cc} GPU" in str(exc) and "backend='numpy'" in str(exc)
+            refused.add((cc, kind, d))
+            continue
+        for kernel in kernels:
             where = f"cc {cc}, kind {kind}, D={d}: {kernel.expr}"
             assert kernel.shared_mem_bytes() <= limit, where
+            assert kernel.tensor_cores <= (arch >= K.TENSOR_CORE_CC), where
             assert len(kernel.block()) == 1 and 32 <= kernel.block()[0] <= 1024, where
             assert kernel.block()[0] % 32 == 0, where
             assert kernel.instantiation in compiled, where   # the NVRTC test compiles it
@@ -41,6 +58,42 @@ def test_every_chosen_kernel_fits_the_device(cc):
                 batch = rows // heads
                 assert _within_cuda_grid(kernel.grid(batch, heads, heads, 4096, 4096)), (where, rows)
                 assert _within_cuda_grid(kernel.grid(batch, heads, 1, 1, 1)), (where, rows)
+    assert refused == {x for x in NO_KERNEL if x[0] == cc}
+
+
+def test_sm70_and_sm75_run_16_bit_inputs_through_the_simt_kernels():
+    for cc in ("7.0", "7.5"):
+        limit, arch = SMEM_OPTIN[cc], _cc(cc)
+        for kind, dp in itertools.product((K.F16, K.BF16), K.PADDED_DIMS):
+            assert not any(k.tensor_cores for k in K.forward_kernels(kind, dp, cc=arch))
+            assert not any(k.tensor_cores for k in K.backward_kernels(kind, dp, cc=arch))
+            assert "_simt<" in K.forward_kernel(kind, dp, limit, cc=arch).expr
+    assert K.forward_kernel(K.F16, 64, SMEM_OPTIN["7.5"], cc=75).expr == "ringmpi_forward_simt<64, 0, 32>"
+    assert K.backward_kernel(K.BF16, 128, SMEM_OPTIN["7.0"], cc=70).expr == "ringmpi_backward_simt<128, 1, 32>"
+    assert K.backward_kernel(K.BF16, 128, SMEM_OPTIN["7.5"], cc=75).expr == "ringmpi_backward_simt<128, 1, 16>"
+    assert K.forward_kernel(K.BF16, 256, SMEM_OPTIN["7.0"], cc=70).tiles == (32, 16)
+    assert K.forward_kernel(K.BF16, 256, SMEM_OPTIN["7.5"], cc=75).tiles == (32, 8)
+    # float64 at D = 256: 4-key forward tiles on 7.0 (96 KB); on 7.5 (64 KB) nothing fits
+    assert K.forward_kernel(K.F64, 256, SMEM_OPTIN["7.0"], cc=70).tiles == (32, 4)
+    assert K.backward_kernel(K.F64, 256, SMEM_OPTIN["7.0"], cc=70).tiles == (8, 8)
+    assert K.forward_kernel(K.F64, 192, SMEM_OPTIN["7.5"], cc=75).tiles == (32, 4)
+    with pytest.raises(ConfigError, match=r"no forward \(float64, D=200, D_v=200\) kernel fits in the 65536 bytes"):
+        K.forward_kernel(K.F64, 200, SMEM_OPTIN["7.5"], cc=75)
+    # float32/float64 choose what sm_80+ chooses wherever that fits the device
+    for kind, d in itertools.product((K.F32, K.F64), K.PADDED_DIMS):
+        for cc in ("7.0", "7.5"):
+            for plan in (K.forward_kernel, K.backward_kernel):
+                wide = plan(kind, d, SMEM_OPTIN["8.6"])
+                if wide.smem <= SMEM_OPTIN[cc]:
+                    assert plan(kind, d, SMEM_OPTIN[cc], cc=_cc(cc)) == wide, (cc, kind, d)
+
+
+def test_below_sm70_nothing_is_planned():
+    for plan in (K.forward_kernel, K.backward_kernel):
+        with pytest.raises(ConfigError, match=r"compute capability 6\.1 is below 7\.0"):
+            plan(K.F32, 64, 49152, cc=61)
+    with pytest.raises(ConfigError, match="below 7.0"):
+        K.instantiations(60)
 
 
 def test_the_fastest_kernel_is_kept_where_it_fits():
@@ -66,13 +119,13 @@ def test_a_limit_nothing_fits_is_a_config_error_before_launch():
 
 
 def test_simt_tile_shapes_satisfy_the_kernel_templates():
-    """Integer divisions the SIMT kernels rely on (TPR, ND, NC, NR >= 1)."""
-    for kind, dp in itertools.product(KINDS, K.PADDED_DIMS):
-        for kernel in K.forward_kernels(kind, dp):
+    """Integer divisions the SIMT kernels rely on (TPR, ND, NC, NR >= 1), on both families."""
+    for kind, dp, cc in itertools.product(KINDS, K.PADDED_DIMS, (75, 80)):
+        for kernel in K.forward_kernels(kind, dp, cc=cc):
             if not kernel.tensor_cores:
                 bm, bn = kernel.tiles
                 assert kernel.threads == 4 * bm and bn % 4 == 0 and dp % 4 == 0
-        for kernel in K.backward_kernels(kind, dp):
+        for kernel in K.backward_kernels(kind, dp, cc=cc):
             if not kernel.tensor_cores:
                 bn, nth = kernel.tiles[1], kernel.threads
                 assert kernel.tiles[0] == bn and nth == min(256, bn * bn)   # BWD_SIMT_THREADS
@@ -133,14 +186,19 @@ def test_too_many_rows_or_tiles_are_refused():
 
 
 def test_only_reachable_candidates_are_compiled():
-    """Each candidate after the first is needed by some sm_80+ GPU; the last fits them all."""
-    assert K.SMALLEST_OPTIN == min(SMEM_OPTIN.values())
-    fallbacks = set()
-    for kind, dp in itertools.product(KINDS, K.PADDED_DIMS):
-        for candidates in (K.forward_kernels(kind, dp), K.backward_kernels(kind, dp)):
-            assert candidates[-1].smem <= K.SMALLEST_OPTIN
-            assert all(k.smem > K.SMALLEST_OPTIN for k in candidates[:-1])
-            fallbacks.update(k.expr for k in candidates[1:])
-    assert fallbacks == {"ringmpi_forward_simt<256, 0, 16>", "ringmpi_forward_simt<256, 1, 16>",
-                         "ringmpi_forward_simt<192, 3, 8>", "ringmpi_forward_simt<256, 3, 8>",
-                         "ringmpi_backward_simt<192, 3, 8>", "ringmpi_backward_simt<256, 3, 8>"}
+    """Each candidate after the first is needed by some GPU of its family (sm_80+, or
+    sm_70/75); the last fits them all, except where nothing fits 7.5."""
+    assert K.SMALLEST_OPTIN == min(v for cc, v in SMEM_OPTIN.items() if _cc(cc) >= 80)
+    assert K.SMALLEST_OPTIN_SIMT == min(v for cc, v in SMEM_OPTIN.items() if _cc(cc) < 80)
+    fallbacks = {80: set(), 75: set()}
+    for arch, floor in ((80, K.SMALLEST_OPTIN), (75, K.SMALLEST_OPTIN_SIMT)):
+        for kind, dp in itertools.product(KINDS, K.PADDED_DIMS):
+            for candidates in (K.forward_kernels(kind, dp, cc=arch), K.backward_kernels(kind, dp, cc=arch)):
+                assert all(k.smem > floor for k in candidates[:-1])
+                assert candidates[-1].smem <= floor or (arch, kind, dp) == (75, K.F64, 256)
+                fallbacks[arch].update(k.expr for k in candidates[1:])
+    assert fallbacks[80] == {"ringmpi_forward_simt<256, 0, 16>", "ringmpi_forward_simt<256, 1, 16>",
+                             "ringmpi_forward_simt<192, 3, 8>", "ringmpi_forward_simt<256, 3, 8>",
+                             "ringmpi_backward_simt<192, 3, 8>", "ringmpi_backward_simt<256, 3, 8>"}
+    assert K.instantiations(70) == K.instantiations(75) and K.instantiations(90) == K.instantiations()
+    assert not any("_mma<" in expr for _, expr in K.instantiations(75))

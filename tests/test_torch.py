@@ -105,7 +105,7 @@ def test_training_example_matches_one_rank(tmp_path, p, flags):
     """jobs/train_context_parallel.py (the README's gradient recipe: every parameter's gradient
     summed over the ranks): after 5 Adam steps, the P > 1 losses, parameters and last summed
     gradients (Adam alone would hide a gradient off by a constant factor) are as close to a
-    float64 P = 1 run as a float32 P = 1 run is (DESIGN.md's gradient rule: 3x its error + 1e-5);
+    float64 P = 1 run as a float32 P = 1 run is (docs/design.md's gradient rule: 3x its error + 1e-5);
     301 tokens make uneven zigzag shards.  With ``--sinks`` the model learns a sink per head,
     whose gradient must be each rank's own share like every other parameter's (issue 27)."""
     runs = {}

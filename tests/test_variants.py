@@ -64,6 +64,7 @@ def cases_for(p):
     add("fd", kind="fd", n_q=11, n_kv=13, H=2, Hkv=1, D=5, layout="zigzag", causal=True, sinks=True,
         softcap=1.3, k_scale=2.0)
     add("errors", kind="errors", n_q=12, layout="striped")
+    add("nan-max-logit", kind="nan_max", n_q=4, layout="contiguous")
     # file jobs: batch passes (a tiny pass budget) and head passes
     add("file-batch-passes", kind="file", n_q=23, B=3, layout="zigzag", causal=True, softcap=3.0, k_scale=3.0,
         pass_bytes=1)
@@ -207,3 +208,67 @@ def test_every_block_kernel_takes_the_modifier_scalars():
         for params in kernels:
             assert re.search(r"MASK_PARAMS,\s*MOD_PARAMS,", params), params
     assert "+ modifier_scalars(mask.spec)" in inspect.getsource(cupy_backend.CupyBackend._mask_args)
+
+
+# ---------------------------------------------------------------- max logit of non-finite scores
+# One semantics on every backend (np.maximum's): a head with a visible NaN score has
+# max_logit NaN; a row whose visible scores are all -inf contributes -inf (and gets
+# o = 0, lse = -inf).  Heads (causal, B = 1, N = 40, D = 8):
+#   0 clean;  1 one NaN in q (row 5);  2 every score -inf (q = (inf, 0, ...), k_0 < 0);
+#   3 every score negative, key 0's -inf (k_0 = -inf): row 0 sees only -inf.
+NF_N, NF_H, NF_D = 40, 4, 8
+
+
+def nonfinite_max_logit_inputs(dtype):
+    """``q, k, v`` (1, 40, 4, 8) in ``dtype`` with the heads above."""
+    import ringmpi.dtypes
+
+    rng = np.random.default_rng(29)
+    q, k, v = (rng.standard_normal((1, NF_N, NF_H, NF_D)) for _ in range(3))
+    q[0, 5, 1, 2] = np.nan
+    q[..., 2, :] = 0
+    q[..., 2, 0] = np.inf
+    k[..., 2, 0] = -np.abs(k[..., 2, 0]) - 0.5
+    q[..., 3, 0] = np.abs(q[..., 3, 0]) + 0.5
+    k[..., 3, :] = 0
+    k[..., 3, 0] = -np.abs(rng.standard_normal(NF_N)) - 0.5
+    k[0, 0, 3, 0] = -np.inf
+    return tuple(ringmpi.dtypes.to_dtype(x, dtype) for x in (q, k, v))
+
+
+def nonfinite_max_logit_problems(backend, dtype, to_device=lambda x: x, to_host=np.asarray):
+    """What differs from the semantics above for ``ring_attention(..., backend=backend)``."""
+    from mpi4py import MPI
+
+    import reference
+    import ringmpi
+
+    q, k, v = nonfinite_max_logit_inputs(dtype)
+    o, lse, ml = ringmpi.ring_attention(*(to_device(x) for x in (q, k, v)), comm=MPI.COMM_SELF, causal=True,
+                                        backend=backend, return_max_logit=True)
+    o, lse = to_host(o).astype(np.float64), to_host(lse)
+    vis = reference.visible(NF_N, NF_N, True, None, None, None)
+    scale = 1 / np.sqrt(NF_D)
+    ref = reference.dense_max_logit(q, k, vis, scale, np.float64)
+    naive = reference.dense_max_logit(q, k, vis, scale, q.dtype)
+    problems = []
+    for h in (0, 3):
+        ok, msg = reference.tolerance_check(f"max_logit[{h}]", ml[h:h + 1], ref[h:h + 1], naive[h:h + 1])
+        problems += [] if ok and np.isfinite(ml[h]) else [msg]
+    if not (np.isnan(ml[1]) and np.isnan(ref[1])):
+        problems.append(f"max_logit[1] = {ml[1]} with a visible NaN score")
+    if not (ml[2] == -np.inf and ref[2] == -np.inf):
+        problems.append(f"max_logit[2] = {ml[2]} where every visible score is -inf")
+    if not ((o[0, :, 2] == 0).all() and (lse[0, 2] == -np.inf).all()):
+        problems.append("head 2 (every score -inf): o must be 0 and lse -inf")
+    if not (np.isnan(o[0, 5, 1]).all() and np.isnan(lse[0, 1, 5]) and np.isfinite(lse[0, 1, :5]).all()):
+        problems.append("head 1: row 5 (NaN q) must be NaN, the rows before it finite")
+    if not ((o[0, 0, 3] == 0).all() and lse[0, 3, 0] == -np.inf and np.isfinite(lse[0, 3, 1:]).all()):
+        problems.append("head 3: row 0 (only -inf) must be o = 0, lse = -inf, the other rows finite")
+    return problems
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_max_logit_of_nan_and_all_minus_inf_rows(dtype):
+    """NumPy side (tests/gpu/test_gpu_variants.py runs the same on CuPy)."""
+    assert not nonfinite_max_logit_problems("numpy", np.dtype(dtype))

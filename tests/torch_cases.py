@@ -9,7 +9,7 @@ calls ``ringmpi.torch`` on its own shard, and rank 0 prints one line per case:
 Case kinds:
 
 ``attn``      forward, LSE and gradients of ``sum(o * do)`` against a float64 dense
-              torch autograd computation on the gathered sequence, under DESIGN.md's
+              torch autograd computation on the gathered sequence, under docs/design.md's
               tolerance rule (the "naive" error is the same dense computation in the
               input dtype).
 ``sdpa``      ``scaled_dot_product_attention`` (B, H, S, D) against

@@ -16,7 +16,7 @@ Case kinds:
 ``compare``  logits (gathered), HF's ``out.loss`` (summed over ranks) and every
              parameter gradient against HF on one process: float64 <= 1e-10 and
              float32 <= 1e-4 relative (max error / max magnitude per tensor);
-             bfloat16 under DESIGN.md's gradient rule against a float64 HF run,
+             bfloat16 under docs/design.md's gradient rule against a float64 HF run,
              with a bfloat16 HF run as the naive error.
 ``dropout``  attention dropout in training mode: logits and gradients at P ranks equal
              a one-rank ringmpi run (COMM_SELF) for one seed, and differ for
@@ -194,7 +194,7 @@ def compare_case(comm, case):
 
 
 def bf16_check(case, ours, real):
-    """DESIGN.md's gradient rule: error vs float64 <= 3x HF's own bfloat16 error + 1e-5."""
+    """docs/design.md's gradient rule: error vs float64 <= 3x HF's own bfloat16 error + 1e-5."""
     ref, naive = run_reference(case, "float64"), run_reference(case, "bfloat16")
     problems, names = [], ["logits"] + sorted(ref[2])
     for name in names:

@@ -365,8 +365,32 @@ def errors_case(comm, case):
     return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
 
 
+def nan_max_case(comm, case):
+    """``SoftmaxState.max_logit`` over the ranks: a NaN on any one rank gives NaN on every
+    rank (``MPI.MAX`` alone may drop it), a head of -inf everywhere gives -inf."""
+    from ringmpi.backends.numpy_backend import NumpyBackend
+    from ringmpi.online_softmax import SoftmaxState
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    problems = []
+    for nan_rank in range(size):
+        m = np.random.default_rng(100 * nan_rank + rank).standard_normal((2, 3, 4)).astype(np.float32)
+        m[:, 2] = -np.inf
+        if rank == nan_rank:
+            m[1, 1, 3] = np.nan
+        state = SoftmaxState(NumpyBackend(), m.shape, 1, m.dtype)
+        state.m[...] = m
+        out = state.max_logit(comm)
+        want0 = max(comm.allgather(float(m[:, 0].max())))
+        if not (out[0] == np.float32(want0) and np.isnan(out[1]) and out[2] == -np.inf and out.dtype == m.dtype):
+            problems.append(f"NaN on rank {nan_rank}: rank {rank} got {out}")
+    problems = [p for ps in comm.allgather(problems) for p in ps]
+    return not problems, "; ".join(problems) or f"NaN from each of {size} ranks reached every rank"
+
+
 def main():
-    kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case, "file": file_case, "torch": torch_case}
+    kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case, "file": file_case, "torch": torch_case,
+             "nan_max": nan_max_case}
     run_file(MPI.COMM_WORLD, kinds, run_case)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import dtypes as _dtypes
 from .backends import get_backend
-from .backends import modifier_problem
+from .backends import device_problem, modifier_problem
 from .backends import value_dim_problem as _value_dim_problem
 from .errors import agree
 from .layout import KINDS, Layout
@@ -105,6 +105,7 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
     agree(comm, options.dtype_problem() or _local_problem(q, k, v, seg_q, seg_kv, extra, options.dtype)
           or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
+          or device_problem(be, k.dtype, q.shape[3], v.shape[3])
           or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names()))
     layout_q, layout_kv = _agree_layouts(q, k, v, options, comm, layout)
     if options.check_finite:

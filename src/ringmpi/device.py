@@ -47,13 +47,44 @@ def _no_device(visible_devices: Optional[str]) -> str:
     return f"no CUDA device is visible to this process{where}"
 
 
+def capability_reason(devices) -> Optional[str]:
+    """The cause, as a sentence, when a visible device is too old for the kernels; else None.
+
+    ``devices``: ``(id, name, major, minor)`` of every visible device.  The
+    kernels need compute capability 7.0 (Volta) or newer
+    (:data:`ringmpi.kernels.MIN_CC`); a rank may be bound to any visible device
+    (:func:`select_device`), so one older device makes the GPU unusable.
+    """
+    from .kernels import MIN_CC
+
+    old = [(i, name, major, minor) for i, name, major, minor in devices if major * 10 + minor < MIN_CC]
+    if not old:
+        return None
+    listed = ", ".join(f"device {i} ({name}) has compute capability {major}.{minor}" for i, name, major, minor in old)
+    return (f"{listed}; ringmpi's CUDA kernels need compute capability {MIN_CC // 10}.{MIN_CC % 10} (Volta) "
+            f"or newer (use backend numpy, or CUDA_VISIBLE_DEVICES to hide that device)")
+
+
+def _devices(runtime, count: int):
+    """``(id, name, major, minor)`` of the ``count`` visible devices."""
+    out = []
+    for i in range(count):
+        props = runtime.getDeviceProperties(i)
+        name = props["name"]
+        out.append((i, name.decode() if isinstance(name, bytes) else str(name), props["major"], props["minor"]))
+    return out
+
+
 def gpu_unavailable_reason() -> Optional[str]:
-    """None when CuPy imports and this process sees a CUDA device; else the cause, as a sentence.
+    """None when CuPy imports and this process sees a CUDA device the kernels run on;
+    else the cause, as a sentence.
 
     The causes named: CuPy missing (or failing to import), no NVIDIA driver, a
     driver too old for CuPy's CUDA runtime (with both versions), no device
-    visible (``CUDA_VISIBLE_DEVICES``), each with CUDA's own error text.
-    Never raises; initialises CUDA's runtime but allocates nothing.
+    visible (``CUDA_VISIBLE_DEVICES``), each with CUDA's own error text; a
+    device below compute capability 7.0, with its name and capability
+    (:func:`capability_reason`).  Never raises; initialises CUDA's runtime but
+    allocates nothing.
     """
     try:
         import cupy
@@ -74,7 +105,11 @@ def gpu_unavailable_reason() -> Optional[str]:
         return cuda_error_reason(str(exc), versions[0], versions[1], visible)
     if count < 1:
         return f"{_no_device(visible)} (cudaGetDeviceCount returned 0)"
-    return None
+    try:
+        devices = _devices(runtime, count)
+    except Exception as exc:  # CUDARuntimeError
+        return f"CUDA cannot describe its devices ({exc})"
+    return capability_reason(devices)
 
 
 def require_gpu(comm, what: str = "--backend cupy") -> None:
@@ -215,22 +250,18 @@ def gpu_summary() -> dict:
     except Exception:
         return out
     out["cupy"] = cupy.__version__
-    if out["error"] is not None:
-        return out
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
+        runtime = cupy.cuda.runtime
+        count = runtime.getDeviceCount()
         out["count"] = count
-        for i in range(count):
-            props = cupy.cuda.runtime.getDeviceProperties(i)
-            name = props["name"]
+        for i, name, major, minor in _devices(runtime, count):
             out["devices"].append({
-                "id": i,
-                "name": name.decode() if isinstance(name, bytes) else str(name),
-                "compute_capability": f"{props['major']}.{props['minor']}",
-                "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+                "id": i, "name": name, "compute_capability": f"{major}.{minor}",
+                "memory_gib": round(runtime.getDeviceProperties(i)["totalGlobalMem"] / 2**30, 1),
             })
     except Exception as exc:
-        out["error"] = f"CUDA cannot describe its devices ({exc})"
+        if out["error"] is None:
+            out["error"] = f"CUDA cannot describe its devices ({exc})"
     return out
 
 

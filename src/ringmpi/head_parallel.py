@@ -36,9 +36,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .errors import RingTimeout
 from .local_attention import AgreedCall, LocalProblem, backward_pass, forward_pass, sink_grads
-from .ring import StepRecord
+from .ring import StepRecord, poll_until
 
 
 def kv_heads_of(index: int, u: int, heads: int, kv_heads: int) -> List[int]:
@@ -131,17 +130,11 @@ class GroupExchange:
         return out
 
     def wait(self, request, stage: str, start: float, send_counts, recv_counts) -> None:
-        """Complete the all-to-all before the deadline (polling with short naps, as the ring does)."""
-        deadline = None if self.timeout is None else start + self.timeout
-        nap = 0.0
-        while not request.Test():
-            if deadline is not None and time.perf_counter() > deadline:
-                raise RingTimeout(
-                    f"group rank {self.comm.Get_rank()}: the {stage} all-to-all of the head x ring "
-                    f"schedule did not complete within {self.timeout:g} s (sending {sum(send_counts)} "
-                    f"bytes, expecting {sum(recv_counts)}); a peer rank may have died or stopped sending")
-            time.sleep(nap)
-            nap = min(2 * nap + 1e-5, 2e-4)
+        """Complete the all-to-all before the deadline (:func:`ringmpi.ring.poll_until`)."""
+        poll_until(request.Test, start, self.timeout, lambda: (
+            f"group rank {self.comm.Get_rank()}: the {stage} all-to-all of the head x ring "
+            f"schedule did not complete within {self.timeout:g} s (sending {sum(send_counts)} "
+            f"bytes, expecting {sum(recv_counts)}); a peer rank may have died or stopped sending"))
 
 
 class _Split:

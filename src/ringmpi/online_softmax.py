@@ -18,7 +18,9 @@ here:
   the whole sequence.  With ``MaskSpec.exact_max`` the running maximum ``m`` is
   exact in every backend, so :meth:`SoftmaxState.max_logit` reads it before the
   sinks are folded in and reduces it with ``MPI.MAX``; a head no query sees any
-  key of gives ``-inf``.
+  key of gives ``-inf``.  Non-finite scores count as ``np.maximum`` counts them,
+  on every backend: a head with a visible NaN score gives NaN, and a row whose
+  visible scores are all ``-inf`` contributes ``-inf``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class SoftmaxState:
         """``(H,)`` host array: each head's largest visible score over the batch, the rows
         and all ranks of ``comm`` (``MPI.MAX``); ``-inf`` for a head with no visible score.
         ``heads=(part, H)``: these rows hold only the heads ``part`` (a slice) of ``H``
-        (the head x ring schedule); the other heads' maxima come from other ranks."""
+        (the head x ring schedule); the other heads' maxima come from other ranks.
+        A NaN on any rank gives NaN (``MPI.MAX`` alone may drop it: it compares with ``>``)."""
         from mpi4py import MPI
 
         m = self.m
@@ -73,9 +76,11 @@ class SoftmaxState:
         local = np.full(total, -np.inf, dtype=m.dtype)
         if m.shape[0] and m.shape[2]:
             local[part] = _host(m.max(axis=(0, 2)))
-        out = np.empty_like(local)
-        comm.Allreduce(local, out, op=MPI.MAX)
-        return out
+        nan = np.isnan(local)
+        both = np.concatenate([np.where(nan, -np.inf, local), nan]).astype(m.dtype)
+        out = np.empty_like(both)
+        comm.Allreduce(both, out, op=MPI.MAX)
+        return np.where(out[total:] > 0, np.nan, out[:total]).astype(m.dtype)
 
     def finalize(self, out_dtype):
         """``(o (B, S, H, D_v) out_dtype, lse (B, H, S))``: the backend's ``finalize``."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .errors import RingTimeout
 
@@ -61,6 +61,21 @@ class _Transfer:
     request: object
     peer: int
     nbytes: int
+
+
+def poll_until(done: Callable[[], bool], start: float, timeout: Optional[float],
+               timed_out: Callable[[], str]) -> None:
+    """Poll ``done()`` with short naps that grow (a waiting rank does not burn a core, and each
+    poll also moves data) until it is true; :class:`RingTimeout` with the message
+    ``timed_out()`` once ``timeout`` seconds have passed since ``start`` (perf_counter).
+    The one deadline loop of the ring and of the head x ring all-to-alls."""
+    deadline = None if timeout is None else start + timeout
+    nap = 0.0
+    while not done():
+        if deadline is not None and time.perf_counter() > deadline:
+            raise RingTimeout(timed_out())
+        time.sleep(nap)
+        nap = min(2 * nap + 1e-5, 2e-4)
 
 
 def _parts(buffers) -> list:
@@ -178,20 +193,17 @@ class Ring:
             return
         requests = [t.request for t in transfers]
         start = time.perf_counter()
-        deadline = None if self.timeout is None else start + self.timeout
-        nap = 0.0
-        while not MPI.Request.Testall(requests):
-            if deadline is not None and time.perf_counter() > deadline:
-                self._pending[channel] = transfers
-                stuck = [t for t in transfers if not t.request.Test()]  # name only what is incomplete
-                peers = ", ".join(f"{t.direction} rank {t.peer}" for t in stuck)
-                sizes = ", ".join(f"{t.direction.split()[0]} {t.nbytes} bytes" for t in stuck)
-                raise RingTimeout(
-                    f"rank {self.rank}: ring step {self.step} channel {channel!r} did not complete "
+
+        def timed_out() -> str:
+            self._pending[channel] = transfers  # still MPI's: a later wait may complete them
+            stuck = [t for t in transfers if not t.request.Test()]  # name only what is incomplete
+            peers = ", ".join(f"{t.direction} rank {t.peer}" for t in stuck)
+            sizes = ", ".join(f"{t.direction.split()[0]} {t.nbytes} bytes" for t in stuck)
+            return (f"rank {self.rank}: ring step {self.step} channel {channel!r} did not complete "
                     f"within {self.timeout:g} s ({peers}; expected {sizes}); "
                     f"a peer rank may have died or stopped sending")
-            time.sleep(nap)
-            nap = min(2 * nap + 1e-5, 2e-4)  # short naps: each poll also moves data
+
+        poll_until(lambda: MPI.Request.Testall(requests), start, self.timeout, timed_out)
         self.record(self.step).wait_s += time.perf_counter() - start
 
     def wait_all(self) -> None:

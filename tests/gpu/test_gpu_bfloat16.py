@@ -3,7 +3,7 @@
 Single rank in process (every mask, forward and backward, the ``uint16`` +
 ``dtype="bfloat16"`` path, a bfloat16 NaN found by ``check_finite``), then the
 bfloat16 ring cases of ``test_ring_mpi.py`` on 2 and 3 ranks sharing one GPU,
-CUDA-aware and staged.  Judged by DESIGN.md's rule against ``reference.py``.
+CUDA-aware and staged.  Judged by docs/design.md's rule against ``reference.py``.
 Skipped, with the reason shown, where no GPU is visible.
 """
 

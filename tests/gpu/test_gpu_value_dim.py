@@ -3,7 +3,7 @@
 Single rank in process, every dtype, full/causal/window/segments, GQA:
 the MLA pair D = 192, D_v = 128 (its own kernel instantiations), a pair in
 one head-dim bucket (D = 100, D_v = 110: the D == D_v kernels with D_v at run
-time), forward and backward against ``reference.py`` under DESIGN.md's rule;
+time), forward and backward against ``reference.py`` under docs/design.md's rule;
 an unsupported pair is refused with a ConfigError before any compute.
 Skipped, with the reason shown, where no GPU is visible.
 """

@@ -116,3 +116,16 @@ def test_no_cap_is_bitwise_unchanged():
     b = ringmpi.ring_attention(*up, comm=MPI.COMM_SELF, causal=True, backend="cupy", softcap=None,
                                return_max_logit=True)
     assert all(cupy.array_equal(x, y) for x, y in zip(a, b[:2]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_max_logit_of_nan_and_all_minus_inf_rows(dtype):
+    """The NumPy test of tests/test_variants.py on CuPy: NaN propagates into the running
+    maximum (as np.maximum), a row whose visible scores are all -inf keeps m = -inf."""
+    import cupy
+
+    from test_variants import nonfinite_max_logit_problems
+
+    dt = reference.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    problems = nonfinite_max_logit_problems("cupy", dt, cupy.asarray, cupy.asnumpy)
+    assert not problems, "; ".join(problems)

@@ -146,6 +146,12 @@ def value_dim_problem(backend_name: str, d: int, d_v: int):
     return kernel_problem(d, d_v)
 
 
+def device_problem(backend, dtype, d: int, d_v: int) -> Optional[str]:
+    """Why ``backend``'s device runs no block kernel for K/V ``dtype``, head dims ``d``, ``d_v``
+    (its shared memory per block: float64 at D > 192 on sm_75; a GPU below sm_70), or None."""
+    return backend.kernel_problem(dtype, d, d_v) if backend.name == "cupy" else None
+
+
 def modifier_problem(backend, names) -> Optional[str]:
     """Why ``backend`` cannot apply the score modifiers ``names`` (e.g. ``("alibi",)``), or None:
     a backend lists those it applies in its ``MODIFIERS``."""

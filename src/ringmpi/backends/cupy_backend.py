@@ -71,6 +71,13 @@ def smem_optin_limit(device_id: int) -> int:
     return int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, int(device_id)))
 
 
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> int:
+    """The device's compute capability as major * 10 + minor (75 for 7.5), queried once per device."""
+    import cupy
+    return int(cupy.cuda.Device(int(device_id)).compute_capability)
+
+
 def _nothing_to_do(batch, heads, kv_heads, sq, skv, tick) -> bool:
     """Shared check of the block kernels: an empty block only ticks the ring."""
     if heads % kv_heads:
@@ -220,6 +227,25 @@ class CupyBackend:
         from ..device import nvtx_range
         return nvtx_range(name)
 
+    # ------------------------------------------------------------ kernel choice
+    def block_kernel(self, direction: str, dtype, d: int, d_v=None) -> "K.BlockKernel":
+        """The ``"forward"`` or ``"backward"`` kernel for K/V ``dtype``, head dim ``d`` and
+        value head dim ``d_v`` on this device (its compute capability and opt-in shared
+        memory per block); ConfigError when none fits."""
+        plan = K.forward_kernel if direction == "forward" else K.backward_kernel
+        dev = self.device.id
+        return plan(_kind_of_dtype(dtype), d, smem_optin_limit(dev), d_v=d_v, cc=compute_capability(dev))
+
+    def kernel_problem(self, dtype, d: int, d_v=None):
+        """Why this device has no forward or backward kernel for ``dtype``, ``d``, ``d_v``, or None."""
+        from ..errors import ConfigError
+        try:
+            for direction in ("forward", "backward"):
+                self.block_kernel(direction, dtype, d, d_v)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
     # ------------------------------------------------------------ helpers
     def _kernel(self, filename, expr, smem=0):
         return K.get_kernel(filename, expr, self.device.id, int(smem))
@@ -322,7 +348,7 @@ class CupyBackend:
             self._check_state("m", m, (batch, heads, sq), ct)
             self._check_state("l", l, (batch, heads, sq), ct)
             kind = _kind_of_dtype(kh.dtype)
-            kernel = K.forward_kernel(kind, d, smem_optin_limit(self.device.id), d_v=d_v)
+            kernel = self.block_kernel("forward", kh.dtype, d, d_v)
             if kind in (K.F16, K.BF16) and not kernel.tensor_cores:
                 # the SIMT kernel multiplies qh as given: round it as the MMA kernel does
                 qh = self._convert(self._convert(qh, kh.dtype), ct)
@@ -378,7 +404,7 @@ class CupyBackend:
             self._check_state("dk", dk, (batch, kv_heads, skv, d), ct)
             self._check_state("dv", dv, (batch, kv_heads, skv, d_v), ct)
             kind = _kind_of_dtype(kh.dtype)
-            kernel = K.backward_kernel(kind, d, smem_optin_limit(self.device.id), d_v=d_v)
+            kernel = self.block_kernel("backward", kh.dtype, d, d_v)
             if kind in (K.F16, K.BF16) and not kernel.tensor_cores:
                 # the SIMT kernel multiplies qh/doh as given: round them as the MMA kernels do
                 qh, doh = (self._convert(self._convert(x, kh.dtype), ct) for x in (qh, doh))

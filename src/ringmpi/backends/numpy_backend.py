@@ -316,8 +316,10 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
         p_o = p if drop is None else (p * drop[redo]).astype(s.dtype, copy=False)
         o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p_o, ve[:, :dim_v], vis[redo])
         # a row whose visible scores were all -inf has weight 0 so far (l = 0) but is no longer
-        # fresh: a finite shift keeps later tiles on a clean run's path
-        m_rows[redo] = np.where(np.isneginf(m_new) & vis[redo].any(axis=1), 0, m_new)
+        # fresh: a finite shift keeps later tiles on a clean run's path.  The exact path has no
+        # such choice and keeps m the running maximum (-inf there, as the CUDA kernels do)
+        stale = np.isneginf(m_new) & vis[redo].any(axis=1) & (not exact)
+        m_rows[redo] = np.where(stale, 0, m_new)
 
 
 def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale,

@@ -30,9 +30,7 @@ import time
 import click
 import numpy as np
 
-from .ring import _sweep_sizes
-
-
+from .measure import sweep_sizes
 
 def _measure(comm, be, cfg):
     """This rank's per-call seconds for decode (wall, compute, merge) and the ring (wall)."""
@@ -127,7 +125,7 @@ def run(cfg, json_path=None):
     be = get_backend(cfg["backend"])
     rank, size = comm.Get_rank(), comm.Get_size()
     mine = []
-    for p in _sweep_sizes(size):
+    for p in sweep_sizes(size):
         sub = comm.Split(0 if rank < p else MPI.UNDEFINED, rank)
         if sub == MPI.COMM_NULL:
             mine.append(None)
@@ -138,7 +136,7 @@ def run(cfg, json_path=None):
     gathered = comm.gather(mine, root=0)
     if rank != 0:
         return
-    points = [_summary([g[i] for g in gathered[:p]], p, cfg) for i, p in enumerate(_sweep_sizes(size))]
+    points = [_summary([g[i] for g in gathered[:p]], p, cfg) for i, p in enumerate(sweep_sizes(size))]
     report = {"mode": "decode", "backend": be.name, "world_size": size, "config": cfg, "points": points,
               "load_average_1min": os.getloadavg()[0]}
     click.echo(_format(report))

@@ -1,28 +1,30 @@
 """``ringmpi bench --sweep head-parallel``: when does the head x ring schedule win?
 
     RINGMPI_NODE_SIZE=2 mpirun -n 4 ringmpi bench --sweep head-parallel --n 8192 \\
-        --backward --causal --layout zigzag --inter-node-gbps 1 --plot hp.png
+        --backward --causal --layout zigzag --plot hp.png
 
 Runs the same problem on all ``P`` ranks of the job with ``head_parallel = U``
 for every ``U`` that divides both ``P`` and ``H`` (``U = 1``: the flat ring;
-``U = P``: all-to-all only), with :func:`ringmpi.bench.ring._measure`'s
+``U = P``: all-to-all only), with :func:`ringmpi.bench.measure.measure`'s
 repeats and records, and reports per ``U`` and phase: the job's time
 (median over repeats of the slowest rank), the busiest rank's compute,
 exposed communication (time not covered by that compute, seconds and share),
 bytes sent per rank (max over ranks) inside the groups (the all-to-alls) and
-between groups (the ring), and peak memory.  ``--inter-node-gbps X`` adds the
-bench-only link model of :mod:`ringmpi.bench.linkmodel` between the nodes of
-:func:`ringmpi.topology.node_ids` (``RINGMPI_NODE_SIZE`` pretends several on
-one machine); ``auto`` marks the ``U`` that ``head_parallel="auto"`` picks.
+between groups (the ring), and peak memory.  ``auto`` marks the ``U`` that
+``head_parallel="auto"`` picks on the nodes of :func:`ringmpi.topology.node_ids`
+(``RINGMPI_NODE_SIZE`` pretends several on one machine).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 
 import click
+
+from .machine import environment, gemm_rate, rank_environment
+from .measure import idle_barrier, measure
+from .summary import describe, phase_flops, phase_summary, write_json
 
 
 def candidates(size: int, heads: int):
@@ -52,17 +54,16 @@ def _a2a_seconds(per_rank_phase):
 
 def sweep(comm, be, cfg, n, nodes):
     """Measure every candidate ``U`` on ``comm`` (collective); rank 0 gets the points, others None."""
-    from .ring import _idle_barrier, _measure
     from ..topology import auto_head_parallel
 
     size, rank = comm.Get_size(), comm.Get_rank()
     us = candidates(size, cfg["heads"])
     mine = []
     for u in us:
-        mine.append(_measure(comm, be, dict(cfg, head_parallel=u), n))
+        mine.append(measure(comm, be, dict(cfg, head_parallel=u), n))
         if rank == 0:
             click.echo(f"  measured head_parallel={u}", err=True)
-        _idle_barrier(comm)
+        idle_barrier(comm)
     gathered = comm.gather(mine, root=0)
     if rank != 0:
         return None
@@ -70,7 +71,7 @@ def sweep(comm, be, cfg, n, nodes):
     return us, auto, [[g[i] for g in gathered] for i in range(len(us))]
 
 
-def points(us, auto, per_u, cfg, gemm, summarise, flops):
+def points(us, auto, per_u, cfg, gemm, flops):
     """One report point per ``U``: the ring bench's phase summary plus the byte split."""
     out = []
     for u, per_rank in zip(us, per_u):
@@ -79,7 +80,7 @@ def points(us, auto, per_u, cfg, gemm, summarise, flops):
             if ph not in per_rank[0]:
                 continue
             raw = [r[ph] for r in per_rank]
-            s = summarise(raw, flops[ph], gemm)
+            s = phase_summary(raw, flops[ph], gemm)
             s["bytes_sent_intra_group"], s["bytes_sent_inter_group"] = _split_bytes(raw)
             s["all_to_all_seconds"] = _a2a_seconds(raw)
             busiest = max(range(len(s["compute_seconds"])), key=s["compute_seconds"].__getitem__)
@@ -91,12 +92,8 @@ def points(us, auto, per_u, cfg, gemm, summarise, flops):
 
 def format_table(report) -> str:
     mib = 2 ** 20
-    link = (f"inter-node link {report['inter_node_gbps']:g} Gbit/s (modelled)" if report["inter_node_gbps"]
-            else "no link model")
-    from .ring import describe
-
     lines = [f"ringmpi bench --sweep head-parallel: P={report['world_size']} N={report['n']} {describe(report)}, "
-             f"nodes {report['nodes']}, {link}",
+             f"nodes {report['nodes']}",
              f"{'U':>3} {'groups':>6} {'phase':>8} {'time s':>9} {'compute s':>9} {'exposed s':>9} "
              f"{'exposed':>8} {'a2a s':>7} {'MiB intra':>9} {'MiB inter':>9} {'peak MiB':>9}"]
     for pt in report["points"]:
@@ -119,9 +116,9 @@ def format_table(report) -> str:
 
 def plot(report, path) -> None:
     """Time and exposed communication against ``U``, per phase, as a PNG."""
-    from .plots import _pyplot
+    from .plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     phases = [ph for ph in ("forward", "backward") if ph in report["points"][0]]
     fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4), squeeze=False)
     us = [pt["head_parallel"] for pt in report["points"]]
@@ -137,44 +134,34 @@ def plot(report, path) -> None:
         ax.set_xlabel("head_parallel U (ranks per all-to-all group)")
         ax.set_ylabel(f"{ph} seconds (median)")
         ax.legend(fontsize=8)
-    link = f", inter-node {report['inter_node_gbps']:g} Gbit/s modelled" if report["inter_node_gbps"] else ""
     fig.suptitle(f"head x ring sweep: P={report['world_size']} N={report['n']} H={report['heads']}, "
-                 f"nodes {report['nodes']}{link}", fontsize=9)
+                 f"nodes {report['nodes']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def run(comm, be, cfg, n, gbps, json_path, plot_path) -> None:
+def run(comm, be, cfg, n, json_path, plot_path) -> None:
     """The sweep as a command: measure (collective), then rank 0 prints, writes JSON and the plot."""
-    from . import ring
     from ..topology import node_ids
 
     nodes = node_ids(comm)
-    uninstall = ring._link_model(comm, gbps)
     load_before = os.getloadavg()
-    gemm = ring._gemm_rate(be, cfg["dtype"]) if comm.Get_rank() == 0 else None
-    ring._idle_barrier(comm)
-    try:
-        measured = sweep(comm, be, cfg, n, nodes)
-    finally:
-        uninstall()
-    env_rank = {"host": socket.gethostname(), "pid": os.getpid(), "cpus": ring._cpus(),
-                "rss_peak_reset": ring._reset_rss_peak()}
-    every = comm.gather(env_rank, root=0)
+    gemm = gemm_rate(be, cfg["dtype"]) if comm.Get_rank() == 0 else None
+    idle_barrier(comm)
+    measured = sweep(comm, be, cfg, n, nodes)
+    every = comm.gather(rank_environment(), root=0)
     if measured is None:
         return
     us, auto, per_u = measured
-    env = ring._environment(be, every, gemm)
-    env["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
     report = {"world_size": comm.Get_size(), "backend": be.name, "n": n,
               **{k: v for k, v in cfg.items() if k not in ("backward", "head_parallel")},
-              "mode": "head-parallel", "sweep": "head-parallel", "nodes": nodes, "inter_node_gbps": gbps,
-              "auto": auto, "environment": env,
-              "points": points(us, auto, per_u, cfg, gemm, ring._summary, ring._flops(cfg, n))}
+              "mode": "head-parallel", "sweep": "head-parallel", "nodes": nodes, "auto": auto,
+              "environment": environment(be, every, gemm, load_before),
+              "points": points(us, auto, per_u, cfg, gemm, phase_flops(cfg, n))}
     click.echo(format_table(report))
     if json_path:
-        ring._write_json(report, json_path)
+        write_json(report, json_path)
         click.echo(f"wrote {json_path}")
     if plot_path:
         plot(report, plot_path)

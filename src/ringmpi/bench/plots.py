@@ -11,7 +11,7 @@ from __future__ import annotations
 COMPUTE, WAIT, OTHER = "#3b75af", "#ef8636", "#c9c9c9"
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,7 +28,7 @@ def _headline(report, phase):
 
 def plot_timeline(report, path) -> None:
     """Per-rank, per-step compute and wait bars of a single ``bench`` run, as a PNG."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -67,7 +67,7 @@ def plot_timeline(report, path) -> None:
 
 def plot_scaling(report, path) -> None:
     """Efficiency and exposed communication against P for a ``bench --sweep`` report, as a PNG."""
-    plt = _pyplot()
+    plt = pyplot()
 
     points = report["points"]
     ps = [pt["world_size"] for pt in points]

@@ -30,7 +30,7 @@ COMMANDS = {
     "run": ("ringmpi.cli.run", "run", "Attention over an HDF5 file: read shards, run the ring, write outputs."),
     "make-data": ("ringmpi.cli.make_data", "make_data", "Write a reproducible random input file."),
     "verify": ("ringmpi.cli.verify", "verify", "Compare a result file with a float64 dense reference."),
-    "bench": ("ringmpi.bench.ring", "bench", "Measure the ring: per-step timeline, exposed communication, scaling."),
+    "bench": ("ringmpi.bench.command", "bench", "Measure the ring: per-step timeline, exposed communication, scaling."),
     "info": ("ringmpi.cli.info", "info", "MPI library, CUDA-aware support, GPUs, parallel HDF5."),
 }
 

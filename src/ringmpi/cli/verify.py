@@ -10,30 +10,51 @@ docs/design.md then bounds every output:
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict
 
 import click
 import numpy as np
 
-from ..masks import MaskSpec
+from ..filejob import OutputAttributes
 from ..reference import GRADIENTS, DenseReference, max_err, tolerance
 
 
 PER_HEAD = ("max_logit", "dsinks")  # (H,) datasets of --max-logit and --sinks-dataset
 
 
-def _window_from_attr(value) -> Optional[Tuple[Optional[int], Optional[int]]]:
-    value = np.asarray(value).ravel()
-    if value.size == 0:
-        return None
-    return tuple(None if int(w) < 0 else int(w) for w in value)
-
-
 def _check(in_path: str, out_path: str, max_n: int):
     """Rank 0's work: ``(exit status, report text)``; raises ConfigError for unusable files."""
+    spec, attrs, sinks, inputs, ours, segs = _read(in_path, out_path, max_n)
+    mask, scale = attrs.mask_spec(spec), attrs.softmax_scale
+    refs: Dict[str, list] = {name: [] for name in ours}
+    naives: Dict[str, list] = {name: [] for name in ours}
+    for b in range(spec.batch):
+        args = [inputs["q"][b], inputs["k"][b], inputs["v"][b], inputs["do"][b] if "do" in inputs else None,
+                None if segs[0] is None else segs[0][b], None if segs[1] is None else segs[1][b]]
+        for dtype, into in ((np.float64, refs), (spec.dtype, naives)):
+            result = DenseReference(mask, scale, dtype, sinks=sinks).compute(*args, batch_index=b)
+            for name in ours:
+                into[name].append(result[name])
+    softcap, dropout, window = mask.softcap, mask.dropout, attrs.window
+    extras = (f", softcap {softcap:g}" if softcap else "") + (", sinks" if sinks is not None else "")
+    lines = [f"verify {out_path} against a float64 dense reference of {in_path} "
+             f"({'causal' if attrs.causal else 'full'}{f', window {window}' if window else ''}, "
+             f"scale {scale:.6g}{extras}{f', dropout {dropout.p} seed {dropout.seed}' if dropout else ''})",
+             f"  {'dataset':8s} {'max abs err':>12s} {'max rel err':>12s} {'bound':>12s} {'naive err':>12s}  ok"]
+    status = 0
+    for name, mine in ours.items():
+        ok, line = _compare(name, mine, np.stack(refs[name]), np.stack(naives[name]), out_path)
+        status = status if ok else 1
+        lines.append(line)
+    lines.append("PASS: every output within tolerance" if status == 0 else "FAIL: some output is outside tolerance")
+    return status, "\n".join(lines)
+
+
+def _read(in_path: str, out_path: str, max_n: int):
+    """``(input spec, output attributes, sinks, inputs, outputs, segment ids)`` of a result file
+    and its input, batch-first; ConfigError for files that do not belong together."""
     import h5py
 
     from ..errors import ConfigError
@@ -49,22 +70,12 @@ def _check(in_path: str, out_path: str, max_n: int):
         raise ConfigError(f"{in_path}: N={n} is above --max-n {max_n}; the dense reference needs "
                           f"O(N^2) time (raise --max-n if you mean it)")
     with _peek(out_path) as fo, _peek(in_path) as fi:
-        for key in ("causal", "softmax_scale", "input_shapes"):
-            if key not in fo.attrs:
-                raise ConfigError(f"{out_path}: attribute '{key}' missing: not written by ringmpi run")
-        shapes = json.loads(fo.attrs["input_shapes"])
+        attrs = OutputAttributes.read(fo, out_path)
+        shapes = attrs.input_shapes
         if {k: tuple(v) for k, v in shapes.items()} != spec.shapes:
             raise ConfigError(f"{out_path}: was computed from inputs shaped {shapes}, but {in_path} holds {spec.shapes}")
-        causal = bool(fo.attrs["causal"])
-        window = _window_from_attr(fo.attrs.get("window", []))
-        scale = float(fo.attrs["softmax_scale"])
         names = [n for n in ("o", "lse", "dq", "dk", "dv") + PER_HEAD if n in fo]
-        softcap = float(fo.attrs.get("softcap", 0.0)) or None
         sinks = fo["sinks"][()] if "sinks" in fo else None
-        dropout = None
-        if float(fo.attrs.get("dropout_p", 0.0)) > 0:
-            from ..dropout import Dropout
-            dropout = Dropout(p=float(fo.attrs["dropout_p"]), seed=int(fo.attrs["dropout_seed"]), heads=spec.heads)
         for name in ("o", "lse"):
             if name not in fo:
                 raise ConfigError(f"{out_path}: missing dataset '{name}'")
@@ -72,48 +83,34 @@ def _check(in_path: str, out_path: str, max_n: int):
         if backward and not spec.has_do:
             raise ConfigError(f"{in_path}: has no 'do', but {out_path} holds gradients")
         lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
-        load = {name: lift(read_float_dataset(fi[name])) for name in ("q", "k", "v") + (("do",) if backward else ())}
+        wanted = ("q", "k", "v") + (("do",) if backward else ())
+        inputs = {name: lift(read_float_dataset(fi[name])) for name in wanted}
         ours = {name: (fo[name][()] if name in PER_HEAD else lift(read_float_dataset(fo[name]))) for name in names}
         segs = [None, None]
         if spec.seg_q:
             for i, (name, n_) in enumerate(((spec.seg_q, spec.n_q), (spec.seg_kv, spec.n_kv))):
                 ids = fi[name][()].astype(np.int64)
                 segs[i] = np.broadcast_to(ids, (spec.batch, n_))
-    mask = MaskSpec(causal=causal, window=window, offset=spec.n_kv - spec.n_q, softcap=softcap, dropout=dropout)
-    refs: Dict[str, list] = {name: [] for name in names}
-    naives: Dict[str, list] = {name: [] for name in names}
-    for b in range(spec.batch):
-        args = [load["q"][b], load["k"][b], load["v"][b], load["do"][b] if backward else None,
-                None if segs[0] is None else segs[0][b], None if segs[1] is None else segs[1][b]]
-        for dtype, into in ((np.float64, refs), (spec.dtype, naives)):
-            result = DenseReference(mask, scale, dtype, sinks=sinks).compute(*args, batch_index=b)
-            for name in names:
-                into[name].append(result[name])
-    extras = (f", softcap {softcap:g}" if softcap else "") + (", sinks" if sinks is not None else "")
-    lines = [f"verify {out_path} against a float64 dense reference of {in_path} "
-             f"({'causal' if causal else 'full'}{f', window {window}' if window else ''}, scale {scale:.6g}{extras}"
-             f"{f', dropout {dropout.p} seed {dropout.seed}' if dropout else ''})",
-             f"  {'dataset':8s} {'max abs err':>12s} {'max rel err':>12s} {'bound':>12s} {'naive err':>12s}  ok"]
-    status = 0
-    for name in names:
-        ref, naive = np.stack(refs[name]), np.stack(naives[name])
-        if name in PER_HEAD:  # reduced over the batch, as ringmpi run writes them
-            reduce = np.max if name == "max_logit" else np.sum
-            ref, naive = reduce(ref, axis=0), reduce(naive, axis=0)
-        mine = ours[name]
-        if mine.shape != ref.shape:
-            raise ConfigError(f"{out_path}: dataset '{name}' has shape {mine.shape}, expected {ref.shape}")
-        err, base = max_err(mine, ref), max_err(naive, ref)
-        base = base if math.isfinite(base) else 0.0
-        bound = tolerance(base, gradient=name in GRADIENTS + ("dsinks",))
-        finite = np.isfinite(ref)
-        scale_ref = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
-        rel = err / scale_ref if scale_ref > 0 else err
-        ok = err <= bound
-        status = status if ok else 1
-        lines.append(f"  {name:8s} {err:12.3e} {rel:12.3e} {bound:12.3e} {base:12.3e}  {'yes' if ok else 'NO'}")
-    lines.append("PASS: every output within tolerance" if status == 0 else "FAIL: some output is outside tolerance")
-    return status, "\n".join(lines)
+    return spec, attrs, sinks, inputs, ours, segs
+
+
+def _compare(name: str, mine, ref, naive, out_path: str):
+    """``(within tolerance, report line)`` of one output against its float64 and naive references."""
+    from ..errors import ConfigError
+
+    if name in PER_HEAD:  # reduced over the batch, as ringmpi run writes them
+        reduce = np.max if name == "max_logit" else np.sum
+        ref, naive = reduce(ref, axis=0), reduce(naive, axis=0)
+    if mine.shape != ref.shape:
+        raise ConfigError(f"{out_path}: dataset '{name}' has shape {mine.shape}, expected {ref.shape}")
+    err, base = max_err(mine, ref), max_err(naive, ref)
+    base = base if math.isfinite(base) else 0.0
+    bound = tolerance(base, gradient=name in GRADIENTS + ("dsinks",))
+    finite = np.isfinite(ref)
+    scale_ref = float(np.abs(ref[finite]).max()) if finite.any() else 0.0
+    rel = err / scale_ref if scale_ref > 0 else err
+    ok = err <= bound
+    return ok, f"  {name:8s} {err:12.3e} {rel:12.3e} {bound:12.3e} {base:12.3e}  {'yes' if ok else 'NO'}"
 
 
 @click.command("verify")

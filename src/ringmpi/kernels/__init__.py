@@ -56,10 +56,34 @@ GRID_X_MAX = 2 ** 31 - 1
 GRID_YZ_MAX = 65535
 MAX_THREADS = 1024
 DEFAULT_SMEM = 48 * 1024     # dynamic shared memory per block without the opt-in attribute
-# The smallest opt-in shared memory per block of the GPUs the kernels target
-# (sm_80 and newer: 8.6/8.9 allow 101376 bytes; 8.0 166912; 9.0 232448).
-# A candidate after one that fits this is never chosen, so it is not listed.
+
+# Compute capabilities, as major * 10 + minor (75 for 7.5).  The kernels run
+# from sm_70 (Volta); the tensor-core kernels (mma.sync m16n8k16, f16 and bf16)
+# from sm_80 (Ampere).  On sm_70/75 the SIMT kernels run every dtype (bfloat16
+# as bits converted in registers: those GPUs have no bfloat16 instructions).
+MIN_CC = 70
+TENSOR_CORE_CC = 80
+# The smallest opt-in shared memory per block of the GPUs of each kernel family:
+# sm_80 and newer (8.6/8.9 allow 101376 bytes; 8.0 166912; 9.0 232448), and
+# sm_70/75 (7.5 allows 65536; 7.0 98304).  A candidate after one that fits its
+# family's smallest is never chosen, so it is not listed.
 SMALLEST_OPTIN = 101376
+SMALLEST_OPTIN_SIMT = 65536
+
+
+def _check_cc(cc: Optional[int]) -> int:
+    """``cc`` (major * 10 + minor; None: sm_80 and newer) as an int >= :data:`MIN_CC`
+    (a ConfigError below: CUDA arrays on such a GPU are refused before any compute)."""
+    cc = TENSOR_CORE_CC if cc is None else int(cc)
+    if cc < MIN_CC:
+        from ..errors import ConfigError
+        raise ConfigError(f"compute capability {cc // 10}.{cc % 10} is below {MIN_CC // 10}.{MIN_CC % 10}: "
+                          f"no ringmpi CUDA kernel runs there; backend='numpy' runs it")
+    return cc
+
+
+def _tensor_cores(cc: Optional[int]) -> bool:
+    return _check_cc(cc) >= TENSOR_CORE_CC
 
 
 def _acc_size(kind: int) -> int:
@@ -67,10 +91,11 @@ def _acc_size(kind: int) -> int:
     return 8 if kind == F64 else 4
 
 
-def _simt_bns(dp: int, kind: int) -> Tuple[int, ...]:
-    """Key tiles of the SIMT kernels, preferred first (smaller ones use less shared memory)."""
+def _simt_bns(dp: int, kind: int, smallest: int = 8) -> Tuple[int, ...]:
+    """Key tiles of the SIMT kernels, preferred first (smaller ones use less shared
+    memory), down to ``smallest`` (the forward goes to 4: float64 at D > 192 on sm_70)."""
     first = 32 if dp * _acc_size(kind) <= 512 else 16
-    return tuple(bn for bn in (32, 16, 8) if bn <= first)
+    return tuple(bn for bn in (32, 16, 8, 4) if smallest <= bn <= first)
 
 
 def split_rows(rows: int) -> Tuple[int, int]:
@@ -184,38 +209,43 @@ class BlockKernel:
         return tuple(tensors) + (scale,) + tuple(mask_args) + shape
 
 
-def forward_kernels(kind: int, d: int, d_v: Optional[int] = None) -> Tuple[BlockKernel, ...]:
+def forward_kernels(kind: int, d: int, d_v: Optional[int] = None, cc: Optional[int] = None
+                    ) -> Tuple[BlockKernel, ...]:
     """Every forward kernel for K/V kind ``kind``, head dim ``d`` and value head
-    dim ``d_v`` (default ``d``; see :func:`value_dim_problem`), preferred first.
+    dim ``d_v`` (default ``d``; see :func:`value_dim_problem`) on a GPU of compute
+    capability ``cc`` (major * 10 + minor; None: sm_80 and newer), preferred first.
 
-    f16/bf16: tensor cores, then the SIMT kernel; f32/f64: the exact SIMT
-    kernel.  SIMT key tiles shrink (32, 16, 8) to save shared memory; the
-    list ends with the first kernel that fits ``SMALLEST_OPTIN``.
+    f16/bf16: tensor cores (from sm_80), then the SIMT kernel; f32/f64: the
+    exact SIMT kernel.  SIMT key tiles shrink (32, 16, 8, 4) to save shared
+    memory; the list ends with the first kernel that fits its family's
+    smallest opt-in limit (``SMALLEST_OPTIN``, ``SMALLEST_OPTIN_SIMT``).
     """
     dp = padded_dim(d)
     dvp, tail = _value_bucket(dp, d_v)
     out = []
-    if kind in (F16, BF16):
+    if kind in (F16, BF16) and _tensor_cores(cc):
         bm, bn = FWD_MMA_TILES
         smem = 2 * (bm * (dp + 8) + bn * (dp + 8) + dvp * (bn + 8))
         expr = f"ringmpi_forward_mma<{dp}, {'true' if kind == BF16 else 'false'}{tail}>"
         out.append(BlockKernel("forward", "forward.cu", expr, (bm, bn), 128, smem))
     bm, t = 32, _acc_size(kind)
-    for bn in _simt_bns(max(dp, dvp), kind):
+    for bn in _simt_bns(max(dp, dvp), kind, smallest=4):
         smem = t * (bm * (dp + 1) + bn * (dp + 1) + bn * (dvp + 1) + bm * (bn + 1))
         out.append(BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}{tail}>",
                                (bm, bn), 128, smem))
-    return _reachable(out)
+    return _reachable(out, cc)
 
 
-def backward_kernels(kind: int, d: int, d_v: Optional[int] = None) -> Tuple[BlockKernel, ...]:
+def backward_kernels(kind: int, d: int, d_v: Optional[int] = None, cc: Optional[int] = None
+                     ) -> Tuple[BlockKernel, ...]:
     """Every backward kernel for K/V kind ``kind``, head dim ``d`` and value head
-    dim ``d_v`` (default ``d``), preferred first.  The tensor-core kernel takes
-    ``d_v`` only in ``d``'s bucket."""
+    dim ``d_v`` (default ``d``) on compute capability ``cc`` (as for
+    :func:`forward_kernels`), preferred first.  The tensor-core kernel (from
+    sm_80) takes ``d_v`` only in ``d``'s bucket."""
     dp = padded_dim(d)
     dvp, tail = _value_bucket(dp, d_v)
     out = []
-    if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM and dvp == dp:
+    if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM and dvp == dp and _tensor_cores(cc):
         bn = 64
         bm = 64 if dp <= 64 else 32
         smem = 4 * 2 * bm + 2 * (2 * bn * (dp + 8) + dp * (bn + 8) + 2 * bm * (dp + 8)
@@ -228,37 +258,51 @@ def backward_kernels(kind: int, d: int, d_v: Optional[int] = None) -> Tuple[Bloc
         threads = min(256, bn * bn)   # BWD_SIMT_THREADS in backward.cu
         out.append(BlockKernel("backward", "backward.cu",
                                f"ringmpi_backward_simt<{dp}, {kind}, {bn}{tail}>", (bn, bn), threads, smem))
-    return _reachable(out)
+    return _reachable(out, cc)
 
 
-def _reachable(candidates) -> Tuple[BlockKernel, ...]:
-    """``candidates`` up to the first that fits every targeted GPU (``SMALLEST_OPTIN``)."""
+def _reachable(candidates, cc: Optional[int]) -> Tuple[BlockKernel, ...]:
+    """``candidates`` up to the first that fits every GPU of ``cc``'s family
+    (``SMALLEST_OPTIN`` from sm_80, ``SMALLEST_OPTIN_SIMT`` below); all of
+    them when none does (float64 at D > 192 on sm_75 then has no kernel)."""
+    floor = SMALLEST_OPTIN if _tensor_cores(cc) else SMALLEST_OPTIN_SIMT
     for i, kernel in enumerate(candidates):
-        if kernel.smem <= SMALLEST_OPTIN:
+        if kernel.smem <= floor:
             return tuple(candidates[:i + 1])
-    raise AssertionError(f"no kernel fits {SMALLEST_OPTIN} bytes: {[k.expr for k in candidates]}")
+    return tuple(candidates)
 
 
-def _fitting(candidates, smem_limit, what: str) -> BlockKernel:
+KIND_NAMES = {F16: "float16", BF16: "bfloat16", F32: "float32", F64: "float64"}
+
+
+def _fitting(candidates, smem_limit, what: str, cc: Optional[int]) -> BlockKernel:
     if smem_limit is None:
         return candidates[0]
     for kernel in candidates:
         if kernel.smem <= smem_limit:
             return kernel
     from ..errors import ConfigError
-    raise ConfigError(f"no {what} kernel fits in {smem_limit} bytes of shared memory per block "
-                      f"(the smallest needs {min(k.smem for k in candidates)})")
+    where = "" if cc is None else f" of this compute capability {cc // 10}.{cc % 10} GPU"
+    raise ConfigError(f"no {what} kernel fits in the {smem_limit} bytes of shared memory per block{where} "
+                      f"(the smallest needs {min(k.smem for k in candidates)}); backend='numpy' runs it")
 
 
-def forward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = None) -> BlockKernel:
-    """The first of :func:`forward_kernels` whose dynamic shared memory fits
-    ``smem_limit`` bytes (the device's opt-in limit; ``None``: no limit)."""
-    return _fitting(forward_kernels(kind, d, d_v), smem_limit, f"forward (kind {kind}, D={d}, D_v={d_v or d})")
+def _what(direction: str, kind: int, d: int, d_v: Optional[int]) -> str:
+    return f"{direction} ({KIND_NAMES[kind]}, D={d}, D_v={d_v or d})"
 
 
-def backward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = None) -> BlockKernel:
-    """The first of :func:`backward_kernels` that fits ``smem_limit`` bytes."""
-    return _fitting(backward_kernels(kind, d, d_v), smem_limit, f"backward (kind {kind}, D={d}, D_v={d_v or d})")
+def forward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = None,
+                   cc: Optional[int] = None) -> BlockKernel:
+    """The first of :func:`forward_kernels` (for compute capability ``cc``) whose
+    dynamic shared memory fits ``smem_limit`` bytes (the device's opt-in limit;
+    ``None``: no limit)."""
+    return _fitting(forward_kernels(kind, d, d_v, cc), smem_limit, _what("forward", kind, d, d_v), cc)
+
+
+def backward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = None,
+                    cc: Optional[int] = None) -> BlockKernel:
+    """The first of :func:`backward_kernels` (for ``cc``) that fits ``smem_limit`` bytes."""
+    return _fitting(backward_kernels(kind, d, d_v, cc), smem_limit, _what("backward", kind, d, d_v), cc)
 
 
 def finalize_kernel(acc_kind: int, out_kind: int):
@@ -273,16 +317,17 @@ def convert_kernel(in_kind: int, out_kind: int):
     return "finalize.cu", f"ringmpi_convert<{in_kind}, {out_kind}>"
 
 
-def instantiations():
-    """Every ``(filename, name_expression)`` the CuPy backend can request."""
+def instantiations(cc: Optional[int] = None):
+    """Every ``(filename, name_expression)`` the CuPy backend can request on a
+    GPU of compute capability ``cc`` (major * 10 + minor; None: sm_80 and newer)."""
     out = []
     for kind in (F16, BF16, F32, F64):
         for dp in PADDED_DIMS:
-            out.extend(k.instantiation for k in forward_kernels(kind, dp))
-            out.extend(k.instantiation for k in backward_kernels(kind, dp))
+            out.extend(k.instantiation for k in forward_kernels(kind, dp, cc=cc))
+            out.extend(k.instantiation for k in backward_kernels(kind, dp, cc=cc))
         for dp, dvp in VALUE_DIM_BUCKETS:
-            out.extend(k.instantiation for k in forward_kernels(kind, dp, dvp))
-            out.extend(k.instantiation for k in backward_kernels(kind, dp, dvp))
+            out.extend(k.instantiation for k in forward_kernels(kind, dp, dvp, cc))
+            out.extend(k.instantiation for k in backward_kernels(kind, dp, dvp, cc))
     for acc in (F32, F64):
         for o in (F16, BF16, F32, F64):
             out.append(finalize_kernel(acc, o))

@@ -53,7 +53,11 @@ __device__ __forceinline__ int bwd_load_row_stats(T* lse_s, T* dvec_s, const T* 
 // would use, so the clean pairs round as in a clean run.  Registers hold P and
 // dS in the score layout (thread: keys kl0 = warp * 16 + g and kl0 + 8,
 // queries nt * 8 + 2c + (e & 1)); they reach each key's thread through the
-// query-major tile ts (dSq).  All threads call these (they contain barriers).
+// query-major tile ts (dSq).  These helpers contain no barrier: the
+// __syncthreads() around them are at their call sites, inside `if (careful)`
+// branches, which is correct only because `careful` is uniform per CTA (it
+// comes from __syncthreads_or); never call one, or move its barriers, into a
+// branch that can differ between threads of a CTA.
 template <int NQ, int SS, bool BF16>
 __device__ __forceinline__ void bwd_mma_store_scores(unsigned short* ts, const float (*x)[4], int warp, int g, int c) {
 #pragma unroll

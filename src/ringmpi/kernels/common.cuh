@@ -37,9 +37,17 @@ __device__ __forceinline__ unsigned short float_to_half_bits(float f) {
     return h;
 }
 __device__ __forceinline__ unsigned short float_to_bf16_bits(float f) {
+#if __CUDA_ARCH__ >= 800
     unsigned short h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#else
+    // sm_70/75 have no bfloat16 instructions: round to nearest even on the bits
+    // (a NaN stays a NaN, quieted, with its sign, as ml_dtypes rounds it)
+    const unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 // Two floats packed into one 32-bit register, lo in the low half (the
 // element with the smaller index), as mma.sync expects.
@@ -98,8 +106,11 @@ __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
-__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+// The online softmax's running maximum propagates NaN as NumPy's np.maximum does
+// (fmaxf would drop it), so max_logit agrees between backends: a row that saw a
+// NaN score has m = NaN (its o and lse are NaN either way).
+__device__ __forceinline__ float max_acc(float a, float b) { return (a > b || a != a) ? a : b; }
+__device__ __forceinline__ double max_acc(double a, double b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ bool finite_acc(float x) { return isfinite(x); }
 __device__ __forceinline__ bool finite_acc(double x) { return isfinite(x); }
 

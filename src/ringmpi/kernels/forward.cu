@@ -197,10 +197,10 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         for (int i = 0; i < 2; ++i) {
             float mx = neg_inf<float>();
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_r[i], mx);
+            for (int nt = 0; nt < NT; ++nt) mx = max_acc(mx, max_acc(s[nt][2 * i], s[nt][2 * i + 1]));
+            mx = max_acc(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = max_acc(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = max_acc(m_r[i], mx);
             shift[i] = m_new == neg_inf<float>() ? 0.f : m_new;
             alpha[i] = expf(m_r[i] - shift[i]);
             m_r[i] = m_new;

@@ -1,0 +1,144 @@
+"""The ``ringmpi bench`` command: its options, their checks, and which mode runs.
+
+    mpirun -n 4 ringmpi bench --n 16384 --causal --layout zigzag --backward \\
+        --json bench.json --plot timeline.png
+    mpirun -n 4 ringmpi bench --sweep weak --n 4096 --json weak.json --plot weak.png
+
+Modes: the ring, one run or a strong/weak sweep (:mod:`ringmpi.bench.ring`);
+``--sweep head-parallel`` (:mod:`ringmpi.bench.head_parallel`); ``--decode``
+(:mod:`ringmpi.bench.decode`).  Every rank generates its own synthetic shard
+(no file I/O); the figures are defined in :mod:`ringmpi.bench.summary`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from ..layout import KINDS
+
+INSTALL_PLOT = "pip install 'ringmpi[plot]'"
+
+
+@click.command("bench")
+@click.option("--n", "n", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Global sequence length (per-rank length S_local with --sweep weak).")
+@click.option("--heads", type=click.IntRange(min=1), default=8, show_default=True, help="Query heads H.")
+@click.option("--kv-heads", type=click.IntRange(min=1), default=None,
+              help="Key/value heads (GQA/MQA); must divide --heads.  [default: --heads]")
+@click.option("--dim", type=click.IntRange(min=1), default=64, show_default=True, help="Head dimension D.")
+@click.option("--dim-v", type=click.IntRange(min=1), default=None,
+              help="Value head dimension D_v of v, o, do [default: D].")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Batch size B.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]), default="float32",
+              show_default=True)
+@click.option("--causal", is_flag=True, help="Causal mask.")
+@click.option("--layout", type=click.Choice(KINDS), default="contiguous", show_default=True,
+              help="Token layout over ranks (zigzag/striped balance causal work).")
+@click.option("--backward", is_flag=True, help="Also time ring_attention_backward.")
+@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls per phase.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Untimed calls before the timed ones.")
+@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic inputs.")
+@click.option("--dropout", type=float, default=0.0, show_default=True, metavar="P",
+              help="Dropout on the attention weights (0 <= P < 1), seeded by --seed; "
+                   "the torch SDPA column runs without dropout.")
+@click.option("--sweep", type=click.Choice(["strong", "weak", "head-parallel"]), default=None,
+              help="Scaling sweep over P = 1, 2, 4, ... ranks of the job; head-parallel: every U "
+                   "dividing P and H on all ranks (ringmpi.bench.head_parallel).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every figure and the environment to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help=f"Write a PNG: per-rank step timeline, or efficiency against P with --sweep ({INSTALL_PLOT}).")
+@click.option("--decode", is_flag=True, help="Time decode_attention over a sharded cache against the ring "
+              "(ringmpi.bench.decode; P = 1, 2, 4, ... of the job).")
+@click.option("--cache", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="With --decode: cache length N.")
+@click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --decode: new tokens per call S_new.")
+@click.option("--head-parallel", "head_parallel", default=None, metavar="U|auto",
+              help="Time the head x ring schedule with U ranks per group [default: RINGMPI_HEAD_PARALLEL, else 1].")
+@click.option("--softcap", type=float, default=None, metavar="C", help="Logit softcap C > 0 (ring only).")
+@click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
+def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
+          dropout, sweep, json_path, plot_path, decode, cache, new, head_parallel, softcap, sinks):
+    """Time the ring: per-step timeline, exposed communication, balance, scaling.
+
+    Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
+    report.  Figures are defined in ``ringmpi.bench.summary``'s module docstring.
+    """
+    from ..backends import get_backend
+    from ..errors import agree
+    from ..ring import resolve_comm
+
+    kv_heads = heads if kv_heads is None else kv_heads
+    dim_v = dim if dim_v is None else dim_v
+    if decode:
+        from .decode import run
+        return run(dict(cache=cache, new=new, batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype,
+                        layout=layout, repeat=repeat, warmup=warmup, backend=backend, seed=seed,
+                        **({"dim_v": dim_v} if dim_v != dim else {})), json_path)
+    comm = resolve_comm(None)
+    head_parallel, problem = _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep)
+    agree(comm, problem)
+    if backend == "cupy":
+        from ..device import require_gpu
+        require_gpu(comm)
+    be = get_backend(backend)
+    cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, causal=causal,
+               layout=layout, backward=backward, repeat=repeat, warmup=warmup, seed=seed)
+    if dim_v != dim:
+        cfg["dim_v"] = dim_v
+    if head_parallel != 1:
+        cfg["head_parallel"] = head_parallel
+    if softcap is not None or sinks:  # only then: the report of a plain run keeps its keys
+        cfg.update(softcap=softcap, sinks=bool(sinks))
+    if dropout:
+        cfg["dropout"] = float(dropout)
+    if sweep == "head-parallel":
+        from .head_parallel import run as run_head_parallel
+        return run_head_parallel(comm, be, cfg, n, json_path, plot_path)
+    from .ring import run as run_ring
+    run_ring(comm, be, cfg, n, sweep, json_path, plot_path)
+
+
+def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep):
+    """``(U or "auto", the first problem of the options or None)``."""
+    from ..dropout import validate as validate_dropout
+    from ..options import softcap_problem
+
+    problem = None
+    if heads % kv_heads:
+        problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
+    elif softcap_problem(softcap):
+        problem = f"--softcap: {softcap_problem(softcap)}"
+    elif plot_path and not _have_matplotlib():
+        problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
+    elif dropout and validate_dropout(dropout, seed if seed >= 0 else None):
+        problem = "--dropout/--seed: " + validate_dropout(dropout, seed if seed >= 0 else None)
+    else:
+        return _head_parallel_option(head_parallel, sweep)
+    return head_parallel, problem
+
+
+def _head_parallel_option(value, sweep):
+    """``(U or "auto", problem)`` of ``--head-parallel`` (default ``RINGMPI_HEAD_PARALLEL``, else 1)."""
+    from ..topology import head_parallel_setting
+
+    try:
+        setting = head_parallel_setting(value)
+    except ValueError as exc:
+        return 1, f"--head-parallel: {exc}"
+    if sweep in ("strong", "weak") and setting != 1:
+        return setting, f"--head-parallel {setting} with --sweep {sweep}: use --sweep head-parallel to compare U"
+    if sweep == "head-parallel" and value is not None:
+        return setting, "--sweep head-parallel runs every U: drop --head-parallel"
+    return setting, None
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

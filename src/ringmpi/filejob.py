@@ -1,0 +1,507 @@
+"""The file job of ``ringmpi run``: attention over an HDF5 file, pass by pass, resumable.
+
+Every rank reads its own shard of ``q``, ``k``, ``v`` (and ``do``), runs the
+ring, and writes its shard of ``o``, ``lse`` (and ``dq``, ``dk``, ``dv``) into
+one output file, written atomically (:class:`ringmpi.io.AtomicOutput`).
+Batch entries and head groups are processed in passes
+(:func:`ringmpi.passes.plan_passes`) so a rank holds one pass's shard at a
+time; after each pass its outputs are flushed and the pass is marked done
+(:mod:`ringmpi.resume`), so an interrupted job continues with ``resume``.
+The root attributes of the output say how it was computed
+(:class:`OutputAttributes`, written here and read back by ``ringmpi verify``).
+
+:func:`run_job` is the whole job (collective over ``COMM_WORLD``); the
+command line only parses its options into a :class:`JobOptions` and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from . import __version__
+from .errors import ConfigError, agree
+from .passes import DEFAULT_PASS_BYTES, Pass, pass_boxes, plan_passes
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What a file job is asked to do; :meth:`check` raises the ConfigError (exit 2) of a bad value.
+
+    ``window`` is ``(left, right)`` with ``-1`` for an unbounded side; ``layout``
+    None means zigzag when causal, else contiguous; ``scale`` None means
+    ``1/sqrt(D)``; ``head_parallel`` is ``U``, ``"auto"`` or None
+    (``RINGMPI_HEAD_PARALLEL``, else 1); ``dropout_p = 0`` is no dropout.
+    """
+
+    causal: bool = False
+    window: Optional[Tuple[int, int]] = None
+    layout: Optional[str] = None
+    backward: bool = False
+    scale: Optional[float] = None
+    backend: str = "auto"
+    check_finite: bool = True
+    timeout: float = 600.0
+    heads_per_pass: Optional[int] = None
+    head_parallel: Optional[str] = None
+    sinks_dataset: Optional[str] = None
+    softcap: Optional[float] = None
+    max_logit: bool = False
+    dropout_p: float = 0.0
+    dropout_seed: Optional[int] = None
+
+    def check(self) -> None:
+        """Raise the ConfigError of the first bad option (the same on every rank: no collective)."""
+        from .dropout import validate
+        from .options import softcap_problem
+
+        if self.window is not None and any(w < -1 for w in self.window):
+            raise ConfigError(f"--window sides must be >= 0 (or -1 for unbounded), "
+                              f"got {self.window[0]} {self.window[1]}")
+        if self.timeout <= 0:
+            raise ConfigError(f"--timeout must be positive, got {self.timeout}")
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise ConfigError(f"--scale must be a positive finite number, got {self.scale}")
+        if softcap_problem(self.softcap):
+            raise ConfigError(f"--softcap: {softcap_problem(self.softcap)}")
+        problem = validate(self.dropout_p, self.dropout_seed)
+        if problem:
+            raise ConfigError(problem.replace("dropout_p", "--dropout").replace("a dropout_seed", "--seed")
+                              .replace("dropout_seed", "--seed"))
+
+    @property
+    def layout_name(self) -> str:
+        return self.layout or ("zigzag" if self.causal else "contiguous")
+
+    @property
+    def ring_window(self) -> Optional[Tuple[Optional[int], Optional[int]]]:
+        """The window as the ring takes it: None for an unbounded side."""
+        if self.window is None:
+            return None
+        return tuple(None if w == -1 else int(w) for w in self.window)
+
+    @property
+    def dropout(self) -> dict:
+        """``{dropout_p, dropout_seed}`` for the ring calls; empty without dropout."""
+        return dict(dropout_p=float(self.dropout_p), dropout_seed=int(self.dropout_seed)) \
+            if self.dropout_p > 0 else {}
+
+    def record_options(self, backend: str) -> dict:
+        """The options of the job record (what changes the numbers); sinks, softcap, max logit
+        and dropout only when used, so the record of a job without them is unchanged."""
+        win = self.ring_window
+        variants = dict(sinks_dataset=self.sinks_dataset, softcap=self.softcap,
+                        max_logit=bool(self.max_logit) or None)
+        return dict(layout=self.layout_name, causal=bool(self.causal),
+                    window=None if win is None else list(win), backward=bool(self.backward),
+                    softmax_scale=self.scale, backend=backend, heads_per_pass=self.heads_per_pass,
+                    **{k: v for k, v in variants.items() if v is not None}, **self.dropout)
+
+
+@dataclass(frozen=True)
+class OutputAttributes:
+    """The root attributes of an output file (docs/file-format.md): written by the job,
+    read back by ``ringmpi verify`` -- the one place that knows their names and encodings."""
+
+    ringmpi_version: str
+    world_size: int
+    layout: str
+    causal: bool
+    window: Optional[Tuple[Optional[int], Optional[int]]]  # None: unbounded side
+    segments: bool
+    softmax_scale: float
+    backend: str
+    dtype: str
+    backward: bool
+    input_path: str
+    input_shapes: dict  # dataset name -> shape (list)
+    heads_per_pass: Optional[int]
+    softcap: Optional[float]
+    sinks_dataset: Optional[str]
+    max_logit: bool
+    dropout_p: float = 0.0
+    dropout_seed: Optional[int] = None
+
+    @classmethod
+    def of_job(cls, options: JobOptions, spec, input_path: str, world_size: int, backend: str):
+        return cls(ringmpi_version=__version__, world_size=world_size, layout=options.layout_name,
+                   causal=bool(options.causal), window=options.ring_window, segments=bool(spec.seg_q),
+                   softmax_scale=float(options.scale if options.scale is not None else 1.0 / math.sqrt(spec.dim)),
+                   backend=backend, dtype=spec.dtype, backward=bool(options.backward),
+                   input_path=os.path.abspath(input_path),
+                   input_shapes={k: list(v) for k, v in spec.shapes.items()},
+                   heads_per_pass=options.heads_per_pass, softcap=options.softcap,
+                   sinks_dataset=options.sinks_dataset, max_logit=bool(options.max_logit),
+                   dropout_p=float(options.dropout_p) if options.dropout_p > 0 else 0.0,
+                   dropout_seed=options.dropout_seed if options.dropout_p > 0 else None)
+
+    def write(self, fout) -> None:
+        """Set the attributes on an open output file (collective: the same values on every rank)."""
+        window = [-1 if w is None else int(w) for w in self.window] if self.window is not None else []
+        attrs = dict(asdict(self), window=np.array(window, dtype=np.int64),
+                     input_shapes=json.dumps(self.input_shapes, sort_keys=True),
+                     heads_per_pass=-1 if self.heads_per_pass is None else int(self.heads_per_pass),
+                     softcap=0.0 if self.softcap is None else float(self.softcap),
+                     sinks_dataset=self.sinks_dataset or "")
+        del attrs["dropout_p"], attrs["dropout_seed"]
+        if self.dropout_p > 0:
+            attrs.update(dropout_p=float(self.dropout_p), dropout_seed=np.uint64(self.dropout_seed))
+        for key, value in attrs.items():
+            fout.attrs[key] = value
+
+    @classmethod
+    def read(cls, fo, path: str) -> "OutputAttributes":
+        """The attributes of the open output file ``fo`` at ``path``; ConfigError when it was not
+        written by ``ringmpi run``.  Attributes added in later versions default to "not used"."""
+        a = fo.attrs
+        for key in ("causal", "softmax_scale", "input_shapes"):
+            if key not in a:
+                raise ConfigError(f"{path}: attribute '{key}' missing: not written by ringmpi run")
+        window = np.asarray(a.get("window", [])).ravel()
+        heads_per_pass = int(a.get("heads_per_pass", -1))
+        dropout_p = float(a.get("dropout_p", 0.0))
+        return cls(ringmpi_version=str(a.get("ringmpi_version", "")), world_size=int(a.get("world_size", 0)),
+                   layout=str(a.get("layout", "")), causal=bool(a["causal"]),
+                   window=tuple(None if int(w) < 0 else int(w) for w in window) if window.size else None,
+                   segments=bool(a.get("segments", False)), softmax_scale=float(a["softmax_scale"]),
+                   backend=str(a.get("backend", "")), dtype=str(a.get("dtype", "")),
+                   backward=bool(a.get("backward", False)), input_path=str(a.get("input_path", "")),
+                   input_shapes=json.loads(a["input_shapes"]),
+                   heads_per_pass=None if heads_per_pass < 0 else heads_per_pass,
+                   softcap=float(a.get("softcap", 0.0)) or None, sinks_dataset=str(a.get("sinks_dataset", "")) or None,
+                   max_logit=bool(a.get("max_logit", False)), dropout_p=dropout_p,
+                   dropout_seed=int(a["dropout_seed"]) if dropout_p > 0 else None)
+
+    def mask_spec(self, spec):
+        """The :class:`ringmpi.masks.MaskSpec` the job computed with, for the input ``spec``."""
+        from .dropout import Dropout
+        from .masks import MaskSpec
+
+        dropout = Dropout(p=self.dropout_p, seed=self.dropout_seed, heads=spec.heads) if self.dropout_p > 0 else None
+        return MaskSpec(causal=self.causal, window=self.window, offset=spec.n_kv - spec.n_q,
+                        softcap=self.softcap, dropout=dropout)
+
+
+@dataclass
+class JobResult:
+    """What the command line reports: the problem, the plan and, on rank 0, every rank's
+    ``(wall, ring, compute, wait, read, write)`` seconds (None on the other ranks)."""
+
+    spec: object
+    options: JobOptions
+    world_size: int
+    backend: str
+    passes: List[Pass]
+    head_parallel: int
+    path: str
+    every: Optional[list]
+
+
+@dataclass
+class _Timers:
+    ring_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+
+
+def run_job(input_path: str, output_path: str, options: JobOptions, progress, overwrite: bool = False,
+            resume: bool = False) -> JobResult:
+    """Run the file job (collective over ``COMM_WORLD``) and return its :class:`JobResult`.
+
+    ``progress`` reports: ``note(text)`` (rank 0's messages), ``start(total)``,
+    ``advance(what, units=1)`` (a pass's forward or backward done, or skipped
+    after ``resume``) and ``close()``.  Bad input or options raise the same
+    ConfigError on every rank, leaving no file at ``output_path``.
+    """
+    from mpi4py import MPI
+
+    from .io import AtomicOutput, inspect_input
+
+    t_start = time.perf_counter()
+    comm = MPI.COMM_WORLD.Dup()
+    options.check()
+    spec = inspect_input(input_path, comm, backward=options.backward)
+    if options.heads_per_pass is not None and (options.heads_per_pass < 1 or options.heads_per_pass % spec.group):
+        raise ConfigError(f"--heads-per-pass {options.heads_per_pass}: must be a positive multiple of "
+                          f"H/H_kv = {spec.heads}/{spec.kv_heads} = {spec.group} (GQA groups stay whole)")
+    backend = _resolve_backend(options.backend, comm)
+    out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
+    budget = int(os.environ.get("RINGMPI_PASS_BYTES", DEFAULT_PASS_BYTES))
+    plan = plan_passes(spec, comm.Get_size(), options.heads_per_pass, budget)
+    record = _job_record(spec, input_path, comm.Get_size(), plan, options.record_options(backend))
+    passes, done = _resume_state(out, comm, record, resume, progress)
+    head_parallel = _head_parallel(comm, options.head_parallel, spec, passes)
+    job = _Job(comm, input_path, options, spec, passes, backend, head_parallel)
+    progress.start(len(passes) * (2 if options.backward else 1))
+    job.run(out, done, record, OutputAttributes.of_job(options, spec, input_path, comm.Get_size(), backend),
+            progress)
+    mine = (time.perf_counter() - t_start, job.timers.ring_s, job.timers.compute_s, job.timers.wait_s,
+            job.io_q.read_s + job.io_kv.read_s, job.io_q.write_s + job.io_kv.write_s)
+    every = comm.gather(mine, root=0)
+    comm.Free()
+    return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every)
+
+
+class _Job:
+    """One run's plan, shard readers, converters and timers; :meth:`run` does the passes."""
+
+    def __init__(self, comm, input_path, options: JobOptions, spec, passes, backend: str, head_parallel: int):
+        from .io import ShardIO
+        from .layout import Layout
+
+        self.comm, self.input_path, self.options, self.spec, self.passes = comm, input_path, options, spec, passes
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        layout = options.layout_name
+        self.io_q = ShardIO(comm, Layout(layout, spec.n_q, self.size).indices(self.rank))
+        self.io_kv = ShardIO(comm, Layout(layout, spec.n_kv, self.size).indices(self.rank))
+        self.to_device, self.to_host = _converters(backend)
+        scale = options.scale if options.scale is not None else 1.0 / math.sqrt(spec.dim)
+        self.ring_kw = dict(comm=comm, layout=layout, causal=options.causal, window=options.ring_window,
+                            softmax_scale=scale, backend=backend, timeout=options.timeout,
+                            head_parallel=head_parallel)
+        self.timers = _Timers()
+        self.sinks = None
+
+    def run(self, out, done, record, attributes: OutputAttributes, progress) -> None:
+        """Every pass not ``done`` (None: a fresh output), then commit the output (collective)."""
+        from . import head_outputs
+        from . import resume as resume_log
+        from .faults import fault_point
+        from .io import open_file
+
+        o = self.options
+        fin = open_file(self.input_path, "r", self.comm)
+        try:
+            if o.check_finite:  # every input of every pass, before any compute
+                _check_finite(self.comm, self.input_path, fin, self.spec, self.passes, self.io_q, self.io_kv,
+                              o.backward)
+            if o.sinks_dataset is not None:
+                self.sinks = head_outputs.read_sinks(fin, o.sinks_dataset, self.spec.heads, self.comm)
+            fout = out.open(resume=done is not None)
+            if done is None:
+                _create_outputs(fout, self.spec, o.backward)
+                attributes.write(fout)
+                head_outputs.create(fout, self.spec, self.sinks, o.max_logit, o.backward and self.sinks is not None)
+                resume_log.start(fout, record)
+                done = np.zeros(len(self.passes), dtype=np.uint8)
+            for index, p in enumerate(self.passes):
+                if done[index]:
+                    progress.advance(f"batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1} done before (--resume)",
+                                     2 if o.backward else 1)
+                    continue
+                fault_point("pass", self.rank, index)
+                self.run_pass(fin, fout, p, progress)
+                resume_log.mark_done(fout, index)
+                out.keep_on_failure = True  # from now on a failure leaves a resumable partial file
+            progress.close()
+            head_outputs.finish(fout)
+            fault_point("write", self.rank)
+            fin.close()
+            out.commit()
+        except ConfigError:
+            progress.close()
+            fin.close()
+            out.discard(collective=True)
+            raise
+        except BaseException:
+            out.discard(collective=False)  # this rank alone: the job is about to be aborted
+            raise
+
+    def run_pass(self, fin, fout, p: Pass, progress) -> None:
+        """Read one pass's shards, run the forward (and backward) ring, write its outputs."""
+        from . import head_outputs
+        from . import ring_attention, ring_attention_backward
+
+        spec, o, boxes = self.spec, self.options, pass_boxes(self.spec, p)
+        lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
+        drop = (lambda x: x) if spec.rank4 else (lambda x: x[0])
+
+        def read(name, io, box):
+            return lift(io.read(fin[name], *boxes[box]))
+
+        def write(name, io, box, data):
+            axis, where = boxes[box]
+            io.write(fout[name], axis, drop(self.to_host(data)), where)
+
+        # boxes "q"/"kv": D wide (q, dq / k, dk); "o"/"v": D_v wide (o, do / v, dv)
+        q, k, v = read("q", self.io_q, "q"), read("k", self.io_kv, "kv"), read("v", self.io_kv, "v")
+        extra = self.pass_inputs(fin, p)
+        stats: list = []
+        t0 = time.perf_counter()
+        qd, kd, vd = self.to_device(q), self.to_device(k), self.to_device(v)
+        out, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, return_max_logit=o.max_logit,
+                                             **self.ring_kw, **extra)
+        head_outputs.write_pass(fout, p, spec.group, max_logit=pass_max[0] if o.max_logit else None)
+        self.timers.ring_s += time.perf_counter() - t0
+        write("o", self.io_q, "o", out)
+        write("lse", self.io_q, "lse", lse)
+        progress.advance(f"forward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1} ({time.perf_counter() - t0:.2f} s)")
+        if o.backward:
+            do = read("do", self.io_q, "o")
+            t0 = time.perf_counter()
+            dq, dk, dv, *dsinks = ring_attention_backward(self.to_device(do), qd, kd, vd, out, lse, stats=stats,
+                                                          **self.ring_kw, **extra)
+            head_outputs.write_pass(fout, p, spec.group, dsinks=dsinks[0] if dsinks else None)
+            self.timers.ring_s += time.perf_counter() - t0
+            write("dq", self.io_q, "q", dq)
+            write("dk", self.io_kv, "kv", dk)
+            write("dv", self.io_kv, "v", dv)
+            progress.advance(f"backward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1} "
+                             f"({time.perf_counter() - t0:.2f} s)")
+        self.timers.compute_s += sum(r.compute_s for r in stats)
+        self.timers.wait_s += sum(r.wait_s for r in stats)
+
+    def pass_inputs(self, fin, p: Pass) -> dict:
+        """The ring calls' per-pass keywords: segment ids, this pass's sinks, softcap, dropout."""
+        spec, o, extra = self.spec, self.options, {}
+        if spec.seg_q:
+            extra = dict(segment_ids_q=_read_segments(fin, spec.seg_q, self.io_q, p),
+                         segment_ids_kv=_read_segments(fin, spec.seg_kv, self.io_kv, p))
+        if self.sinks is not None:
+            extra["sinks"] = self.to_device(self.sinks[p.g0 * spec.group:p.g1 * spec.group])
+        if o.softcap is not None:
+            extra["softcap"] = o.softcap
+        if o.dropout:  # this pass draws its slice of the whole tensor's mask
+            extra.update(dropout_offsets=(p.b0, p.g0 * spec.group, spec.heads), **o.dropout)
+        return extra
+
+
+def _resolve_backend(name: str, comm) -> str:
+    """``numpy`` or ``cupy`` (``auto``: cupy when every rank sees a GPU); binds the GPU.  Collective."""
+    from .backends import gpu_available
+
+    if name == "auto":
+        name = "cupy" if gpu_available() else "numpy"
+        names = comm.allgather(name)
+        agree(comm, None if len(set(names)) == 1 else
+              "backend auto: some ranks see a GPU and some do not; pass --backend numpy or cupy")
+    if name == "cupy":
+        from .device import require_gpu, select_device
+        require_gpu(comm)  # the same ConfigError (exit 2) on every rank before any data moves
+        select_device(comm)
+    return name
+
+
+def _read_segments(fin, name, shard_io, p: Pass):
+    dset = fin[name]
+    if dset.ndim == 2:
+        ids = shard_io.read(dset, 1, [(p.b0, p.b1), (0, 0)])
+    else:
+        ids = np.broadcast_to(shard_io.read(dset, 0, [(0, 0)]), (p.b1 - p.b0, len(shard_io.indices)))
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def _create_outputs(fout, spec, backward: bool) -> None:
+    """Create ``o``, ``lse`` (and ``dq``, ``dk``, ``dv``), unfilled (collective)."""
+    from .io import create_float_dataset
+
+    lse_dtype = np.float64 if spec.dtype == "float64" else np.float32
+    q_shape, kv_shape = spec.shapes["q"], spec.shapes["k"]
+    o_shape, v_shape = q_shape[:-1] + (spec.dim_v,), spec.shapes["v"]
+    lse_shape = (spec.batch, spec.heads, spec.n_q) if spec.rank4 else (spec.heads, spec.n_q)
+    names = [("o", o_shape, spec.dtype), ("lse", lse_shape, lse_dtype)]
+    if backward:
+        names += [("dq", q_shape, spec.dtype), ("dk", kv_shape, spec.dtype), ("dv", v_shape, spec.dtype)]
+    for name, shape, dtype in names:  # collective: identical arguments on every rank
+        create_float_dataset(fout, name, shape, dtype, fill_time="never")
+
+
+def _head_parallel(comm, value, spec, passes) -> int:
+    """``U`` of ``head_parallel`` (or ``RINGMPI_HEAD_PARALLEL``), resolved once for every pass;
+    exit 2 on every rank when it cannot run.  ``auto``: the largest divisor of the node's
+    rank count and of every pass's head count.  Collective unless ``U = 1``."""
+    from .topology import (auto_head_parallel, head_parallel_problem, head_parallel_setting,
+                           node_ids, node_size_override)
+
+    try:
+        setting = head_parallel_setting(value)
+        if setting != 1:
+            node_size_override()
+    except ValueError as exc:
+        setting, problem = 1, f"--head-parallel: {exc}"
+    else:
+        problem = None
+    agree(comm, problem)
+    if setting == 1:
+        return 1
+    pass_heads = sorted({(p.g1 - p.g0) * spec.group for p in passes})
+    if setting == "auto":
+        return auto_head_parallel(node_ids(comm), math.gcd(*pass_heads))
+    problem = head_parallel_problem(setting, comm.Get_size(), spec.heads)
+    if problem is None and any(h % setting for h in pass_heads):
+        problem = (f"head_parallel={setting} must divide the query heads of every pass "
+                   f"({', '.join(map(str, pass_heads))}); choose --heads-per-pass accordingly")
+    agree(comm, None if problem is None else f"--head-parallel: {problem}")
+    return setting
+
+
+def _job_record(spec, input_path, world_size, passes, options: dict):
+    """The :class:`ringmpi.resume.JobRecord` of this run (options: what changes the numbers)."""
+    from .resume import JobRecord, input_fingerprint
+
+    return JobRecord(version=__version__, world_size=world_size, options=options,
+                     input=input_fingerprint(input_path, spec),
+                     passes=[[p.b0, p.b1, p.g0, p.g1] for p in passes])
+
+
+def _resume_state(out, comm, job, resume: bool, progress):
+    """``(passes, done marks)`` to run: the stored plan and marks with ``resume`` and a
+    matching partial file, else this run's plan and None (start afresh).  Collective."""
+    from .resume import check_resume
+
+    if not resume:
+        return [Pass(*p) for p in job.passes], None
+    stored = done = problem = None
+    if comm.Get_rank() == 0:
+        stored, done, problem = check_resume(out.tmp, job)
+    stored, done, problem = comm.bcast((stored, done, problem), root=0)
+    agree(comm, problem)
+    if stored is None:
+        progress.note(f"--resume: no partial output at {out.tmp}; starting from the beginning")
+        return [Pass(*p) for p in job.passes], None
+    progress.note(f"--resume: {int(done.sum())} of {len(done)} pass(es) already complete "
+                  f"(written with {stored.world_size} rank(s))")
+    return [Pass(*p) for p in stored.passes], done
+
+
+def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bool) -> None:
+    """Exit-2 error on every rank naming the first NaN/Inf (lowest global index) of q, k, v
+    (and do), read pass by pass before any compute.  Collective: every rank reads every
+    pass's shards, one pass at a time."""
+    from .io import first_nonfinite
+
+    names = ("q", "k", "v") + (("do",) if backward else ())
+    found = None
+    for p in passes:
+        for name in names:
+            shard_io = io_kv if name in ("k", "v") else io_q
+            axis, box = pass_boxes(spec, p)[{"k": "kv", "v": "v", "do": "o"}.get(name, "q")]
+            data = shard_io.read(fin[name], axis, box)
+            if found is not None:
+                continue  # keep joining the collective reads
+            data = data if spec.rank4 else data[None]
+            hit = first_nonfinite(data, shard_io.indices, box if spec.rank4 else [(0, 1)] + list(box))
+            if hit is not None:
+                found = (name, hit)
+    every = [f for f in comm.allgather(found) if f is not None]
+    if not every:
+        return
+    order = {"q": 0, "k": 1, "v": 2, "do": 3}
+    name, (index, value) = min(every, key=lambda f: (order[f[0]], f[1][0]))
+    shown = list(index) if spec.rank4 else list(index[1:])
+    agree(comm, f"{input_path}: dataset {name} has a non-finite value ({value}) at global index "
+                f"{shown} ({'b, token, head, dim' if spec.rank4 else 'token, head, dim'}); "
+                f"fix the input or pass --no-check-finite")
+
+
+def _converters(backend: str):
+    if backend == "cupy":
+        import cupy
+        return cupy.asarray, cupy.asnumpy
+    return (lambda x: x), np.asarray
