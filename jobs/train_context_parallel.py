@@ -9,7 +9,8 @@ blocks travel the ring, no torch.distributed needed), MLP and loss on its own
 tokens; the gradients of the replicated parameters are summed over the ranks
 with ``comm.Allreduce``, so every rank takes the same optimizer step.  The
 losses equal a one-rank run's to rounding.  Rank 0 prints the loss of every
-step; ``--save out.npz`` also stores the losses and final parameters.
+step; ``--save out.npz`` also stores the losses, final parameters and the last
+step's summed gradients.
 """
 
 import argparse
@@ -72,6 +73,7 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sinks", action="store_true", help="a learned attention sink per head (gpt-oss)")
     parser.add_argument("--save", help="rank 0 writes losses and final parameters here (.npz)")
     args = parser.parse_args()
 
@@ -80,7 +82,7 @@ def main():
     torch.manual_seed(args.seed)  # the same initial parameters on every rank (and in either dtype)
     layout = ringmpi.Layout("zigzag", args.seq_len, comm.Get_size())
     model = TinyLM(args.vocab, args.seq_len, args.dim, args.heads, args.kv_heads, args.layers,
-                   comm=comm, layout="zigzag").to(getattr(torch, args.dtype))
+                   sinks=args.sinks, comm=comm, layout="zigzag").to(getattr(torch, args.dtype))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     tokens = synthetic_sequence(args.seq_len, args.vocab, args.seed)
@@ -106,7 +108,8 @@ def main():
 
     if rank == 0 and args.save:
         params = {f"param/{name}": p.detach().numpy() for name, p in model.named_parameters()}
-        np.savez(args.save, losses=np.array(losses), **params)
+        grads = {f"grad/{name}": p.grad.numpy() for name, p in model.named_parameters()}
+        np.savez(args.save, losses=np.array(losses), **params, **grads)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ fi
 # torch (the PyTorch interop and its tests): pin the build before the extras ask for
 # "torch>=2.1", so that pip does not pick a newer, much larger build
 case ",$extras," in
-    *,test,*|*,torch,*|*,bench,*)
+    *,test,*|*,torch,*|*,bench,*|*,transformers,*)
         if ! have torch; then
             say "installing ${RINGMPI_TORCH_SPEC:-torch==2.13.0}"
             pipq "${RINGMPI_TORCH_SPEC:-torch==2.13.0}"
@@ -110,4 +110,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! have ringmpi; then
     pipq --no-build-isolation -e ".[${extras}]" 2>/dev/null || pipq -e ".[${extras}]"
     echo "$want" > "$stamp"
 fi
+# the extras (transformers) must not have replaced the pinned torch build
+case ",$extras," in
+    *,test,*|*,torch,*|*,bench,*|*,transformers,*)
+        want_torch=${RINGMPI_TORCH_SPEC:-torch==2.13.0}
+        got_torch=$("$vpy" -c 'import torch; print(torch.__version__.split("+")[0])')
+        case "$want_torch" in
+            torch==*) [ "$got_torch" = "${want_torch#torch==}" ] \
+                || die "torch $got_torch installed, $want_torch wanted (an extra replaced it)" ;;
+        esac ;;
+esac
 say "ready: $venv (mpi4py $("$vpy" -c 'import mpi4py; print(mpi4py.__version__)'), h5py $("$vpy" -c 'import h5py; print(h5py.__version__)') parallel)"

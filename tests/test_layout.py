@@ -59,3 +59,23 @@ def test_refuses_bad_arguments():
         Layout("contiguous", 5, 2).shard(np.zeros((1, 4)), 0)
     with pytest.raises(ValueError, match="expected 2 shards"):
         Layout("contiguous", 5, 2).unshard([np.zeros((1, 3))])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shard_and_unshard_torch_tensors_on_their_device(kind):
+    """Torch tensors (CPU; CUDA where a GPU is visible) are sharded and reassembled as tensors
+    on their own device, equal to the NumPy result (issue 27)."""
+    torch = pytest.importorskip("torch")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    layout = Layout(kind, 11, 3)
+    x = np.arange(2 * 11 * 3, dtype=np.float32).reshape(2, 11, 3)
+    for device in devices:
+        t = torch.from_numpy(x).to(device)
+        parts = [layout.shard(t, r) for r in range(3)]
+        assert all(isinstance(p, torch.Tensor) and p.device.type == device for p in parts)
+        for r, part in enumerate(parts):
+            assert np.array_equal(part.cpu().numpy(), layout.shard(x, r))
+        whole = layout.unshard(parts)
+        assert whole.device.type == device and whole.dtype == t.dtype and torch.equal(whole, t)
+        assert torch.equal(Layout(kind, 3, 2).unshard([Layout(kind, 3, 2).shard(t, r, axis=2) for r in range(2)],
+                                                      axis=2), t)

@@ -8,6 +8,8 @@ segments and GQA; float64 finite differences check dsinks through the ring.
 
 import itertools
 
+import ml_dtypes
+
 import numpy as np
 import pytest
 
@@ -31,7 +33,7 @@ def cases_for(p):
         add(f"softcap-{layout}", n_q=41, layout=layout, softcap=2.0, k_scale=4.0)
         add(f"maxlogit-{layout}", n_q=30, n_kv=45, layout=layout, causal=True, window=[7, 0])
         add(f"combined-{layout}", n_q=53, layout=layout, causal=True, window=[12, 0], segments=3, B=2,
-            H=6, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0)
+            H=6, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0, own_share=layout == "zigzag")
         add(f"combined64-{layout}", n_q=29, n_kv=40, layout=layout, causal=True, window=[9, 2], segments=2,
             H=4, Hkv=1, sinks=True, sink_dtype="float64", softcap=1.5, k_scale=3.0, dtype="float64")
         # and with dropout: every option of issue 13 in one call
@@ -40,7 +42,7 @@ def cases_for(p):
     if p == 4:  # the head x ring schedule (U ranks per group) carries all of them
         for u in (2, 4):
             add(f"combined-U{u}", n_q=53, layout="zigzag", causal=True, window=[12, 0], segments=3, B=2,
-                H=4, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0, head_parallel=u)
+                H=4, Hkv=2, sinks=True, softcap=5.0, k_scale=3.0, head_parallel=u, own_share=True)
             add(f"all-U{u}", n_q=47, layout="striped", causal=True, segments=2, B=2, H=4, Hkv=2, sinks=True,
                 softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, head_parallel=u)
     # ALiBi (issue 25): alone with N_q != N_kv on every layout, then with every other option
@@ -142,7 +144,8 @@ def test_option_problems():
         assert softcap_problem(bad)
     assert sinks_problem(np.zeros(3, np.float32), 3) is None
     assert "shape" in sinks_problem(np.zeros((3, 1), np.float32), 3)
-    assert "float32 or float64" in sinks_problem(np.zeros(3, np.int64), 3)
+    assert "float32, float64" in sinks_problem(np.zeros(3, np.int64), 3)
+    assert sinks_problem(np.zeros(3, ml_dtypes.bfloat16), 3) is None and sinks_problem(np.zeros(3, np.float16), 3) is None
     assert "finite" in sinks_problem(np.array([0, np.inf, 0], np.float64), 3)
 
 

@@ -21,6 +21,8 @@ Case kinds:
 ``shares``    the tensors handed to and returned by the backend share memory with
               the caller's (no hidden copies).
 ``errors``    a bad argument on one rank gives the same ConfigError on every rank.
+``compile``   ``torch.compile(fullgraph=True)`` of a 2-layer model: one custom-op node per
+              layer, compiled output and gradients equal eager's.
 """
 
 import contextlib
@@ -317,7 +319,10 @@ def errors_case(comm, case, device):
     results = []
     attempts = [("a NumPy q on rank 1", dict(q=q.detach().cpu().numpy() if comm.Get_rank() == 1 else q)),
                 ("a backend that does not fit the device",
-                 dict(backend="numpy" if device.type == "cuda" else "cupy"))]
+                 dict(backend="numpy" if device.type == "cuda" else "cupy")),
+                ("a window the op's int arguments cannot hold, on rank 1",  # AttentionOptions names it
+                 dict(window=(1.5, 0) if comm.Get_rank() == 1 else None)),
+                ("head_parallel=2.5 on every rank", dict(head_parallel=2.5))]
     for what, change in attempts:
         args = dict(q=q, k=k, v=v, **kw)
         args.update(change)
@@ -334,8 +339,53 @@ def errors_case(comm, case, device):
     return same and raised, f"identical on every rank: {same}; " + "; ".join(gathered[0])
 
 
+def compile_case(comm, case, device):
+    """torch.compile(fullgraph=True) of a 2-layer model with RingSelfAttention (one with sinks):
+    each layer's ring call is one node of the graph (the custom op, traced through its fake
+    implementation), and the compiled forward and gradients equal eager's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    n, dim = case["n_q"], 16
+    lay = Layout(case["layout"], n, size)
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                rt.RingSelfAttention(dim, 4, 2, sinks=i == 1, comm=comm, layout=case["layout"], causal=True)
+                for i in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    torch.manual_seed(case["seed"])
+    eager = TwoLayers().to(device, torch.float64)
+    compiled_model = TwoLayers().to(device, torch.float64)
+    compiled_model.load_state_dict(eager.state_dict())
+    x = torch.randn(1, n, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(case["seed"]))
+    x = lay.shard(x, rank).to(device)
+    ring_nodes = []
+
+    def backend(gm, example_inputs):
+        ops = (torch.ops.ringmpi.ring_attention, torch.ops.ringmpi.ring_attention.default)
+        ring_nodes.append(sum(n.op == "call_function" and n.target in ops for n in gm.graph.nodes))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
+    outs = []
+    for model in (eager, compiled):
+        y = model(x)
+        (y * y).sum().backward()
+        outs.append([y.detach()] + [p.grad for p in (eager if model is eager else compiled_model).parameters()])
+    errs = [float((a - b).abs().max() / b.abs().max().clamp(min=1e-300)) for a, b in zip(outs[1], outs[0])]
+    worst = comm.allreduce(max(errs), op=MPI.MAX)
+    ok = worst <= 1e-12 and ring_nodes == [2]
+    return ok, f"ring nodes per graph {ring_nodes}; compiled vs eager output and {len(errs) - 1} gradients: {worst:.2e}"
+
+
 KINDS = {"attn": attn_case, "sdpa": sdpa_case, "gradcheck": gradcheck_case,
-         "autograd": autograd_case, "shares": shares_case, "errors": errors_case}
+         "autograd": autograd_case, "shares": shares_case, "errors": errors_case, "compile": compile_case}
 
 
 def main():

@@ -252,10 +252,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.topology`).
         Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
         out are the same for every ``U``.
-    sinks : (H,) float32 or float64, optional, the same on every rank
+    sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
         Attention sinks (gpt-oss): every query's softmax denominator gains
         ``exp(sinks[h])``, a virtual key with zero value that every query sees;
-        ``lse`` includes it.
+        ``lse`` includes it.  Used in the compute dtype (float32 for 16-bit inputs).
     softcap : float > 0, optional, the same on every rank
         Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
         before the mask.
@@ -332,7 +332,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             head_parallel: Union[int, str, None] = None,
                             sinks=None, softcap: Optional[float] = None,
                             dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                            dropout_offsets=None, alibi_slopes=None, options: Optional[AttentionOptions] = None):
+                            dropout_offsets=None, alibi_slopes=None, options: Optional[AttentionOptions] = None,
+                            reduce_dsinks: bool = True):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
@@ -348,6 +349,11 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     options : :class:`ringmpi.options.AttentionOptions`, optional
         The options as one object instead of their keywords (the forward's may be
         passed as they are: ``return_max_logit`` is ignored here).
+    reduce_dsinks : bool
+        True (the default): ``dsinks`` is summed over all ranks (the same on every
+        rank).  False: ``dsinks`` is this rank's own queries' contribution, so that
+        a framework's sum of replicated gradients over ranks (an Allreduce, DDP,
+        FSDP) gives the total; ``ringmpi.torch`` asks for this.
 
     Returns
     -------
@@ -359,7 +365,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     float32 (float64 for float64 inputs) as they travel.
     dsinks : (H,) NumPy array in ``sinks``' dtype, only when ``sinks`` is given:
         the gradient w.r.t. the sinks, summed over the batch and all ranks (the
-        same on every rank).
+        same on every rank), or this rank's share with ``reduce_dsinks=False``.
     """
     options = AttentionOptions(
         causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
@@ -367,12 +373,12 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
         check_finite=check_finite, dtype=dtype).given_once(options)
     return _backward(do, q, k, v, o, lse, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
-                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats)
+                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats, reduce_dsinks=reduce_dsinks)
 
 
 def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
              layout: Union[str, Layout] = "contiguous", segment_ids_q=None, segment_ids_kv=None,
-             backend: str = "auto", stats: Optional[list] = None):
+             backend: str = "auto", stats: Optional[list] = None, reduce_dsinks: bool = True):
     """:func:`ring_attention_backward` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
     (do, q, k, v, o), bits = _dtypes.view_declared(options.dtype, do, q, k, v, o)
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
@@ -383,13 +389,14 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     agree(plan.comm, None if tuple(lse.shape) == want else
           f"lse must have shape (B, H, S_q_local) = {want}, got {tuple(lse.shape)}")
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
+    sink_comm = plan.comm if reduce_dsinks else None  # None: this rank's own share of dsinks
     if groups is not None:
         from . import head_parallel as _two_level
-        result, dsinks, records = _two_level.backward(plan, groups, do, q, k, v, o, lse)
+        result, dsinks, records = _two_level.backward(plan, groups, do, q, k, v, o, lse, sink_comm=sink_comm)
     else:
         dq, dk, dv, dsinks, records = backward_pass(
             plan.flat_problem(), be.asarray(q), be.asarray(do), be.asarray(k), be.asarray(v), lse,
-            o=be.asarray(o), sinks=plan.sinks, sink_comm=plan.comm)
+            o=be.asarray(o), sinks=plan.sinks, sink_comm=sink_comm)
         result = tuple(be.from_heads(g, q.dtype) for g in (dq, dk, dv))
     if bits:
         result = tuple(g.view(np.uint16) for g in result)

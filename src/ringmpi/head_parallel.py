@@ -229,14 +229,14 @@ def forward(call: AgreedCall, groups, q, k, v, return_max_logit: bool = False):
     return be.asarray(o), be.asarray(lse), max_logit, [records[0], *ring_records, records[1]]
 
 
-def backward(call: AgreedCall, groups, do, q, k, v, o, lse):
+def backward(call: AgreedCall, groups, do, q, k, v, o, lse, *, sink_comm):
     """:func:`ringmpi.ring_attention_backward` on ``groups``.
 
     ``do, o (B, S_q_local, H, D_v)``, ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local,
     H_kv, D | D_v)``, ``lse (B, H, S_q_local)``: this rank's shards.  Returns ``((dq, dk,
     dv)`` for this rank's shards in the input dtype, ``dsinks`` (H,) in the compute dtype
-    with the call's sinks (from the home rows' ``lse`` and ``dvec``, summed over all
-    ranks) else None, records)``.
+    with the call's sinks (from the home rows' ``lse`` and ``dvec``, summed over the ranks
+    of ``sink_comm``, this rank's own share when it is None) else None, records)``.
     """
     be, ct = call.backend, call.compute_dtype
     do, q, k, v, o = (be.asarray(x) for x in (do, q, k, v, o))
@@ -266,7 +266,7 @@ def backward(call: AgreedCall, groups, do, q, k, v, o, lse):
                                                   dvec=dvecg)
     exchange.step = len(ring_records)
     result = _return_grads(be, exchange, split, q.dtype, ct, dq, dkh, dvh, batch, rows, kv_heads)
-    dsinks = None if call.sinks is None else sink_grads(be.xp, lse, dvec, call.sinks, call.comm)
+    dsinks = None if call.sinks is None else sink_grads(be.xp, lse, dvec, call.sinks, sink_comm)
     return result, dsinks, [records[0], *ring_records, records[1]]
 
 

@@ -82,24 +82,51 @@ class Layout:
         return counts
 
     def shard(self, x, rank: int, axis: int = 1):
-        """The part of a global array ``x`` that ``rank`` owns along ``axis``."""
+        """The part of a global array ``x`` that ``rank`` owns along ``axis``.
+
+        ``x`` may be a NumPy or CuPy array or a torch tensor (CPU or CUDA: the
+        result stays a tensor on ``x``'s device, gathered there, never through NumPy).
+        """
         if x.shape[axis] != self.n:
             raise ValueError(f"axis {axis} has length {x.shape[axis]}, layout expects {self.n}")
+        if _is_torch(x):
+            return x.index_select(axis, _torch_index(self.indices(rank), x.device))
         return x.take(self.indices(rank), axis=axis)
 
     def unshard(self, shards: Sequence, axis: int = 1):
-        """Reassemble a global array from every rank's shard (in rank order)."""
+        """Reassemble a global array from every rank's shard (in rank order).
+
+        Torch tensors give a tensor on the first shard's device (scattered there).
+        """
         if len(shards) != self.world_size:
             raise ValueError(f"expected {self.world_size} shards, got {len(shards)}")
         first = shards[0]
         shape = list(first.shape)
         shape[axis] = self.n
-        out = np.empty(shape, dtype=first.dtype)
+        torch_shards = _is_torch(first)
+        if torch_shards:
+            import torch
+            out = torch.empty(shape, dtype=first.dtype, device=first.device)
+        else:
+            out = np.empty(shape, dtype=first.dtype)
         for r, part in enumerate(shards):
             idx = self.indices(r)
             if part.shape[axis] != len(idx):
                 raise ValueError(f"shard {r} has {part.shape[axis]} rows along axis {axis}, layout expects {len(idx)}")
+            if torch_shards:
+                out.index_copy_(axis, _torch_index(idx, out.device), part.to(out.device))
+                continue
             sl = [slice(None)] * out.ndim
             sl[axis] = idx
             out[tuple(sl)] = part
         return out
+
+
+def _is_torch(x) -> bool:
+    """Whether ``x`` is a torch tensor (without importing torch)."""
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _torch_index(idx: np.ndarray, device):
+    import torch
+    return torch.from_numpy(idx).to(device)

@@ -136,7 +136,8 @@ def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, si
     Head-major compute-dtype gradients, scaled, of this rank's rows.  ``q, do``
     sequence-major (this backend's arrays); ``lse (B, H, S_q)``; ``dvec = rowsum(do
     * o)`` head-major, or None to compute it from ``o`` (sequence-major).  With
-    ``sinks`` (compute dtype) ``dsinks (H,)`` is summed over ``sink_comm``; else None.
+    ``sinks`` (compute dtype) ``dsinks (H,)`` is summed over ``sink_comm`` (this rank's
+    own share when it is None: the framework bridges' convention); else None.
     """
     be, ct = problem.backend, problem.compute_dtype
     qh, doh = be.to_heads(q, ct), be.to_heads(do, ct)
@@ -164,7 +165,10 @@ def sink_grads(xp, lse, dvec, sinks, comm):
     """``dsinks (H,)`` host array in the compute dtype: ``-sum exp(sink - lse) * dvec``
     over the batch, this rank's rows and (``MPI.SUM``) all ranks of ``comm``.
 
-    ``lse, dvec (B, H, S_local)`` compute dtype (this backend's arrays).
+    ``lse, dvec (B, H, S_local)`` compute dtype (this backend's arrays).  With ``comm``
+    None the result is this rank's own rows' contribution: the framework bridges'
+    convention (``ring_attention_backward(reduce_dsinks=False)``), where the usual sum
+    of replicated gradients over ranks makes the total.
     """
     from mpi4py import MPI
 
@@ -173,6 +177,8 @@ def sink_grads(xp, lse, dvec, sinks, comm):
     if lse.shape[0] and lse.shape[2]:
         p_sink = xp.exp(sinks.astype(ct)[None, :, None] - lse)
         local = np.ascontiguousarray(_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
+    if comm is None:
+        return local
     out = np.empty_like(local)
     with phase("the sinks' gradient reduction (Allreduce)"):
         comm.Allreduce(local, out, op=MPI.SUM)

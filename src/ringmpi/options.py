@@ -33,7 +33,7 @@ from .dropout import validate as _dropout_validate
 from .masks import MaskSpec
 from .modifiers import Alibi, alibi_problem
 
-SINK_DTYPES = ("float32", "float64")
+SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 Window = Optional[Tuple[Optional[int], Optional[int]]]
 
 
@@ -66,15 +66,17 @@ def softcap_problem(softcap) -> Optional[str]:
 
 
 def sinks_problem(sinks, heads: int) -> Optional[str]:
-    """The problem with ``sinks`` (None when fine): shape ``(H,)``, float32/float64, finite."""
+    """The problem with ``sinks`` (None when fine): shape ``(H,)``, a float dtype, finite.
+
+    16-bit sinks are used in the compute dtype (float32 for 16-bit inputs)."""
     if sinks is None:
         return None
     shape = getattr(sinks, "shape", None)
     if shape is None or tuple(shape) != (heads,):
         return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
     if str(sinks.dtype) not in SINK_DTYPES:
-        return f"sinks must be float32 or float64, got dtype {sinks.dtype}"
-    host = _host(sinks)
+        return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
+    host = _host(sinks).astype(np.float64)
     if not np.isfinite(host).all():
         return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
     return None
@@ -108,7 +110,8 @@ class AttentionOptions:
     window : (left, right) or None -- sliding window in global positions.
     softmax_scale : float or None -- None means ``1 / sqrt(D)`` (:meth:`scale`).
     softcap : float > 0 or None -- logit softcap.
-    sinks : (H,) float32/float64 array or None -- attention sinks (this backend's array).
+    sinks : (H,) float16/bfloat16/float32/float64 array or None -- attention sinks (this
+        backend's array; used in the compute dtype).
     alibi_slopes : (H,) float32 array or None -- ALiBi (:mod:`ringmpi.modifiers`).
     dropout_p, dropout_seed, dropout_offsets -- dropout on the weights (:mod:`ringmpi.dropout`).
     head_parallel : int, "auto" or None -- checked with the communicator by

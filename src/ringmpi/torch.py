@@ -3,10 +3,13 @@
 ``ring_attention(q, k, v, comm=..., layout=..., causal=...)`` takes this
 rank's shards as torch tensors in the flash-attention layout
 ``(B, S_local, H, D)`` and returns ``o`` on the same device and dtype; it is
-a ``torch.autograd.Function``: the forward calls :func:`ringmpi.ring_attention`,
-the backward :func:`ringmpi.ring_attention_backward` with the saved ``o`` and
-``lse``.  Both are collective over ``comm``: every rank calls the forward and
-every rank backpropagates through it.
+one ``torch.library`` custom op with an autograd formula: the forward calls
+:func:`ringmpi.ring_attention`, the backward :func:`ringmpi.ring_attention_backward`
+with the saved ``o`` and ``lse``, both with one
+:class:`~ringmpi.options.AttentionOptions` rebuilt from the op's typed arguments
+(its scalar fields; ``sinks`` and ``alibi_slopes`` are tensor arguments).  Both
+are collective over ``comm``: every rank calls the forward and every rank
+backpropagates through it.
 
 Zero copy both ways: CPU tensors are handed over as NumPy views (bfloat16 as
 ``ml_dtypes.bfloat16`` over the same bytes), CUDA tensors through DLPack as
@@ -20,7 +23,7 @@ Importing this module imports torch; ``import ringmpi`` does not.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
 import ml_dtypes
@@ -32,10 +35,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
 import ringmpi
-from .errors import agree
+from .errors import ConfigError, agree
 from .layout import Layout
 from .options import AttentionOptions
 from .ring import resolve_comm
+from .topology import head_parallel_setting
 
 __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"]
 
@@ -88,13 +92,6 @@ def _on_torch_stream(device: torch.device):
         yield
 
 
-def _host_ids(ids):
-    """Segment ids as a host array (a torch tensor of any device is copied to the host)."""
-    if isinstance(ids, torch.Tensor):
-        return ids.detach().cpu().numpy()
-    return ids
-
-
 def _backend_problem(backend: str, q, k, v) -> tuple:
     """(backend name, this rank's problem or None) for tensors ``q, k, v``."""
     tensors = (("q", q), ("k", k), ("v", v))
@@ -113,66 +110,218 @@ def _backend_problem(backend: str, q, k, v) -> tuple:
     return want, None
 
 
-# ------------------------------------------------------------ autograd
+# ------------------------------------------------------------ the custom ops' arguments
 @dataclass(frozen=True)
-class _Call:
-    """What one call's forward hands its backward: the options and where the shards live."""
+class _Where:
+    """Where one call's shards live: the custom ops' non-tensor arguments besides the options.
 
-    options: AttentionOptions
-    comm: object
-    layout: object
-    segment_ids_q: object
-    segment_ids_kv: object
+    ``comm`` is a key of :data:`_COMMS` (the communicator's id); ``layout_n`` the
+    global length of a ``Layout`` given as one (-1 for a layout name); ``stats`` a
+    key of :data:`_STATS` (0: none).
+    """
+
+    comm: int
+    layout: str
+    layout_n: int
     backend: str
-    stats: Optional[list]
+    stats: int
 
-    def options_with(self, sinks) -> AttentionOptions:
-        """The options with ``sinks`` (a tensor or None) as this backend's array."""
-        return self.options if sinks is None else replace(self.options, sinks=to_array(sinks))
+    def args(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
 
-    def where(self) -> dict:
-        return dict(comm=self.comm, layout=self.layout, segment_ids_q=self.segment_ids_q,
-                    segment_ids_kv=self.segment_ids_kv, backend=self.backend, stats=self.stats)
+    def library_kwargs(self, q, k, v, seg_q, seg_kv) -> dict:
+        """Keywords for :func:`ringmpi.ring_attention` / :func:`ringmpi.ring_attention_backward`
+        besides ``options``, with the backend resolved for the tensors ``q, k, v``."""
+        comm = _COMMS[self.comm]
+        layout = self.layout if self.layout_n < 0 else Layout(self.layout, self.layout_n, comm.Get_size())
+        backend, problem = _backend_problem(self.backend, q, k, v)
+        if problem:  # eager calls agreed on it in ring_attention already; compiled ones get it here
+            raise ConfigError(problem)
+        return dict(comm=comm, layout=layout, backend=backend, stats=_STATS.get(self.stats),
+                    segment_ids_q=_host_numpy(seg_q), segment_ids_kv=_host_numpy(seg_kv))
 
 
-def _forward(q, k, v, call: _Call, sinks=None):
+_WHERE_SCHEMA = "int comm, str layout, int layout_n, str backend, int stats"
+_WHERE_COUNT = len(fields(_Where))
+_STATS: dict = {}  # stats lists of calls whose backward may still run, by id (the ops take an int)
+_COMMS: dict = {}  # the communicators calls were given, by id (the ops take an int)
+
+
+@torch.compiler.assume_constant_result
+def _comm_key(comm) -> int:
+    """The key of ``comm`` in :data:`_COMMS` (registering it); run, not traced, by torch.compile."""
+    _COMMS[id(comm)] = comm
+    return id(comm)
+
+
+def _where(comm, layout, backend, stats) -> _Where:
+    if stats is not None:
+        _STATS[id(stats)] = stats
+    return _Where(comm=_comm_key(comm), layout=layout.kind if isinstance(layout, Layout) else str(layout),
+                  layout_n=layout.n if isinstance(layout, Layout) else -1, backend=backend,
+                  stats=0 if stats is None else id(stats))
+
+
+# AttentionOptions' scalar fields as the ops' typed arguments (the window as its two sides
+# and a flag, dropout_seed as a signed 64-bit int); sinks and alibi_slopes are tensor arguments.
+_OPTION_SCHEMA = ("bool causal, int? window_left, int? window_right, bool has_window, float? softmax_scale, "
+                  "float? softcap, float dropout_p, int? dropout_seed, str? head_parallel, float? timeout, "
+                  "bool check_finite")
+
+
+def _option_args(options: AttentionOptions) -> tuple:
+    """``options``' scalar fields as the ops' arguments; ValueError or TypeError for a value
+    those types cannot hold exactly (the caller then asks ``options`` what is wrong)."""
+    left, right = (None, None) if options.window is None else (_exact_int(w) for w in options.window)
+    return (bool(options.causal), left, right, options.window is not None, _float(options.softmax_scale),
+            _float(options.softcap), float(options.dropout_p), _signed64(options.dropout_seed),
+            _head_parallel_text(options.head_parallel), _float(options.timeout), bool(options.check_finite))
+
+
+def _options_of(args, sinks, alibi_slopes) -> AttentionOptions:
+    """The inverse of :func:`_option_args`, with the ops' ``sinks`` and ``alibi_slopes`` tensors."""
+    causal, left, right, has_window, scale, softcap, p, seed, hp, timeout, check_finite = args
+    return AttentionOptions(causal=causal, window=(left, right) if has_window else None, softmax_scale=scale,
+                            softcap=softcap, sinks=None if sinks is None else to_array(sinks),
+                            alibi_slopes=_host_numpy(alibi_slopes), dropout_p=p,
+                            dropout_seed=None if seed is None else seed % (1 << 64), head_parallel=hp,
+                            timeout=timeout, check_finite=check_finite)
+
+
+def _op_arguments(options: AttentionOptions, alibi_slopes, q) -> tuple:
+    """``(options' typed arguments, alibi_slopes as a host tensor, None)``, or ``(None, None,
+    this rank's problem)`` when they cannot be carried (named by ``options``' own checks)."""
+    try:
+        return _option_args(options), _host_tensor(alibi_slopes), None
+    except (TypeError, ValueError, OverflowError) as exc:
+        heads = q.shape[2] if getattr(q, "ndim", 0) == 4 else 0
+        problem = replace(options, alibi_slopes=alibi_slopes).problem(heads)
+        return None, None, problem or str(exc)
+
+
+def _exact_int(x) -> Optional[int]:
+    if x is None:
+        return None
+    if int(x) != x:
+        raise ValueError(f"{x!r} is not an integer")
+    return int(x)
+
+
+def _float(x) -> Optional[float]:
+    return None if x is None else float(x)
+
+
+def _signed64(x) -> Optional[int]:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= int(x) < 1 << 64:
+        raise ValueError(f"{x!r} is not an int in [0, 2^64)")
+    x = int(x)
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _head_parallel_text(x) -> Optional[str]:
+    """None and strings as they are (the library reads them); a number as its int's text,
+    or the library's ValueError (:func:`ringmpi.topology.head_parallel_setting`)."""
+    return x if x is None or isinstance(x, str) else str(head_parallel_setting(x))
+
+
+def _host_tensor(x):
+    """An optional array or tensor (any device) as a host tensor (segment ids, ALiBi slopes)."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    return torch.from_numpy(np.asarray(x.get() if hasattr(x, "get") else x))
+
+
+def _host_numpy(t):
+    return None if t is None else t.detach().cpu().numpy()
+
+
+# ------------------------------------------------------------ the custom ops
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_ARGUMENTS = _WHERE_SCHEMA + ", " + _OPTION_SCHEMA
+torch.library.define("ringmpi::ring_attention",
+                     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? alibi_slopes, Tensor? seg_q, "
+                     "Tensor? seg_kv, " + _ARGUMENTS + ") -> (Tensor, Tensor)")
+torch.library.define("ringmpi::ring_attention_backward",
+                     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? sinks, "
+                     "Tensor? alibi_slopes, Tensor? seg_q, Tensor? seg_kv, " + _ARGUMENTS
+                     + ") -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args) -> dict:
+    """The library's keywords (``options=`` included) for the ops' arguments."""
+    where = _Where(*args[:_WHERE_COUNT])
+    return dict(options=_options_of(args[_WHERE_COUNT:], sinks, alibi_slopes),
+                **where.library_kwargs(q, k, v, seg_q, seg_kv))
+
+
+@torch.library.impl("ringmpi::ring_attention", "CompositeExplicitAutograd")
+def _forward_op(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args):
     with _on_torch_stream(q.device):
         o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v),
-                                        options=call.options_with(sinks), **call.where())
+                                        **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
-class _RingAttention(torch.autograd.Function):
-    """o, lse = f(q, k, v, sinks); lse is not differentiable; sinks may be None."""
+@torch.library.register_fake("ringmpi::ring_attention")
+def _forward_fake(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args):
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, v.shape[3])), q.new_empty((b, h, s), dtype=_lse_dtype(q.dtype))
 
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, call):
-        o, lse = _forward(q, k, v, call, sinks)
-        ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)))
-        ctx.call = call
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse, *sinks = ctx.saved_tensors
-        sinks = sinks[0] if sinks else None
-        with torch.no_grad(), _on_torch_stream(q.device):
-            grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do.contiguous(), q, k, v, o, lse)),
-                                                    options=ctx.call.options_with(sinks), **ctx.call.where())
-            devices = (q.device,) * 3 + (None if sinks is None else sinks.device,)
-            grads = [to_tensor(np.ascontiguousarray(g) if i == 3 else g, devices[i]) if want else None
-                     for i, (g, want) in enumerate(zip(tuple(grads) + (None,) * (4 - len(grads)),
-                                                        ctx.needs_input_grad))]
-        if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
-            wanted = [g for g in grads if g is not None]
-            refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in wanted)))
-            grads = [None if g is None else next(refused) for g in grads]
-        return tuple(grads) + (None,)
+@torch.library.impl("ringmpi::ring_attention_backward", "CompositeExplicitAutograd")
+def _backward_op(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *args):
+    """dq, dk, dv and dsinks (this rank's share; ``(0,)`` without sinks)."""
+    with _on_torch_stream(q.device):
+        grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do, q, k, v, o, lse)),
+                                                **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args),
+                                                reduce_dsinks=False)
+        dq, dk, dv = (to_tensor(g, q.device) for g in grads[:3])
+        dsinks = (q.new_empty((0,)) if sinks is None
+                  else to_tensor(np.ascontiguousarray(grads[3]), sinks.device))
+        return dq, dk, dv, dsinks
+
+
+@torch.library.register_fake("ringmpi::ring_attention_backward")
+def _backward_fake(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *args):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((0,)) if sinks is None else torch.empty_like(sinks))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv)
+    ctx.args = args
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv = ctx.saved_tensors
+    with torch.no_grad():
+        dq, dk, dv, dsinks = torch.ops.ringmpi.ring_attention_backward(
+            do.contiguous(), q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *ctx.args)
+    _STATS.pop(_Where(*ctx.args[:_WHERE_COUNT]).stats, None)
+    grads = [g if want else None for g, want in zip((dq, dk, dv, None if sinks is None else dsinks),
+                                                     ctx.needs_input_grad[:4])]
+    if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
+        wanted = [g for g in grads if g is not None]
+        refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in wanted)))
+        grads = [None if g is None else next(refused) for g in grads]
+    return tuple(grads) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+
+torch.library.register_autograd("ringmpi::ring_attention", _backward, setup_context=_setup_context)
 
 
 class _NotDifferentiable(torch.autograd.Function):
-    """Identity whose backward raises: the gradients of :class:`_RingAttention`
+    """Identity whose backward raises: the gradients of the ring attention op
     under ``create_graph=True``, so that a double backward fails loudly instead
     of treating them as constants."""
 
@@ -219,10 +368,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     stats : list, optional
         Ring step records of the forward are appended to it, and those of the
         backward when it runs.
-    sinks : (H,) float32/float64 tensor, optional, the same on every rank
-        Attention sinks (see :func:`ringmpi.ring_attention`); when it requires a
-        gradient it receives ``dsinks`` summed over all ranks (every rank gets the
-        same value: do not sum it again across ranks).
+    sinks : (H,) float16/bfloat16/float32/float64 tensor, optional, the same on every rank
+        Attention sinks (see :func:`ringmpi.ring_attention`), used in the compute
+        dtype (float32 for 16-bit inputs, float64 for float64).  A replicated parameter: when it requires a
+        gradient, ``sinks.grad`` receives this rank's own contribution (from its
+        own queries; ``ring_attention_backward(..., reduce_dsinks=False)``), in the
+        sinks' dtype, like every other parameter's gradient, so summing gradients
+        over the ranks (``comm.Allreduce``, DDP, FSDP) gives the total.
     softcap : float > 0, optional
         Logit softcap, as in :func:`ringmpi.ring_attention`.
     alibi_slopes : (H,) float32 tensor or array, optional
@@ -235,6 +387,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
 
     Notes
     -----
+    One ``torch.library`` custom op, ``torch.ops.ringmpi.ring_attention`` (with a
+    fake implementation and its backward op ``ringmpi::ring_attention_backward``),
+    so ``torch.compile`` keeps the call whole, as one node, without a graph break.
     No copies: tensors reach the backend as NumPy views (CPU) or through
     DLPack as CuPy arrays (CUDA), and ``o``, ``lse`` and the gradients are
     the backend's own arrays.  Non-contiguous inputs are made contiguous once
@@ -245,20 +400,21 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     (``create_graph=True`` through this call) is not supported and raises.
     """
     comm = resolve_comm(comm)
-    backend, problem = _backend_problem(backend, q, k, v)
-    agree(comm, problem)
     options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
-                               alibi_slopes=_host_ids(alibi_slopes),
                                dropout_p=dropout_p, dropout_seed=dropout_seed, head_parallel=head_parallel,
-                               timeout=timeout, check_finite=check_finite)
-    call = _Call(options, comm=comm, layout=layout, segment_ids_q=_host_ids(segment_ids_q),
-                 segment_ids_kv=_host_ids(segment_ids_kv), backend=backend, stats=stats)
+                               timeout=timeout, check_finite=check_finite)  # sinks, alibi: the op's tensors
+    args, alibi, problem = _op_arguments(options, alibi_slopes, q)
+    if not torch.compiler.is_compiling():  # MPI cannot be traced: compiled code checks inside the op
+        agree(comm, _backend_problem(backend, q, k, v)[1] or problem)
+    elif problem:
+        raise ConfigError(problem)
+    where = _where(comm, layout, backend, stats)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        o, lse = _RingAttention.apply(q, k, v, sinks, call)
-    else:
-        o, lse = _forward(q, k, v, call, sinks)
+    o, lse = torch.ops.ringmpi.ring_attention(q, k, v, sinks, alibi, _host_tensor(segment_ids_q),
+                                              _host_tensor(segment_ids_kv), *where.args(), *args)
+    if stats is not None and not o.requires_grad:  # no backward will append to stats
+        _STATS.pop(where.stats, None)
     return (o, lse) if return_lse else o
 
 
@@ -290,12 +446,14 @@ class RingSelfAttention(torch.nn.Module):
     ``out: H*D -> E`` with ``D = E // H``.  The parameters are replicated:
     initialise them identically on every rank and sum their gradients over the
     ranks after the backward (``comm.Allreduce``), as
-    ``jobs/train_context_parallel.py`` does.  Keywords after ``bias`` go to
+    ``jobs/train_context_parallel.py`` does.  ``sinks=True`` adds a learned
+    attention sink per head (``self.sinks (H,)``, zeros at first), a replicated
+    parameter like the others.  Keywords after ``sinks`` go to
     :func:`ring_attention` (``comm``, ``layout``, ``causal``, ``window``, ...).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 bias: bool = False, **options):
+                 bias: bool = False, sinks: bool = False, **options):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads or num_heads % num_kv_heads:
@@ -305,11 +463,13 @@ class RingSelfAttention(torch.nn.Module):
         self.q_proj = torch.nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.kv_proj = torch.nn.Linear(embed_dim, 2 * num_kv_heads * self.head_dim, bias=bias)
         self.out_proj = torch.nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.sinks = torch.nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.options = options
 
     def forward(self, x: torch.Tensor, segment_ids=None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
         k, v = self.kv_proj(x).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
-        o = ring_attention(q, k, v, segment_ids_q=segment_ids, segment_ids_kv=segment_ids, **self.options)
+        o = ring_attention(q, k, v, segment_ids_q=segment_ids, segment_ids_kv=segment_ids, sinks=self.sinks,
+                           **self.options)
         return self.out_proj(o.reshape(b, s, self.heads * self.head_dim))

@@ -1,0 +1,278 @@
+"""Hugging Face transformers integration: ring attention as ``attn_implementation="ringmpi"``.
+
+::
+
+    import ringmpi.transformers as rmt
+    rmt.register()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ringmpi")
+    shard = rmt.shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels},
+                            comm=comm, layout="zigzag")   # (B, N) tensors -> this rank's (B, S_local)
+    out = model(**shard)                                  # out.loss summed over ranks: the global mean
+    logits = rmt.gather(out.logits, comm=comm, layout="zigzag")   # (B, N, vocab), every rank
+
+Every rank holds the same model and the same global batch; :func:`shard_batch`
+keeps this rank's tokens and adds what the attention needs (a
+:class:`ShardContext`: communicator, layout, global positions, segment ids,
+dropout seed) under the key ``ringmpi_context``, which HF passes through the
+model to every attention call.  The gradients of the replicated parameters are
+this rank's own contributions (sinks included): sum them over the ranks (an
+Allreduce, DDP, FSDP) as for any data-parallel step.
+
+Importing this module imports torch and transformers; ``import ringmpi`` does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import numpy as np
+
+try:
+    import torch
+    import transformers
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ringmpi.transformers needs PyTorch and Hugging Face transformers: "
+                      "pip install 'ringmpi[transformers]'") from exc
+
+from . import torch as _rt
+from .errors import ConfigError, agree
+from .layout import Layout
+from .ring import resolve_comm
+
+__all__ = ["NAME", "CONTEXT_KEY", "IGNORE_INDEX", "ShardContext", "register", "attention_forward",
+           "shard_batch", "gather", "dropout_seed"]
+
+NAME = "ringmpi"
+CONTEXT_KEY = "ringmpi_context"
+IGNORE_INDEX = -100        # HF's label that predicts nothing
+PAD_SEGMENT = -1           # the segment id of padding tokens: no real token sees them
+
+_steps = itertools.count()  # shard_batch calls in this process: the same count on every rank
+
+
+@dataclass
+class ShardContext:
+    """What every attention call of one sharded forward needs, made by :func:`shard_batch`.
+
+    ``positions (S_local,)`` int64: this rank's global token positions
+    (``layout.indices(rank)``); ``segment_ids (B, S_local)`` int64 or None:
+    documents (from restarting ``position_ids``) and padding (``PAD_SEGMENT``);
+    ``dropout_seed``: the user's seed; ``step``: which batch this is (dropout
+    masks differ per step and per layer, :func:`dropout_seed`).
+    """
+
+    comm: object
+    layout: Layout
+    positions: np.ndarray
+    segment_ids: Optional[torch.Tensor]
+    dropout_seed: Optional[int] = None
+    step: int = 0
+    _checked: set = field(default_factory=set, repr=False)
+
+    def check_positions(self, position_ids: Optional[torch.Tensor]) -> None:
+        """Collective: the ``position_ids (1 or B, S_local)`` the model uses (RoPE) must be the
+        layout's global positions up to one offset per document (packed documents restart
+        them); padding is not checked.  One ConfigError on every rank otherwise.  Checked
+        once per ``position_ids`` tensor (the first layer of a forward)."""
+        if position_ids is None or id(position_ids) in self._checked:
+            return
+        problem, offsets = _position_offsets(position_ids, self.positions, self.segment_ids)
+        every = self.comm.allgather((problem, offsets))
+        problem = next((f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p), None)
+        if problem is None:
+            seen: dict = {}
+            for r, (_, offs) in enumerate(every):
+                for key, off in offs.items():
+                    if seen.setdefault(key, (off, r))[0] != off:
+                        problem = (f"document {key[1]} of batch entry {key[0]} has position_ids - global position "
+                                   f"{seen[key][0]} on rank {seen[key][1]} but {off} on rank {r}")
+                        break
+        agree(self.comm, None if problem is None else
+              f"position_ids do not match the {self.layout.kind} layout the attention uses ({problem}): "
+              "pass the position_ids of ringmpi.transformers.shard_batch with the same layout")
+        self._checked.add(id(position_ids))
+
+
+def _position_offsets(position_ids, positions, segment_ids):
+    """(problem or None, {(b, segment): position_ids - global position}) on this rank."""
+    pos = position_ids.detach().cpu().numpy().astype(np.int64)
+    if pos.ndim != 2 or pos.shape[1] != len(positions):
+        return f"position_ids must be (1 or B, {len(positions)}), got {tuple(pos.shape)}", {}
+    seg = None if segment_ids is None else segment_ids.cpu().numpy()
+    if seg is not None and pos.shape[0] == 1:
+        pos = np.broadcast_to(pos, seg.shape)
+    offset = pos - positions[None, :]
+    if seg is None:
+        seg = np.zeros(offset.shape, dtype=np.int64)
+    out = {}
+    for b in range(offset.shape[0]):
+        real = seg[b] != PAD_SEGMENT
+        for s in np.unique(seg[b][real]):
+            values = np.unique(offset[b][seg[b] == s])
+            if len(values) > 1:
+                return (f"batch entry {b}, document {int(s)}: position_ids - global position takes "
+                        f"{len(values)} values ({values[:3].tolist()} ...)"), {}
+            out[b, int(s)] = int(values[0])
+    return None, out
+
+
+def dropout_seed(seed: int, step: int, layer: int) -> int:
+    """A 64-bit dropout seed for ``(user seed, step, layer)``: the same on every rank,
+    different for every step and layer (BLAKE2b of the three)."""
+    digest = hashlib.blake2b(f"ringmpi-dropout {int(seed)} {int(step)} {int(layer)}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _window(sliding_window, causal: bool):
+    """HF's sliding window as ringmpi's ``(left, right)``: causal ``i - w < j <= i``,
+    bidirectional ``|i - j| <= w``."""
+    if sliding_window is None:
+        return None
+    w = int(sliding_window)
+    return (w - 1, 0) if causal else (w, w)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                      scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                      s_aux: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                      ringmpi_context: Optional[ShardContext] = None, **kwargs):
+    """HF's attention function signature over ring attention; collective over the context's comm.
+
+    ``query (B, H, S_local, D)``, ``key (B, H_kv, S_local, D)``, ``value (B, H_kv, S_local, D_v)``
+    (head-major, GQA heads unrepeated, this rank's tokens) -> ``(attn_output (B, S_local, H, D_v),
+    None)``.  Honours ``scaling``, ``is_causal`` (default ``module.is_causal``), ``sliding_window``
+    (HF's: key ``j`` visible from query ``i`` iff ``i - window < j <= i``), ``softcap``, ``s_aux``
+    (sinks, a replicated parameter: its gradient is this rank's share) and ``dropout`` (seeded by
+    :func:`dropout_seed` of the context's seed, step and ``module.layer_idx``).  Refuses a mask
+    (HF builds none for "ringmpi": padding arrives as segment ids) and a KV cache.
+    """
+    ctx = ringmpi_context
+    if ctx is None:
+        raise ConfigError("attn_implementation='ringmpi' needs the sharded batch: call "
+                          "model(**ringmpi.transformers.shard_batch(batch, comm=comm, layout=...))")
+    problem = None
+    if attention_mask is not None:
+        problem = ("ringmpi attention takes no attention_mask tensor: give the 2-D padding mask to "
+                   "shard_batch, which turns it into segment ids")
+    elif query.shape[2] != key.shape[2]:
+        problem = ("ringmpi attention runs on the sharded sequence, not from a KV cache "
+                   "(shard_batch sets use_cache=False): decode with ringmpi.decode_attention")
+    elif dropout and ctx.dropout_seed is None:
+        problem = f"attention dropout {dropout} needs shard_batch(..., dropout_seed=SEED)"
+    elif dropout and getattr(module, "layer_idx", None) is None:
+        problem = "attention dropout needs module.layer_idx (a per-layer seed)"
+    agree(ctx.comm, problem)
+    ctx.check_positions(position_ids)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    drop = {}
+    if dropout:
+        drop = dict(dropout_p=float(dropout), dropout_seed=dropout_seed(ctx.dropout_seed, ctx.step, module.layer_idx))
+    seg = ctx.segment_ids
+    o = _rt.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm=ctx.comm,
+                           layout=ctx.layout.kind, causal=causal, window=_window(sliding_window, causal),
+                           segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
+                           softcap=softcap, **drop)
+    return o, None
+
+
+def register(name: str = NAME) -> None:
+    """Register :func:`attention_forward` as ``attn_implementation=name`` for every model
+    that dispatches through ``transformers.AttentionInterface``.  No mask function is
+    registered: HF then builds no ``(N, N)`` mask, and masks come from the layout and
+    segment ids instead."""
+    transformers.AttentionInterface.register(name, attention_forward)
+
+
+def _segments(position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor], shape):
+    """``(B, N)`` int64 segment ids, or None when every token sees every earlier one: a new
+    document where ``position_ids`` does not step by 1 (HF's packed-sequence rule), padding
+    (``attention_mask == 0``) in ``PAD_SEGMENT``."""
+    seg = None
+    if position_ids is not None:
+        pos = position_ids.expand(shape)
+        first = pos[:, :1] - 1
+        seg = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1)
+        if not bool(seg.any()):
+            seg = None
+    if attention_mask is not None:
+        real = attention_mask.to(torch.bool)
+        if not bool(real.all()):
+            seg = torch.where(real, torch.zeros(shape, dtype=torch.int64) if seg is None else seg, PAD_SEGMENT)
+    return None if seg is None else seg.to(torch.int64)
+
+
+def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag",
+                dropout_seed: Optional[int] = None, step: Optional[int] = None) -> dict:
+    """This rank's part of a global batch, ready for ``model(**shard)``; call it on every rank.
+
+    Parameters
+    ----------
+    batch : dict
+        The same global batch on every rank: ``input_ids (B, N)`` (or ``inputs_embeds
+        (B, N, E)``), optional ``attention_mask (B, N)`` (1 = token, 0 = padding),
+        ``position_ids (1 or B, N)`` (packed documents restart them; default
+        ``arange(N)``), ``labels (B, N)`` (HF's: the model shifts them), and any other
+        ``(B, N, ...)`` tensor.  Other entries pass through unchanged.
+    comm : mpi4py communicator, optional (None: a library-owned duplicate of ``COMM_WORLD``)
+    layout : "contiguous" | "zigzag" | "striped"
+    dropout_seed : int, optional
+        Needed for attention dropout: masks are drawn from it, this ``step`` and the layer.
+    step : int, optional
+        Default: how many times this process called ``shard_batch`` before.
+
+    Returns
+    -------
+    dict with every ``(B, N, ...)`` tensor cut to this rank's ``(B, S_local, ...)``
+    tokens, global ``position_ids``, and, with ``labels``: ``labels`` and
+    ``shift_labels`` both the *globally* shifted labels (the last token of one shard
+    predicts the first of the next; a padding token predicts nothing) and
+    ``num_items_in_batch`` (the global count of predicted tokens), so ``out.loss``
+    summed over ranks is the global mean loss.  ``attention_mask`` is consumed (into
+    segment ids); ``use_cache=False``; ``ringmpi_context``: a :class:`ShardContext`.
+    """
+    comm = resolve_comm(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    batch = dict(batch)
+    lead = batch.get("input_ids", batch.get("inputs_embeds"))
+    if lead is None or lead.ndim < 2:
+        raise ConfigError("shard_batch needs input_ids (B, N) or inputs_embeds (B, N, E)")
+    shape = tuple(lead.shape[:2])
+    n = shape[1]
+    kind = layout.kind if isinstance(layout, Layout) else layout
+    lay = Layout(kind, n, size)
+    mask = batch.pop("attention_mask", None)
+    given = batch.get("position_ids")
+    seg = _segments(given, mask, shape)
+    if given is None:
+        batch["position_ids"] = torch.arange(n, device=lead.device)[None]
+    labels = batch.pop("labels", None)
+    if labels is not None:
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if mask is not None:
+            shifted = shifted.masked_fill(~mask.to(torch.bool), IGNORE_INDEX)
+        batch["labels"] = batch["shift_labels"] = shifted
+        batch["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+    shard = {key: (lay.shard(x, rank) if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == n
+                   and key != "num_items_in_batch" else x) for key, x in batch.items()}
+    if labels is not None:
+        shard["labels"] = shard["shift_labels"]
+    shard["use_cache"] = False
+    shard[CONTEXT_KEY] = ShardContext(comm=comm, layout=lay, positions=lay.indices(rank),
+                                      segment_ids=None if seg is None else lay.shard(seg, rank),
+                                      dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step))
+    return shard
+
+
+def gather(x: torch.Tensor, *, comm=None, layout: Union[str, Layout] = "zigzag", axis: int = 1) -> torch.Tensor:
+    """Every rank's ``(B, S_local, ...)`` shard of ``x`` in global token order ``(B, N, ...)``,
+    on every rank, on ``x``'s device; collective over ``comm``.  Not differentiable."""
+    comm = resolve_comm(comm)
+    parts = comm.allgather(x.detach().cpu())
+    kind = layout.kind if isinstance(layout, Layout) else layout
+    lay = Layout(kind, sum(p.shape[axis] for p in parts), comm.Get_size())
+    return lay.unshard(parts, axis=axis).to(x.device)
