@@ -78,6 +78,12 @@ def run_cases(nprocs, cases, tmp_path, timeout, env=None, driver="ring_cases.py"
     path = tmp_path / f"cases_{nprocs}.json"
     path.write_text(json.dumps(cases))
     rc, out, err, _ = mpirun(nprocs, [sys.executable, ROOT / "tests" / driver, path], timeout, env=env)
+    return case_results(cases, rc, out, err)
+
+
+def case_results(cases, rc, out, err):
+    """{id: (ok, msg)} from a driver's ``CASE {json}`` lines; fails unless the launch
+    exited 0 and every case reported."""
     results = {}
     for line in out.splitlines():
         if line.startswith("CASE "):

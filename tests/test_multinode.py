@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from mpi_util import ROOT, launch_cache
+from mpi_util import ROOT, case_results, launch_cache
 from test_file_io import RINGMPI
 
 pytestmark = pytest.mark.mpi
@@ -49,14 +49,7 @@ def launch(netns):
         path.write_text(json.dumps(cases))
         rc, out, err, _ = netns.mpirun(p, [sys.executable, ROOT / "tests" / "multinode_cases.py", path],
                                        timeout=300, hosts=hosts, map_by=map_by)
-        results = {}
-        for line in out.splitlines():
-            if line.startswith("CASE "):
-                rec = json.loads(line[5:])
-                results[rec["id"]] = (rec["ok"], rec["msg"])
-        missing = [c["id"] for c in cases if c["id"] not in results]
-        assert rc == 0 and not missing, f"exit {rc}, missing {missing}\n{out[-3000:]}\n{err[-5000:]}"
-        return results
+        return case_results(cases, rc, out, err)
     return launch_cache(run)
 
 
