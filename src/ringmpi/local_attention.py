@@ -31,6 +31,11 @@ def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
+def _heads_view(x):
+    """``x (B, S, H, D)`` as a ``(B, H, S, D)`` view (no copy; numpy or cupy)."""
+    return x.transpose(0, 2, 1, 3)
+
+
 @dataclass(frozen=True)
 class LocalProblem:
     """One rank's share of an attention call, ready for a ring.
@@ -62,8 +67,10 @@ class LocalProblem:
     def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
         """The ring schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``."""
         be = self.backend
+        # head-major views: the schedule copies them straight into its first K/V buffer
+        # (no (B, H_kv, S, D) temporaries beside the buffers)
         return RingSchedule(
-            self.comm, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype), kv_counts=self.kv_counts,
+            self.comm, be, _heads_view(k), _heads_view(v), kv_counts=self.kv_counts,
             q_pos=self.q_pos, kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
             grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order)
 
@@ -122,7 +129,7 @@ def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
         schedule.compute(be.forward_block, qh, block.k, block.v, *state.arrays(), problem.scale, block.mask,
                          resident=resident)
     records = schedule.records
-    del schedule, block, resident  # the ring's buffers go before the outputs are made
+    del schedule, block, resident, qh  # the ring's buffers go before the outputs are made
     top = None if max_logit is None else state.max_logit(*max_logit)
     if sinks is not None:
         state.fold_sinks(sinks)
