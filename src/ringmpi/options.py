@@ -155,10 +155,27 @@ class AttentionOptions:
     def problem(self, heads: int) -> Optional[str]:
         """This rank's problem with its options for a call with ``heads`` query heads, or None
         (the declared dtype is :meth:`dtype_problem`, checked before the arrays)."""
-        return (window_problem(self.window) or _scale_problem(self.softmax_scale)
-                or softcap_problem(self.softcap) or sinks_problem(self.sinks, heads)
-                or alibi_problem(self.alibi_slopes, heads)
-                or self._dropout_problem(heads) or _timeout_problem(self.timeout))
+        found = self.field_problem(heads)
+        return None if found is None else found[1]
+
+    def field_problem(self, heads: Optional[int] = None) -> Optional[Tuple[str, str]]:
+        """``(option, message)`` of the first bad option, or None; the option is a field name,
+        ``"dropout"`` for the dropout fields.  ``heads`` None: only the rules that need no head
+        count (a command line checks them before it reads its input; not ``sinks``,
+        ``alibi_slopes`` nor ``dropout_offsets``)."""
+        per_head = heads is not None
+        checks = (("window", lambda: window_problem(self.window)),
+                  ("softmax_scale", lambda: _scale_problem(self.softmax_scale)),
+                  ("softcap", lambda: softcap_problem(self.softcap)),
+                  ("sinks", lambda: sinks_problem(self.sinks, heads) if per_head else None),
+                  ("alibi_slopes", lambda: alibi_problem(self.alibi_slopes, heads) if per_head else None),
+                  ("dropout", lambda: self._dropout_problem(heads)),
+                  ("timeout", lambda: _timeout_problem(self.timeout)))
+        for name, check in checks:
+            message = check()
+            if message is not None:
+                return name, message
+        return None
 
     def modifier_names(self) -> Tuple[str, ...]:
         """The score modifiers with per-head data these options use (``ringmpi.modifiers``)."""
@@ -170,10 +187,10 @@ class AttentionOptions:
             return f"dtype={self.dtype!r} is not one of {', '.join(_dtypes.NAMES)}"
         return None
 
-    def _dropout_problem(self, heads: int) -> Optional[str]:
+    def _dropout_problem(self, heads: Optional[int]) -> Optional[str]:
         problem = _dropout_validate(self.dropout_p, self.dropout_seed)
         offsets = self.dropout_offsets
-        if problem is None and offsets is not None:
+        if problem is None and offsets is not None and heads is not None:
             ok = len(offsets) == 3 and all(isinstance(x, (int, np.integer)) for x in offsets)
             if not (ok and min(offsets) >= 0 and offsets[1] + heads <= offsets[2]):
                 problem = ("dropout_offsets must be (batch_offset, head_offset, total_heads) covering "
@@ -239,25 +256,33 @@ class AttentionOptions:
     def to_attrs(self, dim: int) -> dict:
         """The output attributes of a file job with head dim ``dim`` (see docs/file-format.md):
         ``causal``, ``window`` (int64 ``[left, right]``, -1 unbounded; empty without a window),
-        ``softmax_scale`` (resolved), ``softcap`` (0: none), and with dropout ``dropout_p``,
-        ``dropout_seed``.  Sinks are a dataset, not an attribute."""
+        ``softmax_scale`` (resolved), ``softcap`` (0: none), ``max_logit``, with dropout
+        ``dropout_p``, ``dropout_seed`` and with ALiBi ``alibi_slopes`` (float32 ``(H,)``).
+        Sinks are a dataset, not an attribute (they have a gradient)."""
         sides = self.window_sides()
         attrs = {"causal": bool(self.causal),
                  "window": np.array([] if sides is None else [-1 if w is None else w for w in sides],
                                     dtype=np.int64),
                  "softmax_scale": float(self.scale(dim)),
-                 "softcap": 0.0 if self.softcap is None else float(self.softcap)}
+                 "softcap": 0.0 if self.softcap is None else float(self.softcap),
+                 "max_logit": bool(self.return_max_logit)}
         if float(self.dropout_p) > 0:
             attrs.update(dropout_p=float(self.dropout_p), dropout_seed=np.uint64(self.dropout_seed))
+        if self.alibi_slopes is not None:
+            attrs["alibi_slopes"] = np.asarray(_host(self.alibi_slopes), dtype=np.float32)
         return attrs
 
     @classmethod
     def from_attrs(cls, attrs, sinks=None) -> "AttentionOptions":
-        """The options :meth:`to_attrs` wrote (``softmax_scale`` resolved), with ``sinks``."""
+        """The options :meth:`to_attrs` wrote (``softmax_scale`` resolved), with ``sinks``;
+        attributes added in later versions default to "not used"."""
         window = np.asarray(attrs.get("window", [])).ravel()
         dropout_p = float(attrs.get("dropout_p", 0.0))
+        alibi = attrs.get("alibi_slopes")
         return cls(causal=bool(attrs["causal"]),
                    window=tuple(None if int(w) < 0 else int(w) for w in window) if window.size else None,
                    softmax_scale=float(attrs["softmax_scale"]),
                    softcap=float(attrs.get("softcap", 0.0)) or None, sinks=sinks,
-                   dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None)
+                   alibi_slopes=None if alibi is None else np.asarray(alibi, dtype=np.float32).ravel(),
+                   dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None,
+                   return_max_logit=bool(attrs.get("max_logit", False)))
