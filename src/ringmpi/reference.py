@@ -41,8 +41,8 @@ class DenseReference:
     dropped as :mod:`ringmpi.dropout` says (``lse`` without dropout).
     Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
     ``mask.softcap`` caps the scores (``c * tanh(s / c)``); ``sinks (H,)``, when
-    given, add one zero-value key of logit ``sinks[h]`` to every row; ``mask.alibi`` adds its
-    bias (:meth:`ringmpi.modifiers.Alibi.bias`) after the softcap.
+    given, add one zero-value key of logit ``sinks[h]`` to every row; the mask's score
+    modifiers (ALiBi) add their terms after the softcap (:meth:`MaskSpec.modifier_terms`).
     """
 
     def __init__(self, mask: MaskSpec, scale: float, dtype, sinks=None):
@@ -64,7 +64,6 @@ class DenseReference:
         kv_pos = np.arange(n_kv)
         scale = dt.type(self.scale)
         cap = None if self.mask.softcap is None else dt.type(self.mask.softcap)
-        alibi = self.mask.alibi
         out = {"o": np.zeros(q.shape[:2] + v.shape[2:], dt), "lse": np.full((heads, n_q), -np.inf, dt),  # o: D_v wide
                "max_logit": np.full(heads, -np.inf, dt)}
         if do is not None:
@@ -82,8 +81,9 @@ class DenseReference:
                 if cap is not None:
                     t = np.tanh((s / cap).astype(dt)).astype(dt)
                     s = (cap * t).astype(dt)
-                if alibi is not None:  # after the softcap, before the mask; d(modified)/d(score) = 1
-                    s = (s + alibi.bias(h, alibi.distances(rows, kv_pos, self.mask.offset, dt))).astype(dt)
+                terms = self.mask.modifier_terms(rows, kv_pos, dt)  # after the softcap; d/d(score) = 1
+                if terms is not None:
+                    s = (s + terms(h)).astype(dt)
                 s = np.where(vis, s, dt.type(-np.inf))
                 out["max_logit"][h] = max(out["max_logit"][h], s.max()) if s.size else out["max_logit"][h]
                 if self.sinks is not None:  # the sink: one more column, value 0
