@@ -25,20 +25,20 @@ def test_bad_options_are_config_errors(options, message):
 
 
 def test_alibi_slopes_are_checked_against_the_input_heads():
-    options = JobOptions.of_flags(alibi_slopes=[0.5, 0.25])
+    options = JobOptions.of_flags(alibi_slopes=np.array([0.5, 0.25], dtype=np.float32))
     options.check()  # before the input is read: no head count yet
     options.check(2)
     with pytest.raises(ConfigError, match=r"--alibi-slopes: alibi_slopes must have shape \(H,\) = \(4,\)"):
         options.check(4)
     with pytest.raises(ConfigError, match="--alibi-slopes: alibi_slopes must be finite"):
-        JobOptions.of_flags(alibi_slopes=[0.5, float("inf")]).check(2)
+        JobOptions.of_flags(alibi_slopes=np.array([0.5, np.inf], dtype=np.float32)).check(2)
 
 
 @pytest.mark.parametrize("flags", [
     dict(),
     dict(causal=True, window=(3, -1), layout="striped", backward=True, scale=0.25, heads_per_pass=4,
          sinks_dataset="sinks", softcap=30.0, max_logit=True, dropout_p=0.125, dropout_seed=2 ** 64 - 1,
-         alibi_slopes=[1 / 3] + [2.0 ** -i for i in range(1, 8)]),
+         alibi_slopes=np.array([1 / 3] + [2.0 ** -i for i in range(1, 8)], dtype=np.float32)),
 ])
 def test_output_attributes_read_back_what_was_written(tmp_path, flags):
     options = JobOptions.of_flags(**flags)

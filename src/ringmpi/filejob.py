@@ -69,17 +69,18 @@ class JobOptions:
     sinks_dataset: Optional[str] = None
 
     @classmethod
-    def of_flags(cls, *, causal=False, window=None, scale=None, softcap=None, max_logit=False, dropout_p=0.0,
-                 dropout_seed=None, alibi_slopes=None, head_parallel=None, timeout=600.0, check_finite=True,
-                 **job) -> "JobOptions":
-        """The options of ``ringmpi run``'s flags (``window`` with -1 for an unbounded side,
-        ``alibi_slopes`` a sequence of floats); ``job``: the fields of the job's own."""
-        attention = AttentionOptions(
-            causal=bool(causal), window=None if window is None else tuple(None if w == -1 else w for w in window),
-            softmax_scale=scale, softcap=softcap, return_max_logit=bool(max_logit), dropout_p=dropout_p,
-            dropout_seed=dropout_seed, head_parallel=head_parallel, timeout=timeout, check_finite=check_finite,
-            alibi_slopes=None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float32))
-        return cls(attention=attention, **job)
+    def of_flags(cls, *, window=None, scale=None, max_logit=False, timeout=600.0, check_finite=True,
+                 layout=None, backward=False, backend="auto", heads_per_pass=None, sinks_dataset=None,
+                 **attention) -> "JobOptions":
+        """The options of ``ringmpi run``'s flags: those named differently from their
+        :class:`AttentionOptions` field (``window`` with -1 for an unbounded side), the job's
+        own, and ``attention``: fields of the options object as they are (``causal``,
+        ``softcap``, ``dropout_p``, ``alibi_slopes`` ...: a new one needs no line here)."""
+        window = None if window is None else tuple(None if w == -1 else w for w in window)
+        options = AttentionOptions(window=window, softmax_scale=scale, return_max_logit=bool(max_logit),
+                                   timeout=timeout, check_finite=check_finite, **attention)
+        return cls(attention=options, layout=layout, backward=backward, backend=backend,
+                   heads_per_pass=heads_per_pass, sinks_dataset=sinks_dataset)
 
     def check(self, heads: Optional[int] = None) -> None:
         """Raise the ConfigError of the first bad option (the same on every rank: no collective);
@@ -115,8 +116,8 @@ class JobOptions:
         heads of the per-head options, its slice of the dropout mask; no finiteness check
         (the job checked the file)."""
         a, heads = self.attention, slice(p.g0 * spec.group, p.g1 * spec.group)
-        return replace(a, softmax_scale=a.scale(spec.dim), head_parallel=head_parallel, check_finite=False,
-                       sinks=sinks, alibi_slopes=None if a.alibi_slopes is None else a.alibi_slopes[heads],
+        return replace(a.for_heads(heads.start, heads.stop - heads.start), softmax_scale=a.scale(spec.dim), head_parallel=head_parallel,
+                       check_finite=False, sinks=sinks,
                        dropout_offsets=(p.b0, heads.start, spec.heads) if a.dropout_key(1) else None)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Tuple, Union
 
 import numpy as np
@@ -34,6 +34,7 @@ from .masks import MaskSpec
 from .modifiers import Alibi, alibi_problem
 
 SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
+PER_HEAD = ("sinks", "alibi_slopes")  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
 
 
@@ -193,6 +194,13 @@ class AttentionOptions:
                                 f"({f.name}={mine!r} and options= were given)")
         return options
 
+    def for_heads(self, first: int, count: int) -> "AttentionOptions":
+        """These options for a call over the query heads ``[first, first + count)`` of this one
+        (as :meth:`MaskSpec.for_heads`): the per-head arrays (``sinks``, ``alibi_slopes``)
+        sliced; ``dropout_offsets`` stay the caller's to set."""
+        return replace(self, **{name: getattr(self, name)[first:first + count] for name in PER_HEAD
+                                if getattr(self, name) is not None})
+
     # ------------------------------------------------------------------ rules
     def problem(self, heads: int) -> Optional[str]:
         """This rank's problem with its options for a call with ``heads`` query heads, or None
@@ -285,7 +293,8 @@ class AttentionOptions:
                    None if self.softcap is None else float(self.softcap),
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))
         crc = zlib.crc32(repr(scalars).encode())
-        for name, per_head in (("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes)):
+        for name in PER_HEAD:
+            per_head = getattr(self, name)
             if per_head is not None:
                 crc = zlib.crc32(name.encode(), crc)
                 crc = zlib.crc32(np.ascontiguousarray(_host(per_head), dtype=np.float64).view(np.uint8), crc)

@@ -46,11 +46,13 @@ class _Progress:
 
 
 def _slopes(ctx, param, value):
-    """``--alibi-slopes``' floats (their count and values are the options object's to check)."""
+    """``--alibi-slopes``' float32 array (its length and values are the options object's to check)."""
+    import numpy as np
+
     if value is None:
         return None
     try:
-        return tuple(float(x) for x in value.split(","))
+        return np.array([float(x) for x in value.split(",")], dtype=np.float32)
     except ValueError:
         raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
 
