@@ -49,6 +49,9 @@ def cases():
         dict(id="float64", data=BASE + ["--dtype", "float64"], run=["--causal", "--backward", "--scale", "0.3"]),
         dict(id="bfloat16", data=BASE + ["--dtype", "bfloat16", "--batch", "2"],
              run=["--causal", "--backward", "--layout", "striped"]),
+        dict(id="alibi", data=["--n", "37", "--n-kv", "50", "--heads", "4", "--kv-heads", "2", "--dim", "8",
+                               "--with-do", "--batch", "2"],
+             run=["--causal", "--backward", "--alibi-slopes", "0.5,0.25,0.3,0.0625", "--heads-per-pass", "2"]),
     ]
     return out
 
@@ -112,9 +115,14 @@ def check_case(case, where, p):
     assert attrs["world_size"] == p and attrs["layout"] == layout and bool(attrs["causal"]) == causal
     assert np.isclose(attrs["softmax_scale"], scale)
     dtype = q.dtype
+    alibi = _opt(case["run"], "--alibi-slopes")
+    alibi = None if alibi is None else np.array(alibi[0].split(","), dtype=np.float32)
+    assert ("alibi_slopes" in attrs) == (alibi is not None)
+    if alibi is not None:
+        assert attrs["alibi_slopes"].dtype == np.float32 and np.array_equal(attrs["alibi_slopes"], alibi)
     vis = reference.visible(q.shape[1], k.shape[1], causal, window, seg_q, seg_kv)
-    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64)
-    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype)
+    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64, alibi=alibi)
+    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype, alibi=alibi)
     assert out["o"].dtype == dtype and out["o"].shape == data["q"].shape[:-1] + data["v"].shape[-1:]  # D_v wide
     assert out["lse"].dtype == (np.float64 if dtype == np.float64 else np.float32)
     assert out["lse"].shape == ((b,) if rank4 else ()) + (q.shape[2], q.shape[1])
@@ -126,8 +134,8 @@ def check_case(case, where, p):
     assert ("dq" in out) == backward
     if backward:
         do = lift(data["do"])
-        refs = reference.dense_backward(do, q, k, v, vis, scale, np.float64)
-        naives = reference.dense_backward(do, q, k, v, vis, scale, dtype)
+        refs = reference.dense_backward(do, q, k, v, vis, scale, np.float64, alibi=alibi)
+        naives = reference.dense_backward(do, q, k, v, vis, scale, dtype, alibi=alibi)
         for name, ref, naive, like in zip(("dq", "dk", "dv"), refs, naives, ("q", "k", "v")):
             assert out[name].dtype == dtype and out[name].shape == data[like].shape
             ok, msg = reference.tolerance_check(name, lift(out[name]), ref, naive, gradient=True)
@@ -192,6 +200,22 @@ def test_verify_under_mpirun_and_three_d_lse(launch):
     where = launch(2)
     rc, out, err, _ = mpirun(2, [RINGMPI, "verify", where / "three-d.in.h5", where / "three-d.out.h5"], 120)
     assert rc == 0 and out.count("PASS") == 1, out + err
+
+
+@pytest.mark.mpi
+def test_verify_reads_the_alibi_slopes_it_was_written_with(launch):
+    """verify applies the slopes of the output's attributes: the P = 3 ALiBi job passes, and the
+    same file with other slopes recorded fails."""
+    where = launch(3)
+    inp, out = where / "alibi.in.h5", where / "alibi.out.h5"
+    good = subprocess.run([RINGMPI, "verify", str(inp), str(out)], capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "PASS" in good.stdout and ", alibi" in good.stdout, good.stdout + good.stderr
+    bad = where / "alibi.bad.h5"
+    shutil.copy(out, bad)
+    with h5py.File(bad, "r+") as f:
+        f.attrs["alibi_slopes"] = np.array([0.5, 0.25, 0.3, 0.07], dtype=np.float32)
+    proc = subprocess.run([RINGMPI, "verify", str(inp), str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.mpi

@@ -92,3 +92,11 @@ def test_alibi_terms():
     assert alibi.bias(1, dist).tolist() == [[-0.25, -0.125, -0.75], [-0.75, -0.625, -0.25]]
     assert alibi.for_heads(slice(1, 2)).slopes == (0.125,)
     assert alibi.kernel_slopes().dtype == np.float32
+
+
+def test_for_heads_slices_the_per_head_arrays():
+    sinks, slopes = np.arange(4, dtype=np.float32), np.array([0.5, 0.25, 0.125, 0.0625], dtype=np.float32)
+    part = AttentionOptions(causal=True, sinks=sinks, alibi_slopes=slopes, dropout_offsets=(0, 0, 4)).for_heads(1, 2)
+    assert np.array_equal(part.sinks, sinks[1:3]) and np.array_equal(part.alibi_slopes, slopes[1:3])
+    assert part.causal and part.dropout_offsets == (0, 0, 4)
+    assert AttentionOptions().for_heads(1, 2) == AttentionOptions()

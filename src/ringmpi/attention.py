@@ -216,66 +216,17 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         None means a library-owned duplicate of ``COMM_WORLD``.
     layout : "contiguous" | "zigzag" | "striped" | Layout
         How tokens are spread over ranks; a ``Layout`` must match ``N_q`` and ``P``.
-    causal : bool
-        Query ``i`` sees keys ``j <= i + N_kv - N_q`` (bottom-right aligned, as
-        FlashAttention >= 2.1; the usual causal mask when ``N_q == N_kv``).
-    window : (left, right) or None
-        Sliding window in global positions, ``i + off - left <= j <= i + off + right``
-        with ``off = N_kv - N_q``; ``None`` on a side is unbounded.  Combined with
-        ``causal`` when both are given.
     segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) ints, optional
         Packed documents: a query sees only keys with the same id.
-    softmax_scale : float, optional
-        Defaults to ``1 / sqrt(D)``.
     backend : "auto" | "numpy" | "cupy"
-    timeout : float, optional
-        Deadline in seconds for each ring wait (default: ``RINGMPI_TIMEOUT`` or none).
-    check_finite : bool
-        Reject NaN/Inf inputs, naming the global index of the first one.
-        Without the check (the default) a NaN/Inf reaches exactly the queries
-        that see it: a query's ``o``, ``lse`` are dense attention over its
-        visible keys alone (a masked key never influences it; a NaN or +Inf
-        score makes its row NaN, a -Inf score is a weight of zero), and every
-        other query's outputs are bitwise those of a run without the bad value.
     stats : list, optional
         When given, one :class:`ringmpi.ring.StepRecord` per ring step is appended
         (with ``head_parallel`` U > 1, an :class:`ringmpi.head_parallel.ExchangeRecord`
         before and after them, whose ``head_parallel`` is the U this call ran with).
-    dtype : str, optional
-        The dtype every input must have.  ``"bfloat16"`` also accepts ``uint16``
-        arrays holding bfloat16 bit patterns (then the outputs are ``uint16``
-        bit patterns too); a ``uint16`` array is never read as bfloat16 without it.
-    head_parallel : int or "auto", optional
-        ``U`` ranks per group of the two-level head x ring schedule
-        (:mod:`ringmpi.head_parallel`): an all-to-all over heads inside groups of
-        ``U`` ranks, a ring across the ``P/U`` groups.  ``U`` must divide ``P`` and
-        ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.topology`).
-        Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
-        out are the same for every ``U``.
-    sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
-        Attention sinks (gpt-oss): every query's softmax denominator gains
-        ``exp(sinks[h])``, a virtual key with zero value that every query sees;
-        ``lse`` includes it.  Used in the compute dtype (float32 for 16-bit inputs).
-    softcap : float > 0, optional, the same on every rank
-        Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
-        before the mask.
-    return_max_logit : bool
-        Also return ``max_logit`` (the NumPy tiles then keep an exact running
-        maximum instead of their lagging shift: a little slower).
-    dropout_p : float in [0, 1)
-        Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
-        scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
-        global i, global j)`` (:mod:`ringmpi.dropout`), so the same seed gives the
-        same mask for every number of ranks, layout and backend.  ``lse`` is the
-        one without dropout (as FlashAttention's).
-    dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
-    dropout_offsets : (batch_offset, head_offset, total_heads), optional
-        Where this call's batch entry 0 and head 0 sit in a larger tensor whose
-        mask it should draw (a call over a slice); default ``(0, 0, H)``.
-    alibi_slopes : (H,) float32, optional, the same on every rank
-        ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
-        ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
-        global positions (after scale and softcap, before the mask).  NumPy backend.
+    causal, window, softmax_scale, timeout, check_finite, dtype, head_parallel, sinks, softcap,
+    return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes
+        The attention options, each documented in :class:`ringmpi.options.AttentionOptions`
+        (the one place that defines and checks them).
     options : :class:`ringmpi.options.AttentionOptions`, optional
         All of the options above (``causal`` ... ``dropout_offsets``, ``dtype``,
         ``head_parallel``, ``timeout``, ``check_finite``) as one object, instead of

@@ -20,138 +20,143 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 import numpy as np
 
 from . import __version__
 from .errors import ConfigError, agree
+from .options import AttentionOptions
 from .passes import DEFAULT_PASS_BYTES, Pass, pass_boxes, plan_passes
+
+
+def _flag_message(option: str, message: str, attention: AttentionOptions) -> str:
+    """``message`` of :meth:`AttentionOptions.field_problem` in the command line's words."""
+    if option == "window":
+        sides = " ".join("-1" if w is None else str(w) for w in attention.window)
+        return f"--window sides must be >= 0 (or -1 for unbounded), got {sides}"
+    if option == "softmax_scale":
+        return f"--scale must be a positive finite number, got {attention.softmax_scale}"
+    if option == "timeout":
+        return f"--timeout must be positive, got {attention.timeout}"
+    if option == "dropout":
+        return message.replace("dropout_p", "--dropout").replace("a dropout_seed", "--seed") \
+            .replace("dropout_seed", "--seed")
+    return f"--{option.replace('_', '-')}: {message}"
 
 
 @dataclass(frozen=True)
 class JobOptions:
-    """What a file job is asked to do; :meth:`check` raises the ConfigError (exit 2) of a bad value.
+    """What a file job is asked to do: the attention options (one
+    :class:`~ringmpi.options.AttentionOptions`, which checks them) and the job's own;
+    :meth:`check` raises the ConfigError (exit 2) of a bad value.
 
-    ``window`` is ``(left, right)`` with ``-1`` for an unbounded side; ``layout``
-    None means zigzag when causal, else contiguous; ``scale`` None means
-    ``1/sqrt(D)``; ``head_parallel`` is ``U``, ``"auto"`` or None
-    (``RINGMPI_HEAD_PARALLEL``, else 1); ``dropout_p = 0`` is no dropout.
+    ``attention.window`` has None for an unbounded side (``--window`` gives -1:
+    :meth:`of_flags`); ``attention.softmax_scale`` None means ``1/sqrt(D)``;
+    ``attention.head_parallel`` is ``U``, ``"auto"`` or None
+    (``RINGMPI_HEAD_PARALLEL``, else 1); ``attention.check_finite`` checks the
+    input file pass by pass before any compute (the ring calls then skip it);
+    ``attention.alibi_slopes`` is the ``(H,)`` float32 host array.  ``layout``
+    None means zigzag when causal, else contiguous.
     """
 
-    causal: bool = False
-    window: Optional[Tuple[int, int]] = None
+    attention: AttentionOptions = AttentionOptions(check_finite=True, timeout=600.0)
     layout: Optional[str] = None
     backward: bool = False
-    scale: Optional[float] = None
     backend: str = "auto"
-    check_finite: bool = True
-    timeout: float = 600.0
     heads_per_pass: Optional[int] = None
-    head_parallel: Optional[str] = None
     sinks_dataset: Optional[str] = None
-    softcap: Optional[float] = None
-    max_logit: bool = False
-    dropout_p: float = 0.0
-    dropout_seed: Optional[int] = None
 
-    def check(self) -> None:
-        """Raise the ConfigError of the first bad option (the same on every rank: no collective)."""
-        from .dropout import validate
-        from .options import softcap_problem
+    @classmethod
+    def of_flags(cls, *, window=None, scale=None, max_logit=False, timeout=600.0, check_finite=True,
+                 layout=None, backward=False, backend="auto", heads_per_pass=None, sinks_dataset=None,
+                 **attention) -> "JobOptions":
+        """The options of ``ringmpi run``'s flags: those named differently from their
+        :class:`AttentionOptions` field (``window`` with -1 for an unbounded side), the job's
+        own, and ``attention``: fields of the options object as they are (``causal``,
+        ``softcap``, ``dropout_p``, ``alibi_slopes`` ...: a new one needs no line here)."""
+        window = None if window is None else tuple(None if w == -1 else w for w in window)
+        options = AttentionOptions(window=window, softmax_scale=scale, return_max_logit=bool(max_logit),
+                                   timeout=timeout, check_finite=check_finite, **attention)
+        return cls(attention=options, layout=layout, backward=backward, backend=backend,
+                   heads_per_pass=heads_per_pass, sinks_dataset=sinks_dataset)
 
-        if self.window is not None and any(w < -1 for w in self.window):
-            raise ConfigError(f"--window sides must be >= 0 (or -1 for unbounded), "
-                              f"got {self.window[0]} {self.window[1]}")
-        if self.timeout <= 0:
-            raise ConfigError(f"--timeout must be positive, got {self.timeout}")
-        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
-            raise ConfigError(f"--scale must be a positive finite number, got {self.scale}")
-        if softcap_problem(self.softcap):
-            raise ConfigError(f"--softcap: {softcap_problem(self.softcap)}")
-        problem = validate(self.dropout_p, self.dropout_seed)
-        if problem:
-            raise ConfigError(problem.replace("dropout_p", "--dropout").replace("a dropout_seed", "--seed")
-                              .replace("dropout_seed", "--seed"))
+    def check(self, heads: Optional[int] = None) -> None:
+        """Raise the ConfigError of the first bad option (the same on every rank: no collective);
+        ``heads`` None: before the input is read (the per-head options wait for its head count)."""
+        a = self.attention
+        if a.softmax_scale is not None and not a.softmax_scale > 0:  # the command line's own rule
+            raise ConfigError(_flag_message("softmax_scale", "", a))
+        found = a.field_problem(heads)
+        if found is not None:
+            raise ConfigError(_flag_message(*found, a))
 
     @property
     def layout_name(self) -> str:
-        return self.layout or ("zigzag" if self.causal else "contiguous")
-
-    @property
-    def ring_window(self) -> Optional[Tuple[Optional[int], Optional[int]]]:
-        """The window as the ring takes it: None for an unbounded side."""
-        if self.window is None:
-            return None
-        return tuple(None if w == -1 else int(w) for w in self.window)
-
-    @property
-    def dropout(self) -> dict:
-        """``{dropout_p, dropout_seed}`` for the ring calls; empty without dropout."""
-        return dict(dropout_p=float(self.dropout_p), dropout_seed=int(self.dropout_seed)) \
-            if self.dropout_p > 0 else {}
+        return self.layout or ("zigzag" if self.attention.causal else "contiguous")
 
     def record_options(self, backend: str) -> dict:
-        """The options of the job record (what changes the numbers); sinks, softcap, max logit
-        and dropout only when used, so the record of a job without them is unchanged."""
-        win = self.ring_window
-        variants = dict(sinks_dataset=self.sinks_dataset, softcap=self.softcap,
-                        max_logit=bool(self.max_logit) or None)
-        return dict(layout=self.layout_name, causal=bool(self.causal),
+        """The options of the job record (what changes the numbers); sinks, softcap, max logit,
+        dropout and ALiBi only when used, so the record of a job without them is unchanged."""
+        a = self.attention
+        win = a.window_sides()
+        variants = dict(sinks_dataset=self.sinks_dataset, softcap=a.softcap,
+                        max_logit=bool(a.return_max_logit) or None,
+                        alibi_slopes=None if a.alibi_slopes is None else [float(x) for x in a.alibi_slopes])
+        key = a.dropout_key(1)
+        dropout = {} if key is None else dict(dropout_p=key[0], dropout_seed=key[1])
+        return dict(layout=self.layout_name, causal=bool(a.causal),
                     window=None if win is None else list(win), backward=bool(self.backward),
-                    softmax_scale=self.scale, backend=backend, heads_per_pass=self.heads_per_pass,
-                    **{k: v for k, v in variants.items() if v is not None}, **self.dropout)
+                    softmax_scale=a.softmax_scale, backend=backend, heads_per_pass=self.heads_per_pass,
+                    **{k: v for k, v in variants.items() if v is not None}, **dropout)
+
+    def pass_options(self, spec, p: Pass, head_parallel: int, sinks) -> AttentionOptions:
+        """The ring calls' options for pass ``p``: the scale resolved, ``U``, this pass's
+        heads of the per-head options, its slice of the dropout mask; no finiteness check
+        (the job checked the file)."""
+        a, heads = self.attention, slice(p.g0 * spec.group, p.g1 * spec.group)
+        return replace(a.for_heads(heads.start, heads.stop - heads.start), softmax_scale=a.scale(spec.dim), head_parallel=head_parallel,
+                       check_finite=False, sinks=sinks,
+                       dropout_offsets=(p.b0, heads.start, spec.heads) if a.dropout_key(1) else None)
 
 
 @dataclass(frozen=True)
 class OutputAttributes:
     """The root attributes of an output file (docs/file-format.md): written by the job,
-    read back by ``ringmpi verify`` -- the one place that knows their names and encodings."""
+    read back by ``ringmpi verify`` -- the one place that knows their names and encodings.
+    ``attention``'s are :meth:`AttentionOptions.to_attrs` / :meth:`~AttentionOptions.from_attrs`
+    (``softmax_scale`` resolved)."""
 
     ringmpi_version: str
     world_size: int
     layout: str
-    causal: bool
-    window: Optional[Tuple[Optional[int], Optional[int]]]  # None: unbounded side
     segments: bool
-    softmax_scale: float
     backend: str
     dtype: str
     backward: bool
     input_path: str
     input_shapes: dict  # dataset name -> shape (list)
     heads_per_pass: Optional[int]
-    softcap: Optional[float]
     sinks_dataset: Optional[str]
-    max_logit: bool
-    dropout_p: float = 0.0
-    dropout_seed: Optional[int] = None
+    attention: AttentionOptions
 
     @classmethod
     def of_job(cls, options: JobOptions, spec, input_path: str, world_size: int, backend: str):
         return cls(ringmpi_version=__version__, world_size=world_size, layout=options.layout_name,
-                   causal=bool(options.causal), window=options.ring_window, segments=bool(spec.seg_q),
-                   softmax_scale=float(options.scale if options.scale is not None else 1.0 / math.sqrt(spec.dim)),
-                   backend=backend, dtype=spec.dtype, backward=bool(options.backward),
+                   segments=bool(spec.seg_q), backend=backend, dtype=spec.dtype, backward=bool(options.backward),
                    input_path=os.path.abspath(input_path),
                    input_shapes={k: list(v) for k, v in spec.shapes.items()},
-                   heads_per_pass=options.heads_per_pass, softcap=options.softcap,
-                   sinks_dataset=options.sinks_dataset, max_logit=bool(options.max_logit),
-                   dropout_p=float(options.dropout_p) if options.dropout_p > 0 else 0.0,
-                   dropout_seed=options.dropout_seed if options.dropout_p > 0 else None)
+                   heads_per_pass=options.heads_per_pass, sinks_dataset=options.sinks_dataset,
+                   attention=AttentionOptions.from_attrs(options.attention.to_attrs(spec.dim)))
 
     def write(self, fout) -> None:
         """Set the attributes on an open output file (collective: the same values on every rank)."""
-        window = [-1 if w is None else int(w) for w in self.window] if self.window is not None else []
-        attrs = dict(asdict(self), window=np.array(window, dtype=np.int64),
-                     input_shapes=json.dumps(self.input_shapes, sort_keys=True),
+        attrs = dict(ringmpi_version=self.ringmpi_version, world_size=self.world_size, layout=self.layout,
+                     segments=self.segments, backend=self.backend, dtype=self.dtype, backward=self.backward,
+                     input_path=self.input_path, input_shapes=json.dumps(self.input_shapes, sort_keys=True),
                      heads_per_pass=-1 if self.heads_per_pass is None else int(self.heads_per_pass),
-                     softcap=0.0 if self.softcap is None else float(self.softcap),
-                     sinks_dataset=self.sinks_dataset or "")
-        del attrs["dropout_p"], attrs["dropout_seed"]
-        if self.dropout_p > 0:
-            attrs.update(dropout_p=float(self.dropout_p), dropout_seed=np.uint64(self.dropout_seed))
+                     sinks_dataset=self.sinks_dataset or "", **self.attention.to_attrs(dim=1))
         for key, value in attrs.items():
             fout.attrs[key] = value
 
@@ -163,29 +168,19 @@ class OutputAttributes:
         for key in ("causal", "softmax_scale", "input_shapes"):
             if key not in a:
                 raise ConfigError(f"{path}: attribute '{key}' missing: not written by ringmpi run")
-        window = np.asarray(a.get("window", [])).ravel()
         heads_per_pass = int(a.get("heads_per_pass", -1))
-        dropout_p = float(a.get("dropout_p", 0.0))
         return cls(ringmpi_version=str(a.get("ringmpi_version", "")), world_size=int(a.get("world_size", 0)),
-                   layout=str(a.get("layout", "")), causal=bool(a["causal"]),
-                   window=tuple(None if int(w) < 0 else int(w) for w in window) if window.size else None,
-                   segments=bool(a.get("segments", False)), softmax_scale=float(a["softmax_scale"]),
+                   layout=str(a.get("layout", "")), segments=bool(a.get("segments", False)),
                    backend=str(a.get("backend", "")), dtype=str(a.get("dtype", "")),
                    backward=bool(a.get("backward", False)), input_path=str(a.get("input_path", "")),
                    input_shapes=json.loads(a["input_shapes"]),
                    heads_per_pass=None if heads_per_pass < 0 else heads_per_pass,
-                   softcap=float(a.get("softcap", 0.0)) or None, sinks_dataset=str(a.get("sinks_dataset", "")) or None,
-                   max_logit=bool(a.get("max_logit", False)), dropout_p=dropout_p,
-                   dropout_seed=int(a["dropout_seed"]) if dropout_p > 0 else None)
+                   sinks_dataset=str(a.get("sinks_dataset", "")) or None,
+                   attention=AttentionOptions.from_attrs(a))
 
     def mask_spec(self, spec):
         """The :class:`ringmpi.masks.MaskSpec` the job computed with, for the input ``spec``."""
-        from .dropout import Dropout
-        from .masks import MaskSpec
-
-        dropout = Dropout(p=self.dropout_p, seed=self.dropout_seed, heads=spec.heads) if self.dropout_p > 0 else None
-        return MaskSpec(causal=self.causal, window=self.window, offset=spec.n_kv - spec.n_q,
-                        softcap=self.softcap, dropout=dropout)
+        return self.attention.mask_spec(spec.heads, offset=spec.n_kv - spec.n_q)
 
 
 @dataclass
@@ -230,8 +225,9 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD.Dup()
     options.check()
-    watchdog.set_default(options.timeout)  # every blocking phase of the job, not only the ring's waits
+    watchdog.set_default(options.attention.timeout)  # every blocking phase of the job, not only the ring's waits
     spec = inspect_input(input_path, comm, backward=options.backward)
+    options.check(spec.heads)
     if options.heads_per_pass is not None and (options.heads_per_pass < 1 or options.heads_per_pass % spec.group):
         raise ConfigError(f"--heads-per-pass {options.heads_per_pass}: must be a positive multiple of "
                           f"H/H_kv = {spec.heads}/{spec.kv_heads} = {spec.group} (GQA groups stay whole)")
@@ -241,7 +237,7 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     plan = plan_passes(spec, comm.Get_size(), options.heads_per_pass, budget)
     record = _job_record(spec, input_path, comm.Get_size(), plan, options.record_options(backend))
     passes, done = _resume_state(out, comm, record, resume, progress)
-    head_parallel = _head_parallel(comm, options.head_parallel, spec, passes)
+    head_parallel = _head_parallel(comm, options.attention.head_parallel, spec, passes)
     job = _Job(comm, input_path, options, spec, passes, backend, head_parallel)
     progress.start(len(passes) * (2 if options.backward else 1))
     job.run(out, done, record, OutputAttributes.of_job(options, spec, input_path, comm.Get_size(), backend),
@@ -250,7 +246,7 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
             job.io_q.read_s + job.io_kv.read_s, job.io_q.write_s + job.io_kv.write_s)
     every = comm.gather(mine, root=0)
     comm.Free()
-    requested = options.head_parallel or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
+    requested = options.attention.head_parallel or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
     return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
                      head_parallel_auto=str(requested).strip().lower() == "auto")
 
@@ -268,10 +264,8 @@ class _Job:
         self.io_q = ShardIO(comm, Layout(layout, spec.n_q, self.size).indices(self.rank))
         self.io_kv = ShardIO(comm, Layout(layout, spec.n_kv, self.size).indices(self.rank))
         self.to_device, self.to_host = _converters(backend)
-        scale = options.scale if options.scale is not None else 1.0 / math.sqrt(spec.dim)
-        self.ring_kw = dict(comm=comm, layout=layout, causal=options.causal, window=options.ring_window,
-                            softmax_scale=scale, backend=backend, timeout=options.timeout,
-                            head_parallel=head_parallel)
+        self.ring_kw = dict(comm=comm, layout=layout, backend=backend)
+        self.head_parallel = head_parallel
         self.timers = _Timers()
         self.sinks = None
 
@@ -285,7 +279,7 @@ class _Job:
         o = self.options
         fin = open_file(self.input_path, "r", self.comm)
         try:
-            if o.check_finite:  # every input of every pass, before any compute
+            if o.attention.check_finite:  # every input of every pass, before any compute
                 _check_finite(self.comm, self.input_path, fin, self.spec, self.passes, self.io_q, self.io_kv,
                               o.backward)
             if o.sinks_dataset is not None:
@@ -295,7 +289,8 @@ class _Job:
             if done is None:
                 _create_outputs(fout, self.spec, o.backward)
                 attributes.write(fout)
-                head_outputs.create(fout, self.spec, self.sinks, o.max_logit, o.backward and self.sinks is not None)
+                head_outputs.create(fout, self.spec, self.sinks, o.attention.return_max_logit,
+                                    o.backward and self.sinks is not None)
                 resume_log.start(fout, record, self.comm)
                 done = np.zeros(len(self.passes), dtype=np.uint8)
             for index, p in enumerate(self.passes):
@@ -339,13 +334,15 @@ class _Job:
 
         # boxes "q"/"kv": D wide (q, dq / k, dk); "o"/"v": D_v wide (o, do / v, dv)
         q, k, v = read("q", self.io_q, "q"), read("k", self.io_kv, "kv"), read("v", self.io_kv, "v")
-        extra = self.pass_inputs(fin, p)
+        segments = self.pass_segments(fin, p)
+        sinks = None if self.sinks is None else self.to_device(self.sinks[p.g0 * spec.group:p.g1 * spec.group])
+        options = o.pass_options(spec, p, self.head_parallel, sinks)
+        max_logit = options.return_max_logit
         stats: list = []
         t0 = time.perf_counter()
         qd, kd, vd = self.to_device(q), self.to_device(k), self.to_device(v)
-        out, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, return_max_logit=o.max_logit,
-                                             **self.ring_kw, **extra)
-        head_outputs.write_pass(fout, p, spec.group, max_logit=pass_max[0] if o.max_logit else None)
+        out, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, options=options, **self.ring_kw, **segments)
+        head_outputs.write_pass(fout, p, spec.group, max_logit=pass_max[0] if max_logit else None)
         self.timers.ring_s += time.perf_counter() - t0
         write("o", self.io_q, "o", out)
         write("lse", self.io_q, "lse", lse)
@@ -354,7 +351,8 @@ class _Job:
             do = read("do", self.io_q, "o")
             t0 = time.perf_counter()
             dq, dk, dv, *dsinks = ring_attention_backward(self.to_device(do), qd, kd, vd, out, lse, stats=stats,
-                                                          **self.ring_kw, **extra)
+                                                          options=replace(options, return_max_logit=False),
+                                                          **self.ring_kw, **segments)
             head_outputs.write_pass(fout, p, spec.group, dsinks=dsinks[0] if dsinks else None)
             self.timers.ring_s += time.perf_counter() - t0
             write("dq", self.io_q, "q", dq)
@@ -365,19 +363,12 @@ class _Job:
         self.timers.compute_s += sum(r.compute_s for r in stats)
         self.timers.wait_s += sum(r.wait_s for r in stats)
 
-    def pass_inputs(self, fin, p: Pass) -> dict:
-        """The ring calls' per-pass keywords: segment ids, this pass's sinks, softcap, dropout."""
-        spec, o, extra = self.spec, self.options, {}
-        if spec.seg_q:
-            extra = dict(segment_ids_q=_read_segments(fin, spec.seg_q, self.io_q, p),
-                         segment_ids_kv=_read_segments(fin, spec.seg_kv, self.io_kv, p))
-        if self.sinks is not None:
-            extra["sinks"] = self.to_device(self.sinks[p.g0 * spec.group:p.g1 * spec.group])
-        if o.softcap is not None:
-            extra["softcap"] = o.softcap
-        if o.dropout:  # this pass draws its slice of the whole tensor's mask
-            extra.update(dropout_offsets=(p.b0, p.g0 * spec.group, spec.heads), **o.dropout)
-        return extra
+    def pass_segments(self, fin, p: Pass) -> dict:
+        """The ring calls' segment-id keywords of pass ``p`` (none without segments)."""
+        if not self.spec.seg_q:
+            return {}
+        return dict(segment_ids_q=_read_segments(fin, self.spec.seg_q, self.io_q, p),
+                    segment_ids_kv=_read_segments(fin, self.spec.seg_kv, self.io_kv, p))
 
 
 def _resolve_backend(name: str, comm) -> str:

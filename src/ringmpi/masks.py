@@ -90,6 +90,15 @@ class MaskSpec:
             spec = replace(spec, alibi=spec.alibi.for_heads(slice(first, first + count)))
         return spec
 
+    def modifier_terms(self, q_pos, kv_pos, dtype):
+        """Per-head additive score terms of the score modifiers over global positions
+        ``q_pos`` x ``kv_pos``: a function ``h -> (len(q_pos), len(kv_pos))`` array in
+        ``dtype``, or None without any (ALiBi: :meth:`ringmpi.modifiers.Alibi.bias`)."""
+        if self.alibi is None:
+            return None
+        dist = self.alibi.distances(q_pos, kv_pos, self.offset, dtype)
+        return lambda h: self.alibi.bias(h, dist)
+
     def __post_init__(self):
         if self.window is not None:
             left, right = self.window

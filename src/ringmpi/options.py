@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Tuple, Union
 
 import numpy as np
@@ -34,6 +34,7 @@ from .masks import MaskSpec
 from .modifiers import Alibi, alibi_problem
 
 SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
+PER_HEAD = ("sinks", "alibi_slopes")  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
 
 
@@ -106,20 +107,62 @@ def _timeout_problem(timeout) -> Optional[str]:
 class AttentionOptions:
     """Everything about one attention call except its arrays, communicator, layout and backend.
 
-    causal : bool -- bottom-right aligned causal mask.
-    window : (left, right) or None -- sliding window in global positions.
-    softmax_scale : float or None -- None means ``1 / sqrt(D)`` (:meth:`scale`).
-    softcap : float > 0 or None -- logit softcap.
-    sinks : (H,) float16/bfloat16/float32/float64 array or None -- attention sinks (this
-        backend's array; used in the compute dtype).
-    alibi_slopes : (H,) float32 array or None -- ALiBi (:mod:`ringmpi.modifiers`).
-    dropout_p, dropout_seed, dropout_offsets -- dropout on the weights (:mod:`ringmpi.dropout`).
-    head_parallel : int, "auto" or None -- checked with the communicator by
-        :func:`ringmpi.topology.resolve_groups`.
-    timeout : float > 0 or None -- deadline of each ring wait (None: ``RINGMPI_TIMEOUT``).
-    check_finite : bool -- reject NaN/Inf inputs.
-    dtype : str or None -- the dtype every input must have (``"bfloat16"`` reads uint16 bits).
-    return_max_logit : bool -- also return the max logit (exact running maxima).
+    The keywords of :func:`ringmpi.ring_attention` (and of the other entry points) are
+    these fields; each is documented here, where it is defined and checked:
+
+    causal : bool
+        Query ``i`` sees keys ``j <= i + N_kv - N_q`` (bottom-right aligned, as
+        FlashAttention >= 2.1; the usual causal mask when ``N_q == N_kv``).
+    window : (left, right) or None
+        Sliding window in global positions, ``i + off - left <= j <= i + off + right``
+        with ``off = N_kv - N_q``; ``None`` on a side is unbounded.  Combined with
+        ``causal`` when both are given.
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+    timeout : float, optional
+        Deadline in seconds for each ring wait (default: ``RINGMPI_TIMEOUT`` or none).
+    check_finite : bool
+        Reject NaN/Inf inputs, naming the global index of the first one.
+        Without the check (the default) a NaN/Inf reaches exactly the queries
+        that see it: a query's ``o``, ``lse`` are dense attention over its
+        visible keys alone (a masked key never influences it; a NaN or +Inf
+        score makes its row NaN, a -Inf score is a weight of zero), and every
+        other query's outputs are bitwise those of a run without the bad value.
+    dtype : str, optional
+        The dtype every input must have.  ``"bfloat16"`` also accepts ``uint16``
+        arrays holding bfloat16 bit patterns (then the outputs are ``uint16``
+        bit patterns too); a ``uint16`` array is never read as bfloat16 without it.
+    head_parallel : int or "auto", optional
+        ``U`` ranks per group of the two-level head x ring schedule
+        (:mod:`ringmpi.head_parallel`): an all-to-all over heads inside groups of
+        ``U`` ranks, a ring across the ``P/U`` groups.  ``U`` must divide ``P`` and
+        ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.topology`).
+        Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
+        out are the same for every ``U``.
+    sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
+        Attention sinks (gpt-oss): every query's softmax denominator gains
+        ``exp(sinks[h])``, a virtual key with zero value that every query sees;
+        ``lse`` includes it.  Used in the compute dtype (float32 for 16-bit inputs).
+    softcap : float > 0, optional, the same on every rank
+        Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
+        before the mask.
+    return_max_logit : bool
+        Also return ``max_logit`` (the NumPy tiles then keep an exact running
+        maximum instead of their lagging shift: a little slower).
+    dropout_p : float in [0, 1)
+        Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
+        scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
+        global i, global j)`` (:mod:`ringmpi.dropout`), so the same seed gives the
+        same mask for every number of ranks, layout and backend.  ``lse`` is the
+        one without dropout (as FlashAttention's).
+    dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
+    dropout_offsets : (batch_offset, head_offset, total_heads), optional
+        Where this call's batch entry 0 and head 0 sit in a larger tensor whose
+        mask it should draw (a call over a slice); default ``(0, 0, H)``.
+    alibi_slopes : (H,) float32, optional, the same on every rank
+        ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
+        ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
+        global positions (after scale and softcap, before the mask).  NumPy backend.
     """
 
     causal: bool = False
@@ -151,14 +194,38 @@ class AttentionOptions:
                                 f"({f.name}={mine!r} and options= were given)")
         return options
 
+    def for_heads(self, first: int, count: int) -> "AttentionOptions":
+        """These options for a call over the query heads ``[first, first + count)`` of this one
+        (as :meth:`MaskSpec.for_heads`): the per-head arrays (``sinks``, ``alibi_slopes``)
+        sliced; ``dropout_offsets`` stay the caller's to set."""
+        return replace(self, **{name: getattr(self, name)[first:first + count] for name in PER_HEAD
+                                if getattr(self, name) is not None})
+
     # ------------------------------------------------------------------ rules
     def problem(self, heads: int) -> Optional[str]:
         """This rank's problem with its options for a call with ``heads`` query heads, or None
         (the declared dtype is :meth:`dtype_problem`, checked before the arrays)."""
-        return (window_problem(self.window) or _scale_problem(self.softmax_scale)
-                or softcap_problem(self.softcap) or sinks_problem(self.sinks, heads)
-                or alibi_problem(self.alibi_slopes, heads)
-                or self._dropout_problem(heads) or _timeout_problem(self.timeout))
+        found = self.field_problem(heads)
+        return None if found is None else found[1]
+
+    def field_problem(self, heads: Optional[int] = None) -> Optional[Tuple[str, str]]:
+        """``(option, message)`` of the first bad option, or None; the option is a field name,
+        ``"dropout"`` for the dropout fields.  ``heads`` None: only the rules that need no head
+        count (a command line checks them before it reads its input; not ``sinks``,
+        ``alibi_slopes`` nor ``dropout_offsets``)."""
+        per_head = heads is not None
+        checks = (("window", lambda: window_problem(self.window)),
+                  ("softmax_scale", lambda: _scale_problem(self.softmax_scale)),
+                  ("softcap", lambda: softcap_problem(self.softcap)),
+                  ("sinks", lambda: sinks_problem(self.sinks, heads) if per_head else None),
+                  ("alibi_slopes", lambda: alibi_problem(self.alibi_slopes, heads) if per_head else None),
+                  ("dropout", lambda: self._dropout_problem(heads)),
+                  ("timeout", lambda: _timeout_problem(self.timeout)))
+        for name, check in checks:
+            message = check()
+            if message is not None:
+                return name, message
+        return None
 
     def modifier_names(self) -> Tuple[str, ...]:
         """The score modifiers with per-head data these options use (``ringmpi.modifiers``)."""
@@ -170,10 +237,10 @@ class AttentionOptions:
             return f"dtype={self.dtype!r} is not one of {', '.join(_dtypes.NAMES)}"
         return None
 
-    def _dropout_problem(self, heads: int) -> Optional[str]:
+    def _dropout_problem(self, heads: Optional[int]) -> Optional[str]:
         problem = _dropout_validate(self.dropout_p, self.dropout_seed)
         offsets = self.dropout_offsets
-        if problem is None and offsets is not None:
+        if problem is None and offsets is not None and heads is not None:
             ok = len(offsets) == 3 and all(isinstance(x, (int, np.integer)) for x in offsets)
             if not (ok and min(offsets) >= 0 and offsets[1] + heads <= offsets[2]):
                 problem = ("dropout_offsets must be (batch_offset, head_offset, total_heads) covering "
@@ -226,7 +293,8 @@ class AttentionOptions:
                    None if self.softcap is None else float(self.softcap),
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))
         crc = zlib.crc32(repr(scalars).encode())
-        for name, per_head in (("sinks", self.sinks), ("alibi_slopes", self.alibi_slopes)):
+        for name in PER_HEAD:
+            per_head = getattr(self, name)
             if per_head is not None:
                 crc = zlib.crc32(name.encode(), crc)
                 crc = zlib.crc32(np.ascontiguousarray(_host(per_head), dtype=np.float64).view(np.uint8), crc)
@@ -239,25 +307,33 @@ class AttentionOptions:
     def to_attrs(self, dim: int) -> dict:
         """The output attributes of a file job with head dim ``dim`` (see docs/file-format.md):
         ``causal``, ``window`` (int64 ``[left, right]``, -1 unbounded; empty without a window),
-        ``softmax_scale`` (resolved), ``softcap`` (0: none), and with dropout ``dropout_p``,
-        ``dropout_seed``.  Sinks are a dataset, not an attribute."""
+        ``softmax_scale`` (resolved), ``softcap`` (0: none), ``max_logit``, with dropout
+        ``dropout_p``, ``dropout_seed`` and with ALiBi ``alibi_slopes`` (float32 ``(H,)``).
+        Sinks are a dataset, not an attribute (they have a gradient)."""
         sides = self.window_sides()
         attrs = {"causal": bool(self.causal),
                  "window": np.array([] if sides is None else [-1 if w is None else w for w in sides],
                                     dtype=np.int64),
                  "softmax_scale": float(self.scale(dim)),
-                 "softcap": 0.0 if self.softcap is None else float(self.softcap)}
+                 "softcap": 0.0 if self.softcap is None else float(self.softcap),
+                 "max_logit": bool(self.return_max_logit)}
         if float(self.dropout_p) > 0:
             attrs.update(dropout_p=float(self.dropout_p), dropout_seed=np.uint64(self.dropout_seed))
+        if self.alibi_slopes is not None:
+            attrs["alibi_slopes"] = np.asarray(_host(self.alibi_slopes), dtype=np.float32)
         return attrs
 
     @classmethod
     def from_attrs(cls, attrs, sinks=None) -> "AttentionOptions":
-        """The options :meth:`to_attrs` wrote (``softmax_scale`` resolved), with ``sinks``."""
+        """The options :meth:`to_attrs` wrote (``softmax_scale`` resolved), with ``sinks``;
+        attributes added in later versions default to "not used"."""
         window = np.asarray(attrs.get("window", [])).ravel()
         dropout_p = float(attrs.get("dropout_p", 0.0))
+        alibi = attrs.get("alibi_slopes")
         return cls(causal=bool(attrs["causal"]),
                    window=tuple(None if int(w) < 0 else int(w) for w in window) if window.size else None,
                    softmax_scale=float(attrs["softmax_scale"]),
                    softcap=float(attrs.get("softcap", 0.0)) or None, sinks=sinks,
-                   dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None)
+                   alibi_slopes=None if alibi is None else np.asarray(alibi, dtype=np.float32).ravel(),
+                   dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None,
+                   return_max_logit=bool(attrs.get("max_logit", False)))

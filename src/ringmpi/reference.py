@@ -41,7 +41,8 @@ class DenseReference:
     dropped as :mod:`ringmpi.dropout` says (``lse`` without dropout).
     Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
     ``mask.softcap`` caps the scores (``c * tanh(s / c)``); ``sinks (H,)``, when
-    given, add one zero-value key of logit ``sinks[h]`` to every row.
+    given, add one zero-value key of logit ``sinks[h]`` to every row; the mask's score
+    modifiers (ALiBi) add their terms after the softcap (:meth:`MaskSpec.modifier_terms`).
     """
 
     def __init__(self, mask: MaskSpec, scale: float, dtype, sinks=None):
@@ -80,6 +81,9 @@ class DenseReference:
                 if cap is not None:
                     t = np.tanh((s / cap).astype(dt)).astype(dt)
                     s = (cap * t).astype(dt)
+                terms = self.mask.modifier_terms(rows, kv_pos, dt)  # after the softcap; d/d(score) = 1
+                if terms is not None:
+                    s = (s + terms(h)).astype(dt)
                 s = np.where(vis, s, dt.type(-np.inf))
                 out["max_logit"][h] = max(out["max_logit"][h], s.max()) if s.size else out["max_logit"][h]
                 if self.sinks is not None:  # the sink: one more column, value 0

@@ -15,7 +15,17 @@ Zero copy both ways: CPU tensors are handed over as NumPy views (bfloat16 as
 ``ml_dtypes.bfloat16`` over the same bytes), CUDA tensors through DLPack as
 CuPy arrays (bfloat16 as ``ml_dtypes.bfloat16`` CuPy arrays, CuPy >= 14), and the
 results come back the same way.  On CUDA the work is queued on torch's
-current stream, so results need no extra synchronisation.
+current stream (``torch.cuda.current_stream()``), so results need no extra
+synchronisation; ``o``, ``lse`` and the gradients are the backend's own arrays.
+Non-contiguous inputs are made contiguous once (and saved that way for the
+backward).
+
+The op is ``torch.ops.ringmpi.ring_attention`` (with a fake implementation and
+its backward op ``ringmpi::ring_attention_backward``), so ``torch.compile``
+keeps the call whole, as one node, without a graph break.  Gradients are
+returned only for inputs that require them; with ``torch.no_grad()`` (or no
+input requiring a gradient) nothing is kept for a backward.  Double backward
+(``create_graph=True`` through the call) is not supported and raises.
 
 Importing this module imports torch; ``import ringmpi`` does not.
 """
@@ -385,19 +395,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     o : (B, S_q_local, H, D_v) tensor, the input dtype and device.
     lse : (B, H, S_q_local) float32 tensor (float64 for float64 inputs), with ``return_lse``.
 
-    Notes
-    -----
-    One ``torch.library`` custom op, ``torch.ops.ringmpi.ring_attention`` (with a
-    fake implementation and its backward op ``ringmpi::ring_attention_backward``),
-    so ``torch.compile`` keeps the call whole, as one node, without a graph break.
-    No copies: tensors reach the backend as NumPy views (CPU) or through
-    DLPack as CuPy arrays (CUDA), and ``o``, ``lse`` and the gradients are
-    the backend's own arrays.  Non-contiguous inputs are made contiguous once
-    (and saved that way for the backward).  On CUDA the work runs on
-    ``torch.cuda.current_stream()``.  Gradients are returned only for inputs
-    that require them; with ``torch.no_grad()`` (or no input requiring a
-    gradient) nothing is kept for a backward.  Double backward
-    (``create_graph=True`` through this call) is not supported and raises.
+    The custom op, its copies (none), stream and gradients: the module docstring.
     """
     comm = resolve_comm(comm)
     options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,

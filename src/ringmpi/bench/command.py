@@ -103,19 +103,20 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
 
 
 def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep):
-    """``(U or "auto", the first problem of the options or None)``."""
-    from ..dropout import validate as validate_dropout
-    from ..options import softcap_problem
+    """``(U or "auto", the first problem of the options or None)``; the attention options'
+    rules are :class:`ringmpi.options.AttentionOptions`'s."""
+    from ..options import AttentionOptions
 
+    options = AttentionOptions(softcap=softcap, dropout_p=dropout,
+                               dropout_seed=(seed if seed >= 0 else None) if dropout else None)
+    found = options.field_problem()
     problem = None
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
-    elif softcap_problem(softcap):
-        problem = f"--softcap: {softcap_problem(softcap)}"
+    elif found is not None:  # the only options given: softcap, dropout
+        problem = f"{dict(softcap='--softcap', dropout='--dropout/--seed')[found[0]]}: {found[1]}"
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
-    elif dropout and validate_dropout(dropout, seed if seed >= 0 else None):
-        problem = "--dropout/--seed: " + validate_dropout(dropout, seed if seed >= 0 else None)
     else:
         return _head_parallel_option(head_parallel, sweep)
     return head_parallel, problem

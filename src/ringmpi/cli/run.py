@@ -45,6 +45,18 @@ class _Progress:
             self.bar = None
 
 
+def _slopes(ctx, param, value):
+    """``--alibi-slopes``' float32 array (its length and values are the options object's to check)."""
+    import numpy as np
+
+    if value is None:
+        return None
+    try:
+        return np.array([float(x) for x in value.split(",")], dtype=np.float32)
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+
+
 @click.command("run")
 @click.argument("input_path", metavar="IN.h5", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False),
@@ -76,6 +88,9 @@ class _Progress:
                    "query head); writes sinks and, with --backward, dsinks.")
 @click.option("--softcap", type=float, default=None, metavar="C",
               help="Logit softcap: scores become C * tanh(score / C) (C > 0).")
+@click.option("--alibi-slopes", "alibi_slopes", default=None, metavar="S1,S2,...", callback=_slopes,
+              help="ALiBi: H comma-separated slopes (float32, one per query head); the score of query i "
+                   "and key j of head h gains -S_h * |i + N_kv - N_q - j|.")
 @click.option("--max-logit", "max_logit", is_flag=True,
               help="Also write max_logit (H,): each head's largest score over the whole input.")
 @click.option("--dropout", "dropout_p", type=float, default=0.0, show_default=True, metavar="P",
@@ -84,8 +99,8 @@ class _Progress:
 @click.option("--seed", "dropout_seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, metavar="S",
               help="Dropout seed (0 <= S < 2^64).")
 def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
-        check_finite, resume, timeout, heads_per_pass, head_parallel, sinks_dataset, softcap, max_logit,
-        dropout_p, dropout_seed):
+        check_finite, resume, timeout, heads_per_pass, head_parallel, sinks_dataset, softcap, alibi_slopes,
+        max_logit, dropout_p, dropout_seed):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
     \b
@@ -95,15 +110,17 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     \b
       mpirun -n 4 ringmpi run in.h5 -o out.h5 --causal --backward
       mpirun -n 4 ringmpi run in.h5 -o out.h5 --sinks-dataset sinks --softcap 30 --max-logit
+      mpirun -n 4 ringmpi run in.h5 -o out.h5 --causal --alibi-slopes 0.5,0.25,0.125,0.0625
     """
     from mpi4py import MPI
 
     from ..filejob import JobOptions, run_job
 
-    options = JobOptions(causal=causal, window=window, layout=layout, backward=backward, scale=scale,
-                         backend=backend, check_finite=check_finite, timeout=timeout,
-                         heads_per_pass=heads_per_pass, head_parallel=head_parallel, sinks_dataset=sinks_dataset,
-                         softcap=softcap, max_logit=max_logit, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    options = JobOptions.of_flags(causal=causal, window=window, scale=scale, softcap=softcap, max_logit=max_logit,
+                                  dropout_p=dropout_p, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes,
+                                  head_parallel=head_parallel,
+                                  timeout=timeout, check_finite=check_finite, layout=layout, backward=backward,
+                                  backend=backend, heads_per_pass=heads_per_pass, sinks_dataset=sinks_dataset)
     result = run_job(input_path, output_path, options, _Progress(MPI.COMM_WORLD.Get_rank()),
                      overwrite=overwrite, resume=resume)
     if result.every is not None:  # rank 0
@@ -115,12 +132,13 @@ def _summary(result) -> str:
     import numpy as np
 
     spec, o, size = result.spec, result.options, result.world_size
+    a = o.attention
     walls, rings, computes, waits, reads, writes = (np.array(col) for col in zip(*result.every))
     wall = float(walls.max())
     phases = "forward+backward" if o.backward else "forward"
-    flops = attention_flops(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.dim, o.causal, phases,
+    flops = attention_flops(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.dim, a.causal, phases,
                             dim_v=spec.dim_v)
-    mask = ("causal" if o.causal else "full") + (f" window {o.ring_window}" if o.window is not None else "")
+    mask = ("causal" if a.causal else "full") + (f" window {a.window_sides()}" if a.window is not None else "")
     io_s = float(reads.max() + writes.max())
     spread = (rings.max() - rings.min()) / rings.max() * 100 if rings.max() > 0 else 0.0
     lines = [

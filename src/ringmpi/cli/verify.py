@@ -27,7 +27,7 @@ PER_HEAD = ("max_logit", "dsinks")  # (H,) datasets of --max-logit and --sinks-d
 def _check(in_path: str, out_path: str, max_n: int):
     """Rank 0's work: ``(exit status, report text)``; raises ConfigError for unusable files."""
     spec, attrs, sinks, inputs, ours, segs = _read(in_path, out_path, max_n)
-    mask, scale = attrs.mask_spec(spec), attrs.softmax_scale
+    mask, scale = attrs.mask_spec(spec), attrs.attention.softmax_scale
     refs: Dict[str, list] = {name: [] for name in ours}
     naives: Dict[str, list] = {name: [] for name in ours}
     for b in range(spec.batch):
@@ -37,10 +37,11 @@ def _check(in_path: str, out_path: str, max_n: int):
             result = DenseReference(mask, scale, dtype, sinks=sinks).compute(*args, batch_index=b)
             for name in ours:
                 into[name].append(result[name])
-    softcap, dropout, window = mask.softcap, mask.dropout, attrs.window
-    extras = (f", softcap {softcap:g}" if softcap else "") + (", sinks" if sinks is not None else "")
+    softcap, dropout, window = mask.softcap, mask.dropout, attrs.attention.window
+    extras = (f", softcap {softcap:g}" if softcap else "") + (", sinks" if sinks is not None else "") \
+        + (", alibi" if mask.alibi is not None else "")
     lines = [f"verify {out_path} against a float64 dense reference of {in_path} "
-             f"({'causal' if attrs.causal else 'full'}{f', window {window}' if window else ''}, "
+             f"({'causal' if mask.causal else 'full'}{f', window {window}' if window else ''}, "
              f"scale {scale:.6g}{extras}{f', dropout {dropout.p} seed {dropout.seed}' if dropout else ''})",
              f"  {'dataset':8s} {'max abs err':>12s} {'max rel err':>12s} {'bound':>12s} {'naive err':>12s}  ok"]
     status = 0
