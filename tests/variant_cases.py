@@ -21,7 +21,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import BACKEND, _converters, fd_worst, make_inputs  # noqa: E402
+from ring_cases import BACKEND, _converters, fd_worst, make_inputs, placements, position_kw  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
@@ -51,7 +51,7 @@ def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
     window = None if case.get("window") is None else tuple(case["window"])
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
               softmax_scale=case.get("scale"), backend=BACKEND, softcap=case.get("softcap"),
-              head_parallel=case.get("head_parallel", 1))
+              head_parallel=case.get("head_parallel", 1), **position_kw(lay_q, lay_kv, rank))
     if case.get("dropout"):
         kw.update(dropout_p=case["dropout"], dropout_seed=case["dropout_seed"])
     if seg_q is not None:
@@ -66,7 +66,7 @@ def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
 def run_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv, sinks = inputs(case)
-    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size, seg_q)
     kw, window = options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks)
     to_backend, to_host = _converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
@@ -295,12 +295,13 @@ def torch_case(comm, case):
 
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, _, _, sinks = inputs(case)
-    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size)
     leaves = [torch.from_numpy(np.ascontiguousarray(lay.shard(x, rank))).requires_grad_(True)
               for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     sinks_t = torch.from_numpy(sinks.copy()).requires_grad_(True)
     o = rt.ring_attention(*leaves, comm=comm, layout=case["layout"], causal=case.get("causal", False),
-                          sinks=sinks_t, softcap=case["softcap"], alibi_slopes=make_alibi(case, q.shape[2]))
+                          sinks=sinks_t, softcap=case["softcap"], alibi_slopes=make_alibi(case, q.shape[2]),
+                          **{n: torch.from_numpy(x) for n, x in position_kw(lay_q, lay_kv, rank).items()})
     (o * torch.from_numpy(np.ascontiguousarray(lay_q.shard(do, rank)))).sum().backward()
     mine = dict(o=o.detach().numpy(), dq=leaves[0].grad.numpy(), dk=leaves[1].grad.numpy(),
                 dv=leaves[2].grad.numpy(), dsinks=sinks_t.grad.numpy())
