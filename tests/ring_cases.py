@@ -78,6 +78,9 @@ class Assignment:
         return self.parts[rank]
 
     def shard(self, x, rank, axis=1):
+        if hasattr(x, "index_select"):  # a torch tensor
+            import torch
+            return x.index_select(axis, torch.from_numpy(self.parts[rank]))
         return x.take(self.parts[rank], axis=axis)
 
     def unshard(self, shards, axis=1):
