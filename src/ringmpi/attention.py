@@ -101,7 +101,6 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
     """Check and agree on one call across the ranks of ``comm`` (every problem a ConfigError
     on every rank, before any compute) and plan it."""
     comm = resolve_comm(comm)
-    rank, size = comm.Get_rank(), comm.Get_size()
     be = get_backend(backend, (q, k, v))
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
