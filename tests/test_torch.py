@@ -53,8 +53,7 @@ def cases_for(p, cuda=False):
         add("float64-positions-documents", dtype="float64", n_q=90, segments=5, B=2, positions="documents")
         add("bfloat16-positions-permutation", dtype="bfloat16", n_q=64, positions="permutation")
     if p == 2 and not cuda:
-        add("compile", kind="compile", n_q=37)
-        add("compile-positions", kind="compile", n_q=37, positions="permutation")
+        add("compile", kind="compile", n_q=37, positions="permutation")  # ALiBi, sinks, explicit positions
     if cuda:
         add("float32-torch-stream", n_q=97, stream=True)
     return cases
