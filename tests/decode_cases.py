@@ -103,6 +103,11 @@ def static_case(comm, case):
     lengths = np.asarray(case["lengths"]) if case.get("lengths") is not None else None
     lay = Layout(case["layout"], n, size)
     kw = kwargs(case, comm)
+    if case.get("positions"):  # explicit cache positions: a random assignment, ascending on each rank
+        from ring_cases import Assignment, _split
+        lay = Assignment(np.sort(part) for part in _split(np.random.default_rng(case["seed"] + 5),
+                                                          np.random.default_rng(case["seed"] + 6).permutation(n), size))
+        kw["positions_kv"] = lay.indices(rank)
     if case.get("root") is not None and rank != case["root"]:
         q_in = None
     else:
@@ -207,6 +212,12 @@ def error_case(comm, case):
         q = q + 1
     elif what == "lengths":
         kw["cache_lengths"] = [n + 1]
+    elif what == "positions_repeated":  # rank 0's first position on every rank
+        kw["positions_kv"] = np.concatenate([[0], lay.indices(rank)[1:]]) if rank else lay.indices(rank)
+        if size == 1:
+            kw["positions_kv"] = np.array([0, 0, 2, 3, 4, 5, 6])
+    elif what == "positions_range":
+        kw["positions_kv"] = lay.indices(rank) + 1
     try:
         ringmpi.decode_attention(q, kl, vl, **kw)
         mine = "no error"

@@ -66,16 +66,82 @@ def ring_traffic(size, kv_bytes, grad_bytes, backward=True):
             ((size - 1) * kv_bytes + (size * grad_bytes if size > 1 else 0)) if backward else 0]
 
 
+class Assignment:
+    """Tokens placed on ranks by explicit positions (``ring_attention(positions_q=, positions_kv=)``):
+    the tests' stand-in for a Layout, with its ``n``, ``indices``, ``shard`` and ``unshard``."""
+
+    def __init__(self, parts):
+        self.parts = [np.asarray(part, dtype=np.int64) for part in parts]
+        self.n = sum(len(part) for part in self.parts)
+
+    def indices(self, rank):
+        return self.parts[rank]
+
+    def shard(self, x, rank, axis=1):
+        if hasattr(x, "index_select"):  # a torch tensor
+            import torch
+            return x.index_select(axis, torch.from_numpy(self.parts[rank]))
+        return x.take(self.parts[rank], axis=axis)
+
+    def unshard(self, shards, axis=1):
+        shape = list(shards[0].shape)
+        shape[axis] = self.n
+        out = np.empty(shape, dtype=shards[0].dtype)
+        for part, x in zip(self.parts, shards):
+            sl = [slice(None)] * out.ndim
+            sl[axis] = part
+            out[tuple(sl)] = x
+        return out
+
+
+def _split(rng, order, size):
+    """``order`` cut into ``size`` non-empty pieces at random places."""
+    cuts = np.sort(rng.choice(np.arange(1, len(order)), size=size - 1, replace=False))
+    return np.split(order, cuts)
+
+
+def _documents(seg, size):
+    """Whole documents of ``seg (N,)`` on ranks: largest first onto the least-loaded rank."""
+    docs = [np.flatnonzero(seg == s) for s in np.unique(seg)]
+    parts = [[] for _ in range(size)]
+    for doc in sorted(docs, key=len, reverse=True):
+        min(parts, key=lambda part: sum(map(len, part))).append(doc)
+    return [np.concatenate(part) if part else np.zeros(0, np.int64) for part in parts]
+
+
+def placements(case, n_q, n_kv, size, seg_q=None):
+    """``(lay_q, lay_kv)``: the case's layout, or with ``positions`` an :class:`Assignment`:
+    ``"permutation"`` (a random permutation cut at random places, per sequence) or
+    ``"documents"`` (batch entry 0's documents whole on ranks, in a rank order of their own)."""
+    kind = case.get("positions")
+    if kind is None:
+        return Layout(case["layout"], n_q, size), Layout(case["layout"], n_kv, size)
+    rng = np.random.default_rng(case.get("seed", 0) + 5)
+    if kind == "documents":
+        parts = _documents(seg_q[0], size)
+        lay = Assignment([parts[r] for r in rng.permutation(size)])
+        return lay, lay
+    return (Assignment(_split(rng, rng.permutation(n_q), size)),
+            Assignment(_split(rng, rng.permutation(n_kv), size)))
+
+
+def position_kw(lay_q, lay_kv, rank):
+    """The call's ``positions_q``/``positions_kv`` for explicit placements, else nothing."""
+    if not isinstance(lay_q, Assignment):
+        return {}
+    return dict(positions_q=lay_q.indices(rank), positions_kv=lay_kv.indices(rank))
+
+
 def shard_case(comm, case):
     """One case's global inputs and this rank's part of them:
     ``(q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local`` with ``kw``
     the call's keywords (segment ids sharded) and ``local`` this rank's q, k, v, do."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = make_inputs(case)
-    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size, seg_q)
     window = None if case.get("window") is None else tuple(case["window"])
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
-              softmax_scale=case.get("scale"), backend=BACKEND)
+              softmax_scale=case.get("scale"), backend=BACKEND, **position_kw(lay_q, lay_kv, rank))
     if seg_q is not None:
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
     local = dict(q=lay_q.shard(q, rank), k=lay_kv.shard(k, rank), v=lay_kv.shard(v, rank),
@@ -251,8 +317,43 @@ def bf16_errors_case(comm, case):
     return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
 
 
+def positions_errors_case(comm, case):
+    """Bad positions_q/positions_kv: one ConfigError, the same on every rank, before any compute."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    q, k, v, do, _, _ = make_inputs(case)
+    lay = Layout(case["layout"], q.shape[1], size)
+    args = [_converters()[0](lay.shard(x, rank)) for x in (q, k, v)]
+    mine = lay.indices(rank)
+    n = q.shape[1]
+    swapped = mine.copy()
+    if size > 1 and rank == 1:
+        swapped[0] = lay.indices(0)[0]  # rank 0's first position twice, rank 1's first nowhere
+    attempts = {
+        "out of range": (np.where(mine == n - 1, n, mine), "positions_q must lie in [0, N = "),
+        "negative": (mine - (rank == 0), "positions_q must lie in [0, N = "),
+        "repeated on a rank": (np.where(mine == mine[-1], mine[0], mine), "more than once"),
+        "float": (mine.astype(np.float64), "positions_q must be integers"),
+        "wrong length": (mine[:-1], "positions_q must have shape (S_local,)"),
+    }
+    if size > 1:
+        attempts["held twice, one missing"] = (swapped, "are not a permutation of 0 .. ")
+        attempts["given on one rank only"] = (mine if rank == 0 else None, "on every rank or on none")
+    problems = []
+    for what, (pos, want) in attempts.items():
+        lse0 = np.zeros((q.shape[0], q.shape[2], len(mine)), np.float32)
+        for call, fn in (("forward", lambda: ringmpi.ring_attention(
+                *args, comm=comm, backend=BACKEND, causal=True, positions_q=pos)),
+                ("backward", lambda: ringmpi.ring_attention_backward(
+                    args[0], *args, args[0], lse0, comm=comm, backend=BACKEND, causal=True, positions_q=pos))):
+            problem = agreed_error(comm, fn, want)
+            if problem:
+                problems.append(f"{what} ({call}): {problem}")
+    return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
+
+
 def main():
-    run_file(MPI.COMM_WORLD, {"fd": fd_case, "bf16_errors": bf16_errors_case}, run_case)
+    run_file(MPI.COMM_WORLD, {"fd": fd_case, "bf16_errors": bf16_errors_case,
+                              "positions_errors": positions_errors_case}, run_case)
 
 
 if __name__ == "__main__":

@@ -44,11 +44,15 @@ def cases_for(p):
         add(f"cache-{dtype}", "cache", layout="zigzag", prefill=9, steps=[2, 1], dtype=dtype)
     add("static-large-merge", "static", N=33, S=64, B=2, H=8, Hkv=8, D=64, layout="zigzag")  # ~140 KiB rows
     add("static-root", "static", N=30, S=2, layout="contiguous", root=p - 1)
+    if p in (1, 3):  # explicit cache positions (issue 27)
+        add("static-positions", "static", N=61, S=3, B=3, layout="contiguous", window=[20, 0], sinks=True,
+            lengths=[61, 30, 5], positions=True)
     add("cache-contiguous-owner", "cache", layout="contiguous", prefill=10, steps=[2, 3],
         expect_rows=[10 // p + (r < 10 % p) + 5 * (r == p - 1) for r in range(p)])  # appends: last rank
     for what, expect in (("softcap", "softcap must be finite and > 0"), ("softcap_one_rank", "ranks disagree"),
                          ("dtype_one_rank", "k_cache dtype"),
-                         ("q_differs", "ranks disagree"), ("lengths", "cache_lengths")):
+                         ("q_differs", "ranks disagree"), ("lengths", "cache_lengths"),
+                         ("positions_repeated", "positions_kv"), ("positions_range", "positions_kv must lie in")):
         if p > 1 or what not in ("q_differs", "softcap_one_rank"):
             add(f"error-{what}", "error", what=what, expect=expect)
     return cases

@@ -79,3 +79,31 @@ def test_shard_and_unshard_torch_tensors_on_their_device(kind):
         assert whole.device.type == device and whole.dtype == t.dtype and torch.equal(whole, t)
         assert torch.equal(Layout(kind, 3, 2).unshard([Layout(kind, 3, 2).shard(t, r, axis=2) for r in range(2)],
                                                       axis=2), t)
+
+
+def _check(parts):
+    from ringmpi.positions import placement_problem, summary
+    return placement_problem("positions_q", [summary(np.asarray(p, dtype=np.int64)) for p in parts])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layout_positions_and_permutations_pass_the_placement_check(kind):
+    """A layout's positions, a random permutation cut anywhere, empty shards and positions
+    near 2^21 (cubes past 2^64, summed modulo 2^64) pass ringmpi.positions' check (issue 27)."""
+    from ringmpi.positions import from_layout
+    layout = Layout(kind, 97, 4)
+    assert _check([layout.indices(r) for r in range(4)]) is None
+    place = from_layout(layout, 2)
+    assert place.n == 97 and list(place.counts) == list(layout.counts()) and place.layout == layout
+    perm = np.random.default_rng(3).permutation(3_000_000)
+    assert _check([perm[:10], perm[10:10], perm[10:2_000_000], perm[2_000_000:]]) is None
+
+
+def test_bad_positions_are_found():
+    """Out of range, repeated on a rank, held by two ranks (one missing), even where the first
+    two power sums agree: {1, 5, 6} -> {2, 3, 7} keeps sum and sum of squares (issue 27)."""
+    assert "must lie in [0, N = 5)" in _check([[0, 1], [2, 3, 5]])
+    assert "must lie in [0, N = 3)" in _check([[-1, 0], [1]])
+    assert "rank 1 holds 1 position(s) more than once" in _check([[0, 1], [2, 2]])
+    assert "not a permutation" in _check([[0, 1, 2], [1, 4]])
+    assert "not a permutation" in _check([[0, 2, 3, 4], [2, 3, 7, 8], [7]])  # 0..8 with 1, 5, 6 replaced

@@ -73,6 +73,15 @@ def cases_for(p, small_tiles=False):
         add(f"bfloat16-bits-{layout}", n_q=97, layout=layout, window=[8, 8], dtype="bfloat16", bits=True)
     if p == 3:
         add("bf16-errors", kind="bf16_errors", n_q=20, layout="zigzag", nan_at=11)
+    if p in (1, 3):  # explicit positions (issue 27): any assignment of tokens to ranks
+        add("positions-perm-causal", n_q=97, layout="contiguous", causal=True, positions="permutation", B=2)
+        add("positions-perm-window", n_q=64, n_kv=120, layout="zigzag", causal=True, window=[10, 10],
+            positions="permutation")
+        add("positions-documents", n_q=120, layout="contiguous", causal=True, segments=5, B=2,
+            positions="documents")
+        add("positions-float64", n_q=50, layout="striped", window=[6, 3], positions="permutation",
+            dtype="float64")
+        add("positions-errors", kind="positions_errors", n_q=20, H=2, Hkv=1, D=4, layout="zigzag")
     return cases
 
 

@@ -48,8 +48,12 @@ def cases_for(p, cuda=False):
     add("shares-float32", kind="shares", n_q=50)
     add("shares-bfloat16", kind="shares", dtype="bfloat16", n_q=50)
     add("errors", kind="errors", n_q=20)
+    if p == 3:  # explicit positions (issue 27): a permutation, whole documents per rank
+        add("float32-positions-permutation", n_q=97, n_kv=80, positions="permutation", window=[20, 5])
+        add("float64-positions-documents", dtype="float64", n_q=90, segments=5, B=2, positions="documents")
+        add("bfloat16-positions-permutation", dtype="bfloat16", n_q=64, positions="permutation")
     if p == 2 and not cuda:
-        add("compile", kind="compile", n_q=37)
+        add("compile", kind="compile", n_q=37, positions="permutation")  # ALiBi, sinks, explicit positions
     if cuda:
         add("float32-torch-stream", n_q=97, stream=True)
     return cases

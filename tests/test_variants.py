@@ -84,6 +84,24 @@ def cases_for(p):
             k_scale=4.0, sinks=layout != "zigzag")
     add("decode-alibi", kind="decode", n_q=3, n_kv=50, layout="striped", window=[20, 0], softcap=2.0,
         k_scale=4.0, sinks=True, alibi=True, H=4, Hkv=1)
+    # 16-bit sinks (issue 27): computed in float32, the gradient in the sinks' dtype
+    add("sinks-bfloat16", n_q=37, layout="zigzag", causal=True, sinks=True, sink_dtype="bfloat16")
+    add("bfloat16-sinks-bfloat16", n_q=45, layout="striped", window=[5, 5], sinks=True, softcap=4.0,
+        dtype="bfloat16", sink_dtype="bfloat16")
+    add("sinks-float16", n_q=30, layout="contiguous", sinks=True, sink_dtype="float16")
+    if p == 3:
+        add("torch-sinks-bfloat16", kind="torch", n_q=31, layout="zigzag", causal=True, sinks=True, softcap=2.0,
+            k_scale=3.0, sink_dtype="bfloat16")
+    # explicit positions (issue 27): ALiBi, dropout, sinks, softcap, window, segments on any placement
+    add("positions-all", n_q=47, n_kv=52, layout="zigzag", causal=True, window=[15, 0], segments=2, B=2,
+        H=4, Hkv=2, sinks=True, softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, alibi=True,
+        positions="permutation")
+    add("positions-documents", n_q=60, layout="contiguous", causal=True, segments=4, B=2, sinks=True,
+        dropout=0.25, dropout_seed=99, alibi=True, positions="documents")
+    if p == 4:
+        add("positions-all-U2", n_q=47, layout="striped", causal=True, segments=2, B=2, H=4, Hkv=2, sinks=True,
+            softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, head_parallel=2, alibi=True,
+            positions="permutation")
     return cases
 
 

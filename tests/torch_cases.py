@@ -38,7 +38,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 from case_driver import run_all  # noqa: E402
-from ring_cases import make_inputs  # noqa: E402
+from ring_cases import make_inputs, placements, position_kw  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.torch as rt  # noqa: E402
 from ringmpi import ConfigError, Layout  # noqa: E402
@@ -101,7 +101,7 @@ def local(comm, case, dtype, device, requires_grad=True):
     """This rank's shards: (q, k, v, do) tensors and the ring keywords."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = global_inputs(case)
-    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size, seg_q)
     iq, ikv = torch.from_numpy(lay_q.indices(rank)), torch.from_numpy(lay_kv.indices(rank))
     shards = [x.index_select(1, idx).to(device, dtype) for x, idx in ((q, iq), (k, ikv), (v, ikv), (do, iq))]
     if case.get("noncontiguous"):  # made as (B, H, S, D), handed over as a transposed view
@@ -111,6 +111,7 @@ def local(comm, case, dtype, device, requires_grad=True):
     window = None if case.get("window") is None else tuple(case["window"])
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
               softmax_scale=case.get("scale"))
+    kw.update({n: torch.from_numpy(x).to(device) for n, x in position_kw(lay_q, lay_kv, rank).items()})
     if case.get("head_parallel") is not None:
         kw["head_parallel"] = case["head_parallel"]
     if seg_q is not None:  # as tensors on the device: the wrapper takes them anywhere
@@ -340,18 +341,22 @@ def errors_case(comm, case, device):
 
 
 def compile_case(comm, case, device):
-    """torch.compile(fullgraph=True) of a 2-layer model with RingSelfAttention (one with sinks):
-    each layer's ring call is one node of the graph (the custom op, traced through its fake
-    implementation), and the compiled forward and gradients equal eager's."""
+    """torch.compile(fullgraph=True) of a 2-layer model with RingSelfAttention (one with sinks,
+    one with ALiBi; with ``positions``, explicit positions as tensor arguments): each layer's ring
+    call is one node of the graph (the custom op, traced through its fake implementation), and the
+    compiled forward and gradients equal eager's."""
     rank, size = comm.Get_rank(), comm.Get_size()
     n, dim = case["n_q"], 16
-    lay = Layout(case["layout"], n, size)
+    lay, _ = placements(case, n, n, size)
+    positions = {name: torch.from_numpy(x) for name, x in position_kw(lay, lay, rank).items()}
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float32)
 
     class TwoLayers(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = torch.nn.ModuleList(
-                rt.RingSelfAttention(dim, 4, 2, sinks=i == 1, comm=comm, layout=case["layout"], causal=True)
+                rt.RingSelfAttention(dim, 4, 2, sinks=i == 1, comm=comm, layout=case["layout"], causal=True,
+                                     alibi_slopes=slopes if i == 0 else None, **positions)
                 for i in range(2))
 
         def forward(self, x):

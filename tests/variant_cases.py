@@ -21,7 +21,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import BACKEND, _converters, fd_worst, make_inputs  # noqa: E402
+from ring_cases import BACKEND, _converters, fd_worst, make_inputs, placements, position_kw  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
@@ -51,7 +51,7 @@ def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
     window = None if case.get("window") is None else tuple(case["window"])
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
               softmax_scale=case.get("scale"), backend=BACKEND, softcap=case.get("softcap"),
-              head_parallel=case.get("head_parallel", 1))
+              head_parallel=case.get("head_parallel", 1), **position_kw(lay_q, lay_kv, rank))
     if case.get("dropout"):
         kw.update(dropout_p=case["dropout"], dropout_seed=case["dropout_seed"])
     if seg_q is not None:
@@ -66,7 +66,7 @@ def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
 def run_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv, sinks = inputs(case)
-    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size, seg_q)
     kw, window = options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks)
     to_backend, to_host = _converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
@@ -90,6 +90,14 @@ def run_case(comm, case):
     if rank != 0:
         return None
     return check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sinks)
+
+
+def sink_naive(naive, sinks):
+    """The naive same-dtype dsinks: 16-bit sinks get their gradient in their own dtype (computed
+    in float32), so the plain computation's gradient is rounded to it too."""
+    if sinks.dtype.itemsize > 2:
+        return naive
+    return naive.astype(np.float32).astype(sinks.dtype).astype(np.float64)
 
 
 def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sinks):
@@ -137,13 +145,14 @@ def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sin
         if ds.dtype != sinks.dtype or ds.shape != sinks.shape:
             ok = False
             messages.append(f"dsinks {ds.dtype} {ds.shape}, sinks {sinks.dtype} {sinks.shape}")
-        checks.append(("dsinks", ds, refs[3], naives[3], True))
+        checks.append(("dsinks", ds, refs[3], sink_naive(naives[3], sinks), True))
     if case.get("own_share"):
         if not all(g["same_grads_own"] for g in gathered):
             ok = False
             messages.append("reduce_dsinks=False changed dq, dk or dv")
         shares = np.array([g["dsinks_share"] for g in gathered])
-        checks.append(("sum of dsinks shares", shares.sum(axis=0), refs[3], naives[3], True))
+        checks.append(("sum of dsinks shares", shares.astype(np.float64).sum(axis=0), refs[3],
+                       sink_naive(naives[3], sinks), True))
     for name, ours, ref, naive, grad in checks:
         good, msg = reference.tolerance_check(name, ours, ref, naive, gradient=grad)
         ok &= good
@@ -295,15 +304,18 @@ def torch_case(comm, case):
 
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, _, _, sinks = inputs(case)
-    lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
+    lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size)
     leaves = [torch.from_numpy(np.ascontiguousarray(lay.shard(x, rank))).requires_grad_(True)
               for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
-    sinks_t = torch.from_numpy(sinks.copy()).requires_grad_(True)
+    # 16-bit sinks (bfloat16 has no NumPy view in torch): through float32, exact
+    sinks_t = torch.from_numpy(sinks.astype(np.float32)).to(getattr(torch, str(sinks.dtype))).requires_grad_(True)
     o = rt.ring_attention(*leaves, comm=comm, layout=case["layout"], causal=case.get("causal", False),
-                          sinks=sinks_t, softcap=case["softcap"], alibi_slopes=make_alibi(case, q.shape[2]))
+                          sinks=sinks_t, softcap=case["softcap"], alibi_slopes=make_alibi(case, q.shape[2]),
+                          **{n: torch.from_numpy(x) for n, x in position_kw(lay_q, lay_kv, rank).items()})
     (o * torch.from_numpy(np.ascontiguousarray(lay_q.shard(do, rank)))).sum().backward()
     mine = dict(o=o.detach().numpy(), dq=leaves[0].grad.numpy(), dk=leaves[1].grad.numpy(),
-                dv=leaves[2].grad.numpy(), dsinks=sinks_t.grad.numpy())
+                dv=leaves[2].grad.numpy(), dsinks=sinks_t.grad.float().numpy(),
+                sinks_grad_dtype=str(sinks_t.grad.dtype))
     gathered = comm.gather(mine, root=0)
     if rank != 0:
         return None
@@ -320,8 +332,21 @@ def torch_case(comm, case):
         ok &= good
         messages.append(msg)
     # each rank's sinks.grad is its own share (the replicated-parameter convention): their sum is dsinks
-    dsinks = np.sum([g["dsinks"] for g in gathered], axis=0)
-    good, msg = reference.tolerance_check("dsinks", dsinks, refg[3], naiveg[3], gradient=True)
+    if sinks.dtype.itemsize > 2:
+        dsinks = np.sum([g["dsinks"] for g in gathered], axis=0)
+        good, msg = reference.tolerance_check("dsinks", dsinks, refg[3], naiveg[3], gradient=True)
+    else:  # each share is rounded to the sinks' dtype on its rank: check every rank's share
+        shares_ref, shares_naive = [], []
+        for r in range(size):  # rank r's share: the gradient with do zero outside its queries
+            do_r = np.zeros_like(do)
+            do_r[:, lay_q.indices(r)] = do[:, lay_q.indices(r)]
+            shares_ref.append(reference.dense_backward(do_r, q, k, v, vis, scale, np.float64, **opts)[3])
+            shares_naive.append(sink_naive(reference.dense_backward(do_r, q, k, v, vis, scale, q.dtype, **opts)[3],
+                                           sinks))
+        good, msg = reference.tolerance_check("dsinks shares", np.array([g["dsinks"] for g in gathered]),
+                                              np.array(shares_ref), np.array(shares_naive), gradient=True)
+    if any(g["sinks_grad_dtype"] != str(sinks_t.dtype) for g in gathered):
+        good, msg = False, f"sinks.grad dtype {gathered[0]['sinks_grad_dtype']}, sinks {sinks_t.dtype}; " + msg
     return ok and good, "; ".join(messages + [msg])
 
 

@@ -26,6 +26,7 @@ from .backends import device_problem, modifier_problem
 from .backends import value_dim_problem as _value_dim_problem
 from .errors import agree
 from .faults import fault_point
+from . import positions as _positions
 from .layout import KINDS, Layout
 from .local_attention import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
@@ -96,53 +97,73 @@ def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
 
 
 def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segment_ids_kv,
-          backend, extra=()) -> AgreedCall:
+          backend, extra=(), positions_q=None, positions_kv=None) -> AgreedCall:
     """Check and agree on one call across the ranks of ``comm`` (every problem a ConfigError
     on every rank, before any compute) and plan it."""
     comm = resolve_comm(comm)
-    rank, size = comm.Get_rank(), comm.Get_size()
     be = get_backend(backend, (q, k, v))
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
     seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
     seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
+    pos_q = _positions.as_positions(positions_q)
+    pos_kv = pos_q if positions_kv is None else _positions.as_positions(positions_kv)
     agree(comm, options.dtype_problem() or _local_problem(q, k, v, seg_q, seg_kv, extra, options.dtype)
+          or _positions_problem(pos_q, pos_kv, q, k)
           or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
           or device_problem(be, k.dtype, q.shape[3], v.shape[3])
           or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names()))
-    layout_q, layout_kv = _agree_layouts(q, k, v, options, comm, layout)
+    place_q, place_kv = _agree_placements(q, k, v, options, comm, layout, pos_q, pos_kv)
     if options.check_finite:
-        _agree_finite(comm, rank, (("q", q, layout_q), ("k", k, layout_kv), ("v", v, layout_kv))
-                      + tuple((n, x, layout_q) for n, x in extra))
+        _agree_finite(comm, (("q", q, place_q), ("k", k, place_kv), ("v", v, place_kv))
+                      + tuple((n, x, place_q) for n, x in extra))
     if seg_q is not None:
         seg_q = seg_q.astype(np.int64, copy=False)
         seg_kv = seg_kv.astype(np.int64, copy=False)
     ct = be.compute_dtype(q.dtype)
     return AgreedCall(comm=comm, backend=be, batch=q.shape[0], heads=q.shape[2], compute_dtype=ct,
-                      layout_q=layout_q, layout_kv=layout_kv,
-                      spec=options.mask_spec(q.shape[2], offset=layout_kv.n - layout_q.n),
+                      place_q=place_q, place_kv=place_kv,
+                      spec=options.mask_spec(q.shape[2], offset=place_kv.n - place_q.n),
                       scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
                       timeout=default_timeout() if options.timeout is None else options.timeout,
                       sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
 
 
-def _agree_layouts(q, k, v, options: AttentionOptions, comm, layout):
-    """``(layout_q, layout_kv)`` once every rank agrees on shapes, options and shard lengths."""
-    size = comm.Get_size()
+def _positions_problem(pos_q, pos_kv, q, k) -> Optional[str]:
+    """This rank's problem with its given positions (shapes, integer dtype), or None."""
+    if pos_q is None and pos_kv is not None:
+        return "positions_kv needs positions_q (give both, or positions_q alone for self-attention)"
+    return (_positions.local_problem("positions_q", pos_q, q.shape[1])
+            or _positions.local_problem("positions_kv", pos_kv, k.shape[1]))
+
+
+def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, pos_kv):
+    """``(place_q, place_kv)`` (:class:`~ringmpi.positions.Placement`) once every rank agrees on
+    shapes, options and shard lengths (the layout's) or positions (the given ones), in one allgather."""
+    rank, size = comm.Get_rank(), comm.Get_size()
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
     drop_key = options.dropout_key(q.shape[2])
-    fault_point("plan", comm.Get_rank())
+    given = None if pos_q is None else (_positions.summary(pos_q), _positions.summary(pos_kv))
+    fault_point("plan", rank)
     with phase("the ranks' agreement on the call's shapes (allgather)", options.timeout):
-        shapes = comm.allgather((signature, q.shape[1], k.shape[1], (options.digest(), drop_key)))
+        shapes = comm.allgather((signature, q.shape[1], k.shape[1], (options.digest(), drop_key), given))
     problem = _disagreement(shapes)
-    n_q = sum(n for _, n, _, _ in shapes)
-    n_kv = sum(n for _, _, n, _ in shapes)
+    n_q = sum(s[1] for s in shapes)
+    n_kv = sum(s[2] for s in shapes)
     kind = layout.kind if isinstance(layout, Layout) else layout
+    if problem is None and len({s[4] is None for s in shapes}) > 1:
+        problem = "give positions_q (and positions_kv) on every rank or on none"
     if problem is None and kind not in KINDS:
         problem = f"unknown layout {kind!r}: expected one of {', '.join(KINDS)}"
     if problem is None and (n_q < 1 or n_kv < 1):
         problem = f"global sequence lengths must be >= 1, got N_q={n_q}, N_kv={n_kv}"
     if problem is None:
         problem = options.size_problem(q.shape[2], q.shape[0], n_q, n_kv)
+    if problem is None and given is not None:
+        problem = (_positions.placement_problem("positions_q", [s[4][0] for s in shapes])
+                   or _positions.placement_problem("positions_kv", [s[4][1] for s in shapes]))
+        agree(comm, problem)
+        return (_positions.given(pos_q.astype(np.int64, copy=False), [s[1] for s in shapes]),
+                _positions.given(pos_kv.astype(np.int64, copy=False), [s[2] for s in shapes]))
     if problem is None and isinstance(layout, Layout):
         if layout.world_size != size or layout.n != n_q:
             problem = (f"layout {layout} does not match the communicator: world size {size}, "
@@ -150,35 +171,35 @@ def _agree_layouts(q, k, v, options: AttentionOptions, comm, layout):
     if problem is None:
         layout_q, layout_kv = Layout(kind, n_q, size), Layout(kind, n_kv, size)
         want_q, want_kv = layout_q.counts(), layout_kv.counts()
-        bad = [r for r, (_, nq, nkv, _) in enumerate(shapes) if nq != want_q[r] or nkv != want_kv[r]]
+        bad = [r for r, s in enumerate(shapes) if s[1] != want_q[r] or s[2] != want_kv[r]]
         if bad:
             r = bad[0]
             problem = (f"shard lengths do not match the {kind} layout of N_q={n_q}, N_kv={n_kv} "
                        f"over {size} ranks: rank {r} holds q {shapes[r][1]} / kv {shapes[r][2]} rows, "
                        f"the layout gives q {want_q[r]} / kv {want_kv[r]}")
     agree(comm, problem)
-    return layout_q, layout_kv
+    return _positions.from_layout(layout_q, rank), _positions.from_layout(layout_kv, rank)
 
 
 def _disagreement(shapes) -> Optional[str]:
-    """The message when the ranks' ``(signature, n_q, n_kv, (digest, dropout key))`` differ."""
-    if len({d[0] for _, _, _, d in shapes}) > 1:
+    """The message when the ranks' ``(signature, n_q, n_kv, (digest, dropout key), positions)`` differ."""
+    if len({s[3][0] for s in shapes}) > 1:
         return ("ranks disagree on sinks or softcap (or alibi_slopes, causal, window, softmax_scale, "
                 "check_finite, return_max_logit): every rank must pass the same values")
-    if len({d[1] for _, _, _, d in shapes}) > 1:
+    if len({s[3][1] for s in shapes}) > 1:
         return ("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
-                + "; ".join(f"rank {r}: {d[1]}" for r, (_, _, _, d) in enumerate(shapes)))
-    if len({s for s, _, _, _ in shapes}) > 1:
+                + "; ".join(f"rank {r}: {s[3][1]}" for r, s in enumerate(shapes)))
+    if len({s[0] for s in shapes}) > 1:
         return ("ranks disagree on (batch, heads, kv_heads, head_dim, value_head_dim, dtype): "
-                + "; ".join(f"rank {r}: {s}" for r, (s, _, _, _) in enumerate(shapes)))
+                + "; ".join(f"rank {r}: {s[0]}" for r, s in enumerate(shapes)))
     return None
 
 
-def _agree_finite(comm, rank: int, named) -> None:
-    """ConfigError on every rank when any rank's ``(name, array, layout)`` holds a NaN/Inf."""
+def _agree_finite(comm, named) -> None:
+    """ConfigError on every rank when any rank's ``(name, array, placement)`` holds a NaN/Inf."""
     problem = None
-    for name, x, lay in named:
-        problem = _first_nonfinite(name, x, lay.indices(rank))
+    for name, x, place in named:
+        problem = _first_nonfinite(name, x, place.mine)
         if problem:
             break
     agree(comm, problem)
@@ -196,7 +217,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    head_parallel: Union[int, str, None] = None,
                    sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False,
                    dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None,
-                   alibi_slopes=None, options: Optional[AttentionOptions] = None):
+                   alibi_slopes=None, positions_q=None, positions_kv=None,
+                   options: Optional[AttentionOptions] = None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
     Collective: every rank of ``comm`` calls it with its own shard.
@@ -227,6 +249,16 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
     return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes
         The attention options, each documented in :class:`ringmpi.options.AttentionOptions`
         (the one place that defines and checks them).
+    positions_q, positions_kv : (S_q_local,), (S_kv_local,) ints, optional
+        This rank's tokens' global positions, in local order: any assignment of
+        tokens to ranks (whole documents per rank, a permutation), instead of
+        ``layout`` (which is then not used).  Over all ranks they must be
+        ``0 .. N-1`` once each (``N``: the sum of the shard lengths; shards may
+        have any lengths), checked inside the call's planning allgather (range,
+        repeats on a rank, counts and power sums across ranks: see
+        :mod:`ringmpi.positions`), a ConfigError on every rank otherwise.
+        Masks, ALiBi and dropout use them; ``positions_kv`` defaults to
+        ``positions_q`` (self-attention).  Give them on every rank or on none.
     options : :class:`ringmpi.options.AttentionOptions`, optional
         All of the options above (``causal`` ... ``dropout_offsets``, ``dtype``,
         ``head_parallel``, ``timeout``, ``check_finite``) as one object, instead of
@@ -250,14 +282,17 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
         check_finite=check_finite, dtype=dtype, return_max_logit=return_max_logit).given_once(options)
     return _forward(q, k, v, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
-                   segment_ids_kv=segment_ids_kv, backend=backend, stats=stats)
+                   segment_ids_kv=segment_ids_kv, backend=backend, stats=stats,
+                   positions_q=positions_q, positions_kv=positions_kv)
 
 
 def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str, Layout] = "contiguous",
-            segment_ids_q=None, segment_ids_kv=None, backend: str = "auto", stats: Optional[list] = None):
+            segment_ids_q=None, segment_ids_kv=None, backend: str = "auto", stats: Optional[list] = None,
+            positions_q=None, positions_kv=None):
     """:func:`ring_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
     (q, k, v), bits = _dtypes.view_declared(options.dtype, q, k, v)
-    plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend)
+    plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
+                 positions_q=positions_q, positions_kv=positions_kv)
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     if groups is not None:
         from . import head_parallel as _two_level
@@ -283,8 +318,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             head_parallel: Union[int, str, None] = None,
                             sinks=None, softcap: Optional[float] = None,
                             dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                            dropout_offsets=None, alibi_slopes=None, options: Optional[AttentionOptions] = None,
-                            reduce_dsinks: bool = True):
+                            dropout_offsets=None, alibi_slopes=None, positions_q=None, positions_kv=None,
+                            options: Optional[AttentionOptions] = None, reduce_dsinks: bool = True):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
@@ -295,8 +330,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     q, k, v : as for :func:`ring_attention`.
     o : (B, S_q_local, H, D_v), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
-    dropout_p, dropout_seed, dropout_offsets, alibi_slopes : the forward's values
-        (the dropout mask is regenerated, never stored).
+    dropout_p, dropout_seed, dropout_offsets, alibi_slopes, positions_q, positions_kv :
+        the forward's values (the dropout mask is regenerated, never stored).
     options : :class:`ringmpi.options.AttentionOptions`, optional
         The options as one object instead of their keywords (the forward's may be
         passed as they are: ``return_max_logit`` is ignored here).
@@ -324,16 +359,18 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
         check_finite=check_finite, dtype=dtype).given_once(options)
     return _backward(do, q, k, v, o, lse, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
-                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats, reduce_dsinks=reduce_dsinks)
+                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats, reduce_dsinks=reduce_dsinks,
+                    positions_q=positions_q, positions_kv=positions_kv)
 
 
 def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
              layout: Union[str, Layout] = "contiguous", segment_ids_q=None, segment_ids_kv=None,
-             backend: str = "auto", stats: Optional[list] = None, reduce_dsinks: bool = True):
+             backend: str = "auto", stats: Optional[list] = None, reduce_dsinks: bool = True,
+             positions_q=None, positions_kv=None):
     """:func:`ring_attention_backward` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
     (do, q, k, v, o), bits = _dtypes.view_declared(options.dtype, do, q, k, v, o)
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
-                 extra=(("do", do), ("o", o)))
+                 extra=(("do", do), ("o", o)), positions_q=positions_q, positions_kv=positions_kv)
     be = plan.backend
     lse = be.asarray(lse)
     want = (plan.batch, plan.heads, q.shape[1])

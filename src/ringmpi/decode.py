@@ -35,6 +35,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import positions as _placement
 from .backends import get_backend, modifier_problem, value_dim_problem
 from .errors import ConfigError, agree
 from .layout import KINDS, Layout
@@ -131,9 +132,28 @@ def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def _positions(layout, comm, n_local):
-    """(N_cache, this rank's global positions, a problem or None); a kind name costs one allgather."""
+def _given_positions(comm, positions_kv, n_local):
+    """(N_cache, this rank's given cache positions) after one allgather of their summaries
+    (:mod:`ringmpi.positions`); ConfigError on every rank when any rank's are wrong."""
+    pos = _placement.as_positions(positions_kv)
+    problem = _placement.local_problem("positions_kv", pos, n_local)
+    if problem is None and np.any(np.diff(pos) <= 0):
+        problem = "positions_kv must be ascending (the cache shard's rows in global order)"
+    with phase("decode: the cache positions' summaries (allgather)"):
+        every = comm.allgather((problem, None if problem else _placement.summary(pos)))
+    problem = next((f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p), None)
+    problem = problem or _placement.placement_problem("positions_kv", [s for _, s in every])
+    if problem:
+        raise ConfigError(problem)
+    return sum(s[0] for _, s in every), pos.astype(np.int64, copy=False), None
+
+
+def _positions(layout, comm, n_local, positions_kv=None):
+    """(N_cache, this rank's global positions, a problem or None); a kind name or given
+    positions cost one allgather."""
     rank, size = comm.Get_rank(), comm.Get_size()
+    if positions_kv is not None:
+        return _given_positions(comm, positions_kv, n_local)
     if isinstance(layout, str):
         if layout not in KINDS:
             raise ConfigError(f"unknown layout {layout!r}: expected one of {', '.join(KINDS)}")
@@ -155,7 +175,7 @@ def _positions(layout, comm, n_local):
 def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layout="contiguous",
                      causal: bool = True, window=None, softmax_scale: Optional[float] = None, sinks=None,
                      softcap: Optional[float] = None, root: Optional[int] = None, backend: str = "auto",
-                     stats: Optional[dict] = None, alibi_slopes=None,
+                     stats: Optional[dict] = None, alibi_slopes=None, positions_kv=None,
                      options: Optional[AttentionOptions] = None):
     """Attention of ``S_new`` new tokens over a KV cache sharded across the ranks of ``comm``.
 
@@ -183,6 +203,12 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         ``N_cache = sum of the shard lengths`` (one extra allgather of the
         lengths); an object with ``n``, ``world_size`` and ``indices(rank)``
         (a :class:`~ringmpi.layout.Layout`, ``KVCache.placement``) costs nothing.
+    positions_kv : (S_cache_local,) ascending ints, optional
+        This rank's cache rows' global positions, any assignment of the ``N_cache``
+        positions to ranks (``layout`` is then not used): over all ranks ``0 ..
+        N_cache-1`` once each, checked in one allgather (:mod:`ringmpi.positions`),
+        a ConfigError on every rank otherwise.  The new tokens' positions follow
+        from ``cache_lengths`` as always, so there is no ``positions_q``.
     causal : bool
         Query ``i`` sees keys ``j <= i`` (default True).
     window : (left, right) or None
@@ -217,12 +243,12 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, sinks=sinks,
                                softcap=softcap, alibi_slopes=alibi_slopes).given_once(options, AttentionOptions(causal=True))
     return decode(q, k_cache, v_cache, options, comm=comm, cache_lengths=cache_lengths, layout=layout,
-                  root=root, backend=backend, stats=stats)
+                  root=root, backend=backend, stats=stats, positions_kv=positions_kv)
 
 
 def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_lengths=None,
            layout="contiguous", root: Optional[int] = None, backend: str = "auto",
-           stats: Optional[dict] = None):
+           stats: Optional[dict] = None, positions_kv=None):
     """:func:`decode_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`
     (``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes`` are read)."""
     comm = resolve_comm(comm)
@@ -240,7 +266,7 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
         raise ConfigError(problem)
 
     n_local = k_cache.shape[1] if getattr(k_cache, "ndim", 0) == 4 else -1
-    n_cache, pos, problem = _positions(layout, comm, n_local)
+    n_cache, pos, problem = _positions(layout, comm, n_local, positions_kv)
     problem = problem or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names())
     if problem:  # this rank still joins the collective, with options that build a spec
         options = AttentionOptions(causal=options.causal)

@@ -38,6 +38,7 @@ import numpy as np
 
 from .local_attention import AgreedCall, LocalProblem, backward_pass, forward_pass, sink_grads
 from .ring import StepRecord, poll_until
+from .watchdog import phase
 
 
 def kv_heads_of(index: int, u: int, heads: int, kv_heads: int) -> List[int]:
@@ -140,6 +141,17 @@ class GroupExchange:
             f"bytes, expecting {sum(recv_counts)}); a peer rank may have died or stopped sending"))
 
 
+def _member_positions(call: AgreedCall, groups, members):
+    """The global query and key positions of each member of this group (group order): from the
+    call's layouts, or (given positions) one allgather over the group."""
+    lay_q, lay_kv = call.place_q.layout, call.place_kv.layout
+    if lay_q is not None and lay_kv is not None:
+        return [lay_q.indices(m) for m in members], [lay_kv.indices(m) for m in members]
+    with phase("head x ring: the group's token positions (allgather)", call.timeout):
+        got = groups.group_comm.allgather((call.place_q.mine, call.place_kv.mine))
+    return [g[0] for g in got], [g[1] for g in got]
+
+
 class _Split:
     """Where this rank's head shard comes from and goes back to, in one group."""
 
@@ -149,13 +161,12 @@ class _Split:
         self.kv = [kv_heads_of(i, groups.u, heads, kv_heads) for i in range(groups.u)]
         self.replicated = replicated(groups.u, heads, kv_heads)
         members = groups.members[groups.group]
-        q_idx = [call.layout_q.indices(m) for m in members]
-        kv_idx = [call.layout_kv.indices(m) for m in members]
+        q_idx, kv_idx = _member_positions(call, groups, members)
         self.rows_q = [len(i) for i in q_idx]     # tokens of each member, group order
         self.rows_kv = [len(i) for i in kv_idx]
         self.q_pos = np.concatenate(q_idx)          # this group's query positions (group order)
         self.kv_pos = np.concatenate(kv_idx)
-        ckv = call.layout_kv.counts()
+        ckv = call.place_kv.counts
         self.ring_kv_counts = [int(sum(ckv[m] for m in g)) for g in groups.members]
 
     def heads(self, i: int) -> slice:

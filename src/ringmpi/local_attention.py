@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .layout import Layout
+from .positions import Placement
 from .masks import MaskSpec
 from .online_softmax import SoftmaxState
 from .schedule import RingSchedule
@@ -79,7 +79,8 @@ class LocalProblem:
 class AgreedCall:
     """Everything one sharded call agreed on across the ranks of ``comm`` before any compute.
 
-    layout_q, layout_kv : the call's layouts of ``N_q`` queries and ``N_kv`` keys over ``comm``.
+    place_q, place_kv : where the call's ``N_q`` queries and ``N_kv`` keys are over ``comm``
+        (:class:`~ringmpi.positions.Placement`: from a layout or given positions).
     seg_q, seg_kv : (B, S_q_local), (B, S_kv_local) int64 segment ids of this rank, or None.
     sinks : (H,) this backend's array in the compute dtype, or None.
     The other fields as :class:`LocalProblem`'s.
@@ -90,8 +91,8 @@ class AgreedCall:
     compute_dtype: np.dtype
     batch: int
     heads: int
-    layout_q: Layout
-    layout_kv: Layout
+    place_q: Placement
+    place_kv: Placement
     spec: MaskSpec
     scale: float
     seg_q: Optional[np.ndarray] = None
@@ -107,8 +108,8 @@ class AgreedCall:
         """The flat ring's problem: this rank's own shards, the ring of all ranks of ``comm``
         node by node (:func:`ringmpi.topology.ring_order`)."""
         return LocalProblem(self.comm, self.backend, self.compute_dtype, self.spec, self.scale,
-                            kv_counts=self.layout_kv.counts(), q_pos=self.layout_q.indices(self.rank),
-                            kv_pos=self.layout_kv.indices(self.rank), seg_q=self.seg_q, seg_kv=self.seg_kv,
+                            kv_counts=self.place_kv.counts, q_pos=self.place_q.mine,
+                            kv_pos=self.place_kv.mine, seg_q=self.seg_q, seg_kv=self.seg_kv,
                             timeout=self.timeout, order=ring_order(self.comm))
 
 

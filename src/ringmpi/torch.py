@@ -139,7 +139,7 @@ class _Where:
     def args(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
 
-    def library_kwargs(self, q, k, v, seg_q, seg_kv) -> dict:
+    def library_kwargs(self, q, k, v, seg_q, seg_kv, pos_q, pos_kv) -> dict:
         """Keywords for :func:`ringmpi.ring_attention` / :func:`ringmpi.ring_attention_backward`
         besides ``options``, with the backend resolved for the tensors ``q, k, v``."""
         comm = _COMMS[self.comm]
@@ -148,7 +148,8 @@ class _Where:
         if problem:  # eager calls agreed on it in ring_attention already; compiled ones get it here
             raise ConfigError(problem)
         return dict(comm=comm, layout=layout, backend=backend, stats=_STATS.get(self.stats),
-                    segment_ids_q=_host_numpy(seg_q), segment_ids_kv=_host_numpy(seg_kv))
+                    segment_ids_q=_host_numpy(seg_q), segment_ids_kv=_host_numpy(seg_kv),
+                    positions_q=_host_numpy(pos_q), positions_kv=_host_numpy(pos_kv))
 
 
 _WHERE_SCHEMA = "int comm, str layout, int layout_n, str backend, int stats"
@@ -257,40 +258,43 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 _ARGUMENTS = _WHERE_SCHEMA + ", " + _OPTION_SCHEMA
 torch.library.define("ringmpi::ring_attention",
                      "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? alibi_slopes, Tensor? seg_q, "
-                     "Tensor? seg_kv, " + _ARGUMENTS + ") -> (Tensor, Tensor)")
+                     "Tensor? seg_kv, Tensor? pos_q, Tensor? pos_kv, " + _ARGUMENTS + ") -> (Tensor, Tensor)")
 torch.library.define("ringmpi::ring_attention_backward",
                      "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? sinks, "
-                     "Tensor? alibi_slopes, Tensor? seg_q, Tensor? seg_kv, " + _ARGUMENTS
+                     "Tensor? alibi_slopes, Tensor? seg_q, Tensor? seg_kv, Tensor? pos_q, Tensor? pos_kv, "
+                     + _ARGUMENTS
                      + ") -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args) -> dict:
+def _library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, args) -> dict:
     """The library's keywords (``options=`` included) for the ops' arguments."""
     where = _Where(*args[:_WHERE_COUNT])
     return dict(options=_options_of(args[_WHERE_COUNT:], sinks, alibi_slopes),
-                **where.library_kwargs(q, k, v, seg_q, seg_kv))
+                **where.library_kwargs(q, k, v, seg_q, seg_kv, pos_q, pos_kv))
 
 
 @torch.library.impl("ringmpi::ring_attention", "CompositeExplicitAutograd")
-def _forward_op(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args):
+def _forward_op(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
     with _on_torch_stream(q.device):
         o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v),
-                                        **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args))
+                                        **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv,
+                                                        args))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
 @torch.library.register_fake("ringmpi::ring_attention")
-def _forward_fake(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args):
+def _forward_fake(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[3])), q.new_empty((b, h, s), dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.impl("ringmpi::ring_attention_backward", "CompositeExplicitAutograd")
-def _backward_op(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *args):
+def _backward_op(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
     """dq, dk, dv and dsinks (this rank's share; ``(0,)`` without sinks)."""
     with _on_torch_stream(q.device):
         grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do, q, k, v, o, lse)),
-                                                **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, args),
+                                                **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv,
+                                                                pos_q, pos_kv, args),
                                                 reduce_dsinks=False)
         dq, dk, dv = (to_tensor(g, q.device) for g in grads[:3])
         dsinks = (q.new_empty((0,)) if sinks is None
@@ -299,24 +303,24 @@ def _backward_op(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *args)
 
 
 @torch.library.register_fake("ringmpi::ring_attention_backward")
-def _backward_fake(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *args):
+def _backward_fake(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((0,)) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, alibi_slopes, seg_q, seg_kv, *args = inputs
+    q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv)
+    ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv)
     ctx.args = args
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv = ctx.saved_tensors
+    q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv = ctx.saved_tensors
     with torch.no_grad():
         dq, dk, dv, dsinks = torch.ops.ringmpi.ring_attention_backward(
-            do.contiguous(), q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, *ctx.args)
+            do.contiguous(), q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *ctx.args)
     _STATS.pop(_Where(*ctx.args[:_WHERE_COUNT]).stats, None)
     grads = [g if want else None for g, want in zip((dq, dk, dv, None if sinks is None else dsinks),
                                                      ctx.needs_input_grad[:4])]
@@ -352,7 +356,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    check_finite: bool = False, stats: Optional[list] = None,
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
                    softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                   alibi_slopes=None):
+                   alibi_slopes=None, positions_q=None, positions_kv=None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -389,6 +393,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         Logit softcap, as in :func:`ringmpi.ring_attention`.
     alibi_slopes : (H,) float32 tensor or array, optional
         ALiBi, as in :func:`ringmpi.ring_attention` (no gradient flows to it).
+    positions_q, positions_kv : (S_q_local,), (S_kv_local,) integer tensors or arrays, optional
+        This rank's tokens' global positions (any assignment of tokens to ranks),
+        instead of ``layout``: as in :func:`ringmpi.ring_attention`, checked there.
 
     Returns
     -------
@@ -410,7 +417,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     sinks = None if sinks is None else sinks.contiguous()
     o, lse = torch.ops.ringmpi.ring_attention(q, k, v, sinks, alibi, _host_tensor(segment_ids_q),
-                                              _host_tensor(segment_ids_kv), *where.args(), *args)
+                                              _host_tensor(segment_ids_kv), _host_tensor(positions_q),
+                                              _host_tensor(positions_kv), *where.args(), *args)
     if stats is not None and not o.requires_grad:  # no backward will append to stats
         _STATS.pop(where.stats, None)
     return (o, lse) if return_lse else o

@@ -148,7 +148,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     None)``.  Honours ``scaling``, ``is_causal`` (default ``module.is_causal``), ``sliding_window``
     (HF's: key ``j`` visible from query ``i`` iff ``i - window < j <= i``), ``softcap``, ``s_aux``
     (sinks, a replicated parameter: its gradient is this rank's share) and ``dropout`` (seeded by
-    :func:`dropout_seed` of the context's seed, step and ``module.layer_idx``).  Refuses a mask
+    :func:`dropout_seed` of the context's seed, step and ``module.layer_idx``).  HF's ``position_ids``
+    restart per document and differ per batch entry, so they are not ringmpi's positions (one
+    permutation of ``0 .. N-1`` per call): they are checked once per forward against the
+    context's global positions (:meth:`ShardContext.check_positions`), which the attention then
+    passes as ``positions_q = positions_kv``, so masks, ALiBi and dropout use exactly the checked ones.  Refuses a mask
     (HF builds none for "ringmpi": padding arrives as segment ids) and a KV cache.
     """
     ctx = ringmpi_context
@@ -173,8 +177,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         drop = dict(dropout_p=float(dropout), dropout_seed=dropout_seed(ctx.dropout_seed, ctx.step, module.layer_idx))
     seg = ctx.segment_ids
+    positions = torch.from_numpy(ctx.positions)  # the ones position_ids were checked against
     o = _rt.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm=ctx.comm,
-                           layout=ctx.layout.kind, causal=causal, window=_window(sliding_window, causal),
+                           positions_q=positions, positions_kv=positions, causal=causal,
+                           window=_window(sliding_window, causal),
                            segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
                            softcap=softcap, **drop)
     return o, None
