@@ -53,6 +53,29 @@ def machine_rates(dim, tile=512, repeat=5):
     return 4 * tile * tile * dim / gemm, tile * tile / exp
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor string."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas_name() -> str:
+    """NumPy's BLAS as its build reports it (name and version)."""
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:  # noqa: BLE001 - older NumPy: no dict mode
+        return "unknown"
+
+
 def gemm_exp_bound(dim, gemm_rate, exp_rate, backward=False):
     """FLOP/s bound of a GEMM + exp design (see the module docstring)."""
     flops = (10 if backward else 4) * dim
@@ -104,6 +127,9 @@ def main(argv=None):
             f"| {'bwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6}")
     print(f"S={args.seq} B={args.batch} H={args.heads} float32, 1 thread; bound = GEMM + exp design "
           f"at this machine's rates (GEMM G, exp E, measured now)")
+    from ..backends.numpy_backend import tile_pass
+
+    print(f"CPU {cpu_model()}; BLAS {blas_name()} (NumPy's); float32 tile pass: {tile_pass()}")
     print(head)
     print("-" * len(head))
     if measure_torch(64, 8, 1, 1, False, 1) is None:
