@@ -19,50 +19,74 @@
 #define MULTI
 #endif
 
-static inline float exp_poly(float x)
+/* eight lanes in GCC/Clang vector extensions: SSE2/AVX2 on x86, NEON on aarch64 */
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#define LANES 8
+
+static inline vf bc(float a) { vf r = {a, a, a, a, a, a, a, a}; return r; }
+static inline vi bci(int32_t a) { vi r = {a, a, a, a, a, a, a, a}; return r; }
+static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+
+static inline vf exp_poly(vf x)
 {
     /* x = n ln2 + r, |r| <= ln2 / 2; exp(r) by a degree-6 polynomial; 2^n by exponent bits */
-    float xc = x > 88.3762626647949f ? 88.3762626647949f : x;
-    xc = xc < -103.0f ? -103.0f : xc;
-    float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    /* 2^n in two halves: n in [-149, 128] spans the subnormals without overflowing a factor */
-    int32_t ni = (int32_t)n;
-    int32_t n1 = ni / 2, n2 = ni - n1;
-    union { uint32_t u; float f; } a, b;
-    a.u = (uint32_t)(n1 + 127) << 23;
-    b.u = (uint32_t)(n2 + 127) << 23;
-    float y = p * a.f * b.f;
-    y = x > 88.72283905206835f ? INFINITY : y;
-    y = x < -103.972077083991796f ? 0.0f : y;
-    return x != x ? x : y;
+    vf xc = sel(x > bc(88.72283905206835f), bc(88.72283905206835f), x);
+    xc = sel(xc < bc(-103.0f), bc(-103.0f), xc);
+    /* round to nearest by the 1.5 * 2^23 trick */
+    vf n = (xc * bc(1.44269504088896341f) + bc(12582912.0f)) - bc(12582912.0f);
+    vf r = xc - n * bc(0.693359375f);
+    r = r - n * bc(-2.12194440e-4f);
+    vf p = bc(1.9875691500e-4f);
+    p = p * r + bc(1.3981999507e-3f);
+    p = p * r + bc(8.3334519073e-3f);
+    p = p * r + bc(4.1665795894e-2f);
+    p = p * r + bc(1.6666665459e-1f);
+    p = p * r + bc(5.0000001201e-1f);
+    p = p * (r * r) + r + bc(1.0f);
+    /* 2^n in two factors: n in [-149, 128] reaches the subnormals without overflowing one */
+    vi ni = __builtin_convertvector(n, vi);
+    vi n1 = ni >> 1, n2 = ni - n1;
+    vf y = p * (vf)((n1 + bci(127)) << 23) * (vf)((n2 + bci(127)) << 23);
+    y = sel(x > bc(88.72283905206835f), bc(INFINITY), y);
+    y = sel(x < bc(-103.972077083991796f), bc(0.0f), y);
+    return sel(x != x, x, y);
 }
 
-MULTI static void exp_rows(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
-                           const float *bias, Py_ssize_t ldb, const float *shift)
+/* one row: out = exp(((row * scale) + bias) - shift), LANES at a time; the tail through a
+ * padded copy, so every element gets the same arithmetic */
+MULTI static void exp_row(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
 {
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        float *row = s + i * ld;
-        const float *brow = bias ? bias + i * ldb : NULL;
-        float sh = shift ? shift[i] : 0.0f;
-        if (brow && shift) {
-            for (Py_ssize_t j = 0; j < cols; j++) row[j] = exp_poly((row[j] * scale + brow[j]) - sh);
-        } else if (brow) {
-            for (Py_ssize_t j = 0; j < cols; j++) row[j] = exp_poly(row[j] * scale + brow[j]);
-        } else if (shift) {
-            for (Py_ssize_t j = 0; j < cols; j++) row[j] = exp_poly(row[j] * scale - sh);
-        } else {
-            for (Py_ssize_t j = 0; j < cols; j++) row[j] = exp_poly(row[j] * scale);
-        }
+    Py_ssize_t j = 0;
+    for (; j + LANES <= cols; j += LANES) {
+        vf v, b = bc(0.0f);
+        memcpy(&v, row + j, sizeof v);
+        v = v * bc(scale);
+        if (brow) { memcpy(&b, brow + j, sizeof b); v = v + b; }
+        v = exp_poly(v - bc(sh));
+        memcpy(row + j, &v, sizeof v);
     }
+    if (j < cols) {
+        float buf[LANES] = {0}, bb[LANES] = {0};
+        Py_ssize_t rest = cols - j;
+        memcpy(buf, row + j, rest * sizeof(float));
+        if (brow) memcpy(bb, brow + j, rest * sizeof(float));
+        vf v, b;
+        memcpy(&v, buf, sizeof v);
+        memcpy(&b, bb, sizeof b);
+        v = v * bc(scale);
+        if (brow) v = v + b;
+        v = exp_poly(v - bc(sh));
+        memcpy(buf, &v, sizeof v);
+        memcpy(row + j, buf, rest * sizeof(float));
+    }
+}
+
+static void exp_rows(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
+                     const float *bias, Py_ssize_t ldb, const float *shift)
+{
+    for (Py_ssize_t i = 0; i < rows; i++)
+        exp_row(s + i * ld, cols, scale, bias ? bias + i * ldb : NULL, shift ? shift[i] : 0.0f);
 }
 
 /* a writable (or, for inputs, readable) float32 2-D buffer with unit column stride */
