@@ -22,6 +22,6 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("ringmpi._ext._fused", ["src/ringmpi/_ext/fused.c"],
-                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"])],
+                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )
