@@ -61,11 +61,11 @@ def synthetic_sequence(n, vocab, seed):
     return torch.from_numpy(tokens)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--dim", type=int, default=64)
+def add_training_arguments(parser, seq_len, steps, dim):
+    """The options both training examples share: model shape, optimiser, dtype, seed, output."""
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--dim", type=int, default=dim)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
@@ -73,8 +73,13 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sinks", action="store_true", help="a learned attention sink per head (gpt-oss)")
     parser.add_argument("--save", help="rank 0 writes losses and final parameters here (.npz)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_training_arguments(parser, seq_len=4096, steps=20, dim=64)
+    parser.add_argument("--sinks", action="store_true", help="a learned attention sink per head (gpt-oss)")
     args = parser.parse_args()
 
     comm = MPI.COMM_WORLD

@@ -25,24 +25,14 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringmpi  # noqa: E402
 from ringmpi import torch_distributed  # noqa: E402
-from train_context_parallel import TinyLM, synthetic_sequence  # noqa: E402
+from train_context_parallel import TinyLM, add_training_arguments, synthetic_sequence  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="ranks per replica (the ring)")
     parser.add_argument("--batch", type=int, default=2, help="global batch: sequences, split over the replicas")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", help="rank 0 writes losses and final parameters here (.npz)")
+    add_training_arguments(parser, seq_len=1024, steps=10, dim=32)
     args = parser.parse_args()
 
     world = MPI.COMM_WORLD

@@ -368,7 +368,7 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
     def kill_jobs(self, timeout: float = 10.0) -> List[int]:
         """SIGKILL every process on the hosts except the holders; returns the survivors."""
         holders = {h.holder.pid for h in self.hosts.values() if h.holder is not None}
-        return _kill_all(lambda: [p for p in self.processes() if p not in holders], timeout)
+        return kill_all(lambda: [p for p in self.processes() if p not in holders], timeout)
 
     def leftovers(self) -> List[str]:
         """What of this cluster still exists: namespaces, processes, hosts files, the directory."""
@@ -388,7 +388,7 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
         """Kill every process on the hosts by PID, delete the namespaces and hosts files and the
         directory; with ``check``, raise ClusterError naming whatever is left."""
         problems = []
-        survivors = _kill_all(self.processes, 10.0)
+        survivors = kill_all(self.processes, 10.0)
         if survivors:
             problems.append(f"processes {survivors} survived SIGKILL")
         for h in self.hosts.values():
@@ -435,7 +435,8 @@ def _bits_per_second(rate: str) -> int:
     raise ValueError(f"rate {rate!r}: use e.g. 1gbit, 200mbit")
 
 
-def _kill_all(find, timeout: float) -> List[int]:
+def kill_all(find, timeout: float) -> List[int]:
+    """SIGKILL what ``find()`` lists until it lists none alive or ``timeout`` passes; the survivors."""
     deadline = time.monotonic() + timeout
     left = find()
     while left and time.monotonic() < deadline:
@@ -457,7 +458,7 @@ def remove_stale() -> List[str]:
         if creator.isdigit() and not _alive(int(creator)):
             inode = _netns_inode(ns)
             if inode is not None:
-                _kill_all(lambda: _pids_in({inode}), 10.0)
+                kill_all(lambda: _pids_in({inode}), 10.0)
             _sh(["ip", "netns", "delete", ns], check=False)
             root = ETC_NETNS / ns / "cluster-root"
             if root.exists() and Path(root.read_text()).name.startswith("ringmpi-netns-"):

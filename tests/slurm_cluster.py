@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from netns_cluster import kill_all
+
 PACKAGES = ("slurm-wlm", "munge")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
 SBIN = ("/usr/sbin", "/sbin")
@@ -49,6 +51,17 @@ def _which(program: str) -> Optional[str]:
 
 def missing_programs() -> List[str]:
     return [p for p in PROGRAMS if _which(p) is None]
+
+
+def require_installed() -> None:
+    """:func:`install`, as a test's verdict: skipped with the reason, or failed where installing broke."""
+    import pytest
+    try:
+        reason = install()
+    except ClusterError as exc:
+        pytest.fail(str(exc))
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def install(timeout: float = 600.0) -> Optional[str]:
@@ -392,16 +405,7 @@ class SlurmCluster:
                     problems.append(f"{name} (pid {proc.pid}) ignored SIGTERM for {timeout} s: killed")
                     proc.kill()
                     proc.wait(timeout=timeout)
-        deadline = time.monotonic() + timeout
-        left = self._leftover_pids()
-        while left and time.monotonic() < deadline:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
-            left = self._leftover_pids()
+        left = kill_all(self._leftover_pids, timeout)
         if left:
             problems.append(f"processes {left} survived SIGKILL")
         busy = [port for port in self.ports.values() if port_in_use(port)]

@@ -19,12 +19,7 @@ CPU_JOB = ROOT / "jobs" / "slurm-cpu.sbatch"
 
 @pytest.fixture(scope="module")
 def slurm_hosts(netns):
-    try:
-        reason = slurm_cluster.install()
-    except slurm_cluster.ClusterError as exc:
-        pytest.fail(str(exc))
-    if reason is not None:
-        pytest.skip(reason)
+    slurm_cluster.require_installed()
     cluster = slurm_cluster.SlurmCluster(netns.root / "slurm", cpus=2, hosts=netns)
     cluster.start()
     where = netns.shared / "slurm"

@@ -3,7 +3,6 @@ same file as an uninterrupted run (bitwise at the same world size); a partial
 file of a different job is refused with exit 2 naming the difference."""
 
 import os
-import sys
 
 import h5py
 import numpy as np

@@ -40,12 +40,7 @@ def job_env(**extra):
 
 @pytest.fixture(scope="session")
 def slurm():
-    try:
-        reason = slurm_cluster.install()
-    except slurm_cluster.ClusterError as exc:
-        pytest.fail(str(exc))
-    if reason is not None:
-        pytest.skip(reason)
+    slurm_cluster.require_installed()
     # not under pytest's private tmp: munged wants every directory above its socket open to all
     cluster = slurm_cluster.SlurmCluster(Path(tempfile.mkdtemp(prefix="ringmpi-slurm-")))
     cluster.start()

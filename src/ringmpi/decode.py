@@ -31,7 +31,6 @@ the ring's causal mask; keys at positions ``>= L_b`` are not part of entry
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Optional
 
 import numpy as np
