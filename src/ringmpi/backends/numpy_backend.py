@@ -11,6 +11,7 @@ per rank (``OPENBLAS_NUM_THREADS=1``).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 
@@ -24,6 +25,41 @@ TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
 # a partly hidden tile runs as row bands of this many rows, each cut to its visible columns
 BAND_Q = positive_int("RINGMPI_BAND_Q", 128)
 _RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf only past ~2^127)
+
+
+def _load_fused():
+    """The compiled float32 tile pass (``ringmpi._ext._fused.exp_tile``), or None where it
+    was not built or ``RINGMPI_CPU_KERNEL=numpy`` asks for the NumPy-only path."""
+    if os.environ.get("RINGMPI_CPU_KERNEL", "compiled") == "numpy":
+        return None
+    try:
+        from .._ext._fused import exp_tile
+    except ImportError:
+        return None
+    return exp_tile
+
+
+_FUSED = _load_fused()
+
+
+def tile_pass() -> str:
+    """Which elementwise tile pass float32 blocks use: ``"compiled"`` or ``"numpy"``."""
+    return "numpy" if _FUSED is None else "compiled"
+
+
+def _exp_pass(s, scale, bias=None, shift=None):
+    """``s = exp(s * scale + bias - shift[:, None])`` in place (``bias``, ``shift`` optional),
+    each step rounded in that order: one compiled sweep for float32 (``_FUSED``), NumPy
+    passes otherwise."""
+    if _FUSED is not None and s.dtype == np.float32 and (bias is None or bias.dtype == np.float32):
+        _FUSED(s, scale, bias, shift)
+        return
+    s *= scale
+    if bias is not None:
+        s += bias
+    if shift is not None:
+        s -= shift[:, None]
+    np.exp(s, out=s)
 
 
 def _once(resident, key, make):
@@ -160,8 +196,9 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, f
     ``drop``, when given, multiplies the weights after their row sums are taken
     (dropout: ``l`` stays the sum of the un-dropped weights).
     """
-    _scores(qe, ke, s, bias, scale, -m_rows / scale, dim)
-    np.exp(s, out=s)
+    qe[:, dim] = -m_rows / scale
+    np.matmul(qe, ke.T, out=s)
+    _exp_pass(s, scale, bias)
     sums = None if drop is None else _drop_weights(s, drop)
     np.matmul(s, ve, out=pv)
     if not np.isfinite(pv).all() or (sums is not None and not np.isfinite(sums).all()):
@@ -371,11 +408,7 @@ def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t,
     With dropout (``drop``: the tile's keep/(1-p) factors) ``dv += (P Z)^T do`` and
     ``dS = P * ((do v^T) Z - dvec)``."""
     np.matmul(q_t, k_t.T, out=p)
-    p *= scale
-    if bias is not None:
-        p += bias
-    p -= lse_t[:, None]
-    np.exp(p, out=p)
+    _exp_pass(p, scale, bias, lse_t)
     if drop is None:
         dv_t += p.T @ do_t
     else:

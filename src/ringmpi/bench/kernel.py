@@ -11,8 +11,9 @@ and the ratio ours/torch measured in this run, and the bound of a GEMM + exp
 design on this machine (``bound``): per visible score the forward does
 ``4 D`` GEMM FLOPs and one ``exp``, the backward ``10 D`` and one ``exp``, so
 it cannot beat ``4 D / (4 D / G + 1 / E)`` (``10 D`` for the backward) with
-``G`` the float32 GEMM rate on a tile's shapes and ``E`` NumPy's float32
-``exp`` rate, both measured here.
+``G`` the float32 GEMM rate on a tile's shapes and ``E`` the float32 rate of
+the backend's ``exp`` pass (the compiled tile pass where it is built, else
+NumPy's ``exp``), both measured here.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _best(fn, repeat):
 
 def machine_rates(dim, tile=512, repeat=5):
     """(GEMM FLOP/s on a (tile, D) x (D, tile) and a (tile, tile) x (tile, D) product,
-    float32 exp elements/s on a (tile, tile) tile), one thread, best of ``repeat``."""
+    float32 exp elements/s of the backend's exp pass on a (tile, tile) tile, copy included),
+    one thread, best of ``repeat``."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((tile, dim), dtype=np.float32)
     b = rng.standard_normal((tile, dim), dtype=np.float32)
@@ -49,8 +51,33 @@ def machine_rates(dim, tile=512, repeat=5):
     s[...] = rng.standard_normal((tile, tile), dtype=np.float32)
     np.minimum(s, 0, out=s)
     x = s.copy()
-    exp = _best(lambda: np.exp(x, out=s), repeat)
+    from ..backends.numpy_backend import _exp_pass
+
+    exp = _best(lambda: (np.copyto(s, x), _exp_pass(s, np.float32(1))), repeat)
     return 4 * tile * tile * dim / gemm, tile * tile / exp
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor string."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas_name() -> str:
+    """NumPy's BLAS as its build reports it (name and version)."""
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:  # noqa: BLE001 - older NumPy: no dict mode
+        return "unknown"
 
 
 def gemm_exp_bound(dim, gemm_rate, exp_rate, backward=False):
@@ -104,6 +131,9 @@ def main(argv=None):
             f"| {'bwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6}")
     print(f"S={args.seq} B={args.batch} H={args.heads} float32, 1 thread; bound = GEMM + exp design "
           f"at this machine's rates (GEMM G, exp E, measured now)")
+    from ..backends.numpy_backend import tile_pass
+
+    print(f"CPU {cpu_model()}; BLAS {blas_name()} (NumPy's); float32 tile pass: {tile_pass()}")
     print(head)
     print("-" * len(head))
     if measure_torch(64, 8, 1, 1, False, 1) is None:

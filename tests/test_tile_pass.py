@@ -1,0 +1,113 @@
+"""The CPU backend's float32 tile pass on both paths: the compiled sweep
+(``ringmpi._ext._fused``, built by ``pip install``) and the NumPy passes it replaces.
+
+In-process, one rank: the pass itself (accuracy of its ``exp``, non-finite values),
+then forward and gradients of masks, windows, segments, GQA, ALiBi and dropout against
+the float64 dense reference under the tolerance rule, and the same bits on repeat,
+with the tiles small enough that every block spans several (shifted, exact and
+partly hidden tiles).  The multi-rank tests run the compiled path where it is built."""
+
+import numpy as np
+import pytest
+
+import reference
+import ringmpi
+from ringmpi.backends import numpy_backend
+
+PATHS = ("compiled", "numpy")
+
+
+@pytest.fixture(params=PATHS)
+def tile_pass(request, monkeypatch):
+    if request.param == "compiled":
+        if numpy_backend._FUSED is None:
+            pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
+    else:
+        monkeypatch.setattr(numpy_backend, "_FUSED", None)
+    monkeypatch.setattr(numpy_backend, "TILE_Q", 16)
+    monkeypatch.setattr(numpy_backend, "TILE_KV", 24)
+    monkeypatch.setattr(numpy_backend, "BAND_Q", 8)
+    assert numpy_backend.tile_pass() == request.param
+    return request.param
+
+
+def test_exp_pass_accuracy_and_nonfinite(tile_pass):
+    rng = np.random.default_rng(1)
+    s = (rng.standard_normal((64, 96)) * 30).astype(np.float32)
+    s[0, :7] = [np.inf, -np.inf, np.nan, 88.8, -104.0, -87.5, 0.0]
+    bias = np.where(rng.random(s.shape) < 0.2, -np.inf, 0).astype(np.float32)
+    shift = rng.standard_normal(64).astype(np.float32)
+    with np.errstate(all="ignore"):
+        x64 = (s * np.float32(0.7) + bias - shift[:, None]).astype(np.float64)  # float32 steps, as documented
+        want = np.exp(x64)
+        numpy_way = np.exp(x64.astype(np.float32))
+        got = s.copy()
+        numpy_backend._exp_pass(got, np.float32(0.7), bias, shift)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got == 0, numpy_way == 0)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(numpy_way))
+    normal = np.isfinite(want) & (want > 1.2e-38) & (want < 3e38)
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() <= 4 * np.finfo(np.float32).eps
+
+
+CASES = {
+    "full": dict(),
+    "causal-gqa": dict(causal=True, hkv=2),
+    "window": dict(window=(9, 3)),
+    "segments": dict(segments=True, causal=True),
+    "alibi": dict(alibi=True, causal=True),
+    "dropout": dict(dropout=0.25, hkv=2),
+}
+
+
+def _inputs(case, n=53, b=2, h=4, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    hkv = case.get("hkv", h)
+    q = rng.standard_normal((b, n, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
+    do = rng.standard_normal((b, n, h, d)).astype(np.float32)
+    kw = dict(causal=case.get("causal", False), window=case.get("window"))
+    seg = None
+    if case.get("segments"):
+        seg = np.sort(rng.integers(0, 3, (b, n)), axis=1).astype(np.int32)
+        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
+    alibi = None
+    if case.get("alibi"):
+        alibi = (0.5 ** np.arange(1, h + 1)).astype(np.float32)
+        kw["alibi_slopes"] = alibi
+    drop = None
+    if case.get("dropout"):
+        kw.update(dropout_p=case["dropout"], dropout_seed=77)
+        drop = reference.dropout_factors(77, case["dropout"], b, h, n, n)
+    vis = reference.visible(n, n, kw["causal"], kw["window"], seg, seg)
+    return (q, k, v, do), kw, dict(vis=vis, alibi=alibi, drop=drop)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_against_float64_reference(tile_pass, name):
+    (q, k, v, do), kw, ref = _inputs(CASES[name])
+    scale = 1 / np.sqrt(q.shape[-1])
+    o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
+    grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)
+    dense = dict(vis=ref["vis"], scale=scale, drop=ref["drop"], alibi=ref["alibi"])
+    wide = [x.astype(np.float64) for x in (q, k, v, do)]
+    o64, lse64 = reference.dense_forward(*wide[:3], dtype=np.float64, **dense)
+    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, **dense)
+    g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, **dense)
+    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, **dense)
+    checks = [reference.tolerance_check("o", o, o64, o32), reference.tolerance_check("lse", lse, lse64, lse32)]
+    checks += [reference.tolerance_check(n, g, r, nv, gradient=True)
+               for n, g, r, nv in zip(("dq", "dk", "dv"), grads, g64, g32)]
+    assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+def test_same_bits_on_repeat(tile_pass):
+    (q, k, v, do), kw, _ = _inputs(CASES["causal-gqa"], seed=3)
+    runs = []
+    for _ in range(2):
+        o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
+        runs.append((o, lse) + tuple(ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
