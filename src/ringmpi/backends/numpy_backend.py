@@ -245,15 +245,6 @@ def _plus(bias, extra):
     return extra if bias is None else bias + extra
 
 
-def _modifier_terms(spec, q_pos, kv_pos, dtype):
-    """Per-head additive score terms of a tile's modifiers: a function ``h -> (rows, cols)``
-    array, or None without any (ALiBi: :meth:`ringmpi.modifiers.Alibi.bias`)."""
-    if spec.alibi is None:
-        return None
-    dist = spec.alibi.distances(q_pos, kv_pos, spec.offset, dtype)
-    return lambda h: spec.alibi.bias(h, dist)
-
-
 def _drop_weights(weights, drop):
     """Dropout on a tile's weights, in place; returns their row sums taken before."""
     sums = weights.sum(axis=1)
@@ -530,7 +521,7 @@ class NumpyBackend:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             s = scratch[: nq * nk].reshape(nq, nk)
             pv = pv_scratch[: nq * (dim_v + 1)].reshape(nq, dim_v + 1)
-            terms = _modifier_terms(mask.spec, mask.q_pos[rows], mask.kv_pos[cols], ct)
+            terms = mask.spec.modifier_terms(mask.q_pos[rows], mask.kv_pos[cols], ct)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
@@ -611,7 +602,7 @@ class NumpyBackend:
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
             t = None if softcap is None else scratch_t[: nq * nk].reshape(nq, nk)
-            terms = _modifier_terms(mask.spec, mask.q_pos[rows], mask.kv_pos[cols], ct)
+            terms = mask.spec.modifier_terms(mask.q_pos[rows], mask.kv_pos[cols], ct)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
