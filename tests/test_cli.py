@@ -173,15 +173,17 @@ def test_existing_output_needs_overwrite(tmp_path):
 @pytest.mark.parametrize("fault", ["write:1", "raise:0:1:bwd", "exit:3:2:fwd"])
 def test_failure_leaves_existing_output_intact(tmp_path, fault):
     """A rank failing in the ring or between writing and closing ends the job;
-    the existing output is byte-identical and no temporary file is left."""
+    the existing output is byte-identical and no temporary file is left.  Only the
+    failure path can end it within mpirun's 60 s deadline (past it the test fails):
+    the ring's own timeout is ``run``'s default 600 s."""
     src = write_input(tmp_path / "in.h5", n=50)
     out = tmp_path / "out.h5"
     rc, _, err, _ = mpirun(4, [RINGMPI, "run", src, "-o", out, "--backward"], 60)
     assert rc == 0, err
     before = digest(out)
-    rc, _, err, secs = mpirun(4, [RINGMPI, "run", src, "-o", out, "--backward", "--causal", "--overwrite"], 60,
-                              env=mpirun_env(RINGMPI_FAULT=fault))
-    assert rc != 0 and secs < 15, err
+    rc, _, err, _ = mpirun(4, [RINGMPI, "run", src, "-o", out, "--backward", "--causal", "--overwrite"], 60,
+                           env=mpirun_env(RINGMPI_FAULT=fault))
+    assert rc != 0, err
     assert fault.startswith("exit") or "injected fault" in err, err
     assert digest(out) == before and not leftovers(tmp_path)
     fresh = tmp_path / "fresh.h5"

@@ -1,7 +1,9 @@
 """Failure handling under real mpirun (P = 4): nothing hangs, errors end the job.
 
-Each test asserts the exit status, the message and the elapsed time; faults
-are injected with ``RINGMPI_FAULT`` (a testing aid, see ringmpi.faults).
+Each test asserts the exit status and the message; faults are injected with
+``RINGMPI_FAULT`` (a testing aid, see ringmpi.faults).  Nothing is timed: where
+only the failure path may end a job, the ring's own timeout (600 s) lies far past
+mpirun's deadline (60 s), and a job still running at the deadline fails its test.
 """
 
 import re
@@ -28,22 +30,19 @@ def run_job(fault, *args, nprocs=4, deadline=60):
 ])
 def test_exception_on_one_rank_ends_the_job(fault, backward):
     rank = fault.split(":")[1]
-    rc, out, err, seconds = run_job(fault, *(["--backward"] if backward else []), "--timeout", "60")
+    rc, out, err, _ = run_job(fault, *(["--backward"] if backward else []), "--timeout", "600")
     assert rc != 0
-    assert seconds < 15, f"job took {seconds:.1f} s to end"
     assert f"[rank {rank}] ringmpi: InjectedFault: injected fault on rank {rank}" in err, err[-2000:]
 
 
 def test_rank_that_exits_abruptly_ends_the_job():
-    rc, out, err, seconds = run_job("exit:1:1", "--timeout", "60")
+    rc, out, err, _ = run_job("exit:1:1", "--timeout", "600")
     assert rc != 0
-    assert seconds < 15, f"job took {seconds:.1f} s to end"
 
 
 def test_hung_rank_is_caught_by_the_deadline():
-    rc, out, err, seconds = run_job("hang:2:1", "--timeout", "5")
+    rc, out, err, _ = run_job("hang:2:1", "--timeout", "5")
     assert rc != 0
-    assert seconds < 20, f"job took {seconds:.1f} s to end"
     match = re.search(r"\[rank (\d)\] ringmpi: RingTimeout: rank (\d): ring step (\d+) channel 'kv' "
                       r"did not complete within 5 s \((?:recv from|send to) rank (\d)", err)
     assert match, err[-3000:]
