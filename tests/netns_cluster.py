@@ -149,6 +149,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _paths_under_tmp() -> List[Path]:
+    """The checkout and the Python environment running this, where they lie under /tmp (as in a
+    fresh clone made by ``mktemp -d``): each host sees them at the same path; the outermost only."""
+    found = []
+    for p in sorted({Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve()}, key=lambda p: len(p.parts)):
+        if p.is_relative_to("/tmp") and p != Path("/tmp") and not any(p.is_relative_to(q) for q in found):
+            found.append(p)
+    return found
+
+
 @dataclass
 class Host:
     """One host: ``name`` is its hostname, ``ns`` its network namespace, ``holder`` the PID
@@ -240,8 +250,12 @@ class NetnsCluster:
         """One process per host holding its UTS and mount namespaces (hostname, hosts file, /tmp).
 
         Entered with ``nsenter --net`` (not ``ip netns exec``, which remounts /sys)."""
+        # what runs on every host must stay visible under the host's own /tmp: a checkout or a
+        # Python environment under /tmp is bound into the host's /tmp first (recursive bind)
+        keep = "".join(f"mkdir -p {host.tmp / p.relative_to('/tmp')} && mount --bind {p} "
+                       f"{host.tmp / p.relative_to('/tmp')} && " for p in _paths_under_tmp())
         script = (f"hostname {host.name} && mount --bind {ETC_NETNS / host.ns / 'hosts'} /etc/hosts && "
-                  f"mount --bind {host.tmp} /tmp && echo ready && exec sleep 2147483647")
+                  f"{keep}mount --rbind {host.tmp} /tmp && echo ready && exec sleep 2147483647")
         host.holder = subprocess.Popen(
             ["nsenter", f"--net={RUN_NETNS / host.ns}", "unshare", "--uts", "--mount", "--propagation",
              "private", "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -487,7 +501,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if reason is not None:
         print(f"netns_cluster: {reason}", file=sys.stderr)
         return 2
-    if Path.cwd().resolve().is_relative_to("/tmp"):
+    if Path.cwd().resolve().is_relative_to("/tmp") and not any(
+            Path.cwd().resolve().is_relative_to(p) for p in _paths_under_tmp()):
         print("netns_cluster: run it from a directory outside /tmp: every host has its own /tmp",
               file=sys.stderr)
         return 2

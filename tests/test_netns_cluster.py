@@ -32,10 +32,14 @@ def test_hosts_are_apart_and_closed(netns):
         assert all(ipaddress.ip_address(a) in netns_cluster.SUBNET or a == "127.0.0.1" for a in inet), inet
         routes = netns.run(h, ["ip", "route"]).stdout.strip().splitlines()
         assert routes == [f"{netns_cluster.SUBNET} dev eth0 proto kernel scope link src {netns.hosts[h].addr}"], routes
-    # each host has its own /tmp; the machine's namespace holds none of the cluster's links
+    # each host has its own /tmp (holding only a checkout or environment that lies under the
+    # machine's /tmp, bound in at its path); the machine's namespace holds none of the cluster's links
     netns.run("h1", ["touch", "/tmp/ringmpi-probe"])
     assert not Path("/tmp/ringmpi-probe").exists()
-    assert netns.run("h2", ["ls", "/tmp"]).stdout.strip() == ""
+    kept = sorted({p.relative_to("/tmp").parts[0] for p in netns_cluster._paths_under_tmp()})
+    assert netns.run("h2", ["ls", "/tmp"]).stdout.split() == kept
+    for p in netns_cluster._paths_under_tmp():
+        assert netns.run("h2", ["test", "-d", str(p)]).returncode == 0, p
     here = json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True, text=True).stdout)
     assert not [l["ifname"] for l in here if l["ifname"] in ("br0", "h1", "h2", "h3")]
     assert not netns_cluster.range_in_use()
