@@ -175,11 +175,17 @@ def _cap(s, softcap):
     s *= softcap
 
 
+def _dot_scores(qe, ke, s, shift_column, dim):
+    """``s = [q, shift_column] . [k, 1]``, in place: the tile's unscaled scores, a per-row
+    shift folded into the GEMM through ``qe``'s extra column."""
+    qe[:, dim] = shift_column
+    np.matmul(qe, ke.T, out=s)
+
+
 def _scores(qe, ke, s, bias, scale, shift_column, dim, softcap=None):
     """``s = scale * ([q, shift_column] . [k, 1]) + bias``, in place: the tile's scores
     (capped before the mask when ``softcap`` is given; then ``shift_column`` is 0)."""
-    qe[:, dim] = shift_column
-    np.matmul(qe, ke.T, out=s)
+    _dot_scores(qe, ke, s, shift_column, dim)
     s *= scale
     if softcap is not None:
         _cap(s, softcap)
@@ -196,8 +202,7 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, f
     ``drop``, when given, multiplies the weights after their row sums are taken
     (dropout: ``l`` stays the sum of the un-dropped weights).
     """
-    qe[:, dim] = -m_rows / scale
-    np.matmul(qe, ke.T, out=s)
+    _dot_scores(qe, ke, s, -m_rows / scale, dim)
     _exp_pass(s, scale, bias)
     sums = None if drop is None else _drop_weights(s, drop)
     np.matmul(s, ve, out=pv)
