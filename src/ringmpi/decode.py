@@ -297,7 +297,7 @@ def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, ru
     batch, s_new = q.shape[:2]
     ct = be.compute_dtype(q.dtype)
     scale, spec = options.scale(q.shape[3]), options.mask_spec(q.shape[2])
-    qh = be.to_heads(q, ct)
+    qh = be.heads_view(q, ct)
     state = SoftmaxState(be, qh.shape[:3], dim, ct)
     if run and len(pos):
         kh, vh = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)  # views of the shard

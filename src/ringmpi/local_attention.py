@@ -122,7 +122,7 @@ def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
     :meth:`~ringmpi.online_softmax.SoftmaxState.max_logit`), or None for none.
     """
     be, ct = problem.backend, problem.compute_dtype
-    qh = be.to_heads(q, ct)
+    qh = be.heads_view(q, ct)
     state = SoftmaxState(be, qh.shape[:3], v.shape[3], ct)
     schedule = problem.schedule(k, v)
     resident = {}  # what the backend derives from qh once per call
@@ -148,22 +148,21 @@ def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, si
     own share when it is None: the framework bridges' convention); else None.
     """
     be, ct = problem.backend, problem.compute_dtype
-    qh, doh = be.to_heads(q, ct), be.to_heads(do, ct)
+    qh, doh = be.heads_view(q, ct), be.heads_view(do, ct)
     if dvec is None:
-        dvec = be.row_dot(doh, be.to_heads(o, ct))
+        dvec = be.row_dot(doh, be.heads_view(o, ct))
     lse = lse.astype(ct, copy=False)
     dq = be.xp.zeros_like(qh)
     schedule = problem.schedule(k, v, grad_dtype=ct, phase="bwd")
     resident = {}  # what the backend derives from qh, doh, lse, dvec once per call
     for block in schedule:
-        pieces = {} if block.kv_done is None else {"kv_done": block.kv_done}
         schedule.compute(be.backward_block, qh, doh, lse, dvec, block.k, block.v, dq, block.dk, block.dv,
-                         problem.scale, block.mask, resident=resident, **pieces)
+                         problem.scale, block.mask, resident=resident, **block.rows)
     dk, dv = schedule.finished_grads()
     records = schedule.records
     dsinks = None if sinks is None else sink_grads(be.xp, lse, dvec, sinks, sink_comm)
     # keep only dq and the finished dk, dv (their message) before the outputs are made
-    del schedule, block, pieces, resident, qh, doh, dvec
+    del schedule, block, resident, qh, doh, dvec
     dq *= ct.type(problem.scale)
     dk *= ct.type(problem.scale)
     return dq, dk, dv, dsinks, records

@@ -14,8 +14,11 @@ over it yields one :class:`Block` per step; the caller only does the math::
 
 Order within a step: post the next block's transfer, yield (the caller
 computes on the current block, calling ``Ring.tick`` between tiles), then, in
-the backward, add the partial ``dK, dV`` that arrived from ``prev`` and send
-the sums on, and finally wait for the next block.  At step ``s`` rank ``r``
+the backward, send the block's ``dK, dV`` sums on (with the partial sums that
+arrived from ``prev`` added: after the compute in device memory,
+:class:`GradChannel`; in host memory the compute adds onto them in place as they
+arrive and sends each piece of rows once final, :class:`HostGradChannel`), and
+finally wait for the next block.  At step ``s`` rank ``r``
 holds the block of ring rank ``(r - s) mod P``.  After the last step of a
 schedule with gradients, the finished ``dK, dV`` take one more hop home
 (:meth:`RingSchedule.finished_grads`).
@@ -25,13 +28,13 @@ schedule passes a sub-communicator), the row count of every ring rank's
 block, and this rank's own block; positions, segment ids and the mask rule
 arrive with each block.  Further schedules (two-level, decode) reuse
 :class:`RingSchedule` on a sub-communicator, or its parts: :class:`KVChannel`,
-:class:`GradChannel` and :func:`timed_compute`.
+the gradient channels and :func:`timed_compute`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -41,7 +44,10 @@ from .faults import fault_point
 from .masks import BlockMask, MaskSpec
 from .ring import Ring
 
-GRAD_PIECES = 8  # the last hop of dK/dV goes home in this many pieces of rows (host memory)
+GRAD_PIECES = 8  # host memory: dK/dV partial sums move in this many pieces of rows
+# host memory: dK/dV partial sums received into, added to and sent from two buffers
+# (HostGradChannel); False: as device memory, three buffers of whole messages (GradChannel)
+HOST_GRADS_IN_PLACE = True
 
 
 @dataclass
@@ -53,11 +59,11 @@ class Block:
     k, v : (B, H_kv, S_src, D) and (B, H_kv, S_src, D_v), the transfer dtype (views
         into the ring buffer: read-only, valid until the step ends).
     mask : the :class:`BlockMask` of (this rank's queries, this block).
-    dk, dv : (B, H_kv, S_src, D), (B, H_kv, S_src, D_v) compute dtype, zeroed, for this block's gradient
-        contributions (schedules with gradients only, else None).
-    kv_done : None, or (the last step of a backward in host memory) the callback to
-        pass to ``backward_block``: ``kv_done(n)`` says ``dk, dv`` rows ``[0, n)``
-        are final, and the schedule sends them home while the rest is computed.
+    dk, dv : (B, H_kv, S_src, D), (B, H_kv, S_src, D_v) compute dtype, for this block's gradient
+        contributions to be added into (schedules with gradients only, else None): zeroed, or
+        (``rows`` not empty) the partial sums of the ranks before, arriving.
+    rows : the row callbacks to pass to ``backward_block`` (a backward in host memory at
+        P > 1: ``{"kv_need": ..., "kv_done": ...}``, see :class:`HostGradChannel`), else ``{}``.
     """
 
     step: int
@@ -67,7 +73,7 @@ class Block:
     mask: BlockMask
     dk: object = None
     dv: object = None
-    kv_done: object = None
+    rows: dict = field(default_factory=dict)
 
 
 def timed_compute(backend, ring: Ring, fn, *args, **kwargs):
@@ -162,11 +168,14 @@ class KVChannel:
 
 
 class GradChannel:
-    """The ``dK, dV`` partial sums travelling one step behind the K/V (compute dtype).
+    """The ``dK, dV`` partial sums travelling one step behind the K/V as whole messages
+    (compute dtype): the channel of device memory.
 
     Two outgoing buffers (one may still be on its way while the next is
     filled) and one incoming, each ``dK`` ``(B, H_kv, rows, D)`` then ``dV``
-    ``(B, H_kv, rows, D_v)`` (``dim_v``, default ``dim``).
+    ``(B, H_kv, rows, D_v)`` (``dim_v``, default ``dim``).  At each step the
+    block op adds this rank's terms into the zeroed outgoing buffer, then the
+    partial sums that arrived from ``prev`` are added and the total goes on.
     Channels ``"grad_out0"``, ``"grad_out1"`` and ``"grad_in"`` share the
     stream ``"grad"``.
     """
@@ -180,8 +189,6 @@ class GradChannel:
         lone = ring.size == 1  # a lone rank's sums are finished where they are computed
         self.out = [backend.message(self.nbytes(rows)) for _ in range(1 if lone else 2)]
         self.incoming = None if lone else backend.message(self.nbytes(rows))
-        self._last = None         # the last step's kv_done, when it sends in pieces
-        self._home_posted = None  # the message our own block's pieces arrive in
 
     def nbytes(self, rows: int) -> int:
         return self.dk_nbytes(rows) + self.batch * self.kv_heads * rows * self.dim_v * self.dtype.itemsize
@@ -197,7 +204,7 @@ class GradChannel:
 
     def begin_step(self, step: int, src: int):
         """Post the receive of ``src``'s partial sums (after step 0) and return this
-        step's zeroed outgoing ``(dk, dv)``."""
+        step's zeroed outgoing ``(dk, dv)`` and no row callbacks (``{}``)."""
         ring = self.ring
         if step > 0:  # partial dK/dV of this block, from the ranks that saw it before
             ring.post("grad_in", recv=self.incoming.mpi_buffer()[: self.nbytes(int(self.counts[src]))],
@@ -206,14 +213,12 @@ class GradChannel:
         dk, dv = self.views(self.out[step % 2], src)
         dk[...] = 0
         dv[...] = 0
-        return dk, dv
+        return dk, dv, {}
 
     def end_step(self, step: int, src: int, dk, dv) -> None:
         """Add the partial sums that arrived for ``src``'s block and send the total on."""
         ring = self.ring
-        if self._last is not None or ring.size == 1:
-            # in pieces, the last step's sums are sent by kv_done (what is left: receive_home);
-            # a lone rank's are finished where they are
+        if ring.size == 1:  # a lone rank's sums are finished where they are
             return
         if step > 0:
             ring.wait("grad_in")
@@ -226,15 +231,54 @@ class GradChannel:
         ring.post(f"grad_out{step % 2}", send=out.mpi_buffer()[: self.nbytes(int(self.counts[src]))],
                   stream="grad")
 
-    # ------------------------------------------------------------ the last hop, in pieces
-    # At the last step the finished dK/dV go home while the block op still computes:
-    # the rows split into GRAD_PIECES pieces, each sent (one part per batch entry, head,
-    # dK/dV) as soon as the block op reports its rows final and the partial sums that
-    # arrived for them are added.  The receiver posts the pieces' receives into the
-    # outgoing buffer of the step before, once its send has completed.
+    def receive_home(self):
+        """The finished ``(dk, dv)`` of this rank's own block, after one more hop."""
+        ring = self.ring
+        if ring.size == 1:  # already home: an empty record for the hop
+            ring.record(ring.step)
+            return self.views(self.out[0], ring.rank)
+        ring.post("grad_in", recv=self.incoming.mpi_buffer()[: self.nbytes(int(self.counts[ring.rank]))],
+                  stream="grad")
+        ring.wait("grad_in")
+        self.incoming.arrived()
+        ring.wait_all()
+        return self.views(self.incoming, ring.rank)
+
+
+class HostGradChannel(GradChannel):
+    """The ``dK, dV`` partial sums in host memory: two buffers, each received into, added to
+    in place and sent on, in pieces of rows.
+
+    At step ``s`` the partial sums of the block (from the ranks that saw it before) arrive
+    from ``prev`` into buffer ``s % 2`` in up to ``GRAD_PIECES`` pieces of rows (one part
+    per batch entry, head, ``dK``/``dV``); the block op adds this rank's terms onto them
+    in place, asking first for the rows it is about to touch (``kv_need(n)``: the pieces
+    holding rows below ``n`` have arrived) and reporting the rows that are final
+    (``kv_done(n)``: the pieces below ``n`` go on to ``next`` at once, while the rest is
+    computed).  Step 0's buffer starts at zero; after the last step this rank's own
+    finished sums arrive the same way into buffer ``P % 2``.  A buffer is received into
+    again once its sends of the step before have completed: the receives of step ``s + 1``
+    are posted during step ``s`` when they can be, so the sums move while the rank
+    computes.  Against :class:`GradChannel` a rank holds two ``dK, dV`` buffers, not
+    three; the terms of a block add in the order ``partial + this rank's``, not the
+    reverse (deterministic either way at fixed P and placement).
+    """
+
+    def __init__(self, ring: Ring, backend, counts: np.ndarray, batch: int, kv_heads: int, dim: int,
+                 dtype, dim_v: Optional[int] = None):
+        self.ring, self.counts = ring, counts
+        self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
+        self.dim_v = dim if dim_v is None else int(dim_v)
+        rows = int(counts.max())
+        self.bufs = [HostMessage(self.nbytes(rows)) for _ in range(1 if ring.size == 1 else 2)]
+        self._sends = [[], []]      # each buffer's pending send channels
+        self._recv_step = [None, None]  # the step each buffer's posted receives are for
+        self._arrived = 0           # this step's pieces received so far
+        self._sent = 0              # this step's pieces sent on so far
+        self._step = None
 
     def pieces(self, rows: int):
-        """Row bounds ``[(lo, hi), ...]`` of the last hop's pieces of a ``rows``-row block."""
+        """Row bounds ``[(lo, hi), ...]`` of the pieces of a ``rows``-row block."""
         cuts = np.linspace(0, rows, min(rows, GRAD_PIECES) + 1).astype(np.int64)
         return [(int(lo), int(hi)) for lo, hi in zip(cuts[:-1], cuts[1:])]
 
@@ -248,71 +292,85 @@ class GradChannel:
                 parts.append(buf[start:start + (hi - lo) * dim * item])
         return parts
 
-    def sends_in_pieces(self, step: int) -> bool:
-        """True when ``step``'s finished ``dK, dV`` go home in pieces (host messages, P > 1)."""
-        return step == self.ring.size - 1 and self.ring.size > 1 and isinstance(self.out[0], HostMessage)
+    def _rows(self, step: int) -> int:
+        """Rows of the block a rank holds at ``step`` (``P``: its own block, home)."""
+        return int(self.counts[self.ring.source(step)])
 
-    def last_step(self, step: int, src: int, dk, dv):
-        """The ``kv_done(n)`` callback of the last step (see :attr:`Block.kv_done`)."""
-        ring, rows = self.ring, int(self.counts[src])
-        pieces, out = self.pieces(rows), self.out[step % 2]
-        state = {"sent": 0, "added": False}
-        dk_in, dv_in = self.views(self.incoming, src)
-
-        def kv_done(n: int) -> None:
-            self._post_home(step, wait=False)
-            while state["sent"] < len(pieces) and pieces[state["sent"]][1] <= n:
-                if not state["added"]:  # the partial sums of the ranks before, sent a step ago
-                    ring.wait("grad_in")
-                    self.incoming.arrived()
-                    state["added"] = True
-                lo, hi = pieces[state["sent"]]
-                dk[:, :, lo:hi] += dk_in[:, :, lo:hi]
-                dv[:, :, lo:hi] += dv_in[:, :, lo:hi]
-                ring.post(f"grad_piece_out{state['sent']}", send=self._piece_parts(out, rows, lo, hi),
-                          stream="grad")
-                state["sent"] += 1
-
-        self._last = kv_done
-        return kv_done
-
-    def _post_home(self, step: int, wait: bool) -> None:
-        """Post the receives of our own block's pieces into the previous step's outgoing
-        buffer once its send is complete (with ``wait``: wait for it)."""
-        ring = self.ring
-        if self._home_posted is not None:
+    def _post_receive(self, step: int, wait: bool) -> None:
+        """Post the receives of ``step``'s partial sums into buffer ``step % 2`` once its sends
+        have completed (``wait``: wait for them; else post only if they have)."""
+        slot = step % 2
+        if self._recv_step[slot] == step:
             return
-        before = f"grad_out{(step - 1) % 2}"
+        sends = self._sends[slot]
         if wait:
-            ring.wait(before)
-        elif not ring.test(before):
+            for name in sends:
+                self.ring.wait(name)
+        elif not all(self.ring.test(name) for name in sends):
             return
-        rows, msg = int(self.counts[ring.rank]), self.out[(step - 1) % 2]
+        sends.clear()
+        rows = self._rows(step)
         for i, (lo, hi) in enumerate(self.pieces(rows)):
-            ring.post(f"grad_piece_in{i}", recv=self._piece_parts(msg, rows, lo, hi), stream="grad")
-        self._home_posted = msg
+            self.ring.post(f"grad_recv{slot}_{i}", recv=self._piece_parts(self.bufs[slot], rows, lo, hi),
+                           stream="grad")
+        self._recv_step[slot] = step
+
+    def begin_step(self, step: int, src: int):
+        """This step's ``(dk, dv)`` (the partial sums as they arrive; zero at step 0) and the
+        block op's row callbacks ``{"kv_need": ..., "kv_done": ...}``."""
+        self._step, self._arrived, self._sent = step, 0, 0
+        dk, dv = self.views(self.bufs[step % 2], src)
+        if step == 0 or self.ring.size == 1:
+            dk[...] = 0
+            dv[...] = 0
+            self._arrived = len(self.pieces(self._rows(step)))
+        else:
+            self._post_receive(step, wait=True)
+        if self.ring.size == 1:
+            return dk, dv, {}
+        return dk, dv, {"kv_need": self.kv_need, "kv_done": self.kv_done}
+
+    def kv_need(self, n: int) -> None:
+        """Return once the partial sums of rows ``[0, n)`` of this step's block have arrived."""
+        step = self._step
+        pieces = self.pieces(self._rows(step))
+        while self._arrived < len(pieces) and pieces[self._arrived][0] < n:
+            self.ring.wait(f"grad_recv{step % 2}_{self._arrived}")
+            self._arrived += 1
+        if self._arrived == len(pieces):
+            self._recv_step[step % 2] = None
+
+    def kv_done(self, n: int) -> None:
+        """Rows ``[0, n)`` of this step's ``dk, dv`` are final: send their pieces on."""
+        step, ring = self._step, self.ring
+        slot, rows = step % 2, self._rows(step)
+        pieces = self.pieces(rows)
+        self.kv_need(n)
+        while self._sent < len(pieces) and pieces[self._sent][1] <= n:
+            lo, hi = pieces[self._sent]
+            name = f"grad_send{slot}_{self._sent}"
+            ring.post(name, send=self._piece_parts(self.bufs[slot], rows, lo, hi), stream="grad")
+            self._sends[slot].append(name)
+            self._sent += 1
+        self._post_receive(step + 1, wait=False)  # the next step's sums may come now
+
+    def end_step(self, step: int, src: int, dk, dv) -> None:
+        """Send on what the block op did not report final (all of it, when it reported nothing)."""
+        if self.ring.size > 1:
+            self.kv_done(self._rows(step))
 
     def receive_home(self):
         """The finished ``(dk, dv)`` of this rank's own block, after one more hop."""
         ring = self.ring
         if ring.size == 1:  # already home: an empty record for the hop
             ring.record(ring.step)
-            return self.views(self.out[0], ring.rank)
-        if self._last is not None:
-            last, self._last = self._last, None  # (no reference cycle through the closure)
-            last(int(1 << 62))  # pieces the block op did not report (no kv_done calls)
-            self._post_home(ring.size - 1, wait=True)
-            for i in range(len(self.pieces(int(self.counts[ring.rank])))):
-                ring.wait(f"grad_piece_in{i}")
-            self._home_posted.arrived()
-            ring.wait_all()
-            return self.views(self._home_posted, ring.rank)
-        ring.post("grad_in", recv=self.incoming.mpi_buffer()[: self.nbytes(int(self.counts[ring.rank]))],
-                  stream="grad")
-        ring.wait("grad_in")
-        self.incoming.arrived()
+            return self.views(self.bufs[0], ring.rank)
+        home = ring.size
+        self._post_receive(home, wait=True)
+        self._step, self._arrived = home, 0
+        self.kv_need(self._rows(home))
         ring.wait_all()
-        return self.views(self.incoming, ring.rank)
+        return self.views(self.bufs[home % 2], ring.rank)
 
 
 class RingSchedule:
@@ -360,8 +418,10 @@ class RingSchedule:
     def __iter__(self) -> Iterator[Block]:
         ring, be = self.ring, self.backend
         if self._grad_dtype is not None and self.grads is None:
-            self.grads = GradChannel(ring, be, self.kv.counts, self.kv.batch, self.kv.kv_heads, self.kv.dim,
-                                     self._grad_dtype, dim_v=self.kv.dim_v)
+            host = isinstance(self.kv.msgs[0], HostMessage) and HOST_GRADS_IN_PLACE
+            channel = HostGradChannel if host else GradChannel
+            self.grads = channel(ring, be, self.kv.counts, self.kv.batch, self.kv.kv_heads, self.kv.dim,
+                                 self._grad_dtype, dim_v=self.kv.dim_v)
         for step in range(ring.size):
             if step > 0:
                 ring.next_step()
@@ -371,9 +431,7 @@ class RingSchedule:
             kv_pos, seg_kv = self.kv.meta_views(slot, src)
             block = Block(step, src, k, v, BlockMask(self.spec, self.q_pos, kv_pos, self.seg_q, seg_kv))
             if self.grads is not None:
-                block.dk, block.dv = self.grads.begin_step(step, src)
-                if self.grads.sends_in_pieces(step):
-                    block.kv_done = self.grads.last_step(step, src, block.dk, block.dv)
+                block.dk, block.dv, block.rows = self.grads.begin_step(step, src)
             yield block
             if self.grads is not None:
                 self.grads.end_step(step, src, block.dk, block.dv)

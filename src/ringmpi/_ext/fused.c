@@ -1,9 +1,11 @@
 /* ringmpi._fused: the CPU tile's elementwise pass in one sweep (float32).
  *
- *   s[i, j] = exp(((s[i, j] * scale) + bias[i, j]) - shift[i])
+ *   s[i, j] = exp(((s[i, j] * scale) + bias[i, j]) - shift[i]),   sums[i] = sum_j s[i, j]
  *
  * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off),
- * bias and shift optional.  exp is a Cephes-style polynomial (max error ~2 ulp):
+ * bias, shift and sums optional.  A row's sum adds its elements into LANES partial
+ * sums (element j into lane j % LANES, in column order), then the lanes in order
+ * 0..LANES-1, then the tail's elements in column order: fixed for a row's length.  exp is a Cephes-style polynomial (max error ~2 ulp):
  * exp(-inf) = 0, exp(+inf) = inf, NaN stays NaN, overflow gives inf, so the
  * NumPy path's finiteness checks see what they saw with np.exp.  The result
  * depends only on the element (no reduction): deterministic and row independent. */
@@ -19,13 +21,14 @@
 #define MULTI
 #endif
 
-/* eight lanes in GCC/Clang vector extensions: SSE2/AVX2 on x86, NEON on aarch64 */
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-#define LANES 8
+/* sixteen lanes in GCC/Clang vector extensions: one AVX-512 register, two AVX2, four
+ * SSE2 or NEON; the lanes' arithmetic (and so every result) is the same on each */
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#define LANES 16
 
-static inline vf bc(float a) { vf r = {a, a, a, a, a, a, a, a}; return r; }
-static inline vi bci(int32_t a) { vi r = {a, a, a, a, a, a, a, a}; return r; }
+static inline vf bc(float a) { return (vf){0} + a; }
+static inline vi bci(int32_t a) { return (vi){0} + a; }
 static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
 static inline vf exp_poly(vf x)
@@ -54,18 +57,23 @@ static inline vf exp_poly(vf x)
 }
 
 /* one row: out = exp(((row * scale) + bias) - shift), LANES at a time; the tail through a
- * padded copy, so every element gets the same arithmetic */
-MULTI static void exp_row(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
+ * padded copy, so every element gets the same arithmetic; returns the row's sum */
+MULTI static float exp_row(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
 {
     Py_ssize_t j = 0;
+    const vf vscale = bc(scale), vsh = bc(sh);
+    vf acc = bc(0.0f);
+    float sum = 0.0f;
     for (; j + LANES <= cols; j += LANES) {
-        vf v, b = bc(0.0f);
+        vf v, b;
         memcpy(&v, row + j, sizeof v);
-        v = v * bc(scale);
+        v = v * vscale;
         if (brow) { memcpy(&b, brow + j, sizeof b); v = v + b; }
-        v = exp_poly(v - bc(sh));
+        v = exp_poly(v - vsh);
+        acc = acc + v;
         memcpy(row + j, &v, sizeof v);
     }
+    for (int lane = 0; lane < LANES; lane++) sum += acc[lane];
     if (j < cols) {
         float buf[LANES] = {0}, bb[LANES] = {0};
         Py_ssize_t rest = cols - j;
@@ -74,19 +82,23 @@ MULTI static void exp_row(float *row, Py_ssize_t cols, float scale, const float 
         vf v, b;
         memcpy(&v, buf, sizeof v);
         memcpy(&b, bb, sizeof b);
-        v = v * bc(scale);
+        v = v * vscale;
         if (brow) v = v + b;
-        v = exp_poly(v - bc(sh));
+        v = exp_poly(v - vsh);
         memcpy(buf, &v, sizeof v);
         memcpy(row + j, buf, rest * sizeof(float));
+        for (Py_ssize_t t = 0; t < rest; t++) sum += buf[t];
     }
+    return sum;
 }
 
 static void exp_rows(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
-                     const float *bias, Py_ssize_t ldb, const float *shift)
+                     const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
 {
-    for (Py_ssize_t i = 0; i < rows; i++)
-        exp_row(s + i * ld, cols, scale, bias ? bias + i * ldb : NULL, shift ? shift[i] : 0.0f);
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        float sum = exp_row(s + i * ld, cols, scale, bias ? bias + i * ldb : NULL, shift ? shift[i] : 0.0f);
+        if (sums) sums[i] = sum;
+    }
 }
 
 /* a writable (or, for inputs, readable) float32 2-D buffer with unit column stride */
@@ -108,14 +120,15 @@ static int get2d(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t *rows,
 
 static PyObject *py_exp_tile(PyObject *self, PyObject *args)
 {
-    PyObject *so, *bo, *ho;
+    PyObject *so, *bo, *ho, *uo = Py_None;
     float scale;
-    if (!PyArg_ParseTuple(args, "OfOO", &so, &scale, &bo, &ho)) return NULL;
-    Py_buffer sv, bv, hv;
+    if (!PyArg_ParseTuple(args, "OfOO|O", &so, &scale, &bo, &ho, &uo)) return NULL;
+    Py_buffer sv, bv, hv, uv;
     Py_ssize_t rows, cols, ld, br, bc, ldb = 0;
     if (get2d(so, &sv, 1, &rows, &cols, &ld) < 0) return NULL;
     const float *bias = NULL, *shift = NULL;
-    int has_b = bo != Py_None, has_h = ho != Py_None;
+    float *sums = NULL;
+    int has_b = bo != Py_None, has_h = ho != Py_None, has_u = uo != Py_None;
     if (has_b) {
         if (get2d(bo, &bv, 0, &br, &bc, &ldb) < 0) { PyBuffer_Release(&sv); return NULL; }
         if (br != rows || bc != cols) {
@@ -132,13 +145,24 @@ static PyObject *py_exp_tile(PyObject *self, PyObject *args)
         }
         shift = (const float *)hv.buf;
     }
+    if (has_u) {
+        if (PyObject_GetBuffer(uo, &uv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) goto fail_h;
+        if (uv.ndim != 1 || strcmp(uv.format, "f") != 0 || uv.shape[0] != rows) {
+            PyErr_SetString(PyExc_ValueError, "sums must be a writable contiguous (rows,) float32 array");
+            PyBuffer_Release(&uv); goto fail_h;
+        }
+        sums = (float *)uv.buf;
+    }
     Py_BEGIN_ALLOW_THREADS
-    exp_rows((float *)sv.buf, rows, cols, ld, scale, bias, ldb, shift);
+    exp_rows((float *)sv.buf, rows, cols, ld, scale, bias, ldb, shift, sums);
     Py_END_ALLOW_THREADS
+    if (has_u) PyBuffer_Release(&uv);
     if (has_h) PyBuffer_Release(&hv);
     if (has_b) PyBuffer_Release(&bv);
     PyBuffer_Release(&sv);
     Py_RETURN_NONE;
+fail_h:
+    if (has_h) PyBuffer_Release(&hv);
 fail:
     if (has_b) PyBuffer_Release(&bv);
     PyBuffer_Release(&sv);
@@ -147,8 +171,9 @@ fail:
 
 static PyMethodDef methods[] = {
     {"exp_tile", py_exp_tile, METH_VARARGS,
-     "exp_tile(s, scale, bias, shift): s = exp(s * scale + bias - shift[:, None]) in place, float32 "
-     "(bias a same-shape array or None, shift a (rows,) array or None)"},
+     "exp_tile(s, scale, bias, shift, sums=None): s = exp(s * scale + bias - shift[:, None]) in place, "
+     "float32 (bias a same-shape array or None, shift a (rows,) array or None); sums, a (rows,) "
+     "array, receives the rows' sums of the result"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, methods};

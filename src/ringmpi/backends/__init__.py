@@ -14,6 +14,9 @@ backend object provides (``INTERFACE`` lists the names; one test,
     ``x`` as this backend's array (no copy when it already is).
 ``to_heads(x, dtype) -> (B, H, S, D)``
     A contiguous, head-major copy of a ``(B, S, H, D)`` array in ``dtype``.
+``heads_view(x, dtype) -> (B, H, S, D)``
+    ``x (B, S, H, D)`` head-major in ``dtype`` for the block ops to read (never written):
+    a strided view where the backend's ops read one (NumPy), else ``to_heads``' copy.
 ``from_heads(xh, dtype) -> (B, S, H, D)``
     The inverse, as a new contiguous array.
 ``forward_block(qh, kh, vh, o_acc, m, l, scale, mask, tick, resident=None)``
@@ -42,17 +45,19 @@ backend object provides (``INTERFACE`` lists the names; one test,
 ``finalize(o_acc, m, l, out_dtype) -> (o (B, Sq, H, D_v) out_dtype, lse (B, H, Sq))``
     ``o = o_acc / l``, ``lse = m + log(l)``; rows with ``l == 0`` give
     ``o = 0``, ``lse = -inf``.
-``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick, resident=None, kv_done=None)``
+``backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask, tick, resident=None, kv_need=None, kv_done=None)``
     FlashAttention-2 backward for one block, accumulating in place:
     ``P = exp((qh kh^T) * scale - lse)``, ``dv += P^T doh``,
     ``dS = P * (doh vh^T - dvec)``, ``dq += dS kh``, ``dk += dS^T qh``
     (both unscaled: the caller multiplies the finished sums by the scale).  ``lse``/``dvec (B, H, Sq)``,
     ``doh (B, H, Sq, D_v)``, ``dq (B, H, Sq, D)``, ``dk (B, Hkv, Skv, D)``,
     ``dv (B, Hkv, Skv, D_v)`` in compute dtype.
-    ``kv_done(n)`` (host-memory backends; the schedule passes it only with host
-    messages) is called each time the block's ``dk, dv`` rows ``[0, n)`` are
-    final (``n`` non-decreasing, the last call with ``n = Skv``), so that the
-    schedule can send finished rows while the rest is computed.
+    ``kv_need(n)``, ``kv_done(n)`` (host-memory backends; the schedule passes them only
+    with host messages, where ``dk, dv`` hold the partial sums of the ranks before,
+    still arriving): ``kv_need(n)`` is called before the op first touches a row below
+    ``n`` (it returns once those rows have arrived), ``kv_done(n)`` each time rows
+    ``[0, n)`` are final (``n`` non-decreasing in both, the last ``kv_done`` with
+    ``n = Skv``), so that the schedule can send finished rows while the rest is computed.
 ``message(nbytes) -> Message``
     One ring buffer of ``nbytes``; see :class:`HostMessage` for its methods
     (``MESSAGE_INTERFACE``).
@@ -69,7 +74,7 @@ from typing import Optional
 
 import numpy as np
 
-INTERFACE = ("name", "xp", "compute_dtype", "asarray", "to_heads", "from_heads", "row_dot",
+INTERFACE = ("name", "xp", "compute_dtype", "asarray", "to_heads", "heads_view", "from_heads", "row_dot",
              "forward_block", "finalize", "backward_block", "message", "synchronize", "annotate")
 MESSAGE_INTERFACE = ("mpi_buffer", "view", "arrived", "ready_to_send")
 

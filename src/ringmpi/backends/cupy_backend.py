@@ -176,6 +176,11 @@ class CupyBackend:
         with self._on_stream():
             return self._convert(self.asarray(x).transpose(0, 2, 1, 3), dtype, copy=True)
 
+    def heads_view(self, x, dtype):
+        """The block ops' read-only ``(B, H, S, D)`` operand: the kernels need it contiguous, so
+        :meth:`to_heads`' copy."""
+        return self.to_heads(x, dtype)
+
     def from_heads(self, xh, dtype):
         """``(B, H, S, D)`` -> new contiguous ``(B, S, H, D)`` in ``dtype``."""
         with self._on_stream():

@@ -47,19 +47,22 @@ def tile_pass() -> str:
     return "numpy" if _FUSED is None else "compiled"
 
 
-def _exp_pass(s, scale, bias=None, shift=None):
+def _exp_pass(s, scale, bias=None, shift=None, sums=None):
     """``s = exp(s * scale + bias - shift[:, None])`` in place (``bias``, ``shift`` optional),
-    each step rounded in that order: one compiled sweep for float32 (``_FUSED``), NumPy
-    passes otherwise."""
+    each step rounded in that order; ``sums (rows,)``, when given, receives the rows' sums of
+    the result.  One compiled sweep for float32 (``_FUSED``), NumPy passes otherwise."""
     if _FUSED is not None and s.dtype == np.float32 and (bias is None or bias.dtype == np.float32):
-        _FUSED(s, scale, bias, shift)
+        _FUSED(s, scale, bias, shift, sums)
         return
-    s *= scale
+    if scale != 1:
+        s *= scale
     if bias is not None:
         s += bias
     if shift is not None:
         s -= shift[:, None]
     np.exp(s, out=s)
+    if sums is not None:
+        np.sum(s, axis=1, out=sums)
 
 
 def _once(resident, key, make):
@@ -160,14 +163,6 @@ def _kv_precision(x, kv_dtype):
     return x.astype(kv_dtype).astype(x.dtype) if is_16bit(kv_dtype) else x
 
 
-def _extend(x, fill, dtype=None):
-    """``x (..., D)`` with one more last column set to ``fill``, as a new array."""
-    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), dtype=dtype or x.dtype)
-    out[..., :-1] = x
-    out[..., -1] = fill
-    return out
-
-
 def _cap(s, softcap):
     """``s = softcap * tanh(s / softcap)`` in place (the logit softcap)."""
     s /= softcap
@@ -175,17 +170,10 @@ def _cap(s, softcap):
     s *= softcap
 
 
-def _dot_scores(qe, ke, s, shift_column, dim):
-    """``s = [q, shift_column] . [k, 1]``, in place: the tile's unscaled scores, a per-row
-    shift folded into the GEMM through ``qe``'s extra column."""
-    qe[:, dim] = shift_column
-    np.matmul(qe, ke.T, out=s)
-
-
-def _scores(qe, ke, s, bias, scale, shift_column, dim, softcap=None):
-    """``s = scale * ([q, shift_column] . [k, 1]) + bias``, in place: the tile's scores
-    (capped before the mask when ``softcap`` is given; then ``shift_column`` is 0)."""
-    _dot_scores(qe, ke, s, shift_column, dim)
+def _scores(q_t, k_t, s, bias, scale, softcap=None):
+    """``s = scale * (q . k) + bias``, in place: the tile's scores (capped before the mask
+    when ``softcap`` is given)."""
+    np.matmul(q_t, k_t.T, out=s)
     s *= scale
     if softcap is not None:
         _cap(s, softcap)
@@ -193,25 +181,29 @@ def _scores(qe, ke, s, bias, scale, shift_column, dim, softcap=None):
         s += bias
 
 
-def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, drop=None) -> bool:
-    """One tile with the running maximum as the shift, folded into the GEMM.
+def _shifted_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows, o_rows, fix_pv=None,
+                  drop=None) -> bool:
+    """One tile with the running maximum as the shift: ``exp(scale * q.k + bias - m)`` and
+    its row sums in one pass after the scores' GEMM, no max pass.
 
     Returns False, having changed nothing, when the tile overflows; the caller
     then takes the exact path.  ``fix_pv(weights, pv)``, when given, adds the
     contributions of non-finite ``v`` rows (see :func:`_careful_forward_tile`).
     ``drop``, when given, multiplies the weights after their row sums are taken
-    (dropout: ``l`` stays the sum of the un-dropped weights).
+    (dropout: ``l`` stays the sum of the un-dropped weights).  ``pv (rows, D_v)``,
+    ``sums (rows,)``: scratch.
     """
-    _dot_scores(qe, ke, s, -m_rows / scale, dim)
-    _exp_pass(s, scale, bias)
-    sums = None if drop is None else _drop_weights(s, drop)
-    np.matmul(s, ve, out=pv)
-    if not np.isfinite(pv).all() or (sums is not None and not np.isfinite(sums).all()):
+    np.matmul(q_t, k_t.T, out=s)
+    _exp_pass(s, scale, bias, m_rows, sums)
+    if drop is not None:
+        s *= drop
+    np.matmul(s, v_t, out=pv)
+    if not (np.isfinite(sums).all() and np.isfinite(pv).all()):
         return False
     if fix_pv is not None:
         fix_pv(s, pv)
-    o_rows += pv[:, :-1]
-    l_rows += pv[:, -1] if sums is None else sums
+    o_rows += pv
+    l_rows += sums
     big = l_rows > _RENORM
     if big.any():  # keep the state far from overflow: move the shift up to the sum
         o_rows[big] /= l_rows[big, None]
@@ -220,26 +212,33 @@ def _shifted_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, f
     return True
 
 
-def _exact_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim, fix_pv=None, softcap=None,
+def _exact_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows, o_rows, fix_pv=None, softcap=None,
                 drop=None):
     """One tile of the classic online softmax, updating the row state in place
-    (``m_rows`` stays the exact running maximum of the visible scores; ``drop``:
-    as for :func:`_shifted_tile`)."""
-    _scores(qe, ke, s, bias, scale, 0, dim, softcap)
-    m_new = np.maximum(m_rows, s.max(axis=1))
+    (``m_rows`` stays the exact running maximum of the visible scores; ``drop``, ``pv``,
+    ``sums``: as for :func:`_shifted_tile`)."""
+    if bias is None and softcap is None and scale > 0:
+        # a positive scale commutes with the row max (rounding is monotonic): the scale goes
+        # into the exp pass, bitwise as if applied first
+        np.matmul(q_t, k_t.T, out=s)
+        row_max, pass_scale = s.max(axis=1) * scale, scale
+    else:
+        _scores(q_t, k_t, s, bias, scale, softcap)
+        row_max, pass_scale = s.max(axis=1), s.dtype.type(1)
+    m_new = np.maximum(m_rows, row_max)
     # rows that have seen nothing yet keep m = -inf; shift them by 0
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
-    s -= shift[:, None]
-    np.exp(s, out=s)
-    sums = None if drop is None else _drop_weights(s, drop)
-    np.matmul(s, ve, out=pv)
+    _exp_pass(s, pass_scale, None, shift, sums)
+    if drop is not None:
+        s *= drop
+    np.matmul(s, v_t, out=pv)
     if fix_pv is not None:
         fix_pv(s, pv)
     alpha = np.exp(m_rows - shift)
     l_rows *= alpha
-    l_rows += pv[:, -1] if sums is None else sums
+    l_rows += sums
     o_rows *= alpha[:, None]
-    o_rows += pv[:, :-1]
+    o_rows += pv
     m_rows[...] = m_new
 
 
@@ -250,13 +249,6 @@ def _plus(bias, extra):
     return extra if bias is None else bias + extra
 
 
-def _drop_weights(weights, drop):
-    """Dropout on a tile's weights, in place; returns their row sums taken before."""
-    sums = weights.sum(axis=1)
-    weights *= drop
-    return sums
-
-
 # ------------------------------------------------------------ non-finite values
 # A masked key is not part of a query's sum.  Blocks with NaN/Inf somewhere take
 # a careful path per tile (the clean path is untouched): the tile is computed
@@ -265,7 +257,11 @@ def _drop_weights(weights, drop):
 # one are then recomputed from the raw values over their visible keys only.
 
 def _bad_rows(x):
-    """``(..., S)`` bool: rows of ``x (..., S, D)`` holding a NaN or Inf."""
+    """``(..., S)`` bool: rows of ``x (..., S, D)`` holding a NaN or Inf.  For 32- and 16-bit
+    ``x`` a row's float64 sum (finite exactly when every element is) says it without an
+    ``x``-sized temporary."""
+    if x.dtype.itemsize <= 4:
+        return ~np.isfinite(x.sum(axis=-1, dtype=np.float64))
     return ~np.isfinite(x).all(axis=-1)
 
 
@@ -289,14 +285,14 @@ def _visible_matmul(a, b, vis):
     return out
 
 
-def _clean_copy(x, bad, dim=None):
-    """A copy of ``x`` with the bad rows' first ``dim`` columns (all when None) set to 0."""
+def _clean_copy(x, bad):
+    """A copy of ``x`` with the bad rows set to 0."""
     x = x.copy()
-    x[bad, :dim] = 0
+    x[bad] = 0
     return x
 
 
-def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
+def _careful_forward_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows, o_rows,
                           bad_q, bad_k, bad_v, softcap=None, exact=False, drop=None, extra=None):
     """One tile when its rows or columns hold non-finite values (forward).
 
@@ -309,33 +305,30 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
     """
     vis = _visible(bias, s.shape)
     full = _plus(bias, extra)
-    dim_v = ve.shape[1] - 1
     redo = bad_q | vis[:, bad_k].any(axis=1)
     saved = m_rows[redo].copy(), l_rows[redo].copy(), o_rows[redo].copy()
     fresh = np.isneginf(saved[0]) & (saved[1] == 0)
     m_rows[redo] = np.where(fresh, -np.inf, 0)  # a clean run's path choice for this tile
     l_rows[redo] = 0
     o_rows[redo] = 0
-    q_clean = _clean_copy(qe, bad_q, dim)
-    k_clean, v_clean = _clean_copy(ke, bad_k, dim), _clean_copy(ve, bad_v, dim_v)
+    q_clean, k_clean, v_clean = _clean_copy(q_t, bad_q), _clean_copy(k_t, bad_k), _clean_copy(v_t, bad_v)
     fix_pv = None
     if bad_v.any():
         see_v = vis[:, bad_v] & ~redo[:, None]
-        v_raw = ve[bad_v, :dim_v]
+        v_raw = v_t[bad_v]
 
         def fix_pv(weights, pv_tile):
             terms = weights[:, bad_v, None] * v_raw[None]
-            pv_tile[:, :dim_v] += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
+            pv_tile += np.where(see_v[:, :, None], terms, 0).sum(axis=1)
 
-    if exact or not (np.isfinite(m_rows).all() and _shifted_tile(
-            q_clean, k_clean, v_clean, s, pv, full, scale, m_rows, l_rows, o_rows, dim, fix_pv, drop)):
-        _exact_tile(q_clean, k_clean, v_clean, s, pv, full, scale, m_rows, l_rows, o_rows, dim, fix_pv,
-                    softcap, drop)
+    tile = (q_clean, k_clean, v_clean, s, pv, sums, full, scale, m_rows, l_rows, o_rows, fix_pv)
+    if exact or not (np.isfinite(m_rows).all() and _shifted_tile(*tile, drop)):
+        _exact_tile(*tile, softcap, drop)
     if not redo.any():
         return
     m_old, l_old, o_old = saved
     with np.errstate(invalid="ignore", over="ignore"):
-        sc = (qe[redo, :dim] @ ke[:, :dim].T) * scale
+        sc = (q_t[redo] @ k_t.T) * scale
         if softcap is not None:
             _cap(sc, softcap)
         if extra is not None:
@@ -347,7 +340,7 @@ def _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows
         alpha = np.exp(m_old - shift)
         l_rows[redo] = l_old * alpha + p.sum(axis=1)
         p_o = p if drop is None else (p * drop[redo]).astype(s.dtype, copy=False)
-        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p_o, ve[:, :dim_v], vis[redo])
+        o_rows[redo] = o_old * alpha[:, None] + _visible_matmul(p_o, v_t, vis[redo])
         # a row whose visible scores were all -inf has weight 0 so far (l = 0) but is no longer
         # fresh: a finite shift keeps later tiles on a clean run's path.  The exact path has no
         # such choice and keeps m the running maximum (-inf there, as the CUDA kernels do)
@@ -466,6 +459,16 @@ class NumpyBackend:
         return np.array(np.asarray(x).transpose(0, 2, 1, 3), dtype=dtype, order="C", copy=True)
 
     @staticmethod
+    def heads_view(x, dtype):
+        """``x (B, S, H, D)`` as ``(B, H, S, D)`` in ``dtype``, read only: a view when ``x`` has
+        that dtype and unit stride along ``D`` (the GEMMs read its strided rows), else a copy."""
+        x = np.asarray(x)
+        item = x.itemsize
+        if x.dtype == dtype and x.strides[3] == item and all(st % item == 0 for st in x.strides):
+            return x.transpose(0, 2, 1, 3)
+        return NumpyBackend.to_heads(x, dtype)
+
+    @staticmethod
     def from_heads(xh, dtype):
         return np.array(xh.transpose(0, 2, 1, 3), dtype=dtype, order="C", copy=True)
 
@@ -490,29 +493,32 @@ class NumpyBackend:
     def forward_block(self, qh, kh, vh, o_acc, m, l, scale, mask: BlockMask, tick=None, resident=None):
         """Fold one block into the online softmax; return ``(tiles computed, tiles skipped)``.
 
-        Each tile's scores come from one GEMM of ``[q, c]`` with ``[k, 1]`` where
-        ``c = -m / scale`` holds the row's running maximum, so ``exp`` runs straight
-        on ``scale * s`` (no max or subtract pass), and ``exp(S) @ [v, 1]`` gives the
-        output and the row sums in one GEMM.  The shift may lag the true maximum:
+        Each tile's weights are ``exp(scale * q.k + bias - m)`` with ``m`` the row's running
+        maximum so far, made with their row sums in one pass after the scores' GEMM (no max
+        or subtract pass), then ``o += weights @ v``.  The shift may lag the true maximum:
         weights above 1 are fine in floating point, rows whose sum grows large are
-        renormalised, and a tile that overflows (or a row with no shift yet) takes
-        the exact path: row max, subtract, exp, rescale.
+        renormalised, and a tile that overflows (or a row with no shift yet) takes the
+        exact path: row max, subtract, exp, rescale.  The operands are read where they lie
+        (strided views: no copies of ``q`` or the block); 16-bit K/V are widened once per block.
 
         ``resident``: a dict shared by every block of one call (see :func:`_once`): the
-        extended ``q``, its NaN/Inf scan and the scratch tiles are made on the first block only.
+        rounded ``q``, its NaN/Inf scan and the scratch tiles are made on the first block only.
         """
-        batch, heads, sq, dim = qh.shape
+        batch, heads, sq, _ = qh.shape
         kv_heads, skv = kh.shape[1], kh.shape[2]
         dim_v = vh.shape[3]
         if sq == 0 or skv == 0:
             return 0, 0
         ct = qh.dtype
-        q_ext = _once(resident, ("q_ext", kh.dtype), lambda: _extend(_kv_precision(qh, kh.dtype), 0))
-        k_ext, v_ext = _extend(kh, 1, ct), _extend(vh, 1, ct)
+        q_use = _once(resident, ("q", kh.dtype), lambda: _kv_precision(qh, kh.dtype))
+        k_use = kh if kh.dtype == ct else kh.astype(ct)
+        v_use = vh if vh.dtype == ct else vh.astype(ct)
         group = heads // kv_heads
         scale = ct.type(scale)
-        scratch = _scratch(resident, "s", min(sq, TILE_Q) * min(skv, TILE_KV), ct)
-        pv_scratch = _scratch(resident, "pv", min(sq, TILE_Q) * (dim_v + 1), ct)
+        rows_max = min(sq, TILE_Q)
+        scratch = _scratch(resident, "s", rows_max * min(skv, TILE_KV), ct)
+        pv_scratch = _scratch(resident, "pv", rows_max * dim_v, ct)
+        sums_scratch = _scratch(resident, "sums", rows_max, ct)
         # the resident q is scanned once per call, the visiting block once per block:
         # rows with NaN/Inf (or a state made non-finite by them)
         bad_q = _once(resident, "bad_q", lambda: _bad_rows(qh)) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
@@ -525,14 +531,15 @@ class NumpyBackend:
         for rows, cols, bsel, bias in tiles:
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             s = scratch[: nq * nk].reshape(nq, nk)
-            pv = pv_scratch[: nq * (dim_v + 1)].reshape(nq, dim_v + 1)
+            pv = pv_scratch[: nq * dim_v].reshape(nq, dim_v)
+            sums = sums_scratch[:nq]
             terms = mask.spec.modifier_terms(mask.q_pos[rows], mask.kv_pos[cols], ct)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
                     extra = None if terms is None else terms(h)
                     full = _plus(bias, extra)
-                    qe, ke, ve = q_ext[b, h, rows], k_ext[b, kvh, cols], v_ext[b, kvh, cols]
+                    q_t, k_t, v_t = q_use[b, h, rows], k_use[b, kvh, cols], v_use[b, kvh, cols]
                     m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
                     drop = None if dropout is None else dropout.multiplier(
                         b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
@@ -540,13 +547,13 @@ class NumpyBackend:
                         bad_rows = bad_q[b, h, rows] | np.isnan(l_rows) | np.isnan(m_rows) | np.isposinf(m_rows)
                     if careful and (bad_rows.any() or bad_k[b, kvh, cols].any() or bad_v[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf are expected here
-                            _careful_forward_tile(qe, ke, ve, s, pv, bias, scale, m_rows, l_rows, o_rows, dim,
-                                                  bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols],
+                            _careful_forward_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows,
+                                                  o_rows, bad_rows, bad_k[b, kvh, cols], bad_v[b, kvh, cols],
                                                   softcap, exact, drop, extra)
                     elif exact or not (np.isfinite(m_rows).all() and _shifted_tile(
-                            qe, ke, ve, s, pv, full, scale, m_rows, l_rows, o_rows, dim, drop=drop)):
-                        _exact_tile(qe, ke, ve, s, pv, full, scale, m_rows, l_rows, o_rows, dim, softcap=softcap,
-                                    drop=drop)
+                            q_t, k_t, v_t, s, pv, sums, full, scale, m_rows, l_rows, o_rows, drop=drop)):
+                        _exact_tile(q_t, k_t, v_t, s, pv, sums, full, scale, m_rows, l_rows, o_rows,
+                                    softcap=softcap, drop=drop)
                     if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
                         tick()
         return tiles.counts()
@@ -563,12 +570,12 @@ class NumpyBackend:
 
     # ----------------------------------------------------------------- backward
     def backward_block(self, qh, doh, lse, dvec, kh, vh, dq, dk, dv, scale, mask: BlockMask, tick=None,
-                       resident=None, kv_done=None):
+                       resident=None, kv_need=None, kv_done=None):
         """Accumulate one block's gradients; return ``(tiles computed, tiles skipped)``.
 
         ``resident``: as for :meth:`forward_block` (the rounded ``q, do``, ``lse`` and their scan).
-        Key tiles are the outer loop, so ``dk, dv`` are final one key tile at a time
-        (``kv_done``); every accumulator still adds its terms in the order of a
+        Key tiles are the outer loop, so ``dk, dv`` rows are first touched (``kv_need``) and
+        final (``kv_done``) one key tile at a time; every accumulator still adds its terms in the order of a
         query-tile-major loop (``dq`` over key tiles, ``dk, dv`` over query tiles then heads).
         """
         batch, heads, sq, _ = qh.shape
@@ -578,6 +585,7 @@ class NumpyBackend:
                 kv_done(skv)
             return 0, 0
         ct = qh.dtype
+        kv_need = kv_need or (lambda n: None)
         qh = _once(resident, ("q", kh.dtype), lambda: _kv_precision(qh, kh.dtype))
         doh = _once(resident, ("do", kh.dtype), lambda: _kv_precision(doh, kh.dtype))
         kh = kh if kh.dtype == ct else kh.astype(ct)
@@ -598,11 +606,14 @@ class NumpyBackend:
         careful = bool(bad_rows.any() or bad_cols.any())
         dropout = mask.spec.dropout
         tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
-        final = 0  # dk, dv rows [0, final) are finished
+        final = needed = 0  # dk, dv rows [0, final) are finished, [0, needed) may be touched
         for rows, cols, bsel, bias in tiles:
             if kv_done is not None and tiles.kv_tile.start > final:
                 final = tiles.kv_tile.start
                 kv_done(final)
+            if tiles.kv_tile.stop > needed:
+                needed = tiles.kv_tile.stop
+                kv_need(needed)
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
