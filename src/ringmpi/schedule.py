@@ -182,13 +182,17 @@ class GradChannel:
 
     def __init__(self, ring: Ring, backend, counts: np.ndarray, batch: int, kv_heads: int, dim: int,
                  dtype, dim_v: Optional[int] = None):
-        self.ring, self.counts = ring, counts
-        self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
-        self.dim_v = dim if dim_v is None else int(dim_v)
-        rows = int(counts.max())
+        rows = self._shapes(ring, counts, batch, kv_heads, dim, dtype, dim_v)
         lone = ring.size == 1  # a lone rank's sums are finished where they are computed
         self.out = [backend.message(self.nbytes(rows)) for _ in range(1 if lone else 2)]
         self.incoming = None if lone else backend.message(self.nbytes(rows))
+
+    def _shapes(self, ring, counts, batch, kv_heads, dim, dtype, dim_v) -> int:
+        """Keep the ring and the message shapes; return the largest block's rows."""
+        self.ring, self.counts = ring, counts
+        self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
+        self.dim_v = dim if dim_v is None else int(dim_v)
+        return int(counts.max())
 
     def nbytes(self, rows: int) -> int:
         return self.dk_nbytes(rows) + self.batch * self.kv_heads * rows * self.dim_v * self.dtype.itemsize
@@ -266,10 +270,7 @@ class HostGradChannel(GradChannel):
 
     def __init__(self, ring: Ring, backend, counts: np.ndarray, batch: int, kv_heads: int, dim: int,
                  dtype, dim_v: Optional[int] = None):
-        self.ring, self.counts = ring, counts
-        self.batch, self.kv_heads, self.dim, self.dtype = batch, kv_heads, dim, np.dtype(dtype)
-        self.dim_v = dim if dim_v is None else int(dim_v)
-        rows = int(counts.max())
+        rows = self._shapes(ring, counts, batch, kv_heads, dim, dtype, dim_v)
         self.bufs = [HostMessage(self.nbytes(rows)) for _ in range(1 if ring.size == 1 else 2)]
         self._sends = [[], []]      # each buffer's pending send channels
         self._recv_step = [None, None]  # the step each buffer's posted receives are for
