@@ -51,6 +51,31 @@ def test_exp_pass_accuracy_and_nonfinite(tile_pass):
     assert rel.max() <= 4 * np.finfo(np.float32).eps
 
 
+@pytest.mark.parametrize("cols", [5, 16, 37, 512])
+def test_exp_pass_row_sums(tile_pass, cols):
+    """The row sums the pass returns are those of its result (a tail of fewer than 16 columns
+    adds only its own elements), deterministic, with NaN/Inf as a sum gives them."""
+    rng = np.random.default_rng(cols)
+    s = rng.standard_normal((9, cols)).astype(np.float32)
+    s[3, 0] = np.nan
+    s[4, -1] = np.inf
+    bias = np.where(rng.random(s.shape) < 0.3, -np.inf, 0).astype(np.float32)
+    shift = rng.standard_normal(9).astype(np.float32)
+    runs = []
+    for _ in range(2):
+        got, sums = s.copy(), np.full(9, -1.0, dtype=np.float32)
+        with np.errstate(all="ignore"):
+            numpy_backend._exp_pass(got, np.float32(0.5), bias, shift, sums)
+        runs.append((got, sums))
+    got, sums = runs[0]
+    assert np.array_equal(runs[1][1], sums, equal_nan=True)
+    want = got.astype(np.float64).sum(axis=1)
+    np.testing.assert_array_equal(np.isnan(sums), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(sums), np.isinf(want))
+    fine = np.isfinite(want)
+    np.testing.assert_allclose(sums[fine], want[fine], rtol=cols * np.finfo(np.float32).eps)
+
+
 CASES = {
     "full": dict(),
     "causal-gqa": dict(causal=True, hkv=2),
