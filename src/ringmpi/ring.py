@@ -78,6 +78,30 @@ def poll_until(done: Callable[[], bool], start: float, timeout: Optional[float],
         nap = min(2 * nap + 1e-5, 2e-4)
 
 
+@dataclass(frozen=True)
+class TypedPart:
+    """One message part that an MPI datatype picks out of ``buffer`` (one item of
+    ``datatype``, e.g. a ``Create_hindexed`` type over a host buffer's scattered rows):
+    many pieces of memory in one request."""
+
+    buffer: object
+    datatype: object
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.datatype.Get_size())
+
+    def message(self) -> list:
+        return [self.buffer, 1, self.datatype]
+
+
+def _message(part):
+    """The mpi4py message of one part: a :class:`TypedPart`'s, else the buffer as bytes."""
+    from mpi4py import MPI
+
+    return part.message() if isinstance(part, TypedPart) else [part, MPI.BYTE]
+
+
 def _parts(buffers) -> list:
     if buffers is None:
         return []
@@ -145,24 +169,22 @@ class Ring:
         """Start ``Irecv(recv from prev)`` and ``Isend(send to next)`` on ``channel``.
 
         ``send``/``recv`` are buffers exposing the (CUDA) buffer protocol, sliced to
-        the exact message length, or a list of such buffers (the parts of one
-        message, sent and received in list order), or None.  Messages of one
+        the exact message length, or :class:`TypedPart` s, or a list of such parts (the
+        parts of one message, sent and received in list order), or None.  Messages of one
         ``stream`` (default: the channel's name) share an MPI tag, so a send on
         one channel can match a receive on another channel of the same stream.
         """
-        from mpi4py import MPI
-
         if channel in self._pending:
             raise RuntimeError(f"ring channel {channel!r} posted while a transfer on it is pending")
         tag = self._tag(stream or channel)
         transfers = []
         rec = self.record(self.step)
         for buf in _parts(recv):
-            request = self.comm.Irecv([buf, MPI.BYTE], source=self.prev, tag=tag)
+            request = self.comm.Irecv(_message(buf), source=self.prev, tag=tag)
             transfers.append(_Transfer("recv from", request, self.prev, int(buf.nbytes)))
             rec.bytes_recv += int(buf.nbytes)
         for buf in _parts(send):
-            request = self.comm.Isend([buf, MPI.BYTE], dest=self.next, tag=tag)
+            request = self.comm.Isend(_message(buf), dest=self.next, tag=tag)
             transfers.append(_Transfer("send to", request, self.next, int(buf.nbytes)))
             rec.bytes_sent += int(buf.nbytes)
         if transfers:

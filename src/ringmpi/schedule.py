@@ -42,7 +42,7 @@ import numpy as np
 from .backends import HostMessage
 from .faults import fault_point
 from .masks import BlockMask, MaskSpec
-from .ring import Ring
+from .ring import Ring, TypedPart
 
 GRAD_PIECES = 8  # host memory: dK/dV partial sums move in this many pieces of rows
 # host memory: dK/dV partial sums received into, added to and sent from two buffers
@@ -254,24 +254,25 @@ class HostGradChannel(GradChannel):
     in place and sent on, in pieces of rows.
 
     At step ``s`` the partial sums of the block (from the ranks that saw it before) arrive
-    from ``prev`` into buffer ``s % 2`` in up to ``GRAD_PIECES`` pieces of rows (one part
-    per batch entry, head, ``dK``/``dV``); the block op adds this rank's terms onto them
-    in place, asking first for the rows it is about to touch (``kv_need(n)``: the pieces
-    holding rows below ``n`` have arrived) and reporting the rows that are final
+    from ``prev`` into buffer ``s % 2`` in up to ``GRAD_PIECES`` pieces of rows (each one
+    message: an MPI datatype over its rows of every batch entry, head, ``dK``/``dV``); the
+    block op sums this rank's terms of a key tile in scratch and adds them onto the partial
+    sums in place once the tile is done, asking first for its rows (``kv_need(n)``: the
+    pieces holding rows below ``n`` have arrived), and reports the rows that are final
     (``kv_done(n)``: the pieces below ``n`` go on to ``next`` at once, while the rest is
     computed).  Step 0's buffer starts at zero; after the last step this rank's own
     finished sums arrive the same way into buffer ``P % 2``.  A buffer is received into
     again once its sends of the step before have completed: the receives of step ``s + 1``
     are posted during step ``s`` when they can be, so the sums move while the rank
     computes.  Against :class:`GradChannel` a rank holds two ``dK, dV`` buffers, not
-    three; the terms of a block add in the order ``partial + this rank's``, not the
-    reverse (deterministic either way at fixed P and placement).
+    three (and the block op one key tile of scratch), with bitwise the same sums.
     """
 
     def __init__(self, ring: Ring, backend, counts: np.ndarray, batch: int, kv_heads: int, dim: int,
                  dtype, dim_v: Optional[int] = None):
         rows = self._shapes(ring, counts, batch, kv_heads, dim, dtype, dim_v)
         self.bufs = [HostMessage(self.nbytes(rows)) for _ in range(1 if ring.size == 1 else 2)]
+        self._types = {}            # (rows, lo, hi) -> the MPI datatype of that piece
         self._sends = [[], []]      # each buffer's pending send channels
         self._recv_step = [None, None]  # the step each buffer's posted receives are for
         self._arrived = 0           # this step's pieces received so far
@@ -283,15 +284,27 @@ class HostGradChannel(GradChannel):
         cuts = np.linspace(0, rows, min(rows, GRAD_PIECES) + 1).astype(np.int64)
         return [(int(lo), int(hi)) for lo, hi in zip(cuts[:-1], cuts[1:])]
 
-    def _piece_parts(self, msg, rows: int, lo: int, hi: int):
-        """The uint8 parts of rows ``[lo, hi)`` of ``dK`` then ``dV`` in ``msg``."""
-        buf, item = msg.mpi_buffer(), self.dtype.itemsize
-        parts = []
-        for base, dim in ((0, self.dim), (self.dk_nbytes(rows), self.dim_v)):
-            for bh in range(self.batch * self.kv_heads):
-                start = base + (bh * rows + lo) * dim * item
-                parts.append(buf[start:start + (hi - lo) * dim * item])
-        return parts
+    def _piece(self, msg, rows: int, lo: int, hi: int) -> TypedPart:
+        """Rows ``[lo, hi)`` of ``dK`` then ``dV`` in ``msg`` (one part per batch entry, head and
+        tensor) as one message: an MPI ``hindexed`` type, made once per row range of a call."""
+        key = (rows, lo, hi)
+        datatype = self._types.get(key)
+        if datatype is None:
+            from mpi4py import MPI
+
+            item, lengths, offsets = self.dtype.itemsize, [], []
+            for base, dim in ((0, self.dim), (self.dk_nbytes(rows), self.dim_v)):
+                for bh in range(self.batch * self.kv_heads):
+                    offsets.append(base + (bh * rows + lo) * dim * item)
+                    lengths.append((hi - lo) * dim * item)
+            datatype = self._types[key] = MPI.BYTE.Create_hindexed(lengths, offsets).Commit()
+        return TypedPart(msg.mpi_buffer(), datatype)
+
+    def free(self) -> None:
+        """Free the pieces' MPI datatypes (once every transfer has completed)."""
+        for datatype in self._types.values():
+            datatype.Free()
+        self._types.clear()
 
     def _rows(self, step: int) -> int:
         """Rows of the block a rank holds at ``step`` (``P``: its own block, home)."""
@@ -312,7 +325,7 @@ class HostGradChannel(GradChannel):
         sends.clear()
         rows = self._rows(step)
         for i, (lo, hi) in enumerate(self.pieces(rows)):
-            self.ring.post(f"grad_recv{slot}_{i}", recv=self._piece_parts(self.bufs[slot], rows, lo, hi),
+            self.ring.post(f"grad_recv{slot}_{i}", recv=self._piece(self.bufs[slot], rows, lo, hi),
                            stream="grad")
         self._recv_step[slot] = step
 
@@ -350,7 +363,7 @@ class HostGradChannel(GradChannel):
         while self._sent < len(pieces) and pieces[self._sent][1] <= n:
             lo, hi = pieces[self._sent]
             name = f"grad_send{slot}_{self._sent}"
-            ring.post(name, send=self._piece_parts(self.bufs[slot], rows, lo, hi), stream="grad")
+            ring.post(name, send=self._piece(self.bufs[slot], rows, lo, hi), stream="grad")
             self._sends[slot].append(name)
             self._sent += 1
         self._post_receive(step + 1, wait=False)  # the next step's sums may come now
@@ -371,6 +384,7 @@ class HostGradChannel(GradChannel):
         self._step, self._arrived = home, 0
         self.kv_need(self._rows(home))
         ring.wait_all()
+        self.free()
         return self.views(self.bufs[home % 2], ring.rank)
 
 

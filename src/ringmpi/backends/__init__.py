@@ -54,9 +54,10 @@ backend object provides (``INTERFACE`` lists the names; one test,
     ``dv (B, Hkv, Skv, D_v)`` in compute dtype.
     ``kv_need(n)``, ``kv_done(n)`` (host-memory backends; the schedule passes them only
     with host messages, where ``dk, dv`` hold the partial sums of the ranks before,
-    still arriving): ``kv_need(n)`` is called before the op first touches a row below
-    ``n`` (it returns once those rows have arrived), ``kv_done(n)`` each time rows
-    ``[0, n)`` are final (``n`` non-decreasing in both, the last ``kv_done`` with
+    still arriving): ``kv_need(n)`` is called before the op adds into a row below ``n``
+    (it returns once those rows have arrived; the op sums a key tile's terms first, so
+    the result is bitwise that of zeroed ``dk, dv`` with the partial sums added after),
+    ``kv_done(n)`` each time rows ``[0, n)`` are final (``n`` non-decreasing in both, the last ``kv_done`` with
     ``n = Skv``), so that the schedule can send finished rows while the rest is computed.
 ``message(nbytes) -> Message``
     One ring buffer of ``nbytes``; see :class:`HostMessage` for its methods

@@ -438,6 +438,64 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     dk_t += dp.T @ q_t
 
 
+class _KeyTileSums:
+    """Where a backward block op adds its ``dK, dV`` terms, one key tile at a time.
+
+    Without ``kv_need``: straight into ``dk, dv``.  With it (host memory, where ``dk, dv``
+    hold the partial sums of the ranks before, still arriving): into a zeroed scratch of one
+    key tile, added onto ``dk, dv`` once the tile is done and its rows have arrived
+    (``kv_need``), so a partial sum is needed only at the end of its key tile.  Either way
+    a row gets this block's terms summed in the same order, then the partial sums added:
+    bitwise what a zeroed ``dk, dv`` with the partial sums added after gives.  ``kv_done(n)``
+    is called as rows ``[0, n)`` become final.
+    """
+
+    def __init__(self, dk, dv, dtype, resident=None, kv_need=None, kv_done=None):
+        self.dk, self.dv, self.kv_need, self.kv_done = dk, dv, kv_need, kv_done
+        self.key, self.final = None, 0
+        if kv_need is not None:
+            batch, kv_heads, skv = dk.shape[:3]
+            size = batch * kv_heads * min(skv, TILE_KV)
+            self.acc = [_scratch(resident, ("acc", i), size * x.shape[3], dtype) for i, x in enumerate((dk, dv))]
+
+    def begin(self, key: slice) -> None:
+        """Key tile ``key`` is the one the next terms go to (the one before it is done)."""
+        if self.key is not None and self.key.start == key.start:
+            return
+        self._add_tile()
+        if self.kv_done is not None and key.start > self.final:
+            self.final = key.start
+            self.kv_done(self.final)
+        self.key = key
+        if self.kv_need is not None:
+            rows = key.stop - key.start
+            self.tiles = [a[: x.shape[0] * x.shape[1] * rows * x.shape[3]].reshape(x.shape[:2] + (rows, x.shape[3]))
+                          for a, x in zip(self.acc, (self.dk, self.dv))]
+            for t in self.tiles:
+                t[...] = 0
+
+    def views(self, b: int, kvh: int, cols: slice):
+        """The ``(dk, dv)`` views to add the terms of key columns ``cols`` (inside the tile) into."""
+        if self.kv_need is None:
+            return self.dk[b, kvh, cols], self.dv[b, kvh, cols]
+        lo, hi = cols.start - self.key.start, cols.stop - self.key.start
+        return self.tiles[0][b, kvh, lo:hi], self.tiles[1][b, kvh, lo:hi]
+
+    def _add_tile(self) -> None:
+        if self.key is None or self.kv_need is None:
+            return
+        self.kv_need(self.key.stop)
+        self.dk[:, :, self.key] += self.tiles[0]
+        self.dv[:, :, self.key] += self.tiles[1]
+
+    def end(self, skv: int) -> None:
+        """The block is done: its last key tile added, every row final."""
+        self._add_tile()
+        self.key = None
+        if self.kv_done is not None:
+            self.kv_done(skv)
+
+
 class NumpyBackend:
     """The CPU block kernels (see :mod:`ringmpi.backends` for the interface)."""
 
@@ -574,8 +632,9 @@ class NumpyBackend:
         """Accumulate one block's gradients; return ``(tiles computed, tiles skipped)``.
 
         ``resident``: as for :meth:`forward_block` (the rounded ``q, do``, ``lse`` and their scan).
-        Key tiles are the outer loop, so ``dk, dv`` rows are first touched (``kv_need``) and
-        final (``kv_done``) one key tile at a time; every accumulator still adds its terms in the order of a
+        Key tiles are the outer loop, so ``dk, dv`` are final one key tile at a time
+        (``kv_done``; with ``kv_need`` each key tile's terms are summed in scratch first, see
+        :class:`_KeyTileSums`); every accumulator still adds its terms in the order of a
         query-tile-major loop (``dq`` over key tiles, ``dk, dv`` over query tiles then heads).
         """
         batch, heads, sq, _ = qh.shape
@@ -585,7 +644,6 @@ class NumpyBackend:
                 kv_done(skv)
             return 0, 0
         ct = qh.dtype
-        kv_need = kv_need or (lambda n: None)
         qh = _once(resident, ("q", kh.dtype), lambda: _kv_precision(qh, kh.dtype))
         doh = _once(resident, ("do", kh.dtype), lambda: _kv_precision(doh, kh.dtype))
         kh = kh if kh.dtype == ct else kh.astype(ct)
@@ -606,14 +664,9 @@ class NumpyBackend:
         careful = bool(bad_rows.any() or bad_cols.any())
         dropout = mask.spec.dropout
         tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
-        final = needed = 0  # dk, dv rows [0, final) are finished, [0, needed) may be touched
+        sums = _KeyTileSums(dk, dv, ct, resident, kv_need, kv_done)
         for rows, cols, bsel, bias in tiles:
-            if kv_done is not None and tiles.kv_tile.start > final:
-                final = tiles.kv_tile.start
-                kv_done(final)
-            if tiles.kv_tile.stop > needed:
-                needed = tiles.kv_tile.stop
-                kv_need(needed)
+            sums.begin(tiles.kv_tile)
             nq, nk = rows.stop - rows.start, cols.stop - cols.start
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
@@ -625,7 +678,7 @@ class NumpyBackend:
                     extra = None if terms is None else terms(h)
                     operands = (qh[b, h, rows], doh[b, h, rows], kh[b, kvh, cols], vh[b, kvh, cols],
                                 lse_use[b, h, rows], dvec[b, h, rows], p, dp)
-                    outs = (scale, dq[b, h, rows], dk[b, kvh, cols], dv[b, kvh, cols])
+                    outs = (scale, dq[b, h, rows]) + sums.views(b, kvh, cols)
                     args = operands + (_plus(bias, extra),) + outs
                     drop = None if dropout is None else dropout.multiplier(
                         b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
@@ -639,6 +692,5 @@ class NumpyBackend:
                         _backward_tile(*args, drop=drop)
                     if tick is not None:
                         tick()
-        if kv_done is not None:
-            kv_done(skv)
+        sums.end(skv)
         return tiles.counts()
