@@ -16,7 +16,7 @@ to their owner.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -136,6 +136,17 @@ def _positions_problem(pos_q, pos_kv, q, k) -> Optional[str]:
             or _positions.local_problem("positions_kv", pos_kv, k.shape[1]))
 
 
+class _RankPlan(NamedTuple):
+    """What each rank contributes to the planning allgather."""
+
+    signature: tuple        # (batch, heads, kv_heads, head_dim, value_head_dim, dtype)
+    s_q: int                # this rank's query rows
+    s_kv: int               # this rank's key/value rows
+    digest: object          # the options' digest (sinks, softcap, masks, ...)
+    dropout: object         # the dropout key (p, seed, offsets), or None
+    given: Optional[tuple]  # the summaries of given positions_q, positions_kv, or None
+
+
 def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, pos_kv):
     """``(place_q, place_kv)`` (:class:`~ringmpi.positions.Placement`) once every rank agrees on
     shapes, options and shard lengths (the layout's) or positions (the given ones), in one allgather."""
@@ -145,12 +156,12 @@ def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, p
     given = None if pos_q is None else (_positions.summary(pos_q), _positions.summary(pos_kv))
     fault_point("plan", rank)
     with phase("the ranks' agreement on the call's shapes (allgather)", options.timeout):
-        shapes = comm.allgather((signature, q.shape[1], k.shape[1], (options.digest(), drop_key), given))
+        shapes = comm.allgather(_RankPlan(signature, q.shape[1], k.shape[1], options.digest(), drop_key, given))
     problem = _disagreement(shapes)
-    n_q = sum(s[1] for s in shapes)
-    n_kv = sum(s[2] for s in shapes)
+    n_q = sum(s.s_q for s in shapes)
+    n_kv = sum(s.s_kv for s in shapes)
     kind = layout.kind if isinstance(layout, Layout) else layout
-    if problem is None and len({s[4] is None for s in shapes}) > 1:
+    if problem is None and len({s.given is None for s in shapes}) > 1:
         problem = "give positions_q (and positions_kv) on every rank or on none"
     if problem is None and kind not in KINDS:
         problem = f"unknown layout {kind!r}: expected one of {', '.join(KINDS)}"
@@ -159,11 +170,11 @@ def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, p
     if problem is None:
         problem = options.size_problem(q.shape[2], q.shape[0], n_q, n_kv)
     if problem is None and given is not None:
-        problem = (_positions.placement_problem("positions_q", [s[4][0] for s in shapes])
-                   or _positions.placement_problem("positions_kv", [s[4][1] for s in shapes]))
+        problem = (_positions.placement_problem("positions_q", [s.given[0] for s in shapes])
+                   or _positions.placement_problem("positions_kv", [s.given[1] for s in shapes]))
         agree(comm, problem)
-        return (_positions.given(pos_q.astype(np.int64, copy=False), [s[1] for s in shapes]),
-                _positions.given(pos_kv.astype(np.int64, copy=False), [s[2] for s in shapes]))
+        return (_positions.given(pos_q.astype(np.int64, copy=False), [s.s_q for s in shapes]),
+                _positions.given(pos_kv.astype(np.int64, copy=False), [s.s_kv for s in shapes]))
     if problem is None and isinstance(layout, Layout):
         if layout.world_size != size or layout.n != n_q:
             problem = (f"layout {layout} does not match the communicator: world size {size}, "
@@ -171,27 +182,27 @@ def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, p
     if problem is None:
         layout_q, layout_kv = Layout(kind, n_q, size), Layout(kind, n_kv, size)
         want_q, want_kv = layout_q.counts(), layout_kv.counts()
-        bad = [r for r, s in enumerate(shapes) if s[1] != want_q[r] or s[2] != want_kv[r]]
+        bad = [r for r, s in enumerate(shapes) if s.s_q != want_q[r] or s.s_kv != want_kv[r]]
         if bad:
             r = bad[0]
             problem = (f"shard lengths do not match the {kind} layout of N_q={n_q}, N_kv={n_kv} "
-                       f"over {size} ranks: rank {r} holds q {shapes[r][1]} / kv {shapes[r][2]} rows, "
+                       f"over {size} ranks: rank {r} holds q {shapes[r].s_q} / kv {shapes[r].s_kv} rows, "
                        f"the layout gives q {want_q[r]} / kv {want_kv[r]}")
     agree(comm, problem)
     return _positions.from_layout(layout_q, rank), _positions.from_layout(layout_kv, rank)
 
 
 def _disagreement(shapes) -> Optional[str]:
-    """The message when the ranks' ``(signature, n_q, n_kv, (digest, dropout key), positions)`` differ."""
-    if len({s[3][0] for s in shapes}) > 1:
+    """The message when the ranks' :class:`_RankPlan` s differ in what must be the same."""
+    if len({s.digest for s in shapes}) > 1:
         return ("ranks disagree on sinks or softcap (or alibi_slopes, causal, window, softmax_scale, "
                 "check_finite, return_max_logit): every rank must pass the same values")
-    if len({s[3][1] for s in shapes}) > 1:
+    if len({s.dropout for s in shapes}) > 1:
         return ("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
-                + "; ".join(f"rank {r}: {s[3][1]}" for r, s in enumerate(shapes)))
-    if len({s[0] for s in shapes}) > 1:
+                + "; ".join(f"rank {r}: {s.dropout}" for r, s in enumerate(shapes)))
+    if len({s.signature for s in shapes}) > 1:
         return ("ranks disagree on (batch, heads, kv_heads, head_dim, value_head_dim, dtype): "
-                + "; ".join(f"rank {r}: {s[0]}" for r, s in enumerate(shapes)))
+                + "; ".join(f"rank {r}: {s.signature}" for r, s in enumerate(shapes)))
     return None
 
 
