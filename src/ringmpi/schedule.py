@@ -275,6 +275,7 @@ class HostGradChannel(GradChannel):
         self._types = {}            # (rows, lo, hi) -> the MPI datatype of that piece
         self._sends = [[], []]      # each buffer's pending send channels
         self._recv_step = [None, None]  # the step each buffer's posted receives are for
+        self._pieces = []           # this step's pieces (row bounds)
         self._arrived = 0           # this step's pieces received so far
         self._sent = 0              # this step's pieces sent on so far
         self._step = None
@@ -333,11 +334,12 @@ class HostGradChannel(GradChannel):
         """This step's ``(dk, dv)`` (the partial sums as they arrive; zero at step 0) and the
         block op's row callbacks ``{"kv_need": ..., "kv_done": ...}``."""
         self._step, self._arrived, self._sent = step, 0, 0
+        self._pieces = self.pieces(self._rows(step))
         dk, dv = self.views(self.bufs[step % 2], src)
         if step == 0 or self.ring.size == 1:
             dk[...] = 0
             dv[...] = 0
-            self._arrived = len(self.pieces(self._rows(step)))
+            self._arrived = len(self._pieces)
         else:
             self._post_receive(step, wait=True)
         if self.ring.size == 1:
@@ -346,8 +348,7 @@ class HostGradChannel(GradChannel):
 
     def kv_need(self, n: int) -> None:
         """Return once the partial sums of rows ``[0, n)`` of this step's block have arrived."""
-        step = self._step
-        pieces = self.pieces(self._rows(step))
+        step, pieces = self._step, self._pieces
         while self._arrived < len(pieces) and pieces[self._arrived][0] < n:
             self.ring.wait(f"grad_recv{step % 2}_{self._arrived}")
             self._arrived += 1
@@ -356,9 +357,8 @@ class HostGradChannel(GradChannel):
 
     def kv_done(self, n: int) -> None:
         """Rows ``[0, n)`` of this step's ``dk, dv`` are final: send their pieces on."""
-        step, ring = self._step, self.ring
+        step, ring, pieces = self._step, self.ring, self._pieces
         slot, rows = step % 2, self._rows(step)
-        pieces = self.pieces(rows)
         self.kv_need(n)
         while self._sent < len(pieces) and pieces[self._sent][1] <= n:
             lo, hi = pieces[self._sent]
@@ -382,6 +382,7 @@ class HostGradChannel(GradChannel):
         home = ring.size
         self._post_receive(home, wait=True)
         self._step, self._arrived = home, 0
+        self._pieces = self.pieces(self._rows(home))
         self.kv_need(self._rows(home))
         ring.wait_all()
         self.free()
