@@ -286,10 +286,25 @@ def _visible_matmul(a, b, vis):
 
 
 def _clean_copy(x, bad):
-    """A copy of ``x`` with the bad rows set to 0."""
-    x = x.copy()
-    x[bad] = 0
-    return x
+    """A copy of ``x`` with the bad rows set to 0, laid out as ``x`` is: the same strides, at
+    the same offset in a 64-byte line.  A BLAS call then takes on the copy the kernel it takes
+    on ``x``, so every clean row is summed in the same order: OpenBLAS's AVX-512 gemv (used
+    when a tile has one row or column) orders a row's sum by the matrix's leading dimension."""
+    copy = _same_layout(x)
+    copy[...] = x
+    copy[bad] = 0
+    return copy
+
+
+def _same_layout(x):
+    """An uninitialised array shaped, strided and 64-byte-aligned as ``x`` (a compact one
+    where ``x`` has a zero or negative stride, which BLAS is never handed)."""
+    if any(s <= 0 for s in x.strides) or x.size == 0:
+        return np.empty_like(x)
+    span = sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.itemsize
+    raw = np.empty(span + 64, dtype=np.uint8)
+    start = (x.ctypes.data - raw.ctypes.data) % 64
+    return np.ndarray(x.shape, x.dtype, buffer=raw, offset=start, strides=x.strides)
 
 
 def _careful_forward_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows, o_rows,
