@@ -104,7 +104,8 @@ case ",$extras," in
         fi ;;
 esac
 stamp=$venv/.ringmpi-installed
-want="$(cat pyproject.toml | sha1sum | cut -c1-12) $extras"
+# the extension is rebuilt when its source or build script changes
+want="$(cat pyproject.toml setup.py src/ringmpi/_ext/fused.c | sha1sum | cut -c1-12) $extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! have ringmpi; then
     say "installing ringmpi (editable, extras: $extras)"
     pipq --no-build-isolation -e ".[${extras}]" 2>/dev/null || pipq -e ".[${extras}]"

@@ -10,10 +10,14 @@ installed NVRTC does not know is skipped, with the reason shown.
 
 One architecture's programs cost minutes of CPU (sm_100: 5.2 CPU-minutes, 172 s on two
 idle AMD EPYC cores; ~7 to ~12 CPU-minutes measured under load), so the programs compile
-in a process pool, one worker per core, all submitted when the first test asks.  By default the suite
-compiles sm_70, sm_75, sm_80 and sm_90; sm_100 (sm_90's instantiations and
-code paths) joins them with ``RINGMPI_COMPILE_ARCHS=all`` (or a comma list)
-and is skipped, visibly, otherwise.
+in a process pool, one worker per core, all submitted when the first test asks.  The
+sources have two code paths (``__CUDA_ARCH__ >= 800`` in common.cuh: the SIMT kernels with
+bfloat16 converted in registers below it, tensor cores and native bfloat16 from it) and
+two instantiation lists (``instantiations(cc)``: below sm_80 and from it), so by default the
+suite compiles one architecture for each, sm_70 and sm_80
+(``test_default_architectures_cover_every_code_path`` checks that this still holds);
+``RINGMPI_COMPILE_ARCHS=all`` (or a comma list) compiles sm_75, sm_90 and sm_100 too, and
+they are skipped, visibly, otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ nvrtc = pytest.importorskip(
 )
 
 ARCHS = ("sm_70", "sm_75", "sm_80", "sm_90", "sm_100")
-DEFAULT_ARCHS = ("sm_70", "sm_75", "sm_80", "sm_90")
+DEFAULT_ARCHS = ("sm_70", "sm_80")
 
 
 def _selected_archs():
@@ -113,6 +117,23 @@ def test_instantiation_list_covers_the_backend():
             assert K.backward_kernel(kind, d, cc=70).instantiation in simt
     with pytest.raises(ValueError):
         K.padded_dim(K.MAX_HEAD_DIM + 1)
+
+
+def test_default_architectures_cover_every_code_path():
+    """Each architecture compiles what one of the defaults compiles: the same instantiations,
+    and the sources branch on the architecture only at ``__CUDA_ARCH__ >= 800``."""
+    import re
+
+    def default_for(arch):
+        return "sm_80" if int(arch[3:]) >= 80 else "sm_70"
+
+    for arch in ARCHS:
+        assert set(K.instantiations(int(arch[3:]))) == set(K.instantiations(int(default_for(arch)[3:]))), arch
+    branches = set()
+    for path in sorted(K.KERNEL_DIR.iterdir()):
+        if path.suffix in (".cu", ".cuh"):
+            branches |= set(re.findall(r"__CUDA_ARCH__[^\n]*", path.read_text()))
+    assert branches == {"__CUDA_ARCH__ >= 800"}, branches
 
 
 def test_sources_carry_line_directives():

@@ -14,21 +14,36 @@ import reference
 import ringmpi
 from ringmpi.backends import numpy_backend
 
-PATHS = ("compiled", "numpy")
+def _compiled_paths():
+    """``compiled-<vector path>`` for each path of the built pass this CPU runs."""
+    try:
+        from ringmpi._ext import _fused
+    except ImportError:
+        return ("compiled",)  # skipped, visibly, by the fixture
+    return tuple(f"compiled-{path}" for path in _fused.paths())
+
+
+PATHS = _compiled_paths() + ("numpy",)
 
 
 @pytest.fixture(params=PATHS)
 def tile_pass(request, monkeypatch):
-    if request.param == "compiled":
-        if numpy_backend._FUSED is None:
+    fused = numpy_backend._FUSED
+    if request.param.startswith("compiled"):
+        if fused is None:
             pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
     else:
         monkeypatch.setattr(numpy_backend, "_FUSED", None)
     monkeypatch.setattr(numpy_backend, "TILE_Q", 16)
     monkeypatch.setattr(numpy_backend, "TILE_KV", 24)
     monkeypatch.setattr(numpy_backend, "BAND_Q", 8)
-    assert numpy_backend.tile_pass() == request.param
-    return request.param
+    before = None if fused is None else fused.path()
+    if request.param.startswith("compiled-"):
+        fused.use(request.param.split("-", 1)[1])
+    assert numpy_backend.tile_pass() == request.param.split("-")[0]
+    yield request.param
+    if before is not None:
+        fused.use(before)
 
 
 def test_exp_pass_accuracy_and_nonfinite(tile_pass):
@@ -136,3 +151,38 @@ def test_same_bits_on_repeat(tile_pass):
         runs.append((o, lse) + tuple(ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)))
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_every_vector_path_gives_the_same_bits():
+    """The compiled pass's vector paths (AVX-512, AVX2, plain: as many as this CPU runs) do the
+    same arithmetic in the same order: the same results and row sums, bit for bit, tails of
+    every length under 16 columns, non-finite values and strided rows included."""
+    fused = numpy_backend._FUSED
+    if fused is None:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
+    rng = np.random.default_rng(5)
+    wide = (rng.standard_normal((7, 80)) * 40).astype(np.float32)
+    wide[2, [0, 17, 33]] = [np.nan, np.inf, -np.inf]
+    bias = np.where(rng.random(wide.shape) < 0.3, -np.inf, 0).astype(np.float32)
+    shift = rng.standard_normal(7).astype(np.float32)
+    before, results = fused.path(), {}
+    try:
+        for path in fused.paths():
+            fused.use(path)
+            got = []
+            for cols in range(1, 50):
+                s, sums = wide[:, :cols].copy(), np.empty(7, np.float32)
+                strided = np.zeros((7, 80), np.float32)
+                strided[:, :cols] = wide[:, :cols]
+                view = strided[:, :cols]  # rows 80 floats apart
+                with np.errstate(all="ignore"):
+                    fused.exp_tile(s, np.float32(0.3), bias[:, :cols].copy(), shift, sums)
+                    fused.exp_tile(view, np.float32(0.3), None, shift)
+                got.append(s.tobytes() + sums.tobytes() + view.tobytes())
+            results[path] = got
+    finally:
+        fused.use(before)
+    first = next(iter(results))
+    for path, got in results.items():
+        differ = [cols for cols, (a, b) in enumerate(zip(got, results[first]), 1) if a != b]
+        assert not differ, f"the {path} path differs from the {first} path at {differ} columns"

@@ -5,21 +5,26 @@
  * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off),
  * bias, shift and sums optional.  A row's sum adds its elements into LANES partial
  * sums (element j into lane j % LANES, in column order), then the lanes in order
- * 0..LANES-1, then the tail's elements in column order: fixed for a row's length.  exp is a Cephes-style polynomial (max error ~2 ulp):
- * exp(-inf) = 0, exp(+inf) = inf, NaN stays NaN, overflow gives inf, so the
- * NumPy path's finiteness checks see what they saw with np.exp.  The result
- * depends only on the element (no reduction): deterministic and row independent. */
+ * 0..LANES-1, then the tail's elements in column order: fixed for a row's length.
+ * exp is a Cephes-style polynomial (max error ~2 ulp): exp(-inf) = 0, exp(+inf) = inf,
+ * NaN stays NaN, overflow gives inf, so the NumPy path's finiteness checks see what they
+ * saw with np.exp.  An element depends on that element alone, a sum on its row alone.
+ *
+ * The pass is compiled once per x86 vector extension (AVX-512, AVX2, the baseline: the
+ * "paths"); import picks the best the CPU runs, use() pins one (RINGMPI_CPU_VECTOR).  Every
+ * path does the same float32 operations in the same order: the same bits on each. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
-#define MULTI __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define MULTI
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define X86_PATHS 1
+#define ISA_AVX512 __attribute__((target("avx512f")))
+#define ISA_AVX2 __attribute__((target("avx2")))
 #endif
+#define INLINE static inline __attribute__((always_inline))
 
 /* sixteen lanes in GCC/Clang vector extensions: one AVX-512 register, two AVX2, four
  * SSE2 or NEON; the lanes' arithmetic (and so every result) is the same on each */
@@ -27,11 +32,11 @@ typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 #define LANES 16
 
-static inline vf bc(float a) { return (vf){0} + a; }
-static inline vi bci(int32_t a) { return (vi){0} + a; }
-static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+INLINE vf bc(float a) { return (vf){0} + a; }
+INLINE vi bci(int32_t a) { return (vi){0} + a; }
+INLINE vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
-static inline vf exp_poly(vf x)
+INLINE vf exp_poly(vf x)
 {
     /* x = n ln2 + r, |r| <= ln2 / 2; exp(r) by a degree-6 polynomial; 2^n by exponent bits */
     vf xc = sel(x > bc(88.72283905206835f), bc(88.72283905206835f), x);
@@ -58,7 +63,7 @@ static inline vf exp_poly(vf x)
 
 /* one row: out = exp(((row * scale) + bias) - shift), LANES at a time; the tail through a
  * padded copy, so every element gets the same arithmetic; returns the row's sum */
-MULTI static float exp_row(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
+INLINE float exp_row(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
 {
     Py_ssize_t j = 0;
     const vf vscale = bc(scale), vsh = bc(sh);
@@ -92,13 +97,61 @@ MULTI static float exp_row(float *row, Py_ssize_t cols, float scale, const float
     return sum;
 }
 
-static void exp_rows(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
-                     const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
+INLINE void exp_rows_body(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
+                          const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
 {
     for (Py_ssize_t i = 0; i < rows; i++) {
         float sum = exp_row(s + i * ld, cols, scale, bias ? bias + i * ldb : NULL, shift ? shift[i] : 0.0f);
         if (sums) sums[i] = sum;
     }
+}
+
+typedef void (*exp_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float, const float *, Py_ssize_t,
+                            const float *, float *);
+
+#define EXP_ROWS(NAME, ISA)                                                                              \
+    ISA static void NAME(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,       \
+                         const float *bias, Py_ssize_t ldb, const float *shift, float *sums)           \
+    {                                                                                                   \
+        exp_rows_body(s, rows, cols, ld, scale, bias, ldb, shift, sums);                                \
+    }
+
+EXP_ROWS(exp_rows_plain, )
+#ifdef X86_PATHS
+EXP_ROWS(exp_rows_avx512, ISA_AVX512)
+EXP_ROWS(exp_rows_avx2, ISA_AVX2)
+#endif
+
+/* the paths, best first; a path runs where the CPU has its extension */
+static const struct {
+    const char *name;
+    exp_rows_fn fn;
+} PATHS[] = {
+#ifdef X86_PATHS
+    {"avx512", exp_rows_avx512},
+    {"avx2", exp_rows_avx2},
+#endif
+    {"plain", exp_rows_plain},
+};
+#define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
+
+static int cpu_runs(int i)
+{
+#ifdef X86_PATHS
+    __builtin_cpu_init();
+    if (PATHS[i].fn == exp_rows_avx512) return __builtin_cpu_supports("avx512f");
+    if (PATHS[i].fn == exp_rows_avx2) return __builtin_cpu_supports("avx2");
+#endif
+    (void)i;
+    return 1; /* the baseline */
+}
+
+static int current = -1; /* index into PATHS, set at import */
+
+static void exp_rows(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
+                     const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
+{
+    PATHS[current].fn(s, rows, cols, ld, scale, bias, ldb, shift, sums);
 }
 
 /* a writable (or, for inputs, readable) float32 2-D buffer with unit column stride */
@@ -169,13 +222,52 @@ fail:
     return NULL;
 }
 
+static PyObject *py_paths(PyObject *self, PyObject *noargs)
+{
+    PyObject *out = PyTuple_New(0);
+    for (int i = 0; out && i < N_PATHS; i++) {
+        if (!cpu_runs(i)) continue;
+        PyObject *name = PyUnicode_FromString(PATHS[i].name);
+        if (!name || _PyTuple_Resize(&out, PyTuple_GET_SIZE(out) + 1) < 0) { Py_XDECREF(name); Py_XDECREF(out); return NULL; }
+        PyTuple_SET_ITEM(out, PyTuple_GET_SIZE(out) - 1, name);
+    }
+    return out;
+}
+
+static PyObject *py_path(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(PATHS[current].name); }
+
+static PyObject *py_use(PyObject *self, PyObject *args)
+{
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    for (int i = 0; i < N_PATHS; i++) {
+        if (strcmp(name, PATHS[i].name) != 0) continue;
+        if (!cpu_runs(i)) {
+            PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s path", name);
+            return NULL;
+        }
+        current = i;
+        Py_RETURN_NONE;
+    }
+    PyErr_Format(PyExc_ValueError, "no vector path named %R", PyTuple_GET_ITEM(args, 0));
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"exp_tile", py_exp_tile, METH_VARARGS,
      "exp_tile(s, scale, bias, shift, sums=None): s = exp(s * scale + bias - shift[:, None]) in place, "
      "float32 (bias a same-shape array or None, shift a (rows,) array or None); sums, a (rows,) "
      "array, receives the rows' sums of the result"},
+    {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
+    {"path", py_path, METH_NOARGS, "path(): the vector path exp_tile runs"},
+    {"use", py_use, METH_VARARGS, "use(name): exp_tile runs the vector path ``name`` (ValueError where this CPU cannot)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fused(void)
+{
+    for (current = 0; !cpu_runs(current); current++) /* the last path, the baseline, always runs */
+        ;
+    return PyModule_Create(&module);
+}

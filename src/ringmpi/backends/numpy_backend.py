@@ -28,15 +28,26 @@ _RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf on
 
 
 def _load_fused():
-    """The compiled float32 tile pass (``ringmpi._ext._fused.exp_tile``), or None where it
-    was not built or ``RINGMPI_CPU_KERNEL=numpy`` asks for the NumPy-only path."""
+    """The compiled float32 tile pass (``ringmpi._ext._fused``), or None where it was not
+    built or ``RINGMPI_CPU_KERNEL=numpy`` asks for the NumPy-only path.  It runs the best
+    vector path the CPU has (``avx512``, ``avx2``, ``plain``) unless ``RINGMPI_CPU_VECTOR``
+    pins one (a ``ValueError`` naming the variable if this CPU or build cannot run it)."""
     if os.environ.get("RINGMPI_CPU_KERNEL", "compiled") == "numpy":
         return None
+    pinned = os.environ.get("RINGMPI_CPU_VECTOR", "")
     try:
-        from .._ext._fused import exp_tile
+        from .._ext import _fused
     except ImportError:
+        if pinned:
+            raise ValueError(f"RINGMPI_CPU_VECTOR={pinned} pins a path of the compiled tile pass, "
+                             "which was not built (pip install the checkout with a C compiler)") from None
         return None
-    return exp_tile
+    if pinned:
+        if pinned not in _fused.paths():
+            raise ValueError(f"RINGMPI_CPU_VECTOR must be a path this CPU runs "
+                             f"({', '.join(_fused.paths())}), got {pinned!r}")
+        _fused.use(pinned)
+    return _fused
 
 
 _FUSED = _load_fused()
@@ -47,12 +58,18 @@ def tile_pass() -> str:
     return "numpy" if _FUSED is None else "compiled"
 
 
+def vector_path():
+    """The vector path the compiled tile pass runs (``"avx512"``, ``"avx2"``, ``"plain"``),
+    or None where the NumPy passes run."""
+    return None if _FUSED is None else _FUSED.path()
+
+
 def _exp_pass(s, scale, bias=None, shift=None, sums=None):
     """``s = exp(s * scale + bias - shift[:, None])`` in place (``bias``, ``shift`` optional),
     each step rounded in that order; ``sums (rows,)``, when given, receives the rows' sums of
     the result.  One compiled sweep for float32 (``_FUSED``), NumPy passes otherwise."""
     if _FUSED is not None and s.dtype == np.float32 and (bias is None or bias.dtype == np.float32):
-        _FUSED(s, scale, bias, shift, sums)
+        _FUSED.exp_tile(s, scale, bias, shift, sums)
         return
     if scale != 1:
         s *= scale

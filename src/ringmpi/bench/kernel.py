@@ -72,12 +72,20 @@ def cpu_model() -> str:
 
 
 def blas_name() -> str:
-    """NumPy's BLAS as its build reports it (name and version)."""
+    """NumPy's BLAS as its build reports it (name and version), with the kernels' core where
+    threadpoolctl can tell it (OpenBLAS picks them per CPU: SkylakeX, Haswell, ...)."""
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+        name = f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
     except Exception:  # noqa: BLE001 - older NumPy: no dict mode
-        return "unknown"
+        name = "unknown"
+    try:
+        import threadpoolctl
+    except ImportError:
+        return name
+    cores = {i.get("architecture") for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"}
+    cores.discard(None)
+    return f"{name} ({', '.join(sorted(cores))} kernels)" if cores else name
 
 
 def gemm_exp_bound(dim, gemm_rate, exp_rate, backward=False):
@@ -131,9 +139,11 @@ def main(argv=None):
             f"| {'bwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6}")
     print(f"S={args.seq} B={args.batch} H={args.heads} float32, 1 thread; bound = GEMM + exp design "
           f"at this machine's rates (GEMM G, exp E, measured now)")
-    from ..backends.numpy_backend import tile_pass
+    from ..backends.numpy_backend import tile_pass, vector_path
 
-    print(f"CPU {cpu_model()}; BLAS {blas_name()} (NumPy's); float32 tile pass: {tile_pass()}")
+    path = vector_path()
+    print(f"CPU {cpu_model()}; BLAS {blas_name()} (NumPy's); float32 tile pass: {tile_pass()}"
+          + (f" ({path})" if path else ""))
     print(head)
     print("-" * len(head))
     if measure_torch(64, 8, 1, 1, False, 1) is None:

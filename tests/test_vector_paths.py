@@ -1,0 +1,147 @@
+"""The non-finite and determinism cases under every vector path this CPU can take.
+
+What the CPU backend computes goes through two pieces of code that pick their
+instructions from the CPU: the compiled tile pass (``ringmpi._ext._fused``: AVX-512, AVX2
+or plain) and NumPy's OpenBLAS (its kernels per core: SkylakeX, Haswell, Nehalem, ...).
+The rest of the suite runs what this CPU picks by itself.  Here each other level runs
+the cases whose promise is bitwise (a bad value reaches nothing it cannot reach, repeats
+and reorderings give the same bits) in a pytest of its own, with both pinned:
+``RINGMPI_CPU_VECTOR`` for the tile pass and ``OPENBLAS_CORETYPE`` for OpenBLAS, so a
+difference between CPUs (issue 34: OpenBLAS's AVX-512 gemv on an Intel Xeon) shows on
+any machine that has the instructions.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mpi_util import ROOT
+
+# the cases run again under each pinned level (a few seconds to a minute each)
+BITWISE_CASES = (
+    "tests/test_tile_pass.py",
+    "tests/test_speed_paths.py",
+    "tests/test_nonfinite.py",
+    "tests/test_nonfinite_dtypes.py",
+    "tests/test_dropout.py::test_nonfinite_row_leaves_the_others_bitwise",
+    "tests/test_schedule.py::test_forward_loop_over_the_schedule_equals_ring_attention_bitwise",
+)
+DEADLINE = 600
+
+# each tile-pass path with the OpenBLAS core of the same instructions, and the CPU flags that core needs
+OPENBLAS_CORE = {
+    "avx512": ("SkylakeX", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
+    "avx2": ("Haswell", {"avx2", "fma"}),
+    "plain": ("Nehalem", {"sse4_2", "popcnt"}),
+}
+
+
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def openblas_core():
+    """The OpenBLAS core NumPy runs (None where NumPy's BLAS is not OpenBLAS)."""
+    import numpy  # noqa: F401 - loads the BLAS that threadpoolctl then finds
+    import threadpoolctl
+
+    for info in threadpoolctl.threadpool_info():
+        if info.get("internal_api") == "openblas":
+            return info.get("architecture")
+    return None
+
+
+def tile_paths():
+    """(the paths this CPU runs, best first; the one this process runs), or ((), None)."""
+    from ringmpi.backends import numpy_backend
+
+    fused = numpy_backend._FUSED
+    return ((), None) if fused is None else (fused.paths(), fused.path())
+
+
+def levels():
+    """``(path, OpenBLAS core or None)`` for each tile-pass path this CPU runs, but the pair this
+    process already runs (the rest of the suite covers it)."""
+    paths, current = tile_paths()
+    auto = openblas_core()
+    flags = cpu_flags()
+    out = []
+    for path in paths:
+        core, needs = OPENBLAS_CORE[path]
+        pinned = core if auto is not None and needs <= flags else None
+        if path == current and pinned in (None, auto):
+            continue
+        out.append((path, pinned))
+    return out
+
+
+LEVELS = levels()
+
+
+def test_levels_cover_every_tile_path():
+    """Every path of the compiled pass runs in this process or in a pinned level."""
+    paths, current = tile_paths()
+    if not paths:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
+    assert {p for p, _ in LEVELS} | {current} == set(paths)
+    assert paths[-1] == "plain"
+
+
+def test_the_switch_pins_each_path_and_refuses_others():
+    paths, _ = tile_paths()
+    if not paths:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
+    probe = "from ringmpi.backends import numpy_backend as nb; print(nb.vector_path())"
+    for path in paths:
+        rc, out = _run([sys.executable, "-c", probe], dict(os.environ, RINGMPI_CPU_VECTOR=path), 120)
+        assert (rc, out.strip()) == (0, path)
+    rc, out = _run([sys.executable, "-c", probe], dict(os.environ, RINGMPI_CPU_VECTOR="sse9"), 120)
+    assert rc != 0 and f"RINGMPI_CPU_VECTOR must be a path this CPU runs ({', '.join(paths)}), got 'sse9'" in out
+
+
+def _pinned_env(path, core):
+    env = dict(os.environ, RINGMPI_CPU_VECTOR=path, OPENBLAS_NUM_THREADS="1")
+    env.pop("OPENBLAS_CORETYPE", None)
+    if core is not None:
+        env["OPENBLAS_CORETYPE"] = core
+    return env
+
+
+def _run(cmd, env, timeout):
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} passed its {timeout} s deadline (hung?)\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("path,core", LEVELS, ids=[f"{p}-{c or 'own-blas'}" for p, c in LEVELS])
+def test_bitwise_cases_under_pinned_level(path, core):
+    env = _pinned_env(path, core)
+    probe = ("from ringmpi.backends import numpy_backend as nb; import test_vector_paths as t; "
+             "print(nb.vector_path(), t.openblas_core())")
+    rc, out = _run([sys.executable, "-c", probe], dict(env, PYTHONPATH=str(ROOT / "tests")), 120)
+    assert rc == 0, out
+    assert out.split() == [path, str(core if core is not None else openblas_core())], \
+        f"pinned {path} with OpenBLAS {core}, the process runs: {out}"
+    rc, out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
+                    *BITWISE_CASES], env, DEADLINE)
+    summary = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    assert rc == 0, (f"RINGMPI_CPU_VECTOR={path} OPENBLAS_CORETYPE={core}: pytest exit {rc}\n"
+                     + "\n".join(summary[:40]) + "\n" + out[-3000:])
