@@ -1,12 +1,13 @@
 """The non-finite and determinism cases under every vector path this CPU can take.
 
-What the CPU backend computes goes through two pieces of code that pick their
+What the CPU backend computes goes through three pieces of code that pick their
 instructions from the CPU: the compiled tile pass (``ringmpi._ext._fused``: AVX-512, AVX2
-or plain) and NumPy's OpenBLAS (its kernels per core: SkylakeX, Haswell, Nehalem, ...).
-The rest of the suite runs what this CPU picks by itself.  Here each other level runs
-the cases whose promise is bitwise (a bad value reaches nothing it cannot reach, repeats
-and reorderings give the same bits) in a pytest of its own, with both pinned:
-``RINGMPI_CPU_VECTOR`` for the tile pass and ``OPENBLAS_CORETYPE`` for OpenBLAS, so a
+or plain), NumPy's OpenBLAS (its kernels per core: SkylakeX, Haswell, Nehalem, ...) and
+NumPy's own loops (dispatched per CPU feature).  The rest of the suite runs what this CPU
+picks by itself.  Here each other level runs the cases whose promise is bitwise (a bad
+value reaches nothing it cannot reach, repeats and reorderings give the same bits) in a
+pytest of its own, with all three pinned: ``RINGMPI_CPU_VECTOR`` for the tile pass,
+``OPENBLAS_CORETYPE`` for OpenBLAS and ``NPY_DISABLE_CPU_FEATURES`` for NumPy, so a
 difference between CPUs (issue 34: OpenBLAS's AVX-512 gemv on an Intel Xeon) shows on
 any machine that has the instructions.
 """
@@ -62,6 +63,30 @@ def openblas_core():
     return None
 
 
+def _umath():
+    try:
+        from numpy._core import _multiarray_umath
+    except ImportError:  # NumPy 1.x
+        from numpy.core import _multiarray_umath
+    return _multiarray_umath
+
+
+def numpy_targets_above(path):
+    """NumPy's dispatch targets (``__cpu_dispatch__``) that use more than ``path``'s instructions."""
+    targets = _umath().__cpu_dispatch__
+    if path == "avx512":
+        return []
+    if path == "avx2":
+        return [t for t in targets if "AVX512" in t or t == "X86_V4"]
+    return list(targets)  # plain: NumPy's baseline only
+
+
+def numpy_runs_above(path):
+    """Those of :func:`numpy_targets_above` this process runs (``NPY_DISABLE_CPU_FEATURES``
+    turns them off)."""
+    return [t for t in numpy_targets_above(path) if _umath().__cpu_features__.get(t)]
+
+
 def tile_paths():
     """(the paths this CPU runs, best first; the one this process runs), or ((), None)."""
     from ringmpi.backends import numpy_backend
@@ -111,7 +136,8 @@ def test_the_switch_pins_each_path_and_refuses_others():
 
 
 def _pinned_env(path, core):
-    env = dict(os.environ, RINGMPI_CPU_VECTOR=path, OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, RINGMPI_CPU_VECTOR=path, OPENBLAS_NUM_THREADS="1",
+               NPY_DISABLE_CPU_FEATURES=" ".join(numpy_targets_above(path)))
     env.pop("OPENBLAS_CORETYPE", None)
     if core is not None:
         env["OPENBLAS_CORETYPE"] = core
@@ -135,11 +161,11 @@ def _run(cmd, env, timeout):
 def test_bitwise_cases_under_pinned_level(path, core):
     env = _pinned_env(path, core)
     probe = ("from ringmpi.backends import numpy_backend as nb; import test_vector_paths as t; "
-             "print(nb.vector_path(), t.openblas_core())")
+             "print(nb.vector_path(), t.openblas_core(), t.numpy_runs_above(nb.vector_path()))")
     rc, out = _run([sys.executable, "-c", probe], dict(env, PYTHONPATH=str(ROOT / "tests")), 120)
     assert rc == 0, out
-    assert out.split() == [path, str(core if core is not None else openblas_core())], \
-        f"pinned {path} with OpenBLAS {core}, the process runs: {out}"
+    assert out.split() == [path, str(core if core is not None else openblas_core()), "[]"], \
+        f"pinned {path} with OpenBLAS {core} and NumPy below it, the process runs: {out}"
     rc, out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
                     *BITWISE_CASES], env, DEADLINE)
     summary = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))]
