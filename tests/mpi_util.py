@@ -47,15 +47,24 @@ def mpirun(nprocs, args, timeout, env=None, cwd=None):
     if not HAVE_MPIRUN:
         pytest.fail("mpirun not found: run scripts/setup.sh first")
     cmd = ["mpirun", "-n", str(nprocs), "--oversubscribe"] + [str(a) for a in args]
+    return run_deadline(cmd, timeout, env=env or mpirun_env(), cwd=cwd)
+
+
+def run_deadline(cmd, timeout, env=None, cwd=None):
+    """Run ``cmd`` in a new process session; kill the whole session on the deadline.
+
+    Returns (returncode, stdout, stderr, seconds).  A run past its deadline
+    fails the calling test.
+    """
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or mpirun_env(), cwd=cwd or ROOT, start_new_session=True)
+                            env=env, cwd=cwd or ROOT, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"mpirun -n {nprocs} {' '.join(map(str, args))} passed its {timeout} s deadline "
+        pytest.fail(f"{' '.join(map(str, cmd))} passed its {timeout} s deadline "
                     f"(hung?)\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     return proc.returncode, out, err, time.monotonic() - start
 

@@ -13,13 +13,11 @@ any machine that has the instructions.
 """
 
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from mpi_util import ROOT
+from mpi_util import ROOT, run_deadline
 
 # the cases run again under each pinned level (a few seconds to a minute each)
 BITWISE_CASES = (
@@ -145,15 +143,9 @@ def _pinned_env(path, core):
 
 
 def _run(cmd, env, timeout):
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} passed its {timeout} s deadline (hung?)\n{out[-4000:]}")
-    return proc.returncode, out
+    """(returncode, stdout and stderr) of ``cmd`` under a deadline."""
+    rc, out, err, _ = run_deadline(cmd, timeout, env=env)
+    return rc, out + err
 
 
 @pytest.mark.mpi
