@@ -35,7 +35,7 @@ def run_file(comm, kinds, default):
 def agreed_error(comm, call, want):
     """Collective: None when ``call()`` raises a ConfigError containing ``want`` with
     the same message on every rank of ``comm``, else what went wrong."""
-    from ringmpi.errors import ConfigError
+    from ringmpi.runtime.errors import ConfigError
 
     try:
         call()

@@ -25,7 +25,7 @@ import reference  # noqa: E402
 import ring_cases  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
 import ringmpi  # noqa: E402
-import ringmpi.dtypes  # noqa: E402
+import ringmpi.core.dtypes  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def make_inputs(case):
     rng = np.random.default_rng([case.get("seed", 0), 17])
     b, h, hkv, dv = case["B"], case["H"], case["Hkv"], case["Dv"]
     n_q, n_kv = q.shape[1], k.shape[1]
-    cast = lambda x: ringmpi.dtypes.to_dtype(x, q.dtype)  # noqa: E731
+    cast = lambda x: ringmpi.core.dtypes.to_dtype(x, q.dtype)  # noqa: E731
     v = cast(rng.standard_normal((b, n_kv, hkv, dv)))
     do = cast(rng.standard_normal((b, n_q, h, dv)))
     return q, k, v, do, seg_q, seg_kv

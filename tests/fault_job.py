@@ -2,7 +2,7 @@
 
     mpirun -n P python tests/fault_job.py [--timeout S] [--backward] [--repeat K]
 
-Faults come from ``RINGMPI_FAULT`` (see ``ringmpi.faults.fault_point``).  With
+Faults come from ``RINGMPI_FAULT`` (see ``ringmpi.runtime.faults.fault_point``).  With
 ``--repeat K`` rank 0 checks that K runs give bitwise-identical results and
 prints ``IDENTICAL`` or ``DIFFERENT``.
 """

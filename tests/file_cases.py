@@ -14,7 +14,7 @@ import os
 import sys
 
 from ringmpi.cli.make_data import make_data
-from ringmpi.errors import abort_on_error
+from ringmpi.runtime.errors import abort_on_error
 from ringmpi.cli.run import run
 
 

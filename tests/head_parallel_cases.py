@@ -31,8 +31,8 @@ import ring_cases  # noqa: E402
 from case_driver import run_all  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
-from ringmpi.head_parallel import ExchangeRecord, kv_heads_of  # noqa: E402
-from ringmpi.topology import group_members, node_ids  # noqa: E402
+from ringmpi.parallel.head_parallel import ExchangeRecord, kv_heads_of  # noqa: E402
+from ringmpi.parallel.topology import group_members, node_ids  # noqa: E402
 
 BACKEND = ring_cases.BACKEND
 
@@ -136,7 +136,7 @@ def bitwise_case(comm, case):
 
 def errors_case(comm, case):
     """Unusable choices: one ConfigError, the same on every rank, before any data moves."""
-    from ringmpi.errors import ConfigError
+    from ringmpi.runtime.errors import ConfigError
 
     _, _, kw, local = ring_cases.shard_case(comm, case)
     args = [local[n] for n in ("q", "k", "v")]
@@ -172,7 +172,7 @@ def torch_case(comm, case):
     tensors against the float64 reference (``torch_cases.attn_case``)."""
     import torch
     import torch_cases
-    import ringmpi.head_parallel as two_level
+    import ringmpi.parallel.head_parallel as two_level
 
     calls = []
     real = {name: getattr(two_level, name) for name in ("forward", "backward")}

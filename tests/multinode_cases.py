@@ -28,8 +28,8 @@ import head_parallel_cases  # noqa: E402
 import ring_cases  # noqa: E402
 from case_driver import run_file  # noqa: E402
 import ringmpi  # noqa: E402
-from ringmpi.head_parallel import ExchangeRecord  # noqa: E402
-from ringmpi.topology import ring_order  # noqa: E402
+from ringmpi.parallel.head_parallel import ExchangeRecord  # noqa: E402
+from ringmpi.parallel.topology import ring_order  # noqa: E402
 
 
 def link_tx_bytes(dev="eth0"):

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
-from ringmpi.dtypes import BFLOAT16  # noqa: E402
+from ringmpi.core.dtypes import BFLOAT16  # noqa: E402
 
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 

@@ -8,8 +8,8 @@ plain framework computation in it does (a GEMM accumulates in float32 and
 rounds its result; NumPy's bfloat16 matmul would return float32).
 ``tolerance_check`` applies the tolerance rule of docs/design.md.
 Dropout: ``dropout_factors`` draws the keep matrix straight from the Philox
-generator (``ringmpi.philox``, itself checked against the Random123
-known-answer vectors) with the packing documented in ``ringmpi.dropout``,
+generator (``ringmpi.core.philox``, itself checked against the Random123
+known-answer vectors) with the packing documented in ``ringmpi.core.dropout``,
 written out again here; ``drop=`` applies it.
 """
 
@@ -50,7 +50,7 @@ def dropout_factors(seed, p, batch, heads, n_q, n_kv):
 
     Counter ``(j, i, 0, b*H + h)`` (positions < 2^32 here), key ``(seed lo, seed hi)``;
     kept iff Philox word 0 >= ceil(p * 2^32)."""
-    from ringmpi.philox import philox4x32
+    from ringmpi.core.philox import philox4x32
     i = np.arange(n_q, dtype=np.uint64)[:, None]
     j = np.arange(n_kv, dtype=np.uint64)[None, :]
     out = np.empty((batch, heads, n_q, n_kv))

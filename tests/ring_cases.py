@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
 import ringmpi  # noqa: E402
-import ringmpi.dtypes  # noqa: E402
+import ringmpi.core.dtypes  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
@@ -55,7 +55,7 @@ def make_inputs(case):
         if b > 1:  # a different packing per batch entry
             seg_q[1:] = (seg_q[1:] + 1) // 2
             seg_kv[1:] = (seg_kv[1:] + 1) // 2
-    cast = lambda x: ringmpi.dtypes.to_dtype(x, dtype)  # noqa: E731  (bfloat16 rounded once)
+    cast = lambda x: ringmpi.core.dtypes.to_dtype(x, dtype)  # noqa: E731  (bfloat16 rounded once)
     return cast(q), cast(k), cast(v), cast(do), seg_q, seg_kv
 
 

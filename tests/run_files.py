@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from ringmpi.errors import abort_on_error
+from ringmpi.runtime.errors import abort_on_error
 from ringmpi.cli.run import run
 
 

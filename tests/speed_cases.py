@@ -29,7 +29,7 @@ from case_driver import run_all  # noqa: E402
 import reference  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
-from ringmpi import schedule as schedule_mod  # noqa: E402
+from ringmpi.parallel import ring_schedule as schedule_mod  # noqa: E402
 from ringmpi.backends import numpy_backend  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from reference import dense_backward, dense_forward, tolerance_check, visible
 from ringmpi.backends import INTERFACE, MESSAGE_INTERFACE, get_backend, gpu_available
-from ringmpi.masks import BlockMask, MaskSpec
+from ringmpi.core.masks import BlockMask, MaskSpec
 
 BACKENDS = [
     "numpy",

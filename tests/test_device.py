@@ -13,7 +13,7 @@ import pytest
 from mpi_util import ROOT, mpirun, mpirun_env
 from test_cli import write_input
 from test_file_io import RINGMPI
-from ringmpi.device import cuda_error_reason, gpu_unavailable_reason
+from ringmpi.runtime.device import cuda_error_reason, gpu_unavailable_reason
 
 REASON = gpu_unavailable_reason()
 needs_no_gpu = pytest.mark.skipif(REASON is None, reason="this machine has a usable GPU: nothing to refuse")
@@ -81,7 +81,7 @@ def test_cuda_error_reason(error, driver, runtime, visible, expected):
 def test_a_gpu_below_sm70_is_unusable_and_named():
     """The kernels need compute capability 7.0: an older device is named with its
     capability (``gpu_unavailable_reason`` asks this of every visible device)."""
-    from ringmpi.device import capability_reason
+    from ringmpi.runtime.device import capability_reason
 
     assert capability_reason([(0, "Tesla V100-SXM2-16GB", 7, 0), (1, "Tesla T4", 7, 5)]) is None
     assert capability_reason([(0, "NVIDIA H100 80GB HBM3", 9, 0)]) is None

@@ -16,7 +16,7 @@ import pytest
 
 import reference
 from mpi_util import mpirun_env, run_cases
-from ringmpi.dropout import Dropout, validate
+from ringmpi.core.dropout import Dropout, validate
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 WORLD_SIZES = (1, 2, 3)
@@ -142,7 +142,7 @@ def test_same_mask_for_every_world_size_and_layout(launches):
 def test_nonfinite_row_leaves_the_others_bitwise():
     """The careful (NaN/Inf) path applies the same mask: other rows are bitwise a clean run's."""
     from ringmpi.backends.numpy_backend import NumpyBackend
-    from ringmpi.masks import BlockMask, MaskSpec
+    from ringmpi.core.masks import BlockMask, MaskSpec
 
     be, rng = NumpyBackend(), np.random.default_rng(4)
     q = rng.standard_normal((1, 2, 40, 8))

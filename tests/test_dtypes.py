@@ -1,13 +1,13 @@
-"""ringmpi.dtypes: bfloat16 rounding, declared dtypes, and the backend contract
+"""ringmpi.core.dtypes: bfloat16 rounding, declared dtypes, and the backend contract
 that 16-bit K/V make every backend use q/do rounded to that type."""
 
 import numpy as np
 import pytest
 
 import reference
-from ringmpi import dtypes
+from ringmpi.core import dtypes
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.masks import BlockMask, MaskSpec
+from ringmpi.core.masks import BlockMask, MaskSpec
 
 BF16 = reference.BFLOAT16
 

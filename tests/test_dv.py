@@ -159,7 +159,7 @@ def test_bench_takes_dim_v(tmp_path):
 
     from mpi_util import mpirun
 
-    from ringmpi.flops import attention_flops
+    from ringmpi.core.flops import attention_flops
 
     common = ["-m", "ringmpi", "bench", "--n", "40", "--heads", "4", "--kv-heads", "2", "--dim", "24",
               "--dim-v", "40", "--repeat", "1", "--warmup", "0", "--backend", "numpy"]
@@ -173,7 +173,7 @@ def test_bench_takes_dim_v(tmp_path):
 
 
 def test_flops_count_the_value_dim():
-    from ringmpi.flops import attention_flops
+    from ringmpi.core.flops import attention_flops
 
     assert attention_flops(1, 2, 10, 10, 192, dim_v=128) == 2 * 2 * 10 * 10 * (192 + 128)
     assert attention_flops(1, 2, 10, 10, 64, dim_v=64) == attention_flops(1, 2, 10, 10, 64)
@@ -188,8 +188,8 @@ def test_sdpa_comparison_takes_dim_v():
 
 
 def test_file_job_boxes_and_spec_carry_the_value_dim():
-    from ringmpi.io import InputSpec
-    from ringmpi.passes import Pass, bytes_per_batch_entry, pass_boxes
+    from ringmpi.filejob.hdf5 import InputSpec
+    from ringmpi.filejob.pass_plan import Pass, bytes_per_batch_entry, pass_boxes
 
     def spec(dim_v):
         shapes = {"q": (2, 50, 4, 24), "k": (2, 60, 2, 24), "v": (2, 60, 2, dim_v), "do": (2, 50, 4, dim_v)}

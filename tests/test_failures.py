@@ -1,7 +1,7 @@
 """Failure handling under real mpirun (P = 4): nothing hangs, errors end the job.
 
 Each test asserts the exit status and the message; faults are injected with
-``RINGMPI_FAULT`` (a testing aid, see ringmpi.faults).  Nothing is timed: where
+``RINGMPI_FAULT`` (a testing aid, see ringmpi.runtime.faults).  Nothing is timed: where
 only the failure path may end a job, the ring's own timeout (600 s) lies far past
 mpirun's deadline (60 s), and a job still running at the deadline fails its test.
 """

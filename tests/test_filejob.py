@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.errors import ConfigError
+from ringmpi.runtime.errors import ConfigError
 from ringmpi.filejob import JobOptions, OutputAttributes
 from test_passes import spec
 

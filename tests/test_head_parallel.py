@@ -12,8 +12,8 @@ import itertools
 import pytest
 
 from mpi_util import launch_cache, run_cases
-from ringmpi.head_parallel import kv_heads_of, replicated
-from ringmpi.topology import (auto_head_parallel, group_members, head_parallel_problem,
+from ringmpi.parallel.head_parallel import kv_heads_of, replicated
+from ringmpi.parallel.topology import (auto_head_parallel, group_members, head_parallel_problem,
                               head_parallel_setting, spans_nodes)
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -154,7 +154,7 @@ def test_group_exchange_moves_every_part_and_records_it():
     import numpy as np
     from mpi4py import MPI
 
-    from ringmpi.head_parallel import ExchangeRecord, GroupExchange
+    from ringmpi.parallel.head_parallel import ExchangeRecord, GroupExchange
 
     records = []
     parts = [np.arange(12, dtype=np.float32).reshape(3, 4), np.zeros((0, 5)), np.array([7, 8], np.int64)]
@@ -171,8 +171,8 @@ def test_group_exchange_wait_has_a_deadline():
     import numpy as np
     from mpi4py import MPI
 
-    from ringmpi.errors import RingTimeout
-    from ringmpi.head_parallel import GroupExchange
+    from ringmpi.runtime.errors import RingTimeout
+    from ringmpi.parallel.head_parallel import GroupExchange
 
     buf = np.empty(4, dtype=np.uint8)
     never = MPI.COMM_SELF.Irecv([buf, MPI.BYTE], source=0, tag=999)  # no matching send: stays pending

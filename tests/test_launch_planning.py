@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ringmpi import kernels as K
-from ringmpi.errors import ConfigError
+from ringmpi.runtime.errors import ConfigError
 
 SMEM_OPTIN = {"7.0": 98304, "7.5": 65536, "8.0": 166912, "8.6": 101376, "8.9": 101376, "9.0": 232448,
               "10.0": 232448}

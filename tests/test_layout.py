@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ringmpi.layout import KINDS, Layout
+from ringmpi.core.layout import KINDS, Layout
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -82,15 +82,15 @@ def test_shard_and_unshard_torch_tensors_on_their_device(kind):
 
 
 def _check(parts):
-    from ringmpi.positions import placement_problem, summary
+    from ringmpi.core.positions import placement_problem, summary
     return placement_problem("positions_q", [summary(np.asarray(p, dtype=np.int64)) for p in parts])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_layout_positions_and_permutations_pass_the_placement_check(kind):
     """A layout's positions, a random permutation cut anywhere, empty shards and positions
-    near 2^21 (cubes past 2^64, summed modulo 2^64) pass ringmpi.positions' check (issue 27)."""
-    from ringmpi.positions import from_layout
+    near 2^21 (cubes past 2^64, summed modulo 2^64) pass ringmpi.core.positions' check (issue 27)."""
+    from ringmpi.core.positions import from_layout
     layout = Layout(kind, 97, 4)
     assert _check([layout.indices(r) for r in range(4)]) is None
     place = from_layout(layout, 2)

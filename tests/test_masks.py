@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from reference import visible as reference_visible
-from ringmpi.masks import (FULL, PARTIAL, SKIP, MaskSpec, classify_tiles, kernel_scalars,
+from ringmpi.core.masks import (FULL, PARTIAL, SKIP, MaskSpec, classify_tiles, kernel_scalars,
                            tile_bounds)
 
 SPECS = [dict(), dict(causal=True), dict(window=(3, 5)), dict(window=(None, 2)), dict(window=(4, None)),

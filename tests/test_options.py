@@ -4,7 +4,7 @@ file-attributes round trip; the ALiBi modifier's own pieces.  In process, no MPI
 import numpy as np
 import pytest
 
-from ringmpi.modifiers import Alibi, alibi_problem
+from ringmpi.core.modifiers import Alibi, alibi_problem
 from ringmpi.options import AttentionOptions
 
 

@@ -5,8 +5,8 @@ import itertools
 
 import pytest
 
-from ringmpi.io import InputSpec
-from ringmpi.passes import Pass, bytes_per_batch_entry, pass_boxes, plan_passes
+from ringmpi.filejob.hdf5 import InputSpec
+from ringmpi.filejob.pass_plan import Pass, bytes_per_batch_entry, pass_boxes, plan_passes
 
 
 def spec(batch=6, n=100, heads=8, kv_heads=2, dim=16, dtype="float32", rank4=True, do=True):

@@ -1,13 +1,13 @@
 """Philox 4x32-10 against the Random123 known-answer vectors (kat_vectors).
 
 These make the dropout reference non-circular: the dense reference draws its
-keep matrix from ringmpi.philox, which is checked here against published values.
+keep matrix from ringmpi.core.philox, which is checked here against published values.
 """
 
 import numpy as np
 import pytest
 
-from ringmpi.philox import philox4x32
+from ringmpi.core.philox import philox4x32
 
 # counter (4 words), key (2 words) -> output (4 words), Random123 tests/kat_vectors
 KAT = [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringmpi.errors import RingTimeout
-from ringmpi.ring import Ring
+from ringmpi.runtime.errors import RingTimeout
+from ringmpi.parallel.ring import Ring
 
 
 def test_a_third_stream_has_its_own_tag():

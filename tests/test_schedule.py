@@ -8,8 +8,8 @@ from mpi4py import MPI
 
 import ringmpi
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.masks import MaskSpec
-from ringmpi.schedule import RingSchedule
+from ringmpi.core.masks import MaskSpec
+from ringmpi.parallel.ring_schedule import RingSchedule
 
 
 def _inputs(seed=0, b=2, s=11, h=4, hkv=2, d=6, dtype=np.float32):
@@ -95,7 +95,7 @@ def test_backward_schedule_brings_the_finished_grads_home():
 
 
 def test_fault_points_fire_per_phase(monkeypatch):
-    from ringmpi.faults import InjectedFault
+    from ringmpi.runtime.faults import InjectedFault
     q, k, v, seg = _inputs(4)
     monkeypatch.setenv("RINGMPI_FAULT", "raise:0:0:bwd")
     assert len(list(_schedule(k, v, seg))) == 1  # forward phase: no fault

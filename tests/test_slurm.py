@@ -106,7 +106,7 @@ def test_missing_environment_says_how_to_make_it(slurm, tmp_path, script):
 def test_gpu_job_without_a_gpu_exits_2_once(slurm, tmp_path):
     """The GPU script on a node where CuPy finds no usable device: ``ringmpi info`` names the
     cause, the run stops before any data moves with one message, exit 2, no output."""
-    from ringmpi.device import gpu_unavailable_reason
+    from ringmpi.runtime.device import gpu_unavailable_reason
 
     reason = gpu_unavailable_reason()
     if reason is None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.masks import BlockMask, MaskSpec
+from ringmpi.core.masks import BlockMask, MaskSpec
 
 B, N, H, HKV, D = 2, 37, 4, 2, 8
 SPLITS = (0, 11, 25, 37)  # three visiting blocks of uneven length
@@ -131,7 +131,7 @@ def test_a_lone_rank_allocates_no_message_buffers():
     """P = 1: one K/V slot (its own block), one dK/dV buffer (its own sums), nothing sent."""
     from mpi4py import MPI
 
-    from ringmpi.schedule import RingSchedule
+    from ringmpi.parallel.ring_schedule import RingSchedule
 
     be = NumpyBackend()
     x = _inputs(3)

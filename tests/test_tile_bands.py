@@ -149,7 +149,7 @@ def test_a_nan_under_bands_reaches_only_the_queries_that_see_it(banded, where):
 def test_kv_done_reports_only_rows_no_later_band_changes(monkeypatch, tiles):
     """``kv_done(n)`` lets the ring send ``dk, dv`` rows ``[0, n)`` home early: no band
     may add to them afterwards, even one cut to start past its key tile's start."""
-    from ringmpi.masks import BlockMask, MaskSpec
+    from ringmpi.core.masks import BlockMask, MaskSpec
 
     monkeypatch.setattr(nb, "TILE_Q", tiles[0])
     monkeypatch.setattr(nb, "TILE_KV", tiles[1])
@@ -174,7 +174,7 @@ def test_kv_done_reports_only_rows_no_later_band_changes(monkeypatch, tiles):
 
 
 def test_a_tile_size_that_is_not_positive_is_refused(monkeypatch):
-    from ringmpi.env import positive_int
+    from ringmpi.runtime.env import positive_int
 
     for text in ("0", "-3", "many"):
         monkeypatch.setenv("RINGMPI_BAND_Q", text)

@@ -3,8 +3,8 @@
 import pytest
 from mpi4py import MPI
 
-from ringmpi.ring import Ring
-from ringmpi.topology import ring_order, ring_order_of
+from ringmpi.parallel.ring import Ring
+from ringmpi.parallel.topology import ring_order, ring_order_of
 
 
 @pytest.mark.parametrize("nodes,order", [

@@ -125,7 +125,7 @@ def test_variant_case(results, p, case):
 
 
 def test_mask_spec_carries_softcap():
-    from ringmpi.masks import MaskSpec, kernel_scalars, modifier_scalars
+    from ringmpi.core.masks import MaskSpec, kernel_scalars, modifier_scalars
 
     spec = MaskSpec(causal=True, softcap=2.5)
     assert modifier_scalars(spec) == (np.float64(2.5),)
@@ -136,7 +136,7 @@ def test_mask_spec_carries_softcap():
 
 def test_fold_sinks_rows_without_keys():
     from ringmpi.backends.numpy_backend import NumpyBackend
-    from ringmpi.online_softmax import SoftmaxState
+    from ringmpi.core.online_softmax import SoftmaxState
 
     state = SoftmaxState(NumpyBackend(), (1, 2, 3), 4, np.float64)
     o_acc, m, l = state.arrays()
@@ -239,7 +239,7 @@ NF_N, NF_H, NF_D = 40, 4, 8
 
 def nonfinite_max_logit_inputs(dtype):
     """``q, k, v`` (1, 40, 4, 8) in ``dtype`` with the heads above."""
-    import ringmpi.dtypes
+    import ringmpi.core.dtypes
 
     rng = np.random.default_rng(29)
     q, k, v = (rng.standard_normal((1, NF_N, NF_H, NF_D)) for _ in range(3))
@@ -251,7 +251,7 @@ def nonfinite_max_logit_inputs(dtype):
     k[..., 3, :] = 0
     k[..., 3, 0] = -np.abs(rng.standard_normal(NF_N)) - 0.5
     k[0, 0, 3, 0] = -np.inf
-    return tuple(ringmpi.dtypes.to_dtype(x, dtype) for x in (q, k, v))
+    return tuple(ringmpi.core.dtypes.to_dtype(x, dtype) for x in (q, k, v))
 
 
 def nonfinite_max_logit_problems(backend, dtype, to_device=lambda x: x, to_host=np.asarray):

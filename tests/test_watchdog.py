@@ -1,16 +1,16 @@
-"""ringmpi.watchdog in a child process without MPI: a phase past its deadline ends the process
+"""ringmpi.runtime.watchdog in a child process without MPI: a phase past its deadline ends the process
 naming the phase, runs the abort cleanups; a phase that keeps the GIL is ended by faulthandler."""
 
 import subprocess
 import sys
 import time
 
-from ringmpi import watchdog
+from ringmpi.runtime import watchdog
 
 
 def run(code, timeout=60):
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", "import re, time\nfrom ringmpi import watchdog\n" + code],
+    proc = subprocess.run([sys.executable, "-c", "import re, time\nfrom ringmpi.runtime import watchdog\n" + code],
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
 

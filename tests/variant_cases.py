@@ -226,7 +226,7 @@ def file_case(comm, case):
     process, every rank), in several passes; rank 0 checks the output datasets."""
     import h5py
     from ringmpi.cli.run import run
-    from ringmpi.errors import ConfigError
+    from ringmpi.runtime.errors import ConfigError
 
     rank = comm.Get_rank()
     case = dict(case, sinks=True)
@@ -394,7 +394,7 @@ def nan_max_case(comm, case):
     """``SoftmaxState.max_logit`` over the ranks: a NaN on any one rank gives NaN on every
     rank (``MPI.MAX`` alone may drop it), a head of -inf everywhere gives -inf."""
     from ringmpi.backends.numpy_backend import NumpyBackend
-    from ringmpi.online_softmax import SoftmaxState
+    from ringmpi.core.online_softmax import SoftmaxState
 
     rank, size = comm.Get_rank(), comm.Get_size()
     problems = []

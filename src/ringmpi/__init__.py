@@ -13,26 +13,54 @@ program).  See docs/design.md.
 """
 
 import importlib as _importlib
+import importlib.abc as _abc
+import importlib.util as _util
+import sys as _sys
 
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "Layout": "layout",
+    "Layout": "core.layout",
     "ring_attention": "attention",
     "ring_attention_backward": "attention",
-    "ConfigError": "errors",
-    "RingTimeout": "errors",
-    "abort_on_error": "errors",
+    "ConfigError": "runtime.errors",
+    "RingTimeout": "runtime.errors",
+    "abort_on_error": "runtime.errors",
     "decode_attention": "decode",
     "KVCache": "kvcache",
     "AttentionOptions": "options",
 }
+
+# documented public modules that live in a layer's folder: the old path is the same module object
+_MODULES = {
+    "ringmpi.dtypes": "ringmpi.core.dtypes",      # float64_to_bfloat16, the bfloat16 dtype
+    "ringmpi.device": "ringmpi.runtime.device",   # select_device(comm)
+}
+
+
+class _PublicModules(_abc.MetaPathFinder, _abc.Loader):
+    """Finds the documented paths of :data:`_MODULES`; the module is imported only when asked for."""
+
+    def find_spec(self, name, path=None, target=None):
+        return _util.spec_from_loader(name, self) if name in _MODULES else None
+
+    def create_module(self, spec):
+        return _importlib.import_module(_MODULES[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _PublicModules) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _PublicModules())
 
 __all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "AttentionOptions",
            "abort_on_error", "ConfigError", "RingTimeout", "__version__"]
 
 
 def __getattr__(name):
+    if f"{__name__}.{name}" in _MODULES:
+        return _importlib.import_module(f"{__name__}.{name}")
     if name in _PUBLIC:
         value = getattr(_importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
         globals()[name] = value

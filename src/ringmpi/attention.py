@@ -1,7 +1,7 @@
 """Ring attention: the public forward and backward calls.
 
 Every rank passes its own shard; queries stay home and key/value blocks
-travel around the ring (:class:`ringmpi.schedule.RingSchedule`), one hop per
+travel around the ring (:class:`ringmpi.parallel.ring_schedule.RingSchedule`), one hop per
 step, while the block ops of a backend (:mod:`ringmpi.backends`) fold each
 visiting block into this rank's state.  This module plans a call (checks
 agreed across ranks, layouts, the mask spec) and runs one short loop over
@@ -20,19 +20,19 @@ from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
-from . import dtypes as _dtypes
+from .core import dtypes as _dtypes
 from .backends import get_backend
 from .backends import device_problem, modifier_problem
 from .backends import value_dim_problem as _value_dim_problem
-from .errors import agree
-from .faults import fault_point
-from . import positions as _positions
-from .layout import KINDS, Layout
-from .local_attention import AgreedCall, backward_pass, forward_pass
+from .runtime.errors import agree
+from .runtime.faults import fault_point
+from .core import positions as _positions
+from .core.layout import KINDS, Layout
+from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
-from .ring import default_timeout, resolve_comm
-from .topology import resolve_groups
-from .watchdog import phase
+from .parallel.ring import default_timeout, resolve_comm
+from .parallel.topology import resolve_groups
+from .runtime.watchdog import phase
 
 FLOAT_DTYPES = _dtypes.NAMES
 
@@ -148,7 +148,7 @@ class _RankPlan(NamedTuple):
 
 
 def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, pos_kv):
-    """``(place_q, place_kv)`` (:class:`~ringmpi.positions.Placement`) once every rank agrees on
+    """``(place_q, place_kv)`` (:class:`~ringmpi.core.positions.Placement`) once every rank agrees on
     shapes, options and shard lengths (the layout's) or positions (the given ones), in one allgather."""
     rank, size = comm.Get_rank(), comm.Get_size()
     signature = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], str(q.dtype))
@@ -253,8 +253,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         Packed documents: a query sees only keys with the same id.
     backend : "auto" | "numpy" | "cupy"
     stats : list, optional
-        When given, one :class:`ringmpi.ring.StepRecord` per ring step is appended
-        (with ``head_parallel`` U > 1, an :class:`ringmpi.head_parallel.ExchangeRecord`
+        When given, one :class:`ringmpi.parallel.ring.StepRecord` per ring step is appended
+        (with ``head_parallel`` U > 1, an :class:`ringmpi.parallel.head_parallel.ExchangeRecord`
         before and after them, whose ``head_parallel`` is the U this call ran with).
     causal, window, softmax_scale, timeout, check_finite, dtype, head_parallel, sinks, softcap,
     return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes
@@ -267,7 +267,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         ``0 .. N-1`` once each (``N``: the sum of the shard lengths; shards may
         have any lengths), checked inside the call's planning allgather (range,
         repeats on a rank, counts and power sums across ranks: see
-        :mod:`ringmpi.positions`), a ConfigError on every rank otherwise.
+        :mod:`ringmpi.core.positions`), a ConfigError on every rank otherwise.
         Masks, ALiBi and dropout use them; ``positions_kv`` defaults to
         ``positions_q`` (self-attention).  Give them on every rank or on none.
     options : :class:`ringmpi.options.AttentionOptions`, optional
@@ -306,7 +306,7 @@ def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str
                  positions_q=positions_q, positions_kv=positions_kv)
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     if groups is not None:
-        from . import head_parallel as _two_level
+        from .parallel import head_parallel as _two_level
         o, lse, max_logit, records = _two_level.forward(plan, groups, q, k, v,
                                                         return_max_logit=options.return_max_logit)
     else:
@@ -390,7 +390,7 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     sink_comm = plan.comm if reduce_dsinks else None  # None: this rank's own share of dsinks
     if groups is not None:
-        from . import head_parallel as _two_level
+        from .parallel import head_parallel as _two_level
         result, dsinks, records = _two_level.backward(plan, groups, do, q, k, v, o, lse, sink_comm=sink_comm)
     else:
         dq, dk, dv, dsinks, records = backward_pass(

@@ -35,15 +35,15 @@ from typing import Optional
 
 import numpy as np
 
-from . import positions as _placement
+from .core import positions as _placement
 from .backends import get_backend, modifier_problem, value_dim_problem
-from .errors import ConfigError, agree
-from .layout import KINDS, Layout
-from .masks import BlockMask
-from .online_softmax import SoftmaxState
+from .runtime.errors import ConfigError, agree
+from .core.layout import KINDS, Layout
+from .core.masks import BlockMask
+from .core.online_softmax import SoftmaxState
 from .options import AttentionOptions
-from .ring import resolve_comm
-from .watchdog import phase
+from .parallel.ring import resolve_comm
+from .runtime.watchdog import phase
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _EXTRA = 4  # lse, flag, sig, -sig after the D output columns
@@ -134,7 +134,7 @@ def _host(x):
 
 def _given_positions(comm, positions_kv, n_local):
     """(N_cache, this rank's given cache positions) after one allgather of their summaries
-    (:mod:`ringmpi.positions`); ConfigError on every rank when any rank's are wrong."""
+    (:mod:`ringmpi.core.positions`); ConfigError on every rank when any rank's are wrong."""
     pos = _placement.as_positions(positions_kv)
     problem = _placement.local_problem("positions_kv", pos, n_local)
     if problem is None and np.any(np.diff(pos) <= 0):
@@ -202,11 +202,11 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         Which global positions this rank's rows are.  A kind name spreads
         ``N_cache = sum of the shard lengths`` (one extra allgather of the
         lengths); an object with ``n``, ``world_size`` and ``indices(rank)``
-        (a :class:`~ringmpi.layout.Layout`, ``KVCache.placement``) costs nothing.
+        (a :class:`~ringmpi.core.layout.Layout`, ``KVCache.placement``) costs nothing.
     positions_kv : (S_cache_local,) ascending ints, optional
         This rank's cache rows' global positions, any assignment of the ``N_cache``
         positions to ranks (``layout`` is then not used): over all ranks ``0 ..
-        N_cache-1`` once each, checked in one allgather (:mod:`ringmpi.positions`),
+        N_cache-1`` once each, checked in one allgather (:mod:`ringmpi.core.positions`),
         a ConfigError on every rank otherwise.  The new tokens' positions follow
         from ``cache_lengths`` as always, so there is no ``positions_q``.
     causal : bool

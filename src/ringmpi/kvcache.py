@@ -25,9 +25,9 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import ConfigError
-from .layout import KINDS, Layout
-from .ring import resolve_comm
+from .runtime.errors import ConfigError
+from .core.layout import KINDS, Layout
+from .parallel.ring import resolve_comm
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ object travels and nothing else checks what it checks:
   message, or None), for the caller to agree on across ranks (``errors.agree``);
 * :meth:`AttentionOptions.digest` -- a CRC of everything the ranks must pass
   alike (the call's own arrays may be added), compared with one collective;
-* :meth:`AttentionOptions.mask_spec` -- the :class:`~ringmpi.masks.MaskSpec` the
+* :meth:`AttentionOptions.mask_spec` -- the :class:`~ringmpi.core.masks.MaskSpec` the
   options imply for a call with global lengths ``N_q``, ``N_kv``;
 * :meth:`AttentionOptions.to_attrs` / :meth:`AttentionOptions.from_attrs` -- the
   HDF5 output attributes of the file job and their inverse (``ringmpi verify``).
@@ -27,11 +27,11 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from . import dtypes as _dtypes
-from .dropout import MAX_POSITION, Dropout
-from .dropout import validate as _dropout_validate
-from .masks import MaskSpec
-from .modifiers import Alibi, alibi_problem
+from .core import dtypes as _dtypes
+from .core.dropout import MAX_POSITION, Dropout
+from .core.dropout import validate as _dropout_validate
+from .core.masks import MaskSpec
+from .core.modifiers import Alibi, alibi_problem
 
 SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 PER_HEAD = ("sinks", "alibi_slopes")  # the (H,) array fields, one value per query head
@@ -134,9 +134,9 @@ class AttentionOptions:
         bit patterns too); a ``uint16`` array is never read as bfloat16 without it.
     head_parallel : int or "auto", optional
         ``U`` ranks per group of the two-level head x ring schedule
-        (:mod:`ringmpi.head_parallel`): an all-to-all over heads inside groups of
+        (:mod:`ringmpi.parallel.head_parallel`): an all-to-all over heads inside groups of
         ``U`` ranks, a ring across the ``P/U`` groups.  ``U`` must divide ``P`` and
-        ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.topology`).
+        ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.parallel.topology`).
         Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
         out are the same for every ``U``.
     sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
@@ -152,7 +152,7 @@ class AttentionOptions:
     dropout_p : float in [0, 1)
         Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
         scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
-        global i, global j)`` (:mod:`ringmpi.dropout`), so the same seed gives the
+        global i, global j)`` (:mod:`ringmpi.core.dropout`), so the same seed gives the
         same mask for every number of ranks, layout and backend.  ``lse`` is the
         one without dropout (as FlashAttention's).
     dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
@@ -228,7 +228,7 @@ class AttentionOptions:
         return None
 
     def modifier_names(self) -> Tuple[str, ...]:
-        """The score modifiers with per-head data these options use (``ringmpi.modifiers``)."""
+        """The score modifiers with per-head data these options use (``ringmpi.core.modifiers``)."""
         return ("alibi",) if self.alibi_slopes is not None else ()
 
     def dtype_problem(self) -> Optional[str]:

@@ -45,11 +45,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
 import ringmpi
-from .errors import ConfigError, agree
-from .layout import Layout
+from .runtime.errors import ConfigError, agree
+from .core.layout import Layout
 from .options import AttentionOptions
-from .ring import resolve_comm
-from .topology import head_parallel_setting
+from .parallel.ring import resolve_comm
+from .parallel.topology import head_parallel_setting
 
 __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"]
 
@@ -233,7 +233,7 @@ def _signed64(x) -> Optional[int]:
 
 def _head_parallel_text(x) -> Optional[str]:
     """None and strings as they are (the library reads them); a number as its int's text,
-    or the library's ValueError (:func:`ringmpi.topology.head_parallel_setting`)."""
+    or the library's ValueError (:func:`ringmpi.parallel.topology.head_parallel_setting`)."""
     return x if x is None or isinstance(x, str) else str(head_parallel_setting(x))
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .ring import resolve_comm
+from .parallel.ring import resolve_comm
 
 __all__ = ["init_process_group", "new_group"]
 

@@ -38,9 +38,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install 'ringmpi[transformers]'") from exc
 
 from . import torch as _rt
-from .errors import ConfigError, agree
-from .layout import Layout
-from .ring import resolve_comm
+from .runtime.errors import ConfigError, agree
+from .core.layout import Layout
+from .parallel.ring import resolve_comm
 
 __all__ = ["NAME", "CONTEXT_KEY", "IGNORE_INDEX", "ShardContext", "register", "attention_forward",
            "shard_batch", "gather", "dropout_seed"]

@@ -40,7 +40,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log to $log/NAME.txt, record rc a
 # which path this GPU exercises: compute capability, opt-in shared memory, kernels per dtype and D
 plan_kernels='
 from ringmpi.backends.cupy_backend import CupyBackend, compute_capability, smem_optin_limit
-from ringmpi.errors import ConfigError
+from ringmpi.runtime.errors import ConfigError
 import cupy
 cc, name = compute_capability(0), cupy.cuda.runtime.getDeviceProperties(0)["name"]
 name = name.decode() if isinstance(name, bytes) else name

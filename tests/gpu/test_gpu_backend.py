@@ -1,6 +1,6 @@
 """CupyBackend block kernels against a float64 dense reference (single rank).
 
-The reference and the tolerance are the library's (:mod:`ringmpi.reference`,
+The reference and the tolerance are the library's (:mod:`ringmpi.core.dense_reference`,
 docs/design.md): max error <= 2x the error of a naive same-dtype dense
 computation + 1e-6 for o / lse, 3x + 1e-5 for gradients.  Needs a CUDA GPU;
 skipped, with the reason shown, where none is visible.  The host-side mask
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from ringmpi.backends import gpu_available
-from ringmpi.device import gpu_unavailable_reason
+from ringmpi.runtime.device import gpu_unavailable_reason
 from ringmpi.backends.cupy_backend import mask_scalars, tile_bounds
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.dtypes import BFLOAT16, float64_to_bfloat16
-from ringmpi.masks import FULL, SKIP, BlockMask, MaskSpec
-from ringmpi.reference import DenseReference, tolerance
+from ringmpi.core.dtypes import BFLOAT16, float64_to_bfloat16
+from ringmpi.core.masks import FULL, SKIP, BlockMask, MaskSpec
+from ringmpi.core.dense_reference import DenseReference, tolerance
 
 NO_GPU = f"no usable CUDA GPU: {gpu_unavailable_reason()}"
 

@@ -32,7 +32,7 @@ MASKS = {
 
 
 def _inputs(d, seed=0, b=2, n=200, h=4, hkv=2):
-    from ringmpi.dtypes import to_dtype
+    from ringmpi.core.dtypes import to_dtype
 
     rng = np.random.default_rng(seed)
     q, do = (to_dtype(rng.standard_normal((b, n, h, d)), BF16) for _ in range(2))
@@ -84,7 +84,7 @@ def test_uint16_needs_declaration_and_nan_is_named():
     from mpi4py import MPI
 
     import ringmpi
-    from ringmpi.errors import ConfigError
+    from ringmpi.runtime.errors import ConfigError
 
     q, k, v, _ = _inputs(64, n=50)
     args = [cp.asarray(x) for x in (q, k, v)]
@@ -110,7 +110,7 @@ def test_bfloat16_ring_multi_rank_one_gpu(tmp_path, p, cuda_aware):
     if cuda_aware == "on":
         from mpi4py import MPI
 
-        from ringmpi.device import cuda_aware_mpi
+        from ringmpi.runtime.device import cuda_aware_mpi
         if not cuda_aware_mpi(MPI.COMM_SELF)[0]:
             pytest.skip("this MPI is not CUDA-aware")
     cases = _bf16_ring_cases(p)
@@ -122,11 +122,11 @@ def test_bfloat16_ring_multi_rank_one_gpu(tmp_path, p, cuda_aware):
 
 def test_float64_to_bfloat16_on_gpu_rounds_once():
     """The convert kernel rounds float64 straight to bfloat16, like
-    ringmpi.dtypes.float64_to_bfloat16; via float32 these would differ."""
+    ringmpi.core.dtypes.float64_to_bfloat16; via float32 these would differ."""
     import cupy as cp
 
     from ringmpi.backends.cupy_backend import CupyBackend
-    from ringmpi.dtypes import float64_to_bfloat16
+    from ringmpi.core.dtypes import float64_to_bfloat16
 
     rng = np.random.default_rng(9)
     halfway = (rng.integers(1 << 7, 1 << 8, 4096) * 2 + 1) / 2.0 ** 8 * 2.0 ** rng.integers(-60, 60, 4096)
@@ -147,8 +147,8 @@ def test_cupy_backend_rounds_q_and_do_like_numpy(kv, d):
     import cupy as cp
 
     from ringmpi.backends.cupy_backend import CupyBackend
-    from ringmpi.dtypes import resolve
-    from ringmpi.masks import BlockMask, MaskSpec
+    from ringmpi.core.dtypes import resolve
+    from ringmpi.core.masks import BlockMask, MaskSpec
 
     kvt = resolve(kv)
     be = CupyBackend.instance()

@@ -3,7 +3,7 @@
 Block level (one rank): with ``q = 0`` every weight is 1 and ``v`` the
 identity, so the forward's ``o_acc[i, j]`` is exactly weight ``(i, j)``'s
 dropout factor: the kernels' mask (Philox in ``kernels/philox.cuh``) must equal
-``Dropout.keep`` (``ringmpi/philox.py``) everywhere, for every kernel kind, at
+``Dropout.keep`` (``ringmpi/core/philox.py``) everywhere, for every kernel kind, at
 positions past 2^32.  Then forward and backward with dropout against the NumPy
 backend, and the ring cases of ``tests/dropout_cases.py`` on the CuPy backend.
 Skipped, visibly, without a GPU.
@@ -19,8 +19,8 @@ import pytest
 
 from ringmpi.backends import gpu_available
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.dropout import Dropout
-from ringmpi.masks import BlockMask, MaskSpec
+from ringmpi.core.dropout import Dropout
+from ringmpi.core.masks import BlockMask, MaskSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from mpi_util import mpirun_env, run_cases  # noqa: E402
@@ -31,7 +31,7 @@ KINDS = ("float16", "bfloat16", "float32", "float64")
 
 
 def _dtype(name):
-    from ringmpi.dtypes import BFLOAT16
+    from ringmpi.core.dtypes import BFLOAT16
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 

@@ -19,8 +19,8 @@ import pytest
 
 from ringmpi import kernels as K
 from ringmpi.backends import gpu_available
-from ringmpi.masks import MaskSpec
-from ringmpi.reference import tolerance
+from ringmpi.core.masks import MaskSpec
+from ringmpi.core.dense_reference import tolerance
 from test_gpu_backend import NO_GPU, check, max_err, naive, reference64, round_to, run_backend, visibility
 
 SMEM_CC86 = 101376

@@ -39,7 +39,7 @@ def test_value_dim_cupy(mask, dtype, d, d_v):
     from mpi4py import MPI
 
     import ringmpi
-    from ringmpi.dtypes import to_dtype
+    from ringmpi.core.dtypes import to_dtype
 
     dt = _dtype(dtype)
     rng = np.random.default_rng(5)
@@ -76,7 +76,7 @@ def test_unsupported_pair_is_refused():
     from mpi4py import MPI
 
     import ringmpi
-    from ringmpi.errors import ConfigError
+    from ringmpi.runtime.errors import ConfigError
 
     rng = np.random.default_rng(1)
     q, k = (cp.asarray(rng.standard_normal((1, 8, 2, 24)).astype(np.float32)) for _ in range(2))

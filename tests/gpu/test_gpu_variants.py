@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringmpi.backends import gpu_available
-from ringmpi.device import gpu_unavailable_reason
+from ringmpi.runtime.device import gpu_unavailable_reason
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import reference  # noqa: E402
@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(not gpu_available(), reason=f"no usable CUDA GPU
 
 
 def _inputs(dtype, b, n, h, hkv, d, seed):
-    import ringmpi.dtypes
+    import ringmpi.core.dtypes
     rng = np.random.default_rng(seed)
-    cast = lambda x: ringmpi.dtypes.to_dtype(x, dtype)  # noqa: E731
+    cast = lambda x: ringmpi.core.dtypes.to_dtype(x, dtype)  # noqa: E731
     q, do = (cast(rng.standard_normal((b, n, h, d))) for _ in range(2))
     k = cast(rng.standard_normal((b, n, hkv, d)) * 3)
     v = cast(rng.standard_normal((b, n, hkv, d)))

@@ -1,15 +1,15 @@
 """Block-kernel backends behind one small interface.
 
 A backend computes one (resident Q shard, visiting K/V block) pair; the ring
-schedule (:mod:`ringmpi.schedule`) is the same for every backend.  Every
+schedule (:mod:`ringmpi.parallel.ring_schedule`) is the same for every backend.  Every
 backend object provides (``INTERFACE`` lists the names; one test,
 ``tests/test_backend_interface.py``, checks every backend that can run):
 
 ``name``, ``xp``
     Its name (``"numpy"``/``"cupy"``) and array module.
 ``compute_dtype(dtype) -> numpy.dtype``
-    float64 for float64 inputs, float32 otherwise (:func:`ringmpi.dtypes.compute_dtype`).
-    bfloat16 is ``ml_dtypes.bfloat16`` on every backend (:mod:`ringmpi.dtypes`).
+    float64 for float64 inputs, float32 otherwise (:func:`ringmpi.core.dtypes.compute_dtype`).
+    bfloat16 is ``ml_dtypes.bfloat16`` on every backend (:mod:`ringmpi.core.dtypes`).
 ``asarray(x)``
     ``x`` as this backend's array (no copy when it already is).
 ``to_heads(x, dtype) -> (B, H, S, D)``
@@ -31,7 +31,7 @@ backend object provides (``INTERFACE`` lists the names; one test,
     answer from NumPy and CuPy.  Through :func:`ringmpi.ring_attention` this
     rounding changes nothing (``qh``/``doh`` are copies of 16-bit inputs);
     ``o_acc (B, H, Sq, D_v)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a
-    :class:`ringmpi.masks.BlockMask` (the one object carrying positions, segment
+    :class:`ringmpi.core.masks.BlockMask` (the one object carrying positions, segment
     ids and the mask rules -- and later score modifiers -- to the kernel); ``tick()`` is called between tiles so
     that MPI can progress the pending ring transfers.  Returns
     ``(tiles_computed, tiles_skipped)`` (``backward_block`` too).
@@ -169,7 +169,7 @@ def modifier_problem(backend, names) -> Optional[str]:
 
 def gpu_available() -> bool:
     """True when CuPy imports and at least one CUDA device is visible
-    (:func:`ringmpi.device.gpu_unavailable_reason` says why not)."""
-    from ..device import gpu_unavailable_reason
+    (:func:`ringmpi.runtime.device.gpu_unavailable_reason` says why not)."""
+    from ..runtime.device import gpu_unavailable_reason
 
     return gpu_unavailable_reason() is None

@@ -30,12 +30,12 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import kernels as K
-from ..dropout import no_dropout_scalars
-from ..dtypes import compute_dtype
-from ..dtypes import resolve as resolve_dtype
-from ..masks import SKIP, BlockMask, classify_tiles, tile_bounds
-from ..masks import kernel_scalars as mask_scalars
-from ..masks import modifier_scalars
+from ..core.dropout import no_dropout_scalars
+from ..core.dtypes import compute_dtype
+from ..core.dtypes import resolve as resolve_dtype
+from ..core.masks import SKIP, BlockMask, classify_tiles, tile_bounds
+from ..core.masks import kernel_scalars as mask_scalars
+from ..core.masks import modifier_scalars
 
 _THREADS_1D = 256
 
@@ -100,11 +100,11 @@ class CupyBackend:
         Hand device buffers straight to MPI (True) or stage them through
         pinned host memory (False).  None reads ``RINGMPI_CUDA_AWARE``
         (``auto``/``on``/``off``, default ``auto``: see
-        :func:`ringmpi.device.cuda_aware_mpi`).
+        :func:`ringmpi.runtime.device.cuda_aware_mpi`).
     """
 
     name = "cupy"
-    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.modifiers)
+    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.core.modifiers)
     _instances: dict = {}
 
     @classmethod
@@ -125,7 +125,7 @@ class CupyBackend:
             self.stream = cupy.cuda.Stream(non_blocking=False)
             self.copy_stream = cupy.cuda.Stream(non_blocking=False)
         if cuda_aware is None:
-            from ..device import resolve_cuda_aware
+            from ..runtime.device import resolve_cuda_aware
             cuda_aware = resolve_cuda_aware()[0]
         self.cuda_aware = bool(cuda_aware)
         self._uploads: OrderedDict = OrderedDict()
@@ -229,7 +229,7 @@ class CupyBackend:
     @staticmethod
     def annotate(name: str):
         """An NVTX range (visible in Nsight Systems) around host code."""
-        from ..device import nvtx_range
+        from ..runtime.device import nvtx_range
         return nvtx_range(name)
 
     # ------------------------------------------------------------ kernel choice
@@ -243,7 +243,7 @@ class CupyBackend:
 
     def kernel_problem(self, dtype, d: int, d_v=None):
         """Why this device has no forward or backward kernel for ``dtype``, ``d``, ``d_v``, or None."""
-        from ..errors import ConfigError
+        from ..runtime.errors import ConfigError
         try:
             for direction in ("forward", "backward"):
                 self.block_kernel(direction, dtype, d, d_v)

@@ -15,9 +15,9 @@ import os
 
 import numpy as np
 
-from ..dtypes import compute_dtype, is_16bit
-from ..env import positive_int
-from ..masks import FULL, SKIP, BlockMask
+from ..core.dtypes import compute_dtype, is_16bit
+from ..runtime.env import positive_int
+from ..core.masks import FULL, SKIP, BlockMask
 from . import HostMessage
 
 TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
@@ -533,7 +533,7 @@ class NumpyBackend:
 
     name = "numpy"
     xp = np
-    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.modifiers)
+    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.core.modifiers)
 
     @staticmethod
     def compute_dtype(dtype) -> np.dtype:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import click
 
-from ..layout import KINDS
+from ..core.layout import KINDS
 
 INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 
@@ -68,8 +68,8 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
     report.  Figures are defined in ``ringmpi.bench.summary``'s module docstring.
     """
     from ..backends import get_backend
-    from ..errors import agree
-    from ..ring import resolve_comm
+    from ..runtime.errors import agree
+    from ..parallel.ring import resolve_comm
 
     kv_heads = heads if kv_heads is None else kv_heads
     dim_v = dim if dim_v is None else dim_v
@@ -82,7 +82,7 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
     head_parallel, problem = _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep)
     agree(comm, problem)
     if backend == "cupy":
-        from ..device import require_gpu
+        from ..runtime.device import require_gpu
         require_gpu(comm)
     be = get_backend(backend)
     cfg = dict(batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, causal=causal,
@@ -124,7 +124,7 @@ def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, 
 
 def _head_parallel_option(value, sweep):
     """``(U or "auto", problem)`` of ``--head-parallel`` (default ``RINGMPI_HEAD_PARALLEL``, else 1)."""
-    from ..topology import head_parallel_setting
+    from ..parallel.topology import head_parallel_setting
 
     try:
         setting = head_parallel_setting(value)

@@ -37,7 +37,7 @@ def _measure(comm, be, cfg):
     from ..attention import ring_attention
     from ..decode import decode_attention
     from ..kvcache import KVCache
-    from ..layout import Layout
+    from ..core.layout import Layout
 
     rank, p = comm.Get_rank(), comm.Get_size()
     b, h, hkv, d, n, s = (cfg[x] for x in ("batch", "heads", "kv_heads", "dim", "cache", "new"))
@@ -116,8 +116,8 @@ def run(cfg, json_path=None):
     from mpi4py import MPI
 
     from ..backends import get_backend
-    from ..errors import agree
-    from ..ring import resolve_comm
+    from ..runtime.errors import agree
+    from ..parallel.ring import resolve_comm
 
     comm = resolve_comm(None)
     agree(comm, None if cfg["heads"] % cfg["kv_heads"] == 0 else

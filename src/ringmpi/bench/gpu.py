@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from ..flops import attention_flops
+from ..core.flops import attention_flops
 from .sdpa import flash_sdpa_cuda_seconds
 
 
@@ -35,7 +35,7 @@ def _time(fn, stream, repeats):
 def bench_ours(batch, heads, seqlen, d, causal, repeats):
     import cupy as cp
     from ..backends.cupy_backend import CupyBackend
-    from ..masks import BlockMask, MaskSpec
+    from ..core.masks import BlockMask, MaskSpec
 
     be = CupyBackend.instance()
     rng = cp.random.default_rng(0)
@@ -79,7 +79,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.repeats = [4096], 2
-    from ..device import gpu_unavailable_reason
+    from ..runtime.device import gpu_unavailable_reason
     reason = gpu_unavailable_reason()
     if reason is not None:
         raise SystemExit(f"ringmpi.bench.gpu: {reason}")

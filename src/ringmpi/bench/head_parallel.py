@@ -11,7 +11,7 @@ repeats and records, and reports per ``U`` and phase: the job's time
 exposed communication (time not covered by that compute, seconds and share),
 bytes sent per rank (max over ranks) inside the groups (the all-to-alls) and
 between groups (the ring), and peak memory.  ``auto`` marks the ``U`` that
-``head_parallel="auto"`` picks on the nodes of :func:`ringmpi.topology.node_ids`
+``head_parallel="auto"`` picks on the nodes of :func:`ringmpi.parallel.topology.node_ids`
 (``RINGMPI_NODE_SIZE`` pretends several on one machine).
 """
 
@@ -34,7 +34,7 @@ def candidates(size: int, heads: int):
 
 def _split_bytes(per_rank_phase):
     """(intra-group, inter-group) bytes sent per rank in the median repeat's records: the
-    all-to-alls' records (:class:`ringmpi.head_parallel.ExchangeRecord`, with a ``stage``) and
+    all-to-alls' records (:class:`ringmpi.parallel.head_parallel.ExchangeRecord`, with a ``stage``) and
     the ring's."""
     intra, inter = [], []
     for raw in per_rank_phase:
@@ -54,7 +54,7 @@ def _a2a_seconds(per_rank_phase):
 
 def sweep(comm, be, cfg, n, nodes):
     """Measure every candidate ``U`` on ``comm`` (collective); rank 0 gets the points, others None."""
-    from ..topology import auto_head_parallel
+    from ..parallel.topology import auto_head_parallel
 
     size, rank = comm.Get_size(), comm.Get_rank()
     us = candidates(size, cfg["heads"])
@@ -143,7 +143,7 @@ def plot(report, path) -> None:
 
 def run(comm, be, cfg, n, json_path, plot_path) -> None:
     """The sweep as a command: measure (collective), then rank 0 prints, writes JSON and the plot."""
-    from ..topology import node_ids
+    from ..parallel.topology import node_ids
 
     nodes = node_ids(comm)
     load_before = os.getloadavg()

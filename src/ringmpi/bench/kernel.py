@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..flops import attention_flops
+from ..core.flops import attention_flops
 from .sdpa import measure_sdpa
 
 

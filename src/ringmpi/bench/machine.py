@@ -63,8 +63,8 @@ def instrumentation_unit_costs(be):
     """
     from mpi4py import MPI
 
-    from ..ring import Ring
-    from ..schedule import timed_compute
+    from ..parallel.ring import Ring
+    from ..parallel.ring_schedule import timed_compute
 
     ring = Ring(MPI.COMM_SELF)
     reps = 20000

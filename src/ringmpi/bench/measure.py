@@ -39,7 +39,7 @@ def measure(comm, be, cfg, n):
     import numpy as np
 
     from ..attention import ring_attention, ring_attention_backward
-    from ..layout import Layout
+    from ..core.layout import Layout
 
     rank, p = comm.Get_rank(), comm.Get_size()
     memory = PeakMemory(be)

@@ -5,7 +5,7 @@ benchmark process changes NumPy's BLAS threading and slows it by several
 times) on ``(B, H, N, D)`` standard-normal inputs, K/V expanded to ``H`` heads
 outside the timed region for GQA.  :func:`flash_sdpa_cuda_seconds` times
 torch's flash backend in-process on a GPU (CUDA events), for the GPU kernel
-benchmark.  The FLOP count is :func:`ringmpi.flops.attention_flops`.
+benchmark.  The FLOP count is :func:`ringmpi.core.flops.attention_flops`.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import json
 import os
 import statistics
 
-from ..flops import attention_flops
+from ..core.flops import attention_flops
 
 
 def phase_flops(cfg, n):

@@ -87,7 +87,7 @@ def main(argv=None):
     """Console entry point: errors end the whole job, bad input exits 2 on every rank."""
     one_thread_per_rank()
     mpi_io_across_nodes()
-    from ..errors import ConfigError, abort_on_error, _rank_prefix
+    from ..runtime.errors import ConfigError, abort_on_error, _rank_prefix
 
     try:
         with abort_on_error():

@@ -18,7 +18,7 @@ def info():
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     try:
-        from .. import device
+        from ..runtime import device
     except ImportError:
         device = None
     if device is not None:
@@ -26,7 +26,7 @@ def info():
         aware, why = device.cuda_aware_mpi(comm)
         aware_text = f"{'yes' if aware else 'no'} ({why})"
     else:
-        gpus, aware_text = None, "unknown (ringmpi.device not available)"
+        gpus, aware_text = None, "unknown (ringmpi.runtime.device not available)"
     from ..backends import gpu_available
     auto = "cupy" if gpu_available() else "numpy"
     gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
@@ -49,7 +49,7 @@ def info():
         f"CUDA-aware MPI: {aware_text}",
     ]
     if gpus is None:
-        lines.append("GPUs: unknown (ringmpi.device not available)")
+        lines.append("GPUs: unknown (ringmpi.runtime.device not available)")
     else:
         seen = ", ".join(f"{d['id']}: {d['name']} (sm {d['compute_capability']}, {d['memory_gib']} GiB)"
                          for d in gpus["devices"]) or "none"

@@ -14,8 +14,8 @@ import click
 import numpy as np
 
 from .. import __version__
-from ..dtypes import resolve as resolve_dtype
-from ..dtypes import to_dtype
+from ..core.dtypes import resolve as resolve_dtype
+from ..core.dtypes import to_dtype
 
 CHUNK_ROWS = 2048
 _STREAMS = {"q": 0, "k": 1, "v": 2, "do": 3}
@@ -63,8 +63,8 @@ def make_data(output_path, n, heads, kv_heads, dim, dim_v, batch, n_kv, dtype, s
     """
     from mpi4py import MPI
 
-    from ..errors import ConfigError
-    from ..io import AtomicOutput, ShardIO, create_float_dataset
+    from ..runtime.errors import ConfigError
+    from ..filejob.hdf5 import AtomicOutput, ShardIO, create_float_dataset
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()

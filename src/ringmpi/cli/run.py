@@ -11,8 +11,8 @@ import sys
 
 import click
 
-from ..flops import attention_flops
-from ..layout import KINDS
+from ..core.flops import attention_flops
+from ..core.layout import KINDS
 
 
 class _Progress:
@@ -114,7 +114,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
     """
     from mpi4py import MPI
 
-    from ..filejob import JobOptions, run_job
+    from ..filejob.job import JobOptions, run_job
 
     options = JobOptions.of_flags(causal=causal, window=window, scale=scale, softcap=softcap, max_logit=max_logit,
                                   dropout_p=dropout_p, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes,

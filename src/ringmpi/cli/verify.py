@@ -2,7 +2,7 @@
 
 The reference is recomputed on one process, per batch entry, per head and per
 block of query rows (memory ``O(rows_block * N_kv)``), once in float64 and once
-naively in the input dtype (:mod:`ringmpi.reference`); the tolerance rule of
+naively in the input dtype (:mod:`ringmpi.core.dense_reference`); the tolerance rule of
 docs/design.md then bounds every output:
 ``max err <= 2 x naive err + 1e-6`` for ``o``/``lse`` and ``3 x naive err +
 1e-5`` for ``dq``/``dk``/``dv``.
@@ -17,8 +17,8 @@ from typing import Dict
 import click
 import numpy as np
 
-from ..filejob import OutputAttributes
-from ..reference import GRADIENTS, DenseReference, max_err, tolerance
+from ..filejob.job import OutputAttributes
+from ..core.dense_reference import GRADIENTS, DenseReference, max_err, tolerance
 
 
 PER_HEAD = ("max_logit", "dsinks")  # (H,) datasets of --max-logit and --sinks-dataset
@@ -58,8 +58,8 @@ def _read(in_path: str, out_path: str, max_n: int):
     and its input, batch-first; ConfigError for files that do not belong together."""
     import h5py
 
-    from ..errors import ConfigError
-    from ..io import _inspect_serial, _peek, read_float_dataset
+    from ..runtime.errors import ConfigError
+    from ..filejob.hdf5 import _inspect_serial, _peek, read_float_dataset
 
     spec, problem = _inspect_serial(in_path, backward=False)
     if problem:
@@ -97,7 +97,7 @@ def _read(in_path: str, out_path: str, max_n: int):
 
 def _compare(name: str, mine, ref, naive, out_path: str):
     """``(within tolerance, report line)`` of one output against its float64 and naive references."""
-    from ..errors import ConfigError
+    from ..runtime.errors import ConfigError
 
     if name in PER_HEAD:  # reduced over the batch, as ringmpi run writes them
         reduce = np.max if name == "max_logit" else np.sum
@@ -128,7 +128,7 @@ def verify(input_path, output_path, max_n):
     """
     from mpi4py import MPI
 
-    from ..errors import ConfigError, agree
+    from ..runtime.errors import ConfigError, agree
 
     comm = MPI.COMM_WORLD
     status, text, problem = 0, "", None

@@ -76,7 +76,7 @@ def _check_cc(cc: Optional[int]) -> int:
     (a ConfigError below: CUDA arrays on such a GPU are refused before any compute)."""
     cc = TENSOR_CORE_CC if cc is None else int(cc)
     if cc < MIN_CC:
-        from ..errors import ConfigError
+        from ..runtime.errors import ConfigError
         raise ConfigError(f"compute capability {cc // 10}.{cc % 10} is below {MIN_CC // 10}.{MIN_CC % 10}: "
                           f"no ringmpi CUDA kernel runs there; backend='numpy' runs it")
     return cc
@@ -281,7 +281,7 @@ def _fitting(candidates, smem_limit, what: str, cc: Optional[int]) -> BlockKerne
     for kernel in candidates:
         if kernel.smem <= smem_limit:
             return kernel
-    from ..errors import ConfigError
+    from ..runtime.errors import ConfigError
     where = "" if cc is None else f" of this compute capability {cc // 10}.{cc % 10} GPU"
     raise ConfigError(f"no {what} kernel fits in the {smem_limit} bytes of shared memory per block{where} "
                       f"(the smallest needs {min(k.smem for k in candidates)}); backend='numpy' runs it")

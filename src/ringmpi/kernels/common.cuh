@@ -127,7 +127,7 @@ template <typename T>
 __device__ __forceinline__ T visible_add(T acc, bool visible, T w, T x) { return visible ? acc + w * x : acc; }
 
 // ---------------------------------------------------------------- masks
-// Mask rules in global positions (see ringmpi/masks.py): key j is visible
+// Mask rules in global positions (see ringmpi/core/masks.py): key j is visible
 // from query i when (!has_lo || j >= i + lo_delta) && (!has_hi || j <= i + hi_delta)
 // and, with segment ids, seg_q == seg_kv.  The host folds causal, window and
 // the bottom-right offset into (has_lo, lo_delta, has_hi, hi_delta)

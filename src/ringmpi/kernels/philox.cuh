@@ -1,6 +1,6 @@
 // Dropout on the attention weights (prepended to every source after common.cuh).
 //
-// Philox 4x32-10 (Random123) and the keep rule of ringmpi/dropout.py, bit for
+// Philox 4x32-10 (Random123) and the keep rule of ringmpi/core/dropout.py, bit for
 // bit: key (seed lo, seed hi); counter (j lo, i lo, (i >> 32) | (j >> 32) << 16,
 // (batch_offset + b) * heads + head_offset + h) for query position i and key
 // position j; kept iff output word 0 >= threshold = ceil(p * 2^32).  A kept

@@ -21,8 +21,8 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import agree
-from .options import sinks_problem
+from ..runtime.errors import agree
+from ..options import sinks_problem
 
 PARTIAL = "_partial"
 

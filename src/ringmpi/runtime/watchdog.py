@@ -1,6 +1,6 @@
 """A deadline over every blocking phase: a phase that outlives it ends the whole job.
 
-The ring's waits poll and raise :class:`~ringmpi.errors.RingTimeout` past
+The ring's waits poll and raise :class:`~ringmpi.runtime.errors.RingTimeout` past
 their deadline; a collective call (an HDF5 open, create, write or close, a
 planning agreement, the decode merge) cannot be polled: a rank blocked in it
 waits for as long as a peer is gone.  Such calls run inside a phase::

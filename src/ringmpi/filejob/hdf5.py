@@ -1,7 +1,7 @@
 """Parallel HDF5: validate an input file, read shards, write outputs atomically.
 
 Every rank opens the file with h5py's ``mpio`` driver and transfers only its
-own tokens: the rows its :class:`~ringmpi.layout.Layout` gives it, selected as
+own tokens: the rows its :class:`~ringmpi.core.layout.Layout` gives it, selected as
 one hyperslab per contiguous run (a single strided hyperslab for ``striped``),
 in one collective call per piece of at most ``RINGMPI_IO_PIECE_BYTES`` bytes
 (default 1 GiB).  Ranks agree on the number of pieces with an allreduce, so a
@@ -24,10 +24,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .dtypes import BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
-from .errors import agree
-from . import watchdog
-from .watchdog import phase, sync
+from ..core.dtypes import BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
+from ..runtime.errors import agree
+from ..runtime import watchdog
+from ..runtime.watchdog import phase, sync
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 

@@ -55,7 +55,7 @@ def capability_reason(devices) -> Optional[str]:
     (:data:`ringmpi.kernels.MIN_CC`); a rank may be bound to any visible device
     (:func:`select_device`), so one older device makes the GPU unusable.
     """
-    from .kernels import MIN_CC
+    from ..kernels import MIN_CC
 
     old = [(i, name, major, minor) for i, name, major, minor in devices if major * 10 + minor < MIN_CC]
     if not old:
@@ -113,7 +113,7 @@ def gpu_unavailable_reason() -> Optional[str]:
 
 
 def require_gpu(comm, what: str = "--backend cupy") -> None:
-    """Raise the same :class:`~ringmpi.errors.ConfigError` on every rank of ``comm``
+    """Raise the same :class:`~ringmpi.runtime.errors.ConfigError` on every rank of ``comm``
     unless every rank can use a GPU (:func:`gpu_unavailable_reason`).  Collective."""
     from .errors import agree
 

@@ -3,7 +3,7 @@
 ``ring_attention(..., head_parallel=U)`` with ``U > 1`` lands here (the
 caller's contract is unchanged: every rank passes and gets back its own
 sequence shard ``(B, S_local, H, D)``).  The ``P`` ranks form ``P/U`` groups of
-``U`` (:mod:`ringmpi.topology`; a group sits on one node when it can):
+``U`` (:mod:`ringmpi.parallel.topology`; a group sits on one node when it can):
 
 1. Inside each group one all-to-all (:class:`GroupExchange`, ``MPI_Ialltoallv``:
    shard lengths may be uneven or zero) turns sequence shards into head
@@ -13,7 +13,7 @@ sequence shard ``(B, S_local, H, D)``).  The ``P`` ranks form ``P/U`` groups of
    of one K/V head when several members share it), and the tokens' segment
    ids.  Global positions need no message: every rank knows the layout.
 2. The members with the same ``u`` form a ring across the ``P/U`` groups
-   (:class:`ringmpi.schedule.RingSchedule` on a sub-communicator: the same
+   (:class:`ringmpi.parallel.ring_schedule.RingSchedule` on a sub-communicator: the same
    kernels, masks on global positions, double buffers and deadlines as the
    flat ring; with ``U = P`` it is a ring of one, i.e. pure all-to-all attention).
 3. A second all-to-all returns ``o`` and ``lse`` to sequence shards.
@@ -24,7 +24,7 @@ the ring runs the backward, and the all-to-all back carries ``dq, dk, dv``;
 the gradients of a K/V head held by several members are summed at its owner
 in the compute dtype, then rounded once.
 
-Records: :class:`ExchangeRecord` (a :class:`~ringmpi.ring.StepRecord` with a
+Records: :class:`ExchangeRecord` (a :class:`~ringmpi.parallel.ring.StepRecord` with a
 ``stage``) for each all-to-all, around the ring's own step records.
 """
 
@@ -36,9 +36,9 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .local_attention import AgreedCall, LocalProblem, backward_pass, forward_pass, sink_grads
+from .ring_passes import AgreedCall, LocalProblem, backward_pass, forward_pass, sink_grads
 from .ring import StepRecord, poll_until
-from .watchdog import phase
+from ..runtime.watchdog import phase
 
 
 def kv_heads_of(index: int, u: int, heads: int, kv_heads: int) -> List[int]:
@@ -134,7 +134,7 @@ class GroupExchange:
         return out
 
     def wait(self, request, stage: str, start: float, send_counts, recv_counts) -> None:
-        """Complete the all-to-all before the deadline (:func:`ringmpi.ring.poll_until`)."""
+        """Complete the all-to-all before the deadline (:func:`ringmpi.parallel.ring.poll_until`)."""
         poll_until(request.Test, start, self.timeout, lambda: (
             f"group rank {self.comm.Get_rank()}: the {stage} all-to-all of the head x ring "
             f"schedule did not complete within {self.timeout:g} s (sending {sum(send_counts)} "
@@ -178,7 +178,7 @@ class _Split:
 
     def problem(self, call: AgreedCall, seg_q, seg_kv) -> LocalProblem:
         """The local problem of this rank's heads over its group's tokens, on the ring across
-        groups, with the mask spec of those heads (:meth:`~ringmpi.masks.MaskSpec.for_heads`)."""
+        groups, with the mask spec of those heads (:meth:`~ringmpi.core.masks.MaskSpec.for_heads`)."""
         spec = call.spec.for_heads(self.heads(self.index).start, self.hu)
         return LocalProblem(self.groups.ring_comm, call.backend, call.compute_dtype, spec, call.scale,
                             kv_counts=self.ring_kv_counts, q_pos=self.q_pos, kv_pos=self.kv_pos,
@@ -192,7 +192,7 @@ def _gather(exchange, stage: str, send, recv, axes):
 
 
 def forward(call: AgreedCall, groups, q, k, v, return_max_logit: bool = False):
-    """:func:`ringmpi.ring_attention` on ``groups`` (a :class:`~ringmpi.topology.HeadGroups`).
+    """:func:`ringmpi.ring_attention` on ``groups`` (a :class:`~ringmpi.parallel.topology.HeadGroups`).
 
     ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D | D_v)``: this rank's
     sequence shards, checked by the call.  Returns ``(o (B, S_q_local, H, D_v)`` in the

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-from .errors import RingTimeout
+from ..runtime.errors import RingTimeout
 
 _DEFAULT_COMM = None
 _TAGS = {"kv": 7101, "grad": 7102}  # further streams get the next free tags, in order of first use
@@ -115,7 +115,7 @@ class Ring:
     Data flows from ``prev`` to ``rank`` to ``next``.  ``timeout`` is the
     deadline of each wait in seconds (None: wait forever).  ``order``: the
     ranks of ``comm`` in ring order, the same list on every rank (None: rank
-    order; see :func:`ringmpi.topology.ring_order`).
+    order; see :func:`ringmpi.parallel.topology.ring_order`).
     """
 
     comm: object

@@ -12,7 +12,7 @@ here:
   log(l)`` includes it; a row that saw no key gets ``o = 0``, ``lse = sink``.
   (The backward needs no kernel change: ``P = exp(S - lse)`` already uses the
   sink's ``lse``, and ``dS = P * (dO V^T - D)`` holds because the sink's value
-  is zero; the sink's own gradient is :func:`ringmpi.local_attention.sink_grads`.)
+  is zero; the sink's own gradient is :func:`ringmpi.parallel.ring_passes.sink_grads`.)
 * **max logit** ``(H,)``: the largest score (after scale and score modifiers,
   masked keys excluded, the sink not counted) any query of head ``h`` saw, over
   the whole sequence.  With ``MaskSpec.exact_max`` the running maximum ``m`` is
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .watchdog import phase
+from ..runtime.watchdog import phase
 
 
 def _host(x):

@@ -1,6 +1,6 @@
 """Which ranks share a node, and the groups of the head x ring schedule.
 
-The two-level schedule (:mod:`ringmpi.head_parallel`) splits the ``P`` ranks
+The two-level schedule (:mod:`ringmpi.parallel.head_parallel`) splits the ``P`` ranks
 of a communicator into ``P/U`` groups of ``U`` ranks: an all-to-all over heads
 runs inside each group, a ring runs across groups.  A group should sit on one
 node, where the links are fast; this module finds the nodes and forms the
@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
-from .env import positive_int
+from ..runtime.env import positive_int
 
 ENV_HEAD_PARALLEL = "RINGMPI_HEAD_PARALLEL"
 ENV_NODE_SIZE = "RINGMPI_NODE_SIZE"
@@ -45,7 +45,7 @@ def head_parallel_setting(value=None) -> Union[int, str]:
     """The requested ``U``: ``value``, else ``RINGMPI_HEAD_PARALLEL``, else 1.
 
     Returns a positive int or ``"auto"``; raises ``ValueError`` for anything
-    else (the caller turns it into an agreed :class:`~ringmpi.errors.ConfigError`).
+    else (the caller turns it into an agreed :class:`~ringmpi.runtime.errors.ConfigError`).
     No MPI.
     """
     if value is None:
@@ -82,7 +82,7 @@ def node_ids(comm, node_size: Optional[int] = None) -> List[int]:
         return [r // node_size for r in range(size)]
     from mpi4py import MPI
 
-    from .watchdog import phase
+    from ..runtime.watchdog import phase
 
     with phase("finding the ranks' nodes (COMM_TYPE_SHARED split, allgather)"):
         shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
@@ -205,7 +205,7 @@ def head_groups(comm, u: int, nodes: Sequence[int]) -> HeadGroups:
         members = group_members(nodes, u)
         rank = comm.Get_rank()
         group, index = next((g, m.index(rank)) for g, m in enumerate(members) if rank in m)
-        from .watchdog import phase
+        from ..runtime.watchdog import phase
 
         with phase(f"splitting the head x ring groups of {u} (Comm.Split)"):
             group_comm = comm.Split(color=group, key=index)
@@ -239,10 +239,10 @@ def resolve_groups(comm, heads: int, value=None) -> Optional[HeadGroups]:
     ``value``: a positive int, ``"auto"``, or None (``RINGMPI_HEAD_PARALLEL``,
     else 1).  ``U = 1`` returns at once without any collective.  Otherwise
     collective over ``comm``: an unusable choice (malformed, ``U`` not
-    dividing ``P`` or ``H``) raises the same :class:`~ringmpi.errors.ConfigError`
+    dividing ``P`` or ``H``) raises the same :class:`~ringmpi.runtime.errors.ConfigError`
     on every rank before any data moves.
     """
-    from .errors import agree
+    from ..runtime.errors import agree
 
     try:
         setting = head_parallel_setting(value)

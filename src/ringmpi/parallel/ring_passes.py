@@ -4,11 +4,11 @@ A :class:`LocalProblem` is what one rank computes once its data is in place:
 resident queries at global positions ``q_pos``, its own K/V rows at ``kv_pos``
 (the ring's members hold ``kv_counts`` rows each), the mask spec, the scale and
 the ring's communicator.  The flat ring (:mod:`ringmpi.attention`) builds one
-from the call's layouts; the head x ring schedule (:mod:`ringmpi.head_parallel`)
+from the call's layouts; the head x ring schedule (:mod:`ringmpi.parallel.head_parallel`)
 builds one from its all-to-all (the group's tokens, this member's heads) and
 sends the results back.  :func:`forward_pass` and :func:`backward_pass` run the
-:class:`~ringmpi.schedule.RingSchedule` over it, folding each visiting block
-into a :class:`~ringmpi.online_softmax.SoftmaxState` (forward) or the gradient
+:class:`~ringmpi.parallel.ring_schedule.RingSchedule` over it, folding each visiting block
+into a :class:`~ringmpi.core.online_softmax.SoftmaxState` (forward) or the gradient
 accumulators (backward).
 """
 
@@ -19,12 +19,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .positions import Placement
-from .masks import MaskSpec
-from .online_softmax import SoftmaxState
-from .schedule import RingSchedule
+from ..core.positions import Placement
+from ..core.masks import MaskSpec
+from ..core.online_softmax import SoftmaxState
+from .ring_schedule import RingSchedule
 from .topology import ring_order
-from .watchdog import phase
+from ..runtime.watchdog import phase
 
 
 def _host(x):
@@ -80,7 +80,7 @@ class AgreedCall:
     """Everything one sharded call agreed on across the ranks of ``comm`` before any compute.
 
     place_q, place_kv : where the call's ``N_q`` queries and ``N_kv`` keys are over ``comm``
-        (:class:`~ringmpi.positions.Placement`: from a layout or given positions).
+        (:class:`~ringmpi.core.positions.Placement`: from a layout or given positions).
     seg_q, seg_kv : (B, S_q_local), (B, S_kv_local) int64 segment ids of this rank, or None.
     sinks : (H,) this backend's array in the compute dtype, or None.
     The other fields as :class:`LocalProblem`'s.
@@ -106,7 +106,7 @@ class AgreedCall:
 
     def flat_problem(self) -> LocalProblem:
         """The flat ring's problem: this rank's own shards, the ring of all ranks of ``comm``
-        node by node (:func:`ringmpi.topology.ring_order`)."""
+        node by node (:func:`ringmpi.parallel.topology.ring_order`)."""
         return LocalProblem(self.comm, self.backend, self.compute_dtype, self.spec, self.scale,
                             kv_counts=self.place_kv.counts, q_pos=self.place_q.mine,
                             kv_pos=self.place_kv.mine, seg_q=self.seg_q, seg_kv=self.seg_kv,
@@ -119,7 +119,7 @@ def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
     ``q (B, S_q, H, D)``, ``k, v`` this backend's arrays, sequence-major.  ``sinks
     (H,)``: this problem's heads' sinks (this backend's array, compute dtype).
     ``max_logit``: ``(comm, heads)`` to reduce the max logit over (``heads`` as
-    :meth:`~ringmpi.online_softmax.SoftmaxState.max_logit`), or None for none.
+    :meth:`~ringmpi.core.online_softmax.SoftmaxState.max_logit`), or None for none.
     """
     be, ct = problem.backend, problem.compute_dtype
     qh = be.heads_view(q, ct)

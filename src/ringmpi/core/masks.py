@@ -2,7 +2,7 @@
 
 A :class:`MaskSpec` describes which keys a query may see; it never stores an
 ``N x N`` matrix.  Positions are global token indices (from a
-:class:`~ringmpi.layout.Layout`), so the same spec works on every rank and for
+:class:`~ringmpi.core.layout.Layout`), so the same spec works on every rank and for
 every layout.
 
 Rules, for query position ``i`` and key position ``j`` with
@@ -62,12 +62,12 @@ class MaskSpec:
         Keep the running maximum ``m`` of the online softmax exact (the NumPy
         tiles then skip their lagging-shift fast path), so that after the last
         block ``m`` is each row's largest visible score: the max logit.
-    dropout : ringmpi.dropout.Dropout or None
+    dropout : ringmpi.core.dropout.Dropout or None
         Dropout on the visible weights (a function of global positions too);
         it never changes visibility, tile classes or the softmax denominator.
-    alibi : ringmpi.modifiers.Alibi or None
+    alibi : ringmpi.core.modifiers.Alibi or None
         ALiBi: a visible score gains ``-slope_h * |i + offset - j|`` after the
-        softcap (a score modifier with per-head data, :mod:`ringmpi.modifiers`).
+        softcap (a score modifier with per-head data, :mod:`ringmpi.core.modifiers`).
     """
 
     causal: bool = False
@@ -93,7 +93,7 @@ class MaskSpec:
     def modifier_terms(self, q_pos, kv_pos, dtype):
         """Per-head additive score terms of the score modifiers over global positions
         ``q_pos`` x ``kv_pos``: a function ``h -> (len(q_pos), len(kv_pos))`` array in
-        ``dtype``, or None without any (ALiBi: :meth:`ringmpi.modifiers.Alibi.bias`)."""
+        ``dtype``, or None without any (ALiBi: :meth:`ringmpi.core.modifiers.Alibi.bias`)."""
         if self.alibi is None:
             return None
         dist = self.alibi.distances(q_pos, kv_pos, self.offset, dtype)

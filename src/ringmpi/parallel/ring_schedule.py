@@ -5,7 +5,7 @@ double-buffered K/V channel (each message carries the block's keys and values
 *and* its global positions and segment ids, so no rank ever holds an O(N)
 array), optionally the gradient channel that carries the ``dK, dV`` partial
 sums one step behind the K/V, the step counter, the fault points, and the
-timing and per-step records (:class:`ringmpi.ring.StepRecord`).  Iterating
+timing and per-step records (:class:`ringmpi.parallel.ring.StepRecord`).  Iterating
 over it yields one :class:`Block` per step; the caller only does the math::
 
     schedule = RingSchedule(comm, backend, kh_local, vh_local, ...)
@@ -39,9 +39,9 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .backends import HostMessage
-from .faults import fault_point
-from .masks import BlockMask, MaskSpec
+from ..backends import HostMessage
+from ..runtime.faults import fault_point
+from ..core.masks import BlockMask, MaskSpec
 from .ring import Ring, TypedPart
 
 GRAD_PIECES = 8  # host memory: dK/dV partial sums move in this many pieces of rows
@@ -408,7 +408,7 @@ class RingSchedule:
     timeout : deadline of each ring wait in seconds (None: none).
     phase : ``"fwd"`` or ``"bwd"``, the fault-injection phase.
     order : (P,) the ranks of ``comm`` in ring order, the same on every rank (None: rank
-        order); the public calls pass :func:`ringmpi.topology.ring_order`, node by node.
+        order); the public calls pass :func:`ringmpi.parallel.topology.ring_order`, node by node.
     """
 
     def __init__(self, comm, backend, kh, vh, *, kv_counts: Sequence[int], q_pos: np.ndarray,
@@ -428,7 +428,7 @@ class RingSchedule:
 
     @property
     def records(self):
-        """One :class:`ringmpi.ring.StepRecord` per ring step (plus the final gradient hop)."""
+        """One :class:`ringmpi.parallel.ring.StepRecord` per ring step (plus the final gradient hop)."""
         return self.ring.records
 
     def __iter__(self) -> Iterator[Block]:

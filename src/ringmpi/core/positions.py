@@ -2,7 +2,7 @@
 
 A :class:`Placement` is one call's answer for one of its sequences (queries
 or keys/values): the global length ``N``, every rank's token count and this
-rank's own positions.  A :class:`~ringmpi.layout.Layout` produces one
+rank's own positions.  A :class:`~ringmpi.core.layout.Layout` produces one
 (:func:`from_layout`); explicit positions (``ring_attention(positions_q=,
 positions_kv=)``: any assignment of tokens to ranks, such as whole documents
 placed on ranks) are checked across the ranks without gathering them: each
@@ -32,7 +32,7 @@ class Placement:
 
     n : the global length; counts : (P,) int64 tokens per rank (in rank order);
     mine : (S_local,) int64 this rank's global positions, in local order;
-    layout : the :class:`~ringmpi.layout.Layout` that produced them, or None for
+    layout : the :class:`~ringmpi.core.layout.Layout` that produced them, or None for
     positions the caller gave (then only this rank's are known here).
     """
 

@@ -3,7 +3,7 @@
 ``ringmpi run`` processes the input in passes so that a rank holds one pass's
 shard at a time: :func:`plan_passes` splits (batch entries, kv-head groups)
 under a per-rank byte budget, :func:`pass_boxes` gives each pass's HDF5
-selection.  Pure functions of an :class:`~ringmpi.io.InputSpec`; no MPI.
+selection.  Pure functions of an :class:`~ringmpi.filejob.hdf5.InputSpec`; no MPI.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def pass_boxes(spec, p: Pass):
     """Per-dataset ``(row_axis, box)`` of one pass for q-like, k/v-like and lse datasets.
 
     ``box`` gives ``(start, stop)`` per axis of the dataset as stored; the row
-    (token) axis entry is a placeholder, filled per rank by :class:`~ringmpi.io.ShardIO`.
+    (token) axis entry is a placeholder, filled per rank by :class:`~ringmpi.filejob.hdf5.ShardIO`.
     ``"q"``/``"kv"`` are ``D`` wide (q, dq / k, dk), ``"o"``/``"v"`` ``D_v`` wide
     (o, do / v, dv).
     """

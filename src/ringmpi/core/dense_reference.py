@@ -34,11 +34,11 @@ class DenseReference:
 
     ``q (N_q, H, D)``, ``k (N_kv, H_kv, D)``, ``v (N_kv, H_kv, D_v)``, ``do`` like ``o`` ``(N_q, H, D_v)`` or None;
     ``seg_q (N_q,)``/``seg_kv (N_kv,)`` ints or None.  Which pairs are visible
-    is ``mask.visible`` (:class:`ringmpi.masks.MaskSpec`) over positions
+    is ``mask.visible`` (:class:`ringmpi.core.masks.MaskSpec`) over positions
     ``0 .. N_q - 1`` and ``0 .. N_kv - 1``; ``mask.offset`` aligns them
     (``N_kv - N_q`` for bottom-right alignment, as ``ringmpi run`` uses).
     With ``mask.dropout`` the weights of batch entry ``batch_index`` are
-    dropped as :mod:`ringmpi.dropout` says (``lse`` without dropout).
+    dropped as :mod:`ringmpi.core.dropout` says (``lse`` without dropout).
     Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
     ``mask.softcap`` caps the scores (``c * tanh(s / c)``); ``sinks (H,)``, when
     given, add one zero-value key of logit ``sinks[h]`` to every row; the mask's score

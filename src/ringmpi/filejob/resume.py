@@ -1,7 +1,7 @@
 """Resuming a file job: which passes a partial output file holds, and whether it fits.
 
 ``ringmpi run`` writes its outputs into a temporary file ``.<out>.partial``
-(see :class:`ringmpi.io.AtomicOutput`).  Two root attributes of that file
+(see :class:`ringmpi.filejob.hdf5.AtomicOutput`).  Two root attributes of that file
 make it resumable:
 
 ``ringmpi_job``
@@ -29,7 +29,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .io import flush_file
+from .hdf5 import flush_file
 
 JOB_ATTR = "ringmpi_job"
 DONE_ATTR = "ringmpi_passes_done"

@@ -2,11 +2,11 @@
 
 Every rank reads its own shard of ``q``, ``k``, ``v`` (and ``do``), runs the
 ring, and writes its shard of ``o``, ``lse`` (and ``dq``, ``dk``, ``dv``) into
-one output file, written atomically (:class:`ringmpi.io.AtomicOutput`).
+one output file, written atomically (:class:`ringmpi.filejob.hdf5.AtomicOutput`).
 Batch entries and head groups are processed in passes
-(:func:`ringmpi.passes.plan_passes`) so a rank holds one pass's shard at a
+(:func:`ringmpi.filejob.pass_plan.plan_passes`) so a rank holds one pass's shard at a
 time; after each pass its outputs are flushed and the pass is marked done
-(:mod:`ringmpi.resume`), so an interrupted job continues with ``resume``.
+(:mod:`ringmpi.filejob.resume`), so an interrupted job continues with ``resume``.
 The root attributes of the output say how it was computed
 (:class:`OutputAttributes`, written here and read back by ``ringmpi verify``).
 
@@ -25,10 +25,10 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from . import __version__
-from .errors import ConfigError, agree
-from .options import AttentionOptions
-from .passes import DEFAULT_PASS_BYTES, Pass, pass_boxes, plan_passes
+from .. import __version__
+from ..runtime.errors import ConfigError, agree
+from ..options import AttentionOptions
+from .pass_plan import DEFAULT_PASS_BYTES, Pass, pass_boxes, plan_passes
 
 
 def _flag_message(option: str, message: str, attention: AttentionOptions) -> str:
@@ -179,7 +179,7 @@ class OutputAttributes:
                    attention=AttentionOptions.from_attrs(a))
 
     def mask_spec(self, spec):
-        """The :class:`ringmpi.masks.MaskSpec` the job computed with, for the input ``spec``."""
+        """The :class:`ringmpi.core.masks.MaskSpec` the job computed with, for the input ``spec``."""
         return self.attention.mask_spec(spec.heads, offset=spec.n_kv - spec.n_q)
 
 
@@ -219,8 +219,8 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     """
     from mpi4py import MPI
 
-    from . import watchdog
-    from .io import AtomicOutput, inspect_input
+    from ..runtime import watchdog
+    from .hdf5 import AtomicOutput, inspect_input
 
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD.Dup()
@@ -255,8 +255,8 @@ class _Job:
     """One run's plan, shard readers, converters and timers; :meth:`run` does the passes."""
 
     def __init__(self, comm, input_path, options: JobOptions, spec, passes, backend: str, head_parallel: int):
-        from .io import ShardIO
-        from .layout import Layout
+        from .hdf5 import ShardIO
+        from ..core.layout import Layout
 
         self.comm, self.input_path, self.options, self.spec, self.passes = comm, input_path, options, spec, passes
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -271,10 +271,10 @@ class _Job:
 
     def run(self, out, done, record, attributes: OutputAttributes, progress) -> None:
         """Every pass not ``done`` (None: a fresh output), then commit the output (collective)."""
-        from . import head_outputs
+        from . import head_datasets
         from . import resume as resume_log
-        from .faults import fault_point
-        from .io import close_file, open_file
+        from ..runtime.faults import fault_point
+        from .hdf5 import close_file, open_file
 
         o = self.options
         fin = open_file(self.input_path, "r", self.comm)
@@ -283,13 +283,13 @@ class _Job:
                 _check_finite(self.comm, self.input_path, fin, self.spec, self.passes, self.io_q, self.io_kv,
                               o.backward)
             if o.sinks_dataset is not None:
-                self.sinks = head_outputs.read_sinks(fin, o.sinks_dataset, self.spec.heads, self.comm)
+                self.sinks = head_datasets.read_sinks(fin, o.sinks_dataset, self.spec.heads, self.comm)
             fault_point("create", self.rank)
             fout = out.open(resume=done is not None)
             if done is None:
                 _create_outputs(fout, self.spec, o.backward)
                 attributes.write(fout)
-                head_outputs.create(fout, self.spec, self.sinks, o.attention.return_max_logit,
+                head_datasets.create(fout, self.spec, self.sinks, o.attention.return_max_logit,
                                     o.backward and self.sinks is not None)
                 resume_log.start(fout, record, self.comm)
                 done = np.zeros(len(self.passes), dtype=np.uint8)
@@ -303,7 +303,7 @@ class _Job:
                 resume_log.mark_done(fout, index, self.comm)
                 out.keep_on_failure = True  # from now on a failure leaves a resumable partial file
             progress.close()
-            head_outputs.finish(fout)
+            head_datasets.finish(fout)
             fault_point("write", self.rank)
             close_file(fin, self.comm)
             out.commit()
@@ -318,8 +318,8 @@ class _Job:
 
     def run_pass(self, fin, fout, p: Pass, progress) -> None:
         """Read one pass's shards, run the forward (and backward) ring, write its outputs."""
-        from . import head_outputs
-        from . import ring_attention, ring_attention_backward
+        from . import head_datasets
+        from .. import ring_attention, ring_attention_backward
 
         spec, o, boxes = self.spec, self.options, pass_boxes(self.spec, p)
         lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
@@ -342,7 +342,7 @@ class _Job:
         t0 = time.perf_counter()
         qd, kd, vd = self.to_device(q), self.to_device(k), self.to_device(v)
         out, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, options=options, **self.ring_kw, **segments)
-        head_outputs.write_pass(fout, p, spec.group, max_logit=pass_max[0] if max_logit else None)
+        head_datasets.write_pass(fout, p, spec.group, max_logit=pass_max[0] if max_logit else None)
         self.timers.ring_s += time.perf_counter() - t0
         write("o", self.io_q, "o", out)
         write("lse", self.io_q, "lse", lse)
@@ -353,7 +353,7 @@ class _Job:
             dq, dk, dv, *dsinks = ring_attention_backward(self.to_device(do), qd, kd, vd, out, lse, stats=stats,
                                                           options=replace(options, return_max_logit=False),
                                                           **self.ring_kw, **segments)
-            head_outputs.write_pass(fout, p, spec.group, dsinks=dsinks[0] if dsinks else None)
+            head_datasets.write_pass(fout, p, spec.group, dsinks=dsinks[0] if dsinks else None)
             self.timers.ring_s += time.perf_counter() - t0
             write("dq", self.io_q, "q", dq)
             write("dk", self.io_kv, "kv", dk)
@@ -373,7 +373,7 @@ class _Job:
 
 def _resolve_backend(name: str, comm) -> str:
     """``numpy`` or ``cupy`` (``auto``: cupy when every rank sees a GPU); binds the GPU.  Collective."""
-    from .backends import gpu_available
+    from ..backends import gpu_available
 
     if name == "auto":
         name = "cupy" if gpu_available() else "numpy"
@@ -381,7 +381,7 @@ def _resolve_backend(name: str, comm) -> str:
         agree(comm, None if len(set(names)) == 1 else
               "backend auto: some ranks see a GPU and some do not; pass --backend numpy or cupy")
     if name == "cupy":
-        from .device import require_gpu, select_device
+        from ..runtime.device import require_gpu, select_device
         require_gpu(comm)  # the same ConfigError (exit 2) on every rank before any data moves
         select_device(comm)
     return name
@@ -398,7 +398,7 @@ def _read_segments(fin, name, shard_io, p: Pass):
 
 def _create_outputs(fout, spec, backward: bool) -> None:
     """Create ``o``, ``lse`` (and ``dq``, ``dk``, ``dv``), unfilled (collective)."""
-    from .io import create_float_dataset
+    from .hdf5 import create_float_dataset
 
     lse_dtype = np.float64 if spec.dtype == "float64" else np.float32
     q_shape, kv_shape = spec.shapes["q"], spec.shapes["k"]
@@ -415,7 +415,7 @@ def _head_parallel(comm, value, spec, passes) -> int:
     """``U`` of ``head_parallel`` (or ``RINGMPI_HEAD_PARALLEL``), resolved once for every pass;
     exit 2 on every rank when it cannot run.  ``auto``: the largest divisor of the node's
     rank count and of every pass's head count.  Collective unless ``U = 1``."""
-    from .topology import (auto_head_parallel, head_parallel_problem, head_parallel_setting,
+    from ..parallel.topology import (auto_head_parallel, head_parallel_problem, head_parallel_setting,
                            node_ids, node_size_override)
 
     try:
@@ -441,7 +441,7 @@ def _head_parallel(comm, value, spec, passes) -> int:
 
 
 def _job_record(spec, input_path, world_size, passes, options: dict):
-    """The :class:`ringmpi.resume.JobRecord` of this run (options: what changes the numbers)."""
+    """The :class:`ringmpi.filejob.resume.JobRecord` of this run (options: what changes the numbers)."""
     from .resume import JobRecord, input_fingerprint
 
     return JobRecord(version=__version__, world_size=world_size, options=options,
@@ -473,7 +473,7 @@ def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bo
     """Exit-2 error on every rank naming the first NaN/Inf (lowest global index) of q, k, v
     (and do), read pass by pass before any compute.  Collective: every rank reads every
     pass's shards, one pass at a time."""
-    from .io import first_nonfinite
+    from .hdf5 import first_nonfinite
 
     names = ("q", "k", "v") + (("do",) if backward else ())
     found = None
