@@ -27,7 +27,7 @@ from .backends import value_dim_problem as _value_dim_problem
 from .runtime.errors import agree
 from .runtime.faults import fault_point
 from .core import positions as _positions
-from .core.layout import KINDS, Layout
+from .core.layout import BALANCED, KINDS, Layout
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
 from .parallel.ring import default_timeout, resolve_comm
@@ -112,7 +112,7 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
           or _value_dim_problem(be.name, q.shape[3], v.shape[3])  # one collective: v is 4-D here
           or device_problem(be, k.dtype, q.shape[3], v.shape[3])
           or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names()))
-    place_q, place_kv = _agree_placements(q, k, v, options, comm, layout, pos_q, pos_kv)
+    place_q, place_kv = _agree_placements(q, k, v, options, comm, layout, pos_q, pos_kv, seg_q is not None)
     if options.check_finite:
         _agree_finite(comm, (("q", q, place_q), ("k", k, place_kv), ("v", v, place_kv))
                       + tuple((n, x, place_q) for n, x in extra))
@@ -120,7 +120,9 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
         seg_q = seg_q.astype(np.int64, copy=False)
         seg_kv = seg_kv.astype(np.int64, copy=False)
     ct = be.compute_dtype(q.dtype)
+    balanced = isinstance(layout, Layout) and layout.kind == BALANCED and pos_q is None
     return AgreedCall(comm=comm, backend=be, batch=q.shape[0], heads=q.shape[2], compute_dtype=ct,
+                      kv_schedule=options.kv_schedule(balanced),
                       place_q=place_q, place_kv=place_kv,
                       spec=options.mask_spec(q.shape[2], offset=place_kv.n - place_q.n),
                       scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
@@ -145,9 +147,10 @@ class _RankPlan(NamedTuple):
     digest: object          # the options' digest (sinks, softcap, masks, ...)
     dropout: object         # the dropout key (p, seed, offsets), or None
     given: Optional[tuple]  # the summaries of given positions_q, positions_kv, or None
+    segments: bool          # whether segment ids were given
 
 
-def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, pos_kv):
+def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, pos_kv, segments=False):
     """``(place_q, place_kv)`` (:class:`~ringmpi.core.positions.Placement`) once every rank agrees on
     shapes, options and shard lengths (the layout's) or positions (the given ones), in one allgather."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -156,15 +159,21 @@ def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, p
     given = None if pos_q is None else (_positions.summary(pos_q), _positions.summary(pos_kv))
     fault_point("plan", rank)
     with phase("the ranks' agreement on the call's shapes (allgather)", options.timeout):
-        shapes = comm.allgather(_RankPlan(signature, q.shape[1], k.shape[1], options.digest(), drop_key, given))
+        shapes = comm.allgather(_RankPlan(signature, q.shape[1], k.shape[1], options.digest(), drop_key, given,
+                                          segments))
     problem = _disagreement(shapes)
     n_q = sum(s.s_q for s in shapes)
     n_kv = sum(s.s_kv for s in shapes)
     kind = layout.kind if isinstance(layout, Layout) else layout
     if problem is None and len({s.given is None for s in shapes}) > 1:
         problem = "give positions_q (and positions_kv) on every rank or on none"
-    if problem is None and kind not in KINDS:
-        problem = f"unknown layout {kind!r}: expected one of {', '.join(KINDS)}"
+    if problem is None and len({s.segments for s in shapes}) > 1:
+        problem = "give segment_ids_q and segment_ids_kv on every rank or on none"
+    if problem is None and kind == BALANCED and not isinstance(layout, Layout) and given is None:
+        problem = ("the balanced layout is made from the documents: pass "
+                   "layout=ringmpi.Layout('balanced', n, P, documents=..., causal=..., window=...)")
+    if problem is None and kind not in KINDS + (BALANCED,):
+        problem = f"unknown layout {kind!r}: expected one of {', '.join(KINDS + (BALANCED,))}"
     if problem is None and (n_q < 1 or n_kv < 1):
         problem = f"global sequence lengths must be >= 1, got N_q={n_q}, N_kv={n_kv}"
     if problem is None:
@@ -179,8 +188,14 @@ def _agree_placements(q, k, v, options: AttentionOptions, comm, layout, pos_q, p
         if layout.world_size != size or layout.n != n_q:
             problem = (f"layout {layout} does not match the communicator: world size {size}, "
                        f"global query length {n_q}")
+        elif kind == BALANCED and n_kv != n_q:
+            problem = (f"the balanced layout places one sequence: queries and keys must have the same "
+                       f"length, got N_q={n_q}, N_kv={n_kv}")
     if problem is None:
-        layout_q, layout_kv = Layout(kind, n_q, size), Layout(kind, n_kv, size)
+        if kind == BALANCED:
+            layout_q = layout_kv = layout
+        else:
+            layout_q, layout_kv = Layout(kind, n_q, size), Layout(kind, n_kv, size)
         want_q, want_kv = layout_q.counts(), layout_kv.counts()
         bad = [r for r, s in enumerate(shapes) if s.s_q != want_q[r] or s.s_kv != want_kv[r]]
         if bad:
@@ -228,7 +243,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    head_parallel: Union[int, str, None] = None,
                    sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False,
                    dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None,
-                   alibi_slopes=None, positions_q=None, positions_kv=None,
+                   alibi_slopes=None, positions_q=None, positions_kv=None, schedule: Optional[str] = None,
                    options: Optional[AttentionOptions] = None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
@@ -249,6 +264,10 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         None means a library-owned duplicate of ``COMM_WORLD``.
     layout : "contiguous" | "zigzag" | "striped" | Layout
         How tokens are spread over ranks; a ``Layout`` must match ``N_q`` and ``P``.
+        ``Layout("balanced", N, P, documents=..., causal=..., window=...)`` places a
+        pack of documents so that every rank sees the same number of (query, key)
+        pairs (self-attention: ``N_kv = N_q``); shard the segment ids with it too
+        (``layout.segment_ids(rank)`` gives them without a global array).
     segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) ints, optional
         Packed documents: a query sees only keys with the same id.
     backend : "auto" | "numpy" | "cupy"
@@ -257,7 +276,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         (with ``head_parallel`` U > 1, an :class:`ringmpi.parallel.head_parallel.ExchangeRecord`
         before and after them, whose ``head_parallel`` is the U this call ran with).
     causal, window, softmax_scale, timeout, check_finite, dtype, head_parallel, sinks, softcap,
-    return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes
+    return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes, schedule
         The attention options, each documented in :class:`ringmpi.options.AttentionOptions`
         (the one place that defines and checks them).
     positions_q, positions_kv : (S_q_local,), (S_kv_local,) ints, optional
@@ -291,7 +310,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
         dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
-        check_finite=check_finite, dtype=dtype, return_max_logit=return_max_logit).given_once(options)
+        check_finite=check_finite, dtype=dtype, return_max_logit=return_max_logit,
+        schedule=schedule).given_once(options)
     return _forward(q, k, v, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats,
                    positions_q=positions_q, positions_kv=positions_kv)
@@ -330,7 +350,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             sinks=None, softcap: Optional[float] = None,
                             dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                             dropout_offsets=None, alibi_slopes=None, positions_q=None, positions_kv=None,
-                            options: Optional[AttentionOptions] = None, reduce_dsinks: bool = True):
+                            schedule: Optional[str] = None, options: Optional[AttentionOptions] = None,
+                            reduce_dsinks: bool = True):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
     Collective; every keyword must match the forward call.
@@ -341,8 +362,9 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     q, k, v : as for :func:`ring_attention`.
     o : (B, S_q_local, H, D_v), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
-    dropout_p, dropout_seed, dropout_offsets, alibi_slopes, positions_q, positions_kv :
-        the forward's values (the dropout mask is regenerated, never stored).
+    dropout_p, dropout_seed, dropout_offsets, alibi_slopes, positions_q, positions_kv, schedule :
+        the forward's values (the dropout mask is regenerated, never stored; the schedule
+        may differ from the forward's: results agree to rounding).
     options : :class:`ringmpi.options.AttentionOptions`, optional
         The options as one object instead of their keywords (the forward's may be
         passed as they are: ``return_max_logit`` is ignored here).
@@ -368,7 +390,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
         dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
-        check_finite=check_finite, dtype=dtype).given_once(options)
+        check_finite=check_finite, dtype=dtype, schedule=schedule).given_once(options)
     return _backward(do, q, k, v, o, lse, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
                     segment_ids_kv=segment_ids_kv, backend=backend, stats=stats, reduce_dsinks=reduce_dsinks,
                     positions_q=positions_q, positions_kv=positions_kv)

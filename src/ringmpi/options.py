@@ -93,6 +93,16 @@ def _scale_problem(scale) -> Optional[str]:
     return None if ok else f"softmax_scale must be a finite number, got {scale!r}"
 
 
+SCHEDULES = ("auto", "ring", "routed")
+
+
+def schedule_problem(schedule) -> Optional[str]:
+    """The problem with ``schedule`` (None when fine): one of :data:`SCHEDULES`, or None."""
+    if schedule is None or schedule in SCHEDULES:
+        return None
+    return f"schedule must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {schedule!r}"
+
+
 def _timeout_problem(timeout) -> Optional[str]:
     if timeout is None:
         return None
@@ -163,6 +173,19 @@ class AttentionOptions:
         ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
         ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
         global positions (after scale and softcap, before the mask).  NumPy backend.
+    schedule : "auto" | "ring" | "routed", optional, the same on every rank
+        How keys and values move.  ``"ring"``: every K/V block visits every rank
+        (:mod:`ringmpi.parallel.ring_schedule`; right for dense masks).  ``"routed"``:
+        each rank receives, straight from its owner, only the K/V rows its queries
+        can see under the segment ids, causal mask and window
+        (:mod:`ringmpi.parallel.routed_schedule`; one more small allgather per call
+        plans it), and the backward returns their ``dK, dV`` to the owner.
+        ``"auto"``: routed where its plan moves fewer K/V rows than the ring (a
+        dense mask takes the ring without planning).  Default: ``"auto"`` with a
+        ``"balanced"`` :class:`~ringmpi.core.layout.Layout`, else ``"ring"`` (so
+        the results of every other call keep their bits).  The schedule that ran
+        is in each ``stats`` record (``StepRecord.schedule``).  Results agree to
+        rounding, not bitwise, between schedules; each is bitwise repeatable.
     """
 
     causal: bool = False
@@ -179,6 +202,7 @@ class AttentionOptions:
     check_finite: bool = False
     dtype: Optional[str] = None
     return_max_logit: bool = False
+    schedule: Optional[str] = None
 
     def given_once(self, options: Optional["AttentionOptions"],
                    defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
@@ -220,7 +244,8 @@ class AttentionOptions:
                   ("sinks", lambda: sinks_problem(self.sinks, heads) if per_head else None),
                   ("alibi_slopes", lambda: alibi_problem(self.alibi_slopes, heads) if per_head else None),
                   ("dropout", lambda: self._dropout_problem(heads)),
-                  ("timeout", lambda: _timeout_problem(self.timeout)))
+                  ("timeout", lambda: _timeout_problem(self.timeout)),
+                  ("schedule", lambda: schedule_problem(self.schedule)))
         for name, check in checks:
             message = check()
             if message is not None:
@@ -263,6 +288,13 @@ class AttentionOptions:
         """The softmax scale for head dim ``dim``: ``softmax_scale``, else ``1 / sqrt(dim)``."""
         return float(self.softmax_scale) if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
 
+    def kv_schedule(self, balanced: bool) -> str:
+        """``schedule`` resolved for a call: its default is ``"auto"`` on a balanced layout
+        (``balanced``), else ``"ring"``."""
+        if self.schedule is not None:
+            return self.schedule
+        return "auto" if balanced else "ring"
+
     def window_sides(self) -> Window:
         """``window`` as a tuple of ints or None."""
         return None if self.window is None else tuple(None if w is None else int(w) for w in self.window)
@@ -292,6 +324,8 @@ class AttentionOptions:
                    None if self.softmax_scale is None else float(self.softmax_scale),
                    None if self.softcap is None else float(self.softcap),
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))
+        if self.schedule is not None:  # (so that digests without it keep their values)
+            scalars += (("schedule", str(self.schedule)),)
         crc = zlib.crc32(repr(scalars).encode())
         for name in PER_HEAD:
             per_head = getattr(self, name)

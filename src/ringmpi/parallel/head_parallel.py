@@ -182,7 +182,7 @@ class _Split:
         spec = call.spec.for_heads(self.heads(self.index).start, self.hu)
         return LocalProblem(self.groups.ring_comm, call.backend, call.compute_dtype, spec, call.scale,
                             kv_counts=self.ring_kv_counts, q_pos=self.q_pos, kv_pos=self.kv_pos,
-                            seg_q=seg_q, seg_kv=seg_kv, timeout=call.timeout)
+                            seg_q=seg_q, seg_kv=seg_kv, timeout=call.timeout, kv_schedule=call.kv_schedule)
 
 
 def _gather(exchange, stage: str, send, recv, axes):

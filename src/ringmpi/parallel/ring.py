@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 from ..runtime.errors import RingTimeout
 
 _DEFAULT_COMM = None
-_TAGS = {"kv": 7101, "grad": 7102}  # further streams get the next free tags, in order of first use
+# the routed schedule's streams have fixed tags too: a rank may use either first
+_TAGS = {"kv": 7101, "grad": 7102, "routed_kv": 7103, "routed_grad": 7104}  # further streams: the next free tags
 
 
 def resolve_comm(comm=None):
@@ -42,7 +43,9 @@ def default_timeout() -> Optional[float]:
 
 @dataclass
 class StepRecord:
-    """What one rank did in one ring step (seconds, bytes, and tiles of the block kernel)."""
+    """What one rank did in one ring step (seconds, bytes, and tiles of the block kernel);
+    ``schedule``: the schedule that ran (``"ring"``, or ``"routed"``:
+    :class:`ringmpi.parallel.routed_schedule.RoutedSchedule`)."""
 
     step: int
     compute_s: float = 0.0
@@ -51,6 +54,7 @@ class StepRecord:
     bytes_recv: int = 0
     tiles_computed: int = 0
     tiles_skipped: int = 0
+    schedule: str = "ring"
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Ring:
     timeout: Optional[float] = None
     records: List[StepRecord] = field(default_factory=list)
     order: Optional[Sequence[int]] = None
+    schedule: str = "ring"  # what the records name
 
     def __post_init__(self):
         self.rank = self.comm.Get_rank()
@@ -161,12 +166,14 @@ class Ring:
     def record(self, step: int) -> StepRecord:
         """The record of ``step``, created on first use."""
         while len(self.records) <= step:
-            self.records.append(StepRecord(step=len(self.records)))
+            self.records.append(StepRecord(step=len(self.records), schedule=self.schedule))
         return self.records[step]
 
     def post(self, channel: str, send: Union[None, object, Sequence] = None,
-             recv: Union[None, object, Sequence] = None, stream: Optional[str] = None) -> None:
-        """Start ``Irecv(recv from prev)`` and ``Isend(send to next)`` on ``channel``.
+             recv: Union[None, object, Sequence] = None, stream: Optional[str] = None,
+             dest: Optional[int] = None, source: Optional[int] = None) -> None:
+        """Start ``Irecv(recv from prev)`` and ``Isend(send to next)`` on ``channel``
+        (``source``/``dest``: another peer than ``prev``/``next``).
 
         ``send``/``recv`` are buffers exposing the (CUDA) buffer protocol, sliced to
         the exact message length, or :class:`TypedPart` s, or a list of such parts (the
@@ -179,13 +186,15 @@ class Ring:
         tag = self._tag(stream or channel)
         transfers = []
         rec = self.record(self.step)
+        source = self.prev if source is None else source
+        dest = self.next if dest is None else dest
         for buf in _parts(recv):
-            request = self.comm.Irecv(_message(buf), source=self.prev, tag=tag)
-            transfers.append(_Transfer("recv from", request, self.prev, int(buf.nbytes)))
+            request = self.comm.Irecv(_message(buf), source=source, tag=tag)
+            transfers.append(_Transfer("recv from", request, source, int(buf.nbytes)))
             rec.bytes_recv += int(buf.nbytes)
         for buf in _parts(send):
-            request = self.comm.Isend(_message(buf), dest=self.next, tag=tag)
-            transfers.append(_Transfer("send to", request, self.next, int(buf.nbytes)))
+            request = self.comm.Isend(_message(buf), dest=dest, tag=tag)
+            transfers.append(_Transfer("send to", request, dest, int(buf.nbytes)))
             rec.bytes_sent += int(buf.nbytes)
         if transfers:
             self._pending[channel] = transfers

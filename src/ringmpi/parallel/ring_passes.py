@@ -49,6 +49,9 @@ class LocalProblem:
     seg_q, seg_kv : (B, S_q), (B, S_kv) int64 segment ids, or None.
     timeout : deadline of each ring wait, or None.
     order : the ranks of ``comm`` in ring order, the same on every rank (None: rank order).
+    kv_schedule : how K/V move (``AttentionOptions.schedule``, resolved): ``"ring"``, ``"routed"``
+        (each rank receives only the rows its queries see: :mod:`ringmpi.parallel.routed_schedule`)
+        or ``"auto"`` (routed where the plan moves fewer rows than the ring), the same on every rank.
     """
 
     comm: object
@@ -63,10 +66,26 @@ class LocalProblem:
     seg_kv: Optional[np.ndarray] = None
     timeout: Optional[float] = None
     order: Optional[Sequence[int]] = None
+    kv_schedule: str = "ring"
 
-    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
-        """The ring schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``."""
+    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd"):
+        """The schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``:
+        a :class:`RingSchedule`, or a :class:`~ringmpi.parallel.routed_schedule.RoutedSchedule`
+        when ``kv_schedule`` asks for one (``"auto"``: when its plan moves fewer K/V rows; a
+        dense mask never plans)."""
         be = self.backend
+        masked = self.spec.positional or self.seg_q is not None
+        if self.kv_schedule != "ring" and self.comm.Get_size() > 1 and (masked or self.kv_schedule == "routed"):
+            from .route_plan import gather_plan
+            from .routed_schedule import RoutedSchedule
+
+            order = self.order if self.order is not None else list(range(self.comm.Get_size()))
+            plan = gather_plan(self.comm, self.q_pos, self.seg_q, self.kv_pos, self.seg_kv, self.spec, order,
+                               timeout=self.timeout)
+            if self.kv_schedule == "routed" or plan.routed_rows() < plan.ring_rows():
+                return RoutedSchedule(self.comm, be, _heads_view(k), _heads_view(v), plan=plan, q_pos=self.q_pos,
+                                      kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
+                                      grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
         # head-major views: the schedule copies them straight into its first K/V buffer
         # (no (B, H_kv, S, D) temporaries beside the buffers)
         return RingSchedule(
@@ -83,6 +102,7 @@ class AgreedCall:
         (:class:`~ringmpi.core.positions.Placement`: from a layout or given positions).
     seg_q, seg_kv : (B, S_q_local), (B, S_kv_local) int64 segment ids of this rank, or None.
     sinks : (H,) this backend's array in the compute dtype, or None.
+    kv_schedule : ``AttentionOptions.schedule`` resolved (``"ring"``, ``"routed"`` or ``"auto"``).
     The other fields as :class:`LocalProblem`'s.
     """
 
@@ -99,6 +119,7 @@ class AgreedCall:
     seg_kv: Optional[np.ndarray] = None
     timeout: Optional[float] = None
     sinks: Optional[object] = None
+    kv_schedule: str = "ring"
 
     @property
     def rank(self) -> int:
@@ -110,7 +131,7 @@ class AgreedCall:
         return LocalProblem(self.comm, self.backend, self.compute_dtype, self.spec, self.scale,
                             kv_counts=self.place_kv.counts, q_pos=self.place_q.mine,
                             kv_pos=self.place_kv.mine, seg_q=self.seg_q, seg_kv=self.seg_kv,
-                            timeout=self.timeout, order=ring_order(self.comm))
+                            timeout=self.timeout, order=ring_order(self.comm), kv_schedule=self.kv_schedule)
 
 
 def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
