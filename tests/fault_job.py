@@ -1,9 +1,10 @@
 """Rank-side job for the failure tests: ring attention under abort_on_error.
 
-    mpirun -n P python tests/fault_job.py [--timeout S] [--backward] [--repeat K]
+    mpirun -n P python tests/fault_job.py [--timeout S] [--backward] [--repeat K] [--packed]
 
 Faults come from ``RINGMPI_FAULT`` (see ``ringmpi.runtime.faults.fault_point``).  With
-``--repeat K`` rank 0 checks that K runs give bitwise-identical results and
+``--packed`` the tokens are a pack of documents on the balanced layout and K/V move by
+the routed schedule (issue 42).  With ``--repeat K`` rank 0 checks that K runs give bitwise-identical results and
 prints ``IDENTICAL`` or ``DIFFERENT``.
 """
 
@@ -22,14 +23,21 @@ def main():
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--n", type=int, default=301)
+    parser.add_argument("--packed", action="store_true")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(7)
     q, k, v, do = (rng.standard_normal((2, args.n, 4, 32)).astype(np.float32) for _ in range(4))
     lay = Layout("zigzag", args.n, size)
-    local = [lay.shard(x, rank) for x in (q, k, v, do)]
     kw = dict(comm=comm, layout="zigzag", causal=True, timeout=args.timeout, backend="numpy")
+    if args.packed:  # a long document over every rank and short ones: every rank reads from others
+        docs = [args.n // 2] + [10] * ((args.n - args.n // 2) // 10)
+        docs[-1] += args.n - sum(docs)
+        lay = Layout("balanced", args.n, size, documents=docs, causal=True)
+        kw.update(layout=lay, schedule="routed", segment_ids_q=lay.segment_ids(rank, 2),
+                  segment_ids_kv=lay.segment_ids(rank, 2))
+    local = [lay.shard(x, rank) for x in (q, k, v, do)]
     digests = []
     with ringmpi.abort_on_error():
         for _ in range(args.repeat):

@@ -201,7 +201,7 @@ def main():
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as fh:
         cases = json.load(fh)
-    kinds = {"bitwise": bitwise_case, "errors": errors_case, "torch": torch_case}
+    kinds = {"bitwise": bitwise_case, "errors": errors_case, "torch": torch_case, "packed": ring_cases.packed_case}
 
     def call(case):
         with environment(case.get("env", {})):

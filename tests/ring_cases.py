@@ -351,9 +351,15 @@ def positions_errors_case(comm, case):
     return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
 
 
+def packed_case(comm, case):
+    """Packed documents: ``packed_cases.packed_case`` (imported here: it builds on this module)."""
+    import packed_cases
+    return packed_cases.packed_case(comm, case)
+
+
 def main():
     run_file(MPI.COMM_WORLD, {"fd": fd_case, "bf16_errors": bf16_errors_case,
-                              "positions_errors": positions_errors_case}, run_case)
+                              "positions_errors": positions_errors_case, "packed": packed_case}, run_case)
 
 
 if __name__ == "__main__":

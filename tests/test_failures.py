@@ -49,6 +49,18 @@ def test_hung_rank_is_caught_by_the_deadline():
     assert match.group(1) == match.group(2) != "2"
 
 
+def test_hung_rank_is_caught_by_the_deadline_of_the_routed_schedule():
+    """A stuck rank under the routed schedule (point-to-point transfers): the job ends at the
+    call's deadline, the waiting rank naming the step, the channel and the peer."""
+    rc, out, err, _ = run_job("hang:2:1", "--timeout", "5", "--packed", "--backward")
+    assert rc != 0
+    match = re.search(r"\[rank (\d)\] ringmpi: RingTimeout: rank (\d): ring step (\d+) channel "
+                      r"'(?:kv|grad)_(?:in|out)\d+' did not complete within 5 s \((?:recv from|send to) rank 2",
+                      err)
+    assert match, err[-3000:]
+    assert match.group(1) == match.group(2) != "2"
+
+
 def test_repeated_runs_are_bitwise_identical():
     rc, out, err, _ = run_job(None, "--backward", "--repeat", "20", nprocs=3, deadline=180)
     assert rc == 0, err[-3000:]

@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 
+import packed_cases
 from mpi_util import launch_cache, run_cases
 from ringmpi.parallel.head_parallel import kv_heads_of, replicated
 from ringmpi.parallel.topology import (auto_head_parallel, group_members, head_parallel_problem,
@@ -75,6 +76,7 @@ def launch_cases(p):
         cases = cases_for(6, (3,))[::2]  # every other case of the matrix: P = 6 on two cores is slow
         cases.append(dict(id="P6-U6-gqa", U=6, B=1, H=6, Hkv=2, D=8, n_q=40, layout="zigzag", causal=True,
                           segments=2, backward=True, seed=15))
+        cases += packed_cases.cases_for(6)  # packed documents at P = 6 (issue 42), routed U = 3 among them
     return cases
 
 

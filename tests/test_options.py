@@ -22,6 +22,7 @@ def test_rules_name_the_bad_option():
         "dropout_offsets must be": dict(dropout_p=0.1, dropout_seed=1, dropout_offsets=(0, 2, 4)),
         "softmax_scale must be a finite number": dict(softmax_scale=float("inf")),
         "timeout must be a number of seconds > 0": dict(timeout=0),
+        "schedule must be one of 'auto', 'ring', 'routed'": dict(schedule="ringed"),
     }
     for want, kw in bad.items():
         problem = AttentionOptions(**kw).problem(heads)
@@ -36,7 +37,7 @@ def test_digest_sees_what_ranks_must_share():
     assert base.digest() == same.digest()
     for changed in (dict(causal=False), dict(window=(5, 0)), dict(softcap=3.0), dict(softmax_scale=0.5),
                     dict(sinks=np.zeros(2, np.float32)), dict(alibi_slopes=np.ones(2, np.float32)),
-                    dict(check_finite=True)):
+                    dict(check_finite=True), dict(schedule="routed")):
         kw = dict(causal=True, window=(4, 0), softcap=2.0, sinks=np.ones(2, np.float32))
         kw.update(changed)
         assert AttentionOptions(**kw).digest() != base.digest(), changed
@@ -44,6 +45,16 @@ def test_digest_sees_what_ranks_must_share():
     assert (AttentionOptions(sinks=np.ones(2, np.float32)).digest()
             != AttentionOptions(alibi_slopes=np.ones(2, np.float32)).digest())
     assert base.digest(np.arange(3)) != base.digest(np.arange(4))
+
+
+def test_schedule_default_is_auto_only_on_a_balanced_layout():
+    """(issue 42) The default keeps every existing call on the ring, bit for bit."""
+    assert AttentionOptions().kv_schedule(balanced=False) == "ring"
+    assert AttentionOptions().kv_schedule(balanced=True) == "auto"
+    for given in ("auto", "ring", "routed"):
+        assert AttentionOptions(schedule=given).kv_schedule(balanced=True) == given
+        assert AttentionOptions(schedule=given).kv_schedule(balanced=False) == given
+    assert AttentionOptions().digest() == AttentionOptions(schedule=None).digest()
 
 
 def test_mask_spec_and_scale():

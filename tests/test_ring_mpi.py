@@ -4,6 +4,7 @@ One mpirun launch per world size runs the whole case list for that size
 (``ring_cases.py``); each case is then its own pytest item.  One more launch
 at P = 3 uses tiny tiles (``RINGMPI_TILE_Q/KV``) so that every block spans
 many tiles: skipped, full and partial ones, and the running-maximum paths.
+The launches at P = 2 and 5 also run packed-document cases (``packed_cases.py``).
 """
 
 import itertools
@@ -11,6 +12,7 @@ import os
 
 import pytest
 
+import packed_cases
 from mpi_util import launch_cache, mpirun_env, run_cases
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
@@ -82,6 +84,8 @@ def cases_for(p, small_tiles=False):
         add("positions-float64", n_q=50, layout="striped", window=[6, 3], positions="permutation",
             dtype="float64")
         add("positions-errors", kind="positions_errors", n_q=20, H=2, Hkv=1, D=4, layout="zigzag")
+    if not small_tiles:  # packed documents, balanced layout, routed schedule (issue 42): P = 2 and 5 here
+        cases += packed_cases.cases_for(p) if p in (2, 5) else []
     return cases
 
 

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import packed_cases
 from mpi_util import launch_cache, run_cases
 
 WORLD_SIZES = (1, 3, 4)
@@ -102,6 +103,8 @@ def cases_for(p):
         add("positions-all-U2", n_q=47, layout="striped", causal=True, segments=2, B=2, H=4, Hkv=2, sinks=True,
             softcap=4.0, k_scale=3.0, dropout=0.25, dropout_seed=4242, head_parallel=2, alibi=True,
             positions="permutation")
+    # packed documents, balanced layout, routed schedule (issue 42): P = 1, 3, 4 here
+    cases += packed_cases.cases_for(p)
     return cases
 
 

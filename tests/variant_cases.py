@@ -414,8 +414,9 @@ def nan_max_case(comm, case):
 
 
 def main():
+    from ring_cases import packed_case
     kinds = {"fd": fd_case, "errors": errors_case, "decode": decode_case, "file": file_case, "torch": torch_case,
-             "nan_max": nan_max_case}
+             "nan_max": nan_max_case, "packed": packed_case}
     run_file(MPI.COMM_WORLD, kinds, run_case)
 
 
