@@ -52,6 +52,13 @@ def cases():
         dict(id="alibi", data=["--n", "37", "--n-kv", "50", "--heads", "4", "--kv-heads", "2", "--dim", "8",
                                "--with-do", "--batch", "2"],
              run=["--causal", "--backward", "--alibi-slopes", "0.5,0.25,0.3,0.0625", "--heads-per-pass", "2"]),
+        # packed documents (issue 42): the balanced layout from the segment ids (different per batch
+        # entry here), K/V routed; then in head passes with a window, the schedule forced
+        dict(id="balanced", data=BASE + ["--segments", "6", "--batch", "2"],
+             run=["--causal", "--backward", "--layout", "balanced"]),
+        dict(id="balanced-window-routed", data=BASE + ["--segments", "5"],
+             run=["--causal", "--window", "6", "0", "--backward", "--layout", "balanced", "--schedule", "routed",
+                  "--heads-per-pass", "2"]),
     ]
     return out
 
@@ -159,6 +166,16 @@ def test_make_data_same_bytes_for_any_rank_count(launch):
         assert a.keys() == b.keys()
         for name in a:
             assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), (case["id"], name)
+
+
+@pytest.mark.mpi
+def test_balanced_layout_runs_the_routed_schedule(launch):
+    """``--layout balanced`` chose the routed schedule by itself (auto), and the summary says so."""
+    launch(3)
+    _, out, err, _ = _LAUNCHES[3]
+    summary = out.split("layout balanced")[1].splitlines()
+    assert any(line.startswith("  K/V schedule: routed (chosen by schedule auto); bytes received per rank")
+               for line in summary[:8]), out[-3000:]
 
 
 @pytest.mark.mpi

@@ -12,7 +12,8 @@ import sys
 import click
 
 from ..core.flops import attention_flops
-from ..core.layout import KINDS
+from ..core.layout import BALANCED, KINDS
+from ..options import SCHEDULES
 
 
 class _Progress:
@@ -64,8 +65,13 @@ def _slopes(ctx, param, value):
 @click.option("--causal", is_flag=True, help="Causal mask (bottom-right aligned when N_q != N_kv).")
 @click.option("--window", nargs=2, type=int, default=None, metavar="L R",
               help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side).")
-@click.option("--layout", type=click.Choice(KINDS), default=None,
-              help="Token layout over ranks [default: zigzag when --causal, else contiguous].")
+@click.option("--layout", type=click.Choice(KINDS + (BALANCED,)), default=None,
+              help="Token layout over ranks [default: zigzag when --causal, else contiguous]; balanced: "
+                   "the documents of the segment ids placed so every rank sees as many (query, key) pairs.")
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
+              help="How K/V move: ring (every block visits every rank), routed (each rank receives only "
+                   "the rows its queries see), auto (routed when it moves fewer bytes) [default: auto with "
+                   "--layout balanced, else ring].")
 @click.option("--backward", is_flag=True, help="Also compute dq, dk, dv from dataset 'do'.")
 @click.option("--scale", type=float, default=None, help="Softmax scale [default: 1/sqrt(D)].")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
@@ -98,7 +104,7 @@ def _slopes(ctx, param, value):
                    "ranks, layout, pass plan or backend (needs --seed).")
 @click.option("--seed", "dropout_seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, metavar="S",
               help="Dropout seed (0 <= S < 2^64).")
-def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
+def run(input_path, output_path, causal, window, layout, schedule, backward, scale, backend, overwrite,
         check_finite, resume, timeout, heads_per_pass, head_parallel, sinks_dataset, softcap, alibi_slopes,
         max_logit, dropout_p, dropout_seed):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
@@ -111,6 +117,7 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
       mpirun -n 4 ringmpi run in.h5 -o out.h5 --causal --backward
       mpirun -n 4 ringmpi run in.h5 -o out.h5 --sinks-dataset sinks --softcap 30 --max-logit
       mpirun -n 4 ringmpi run in.h5 -o out.h5 --causal --alibi-slopes 0.5,0.25,0.125,0.0625
+      mpirun -n 4 ringmpi run packed.h5 -o out.h5 --causal --layout balanced --backward
     """
     from mpi4py import MPI
 
@@ -118,13 +125,19 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
 
     options = JobOptions.of_flags(causal=causal, window=window, scale=scale, softcap=softcap, max_logit=max_logit,
                                   dropout_p=dropout_p, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes,
-                                  head_parallel=head_parallel,
+                                  head_parallel=head_parallel, schedule=schedule,
                                   timeout=timeout, check_finite=check_finite, layout=layout, backward=backward,
                                   backend=backend, heads_per_pass=heads_per_pass, sinks_dataset=sinks_dataset)
     result = run_job(input_path, output_path, options, _Progress(MPI.COMM_WORLD.Get_rank()),
                      overwrite=overwrite, resume=resume)
     if result.every is not None:  # rank 0
         click.echo(_summary(result))
+
+
+def _size(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    return f"{nbytes / 1024:.1f} KiB" if nbytes < 1 << 20 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _summary(result) -> str:
@@ -156,6 +169,12 @@ def _summary(result) -> str:
         f"= {io_s / wall * 100:.1f}% of wall",
         f"  output: {result.path}",
     ]
+    if result.traffic is not None:
+        received = np.array([t[0] for t in result.traffic], dtype=np.float64)
+        ran = sorted({s for _, names in result.traffic for s in names})
+        lines.append(f"  K/V schedule: {', '.join(ran) or 'none'}"
+                     + (" (chosen by schedule auto)" if a.kv_schedule(o.layout_name == BALANCED) == "auto" else "")
+                     + f"; bytes received per rank: max {_size(received.max())}, min {_size(received.min())}")
     u, chosen = result.head_parallel, " (chosen by head_parallel auto)" if result.head_parallel_auto else ""
     if u > 1:
         lines.append(f"  schedule: head x ring, {u} ranks per group (all-to-all), ring of {size // u} groups"

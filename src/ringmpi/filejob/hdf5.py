@@ -20,7 +20,7 @@ import math
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -290,6 +290,22 @@ def _inspect_serial(path: str, backward: bool):
             return _describe_input(f, path, backward)
     except OSError as exc:
         return None, f"{path}: cannot open as HDF5: {exc}"
+
+
+def document_lengths(spec: InputSpec, comm) -> List[int]:
+    """The documents of the input's segment ids for the balanced layout (collective): rank 0
+    reads the query segment ids and cuts where any batch entry's id changes; one document
+    without segment ids.  Shared with a bcast, O(documents)."""
+    lengths = None
+    if comm.Get_rank() == 0:
+        lengths = [spec.n_q]
+        if spec.seg_q:
+            with _peek(spec.path) as f:
+                ids = np.asarray(f[spec.seg_q][()], dtype=np.int64).reshape(-1, spec.n_q)
+            cut = np.flatnonzero((np.diff(ids, axis=1) != 0).any(axis=0)) + 1
+            lengths = np.diff(np.concatenate([[0], cut, [spec.n_q]])).astype(int).tolist()
+    with phase(f"sharing the documents of {spec.path} (bcast)"):
+        return comm.bcast(lengths, root=0)
 
 
 # ------------------------------------------------------------- shard transfer

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -58,7 +58,10 @@ class JobOptions:
     (``RINGMPI_HEAD_PARALLEL``, else 1); ``attention.check_finite`` checks the
     input file pass by pass before any compute (the ring calls then skip it);
     ``attention.alibi_slopes`` is the ``(H,)`` float32 host array.  ``layout``
-    None means zigzag when causal, else contiguous.
+    None means zigzag when causal, else contiguous; ``"balanced"`` places the
+    documents of the segment-id dataset (:func:`ringmpi.filejob.hdf5.document_lengths`)
+    with balanced work, K/V moving by the routed schedule unless ``attention.schedule``
+    says otherwise.
     """
 
     attention: AttentionOptions = AttentionOptions(check_finite=True, timeout=600.0)
@@ -106,6 +109,8 @@ class JobOptions:
                         alibi_slopes=None if a.alibi_slopes is None else [float(x) for x in a.alibi_slopes])
         key = a.dropout_key(1)
         dropout = {} if key is None else dict(dropout_p=key[0], dropout_seed=key[1])
+        if a.schedule is not None:
+            dropout["schedule"] = a.schedule
         return dict(layout=self.layout_name, causal=bool(a.causal),
                     window=None if win is None else list(win), backward=bool(self.backward),
                     softmax_scale=a.softmax_scale, backend=backend, heads_per_pass=self.heads_per_pass,
@@ -188,7 +193,8 @@ class JobResult:
     """What the command line reports: the problem, the plan and, on rank 0, every rank's
     ``(wall, ring, compute, wait, read, write)`` seconds (None on the other ranks).
     ``head_parallel`` is the ``U`` the passes ran with; ``head_parallel_auto``: ``"auto"``
-    (the option or ``RINGMPI_HEAD_PARALLEL``) chose it."""
+    (the option or ``RINGMPI_HEAD_PARALLEL``) chose it.  ``traffic`` (rank 0): every rank's
+    ``(bytes received by its ring calls, the schedules they ran)``."""
 
     spec: object
     options: JobOptions
@@ -199,6 +205,7 @@ class JobResult:
     path: str
     every: Optional[list]
     head_parallel_auto: bool = False
+    traffic: Optional[list] = None
 
 
 @dataclass
@@ -206,6 +213,8 @@ class _Timers:
     ring_s: float = 0.0
     compute_s: float = 0.0
     wait_s: float = 0.0
+    bytes_recv: int = 0
+    schedules: set = field(default_factory=set)
 
 
 def run_job(input_path: str, output_path: str, options: JobOptions, progress, overwrite: bool = False,
@@ -238,33 +247,55 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     record = _job_record(spec, input_path, comm.Get_size(), plan, options.record_options(backend))
     passes, done = _resume_state(out, comm, record, resume, progress)
     head_parallel = _head_parallel(comm, options.attention.head_parallel, spec, passes)
-    job = _Job(comm, input_path, options, spec, passes, backend, head_parallel)
+    layouts = _layouts(comm, options, spec)
+    job = _Job(comm, input_path, options, spec, passes, backend, head_parallel, layouts)
     progress.start(len(passes) * (2 if options.backward else 1))
     job.run(out, done, record, OutputAttributes.of_job(options, spec, input_path, comm.Get_size(), backend),
             progress)
     mine = (time.perf_counter() - t_start, job.timers.ring_s, job.timers.compute_s, job.timers.wait_s,
             job.io_q.read_s + job.io_kv.read_s, job.io_q.write_s + job.io_kv.write_s)
     every = comm.gather(mine, root=0)
+    traffic = comm.gather((job.timers.bytes_recv, sorted(job.timers.schedules)), root=0)
     comm.Free()
     requested = options.attention.head_parallel or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
     return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
-                     head_parallel_auto=str(requested).strip().lower() == "auto")
+                     head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic)
+
+
+def _layouts(comm, options: JobOptions, spec):
+    """The job's ``(layout of q, layout of k/v)``: ``Layout`` objects (the balanced one from the
+    input's documents; a ConfigError on every rank when it cannot place the input)."""
+    from ..core.layout import Layout
+    from .hdf5 import document_lengths
+
+    size, name = comm.Get_size(), options.layout_name
+    if name != "balanced":
+        return Layout(name, spec.n_q, size), Layout(name, spec.n_kv, size)
+    agree(comm, None if spec.n_q == spec.n_kv else
+          f"--layout balanced places one sequence: q and k/v must have the same length, got N={spec.n_q}, "
+          f"N_kv={spec.n_kv}")
+    a = options.attention
+    layout = Layout("balanced", spec.n_q, size, documents=document_lengths(spec, comm), causal=bool(a.causal),
+                    window=a.window_sides())
+    return layout, layout
 
 
 class _Job:
     """One run's plan, shard readers, converters and timers; :meth:`run` does the passes."""
 
-    def __init__(self, comm, input_path, options: JobOptions, spec, passes, backend: str, head_parallel: int):
+    def __init__(self, comm, input_path, options: JobOptions, spec, passes, backend: str, head_parallel: int,
+                 layouts):
         from .hdf5 import ShardIO
-        from ..core.layout import Layout
 
         self.comm, self.input_path, self.options, self.spec, self.passes = comm, input_path, options, spec, passes
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        layout = options.layout_name
-        self.io_q = ShardIO(comm, Layout(layout, spec.n_q, self.size).indices(self.rank))
-        self.io_kv = ShardIO(comm, Layout(layout, spec.n_kv, self.size).indices(self.rank))
+        layout_q, layout_kv = layouts
+        self.io_q = ShardIO(comm, layout_q.indices(self.rank))
+        self.io_kv = ShardIO(comm, layout_kv.indices(self.rank))
         self.to_device, self.to_host = _converters(backend)
-        self.ring_kw = dict(comm=comm, layout=layout, backend=backend)
+        # a balanced layout goes to the calls as the object (its documents); the others by name
+        self.ring_kw = dict(comm=comm, layout=layout_q if layout_q.kind == "balanced" else layout_q.kind,
+                            backend=backend)
         self.head_parallel = head_parallel
         self.timers = _Timers()
         self.sinks = None
@@ -362,6 +393,8 @@ class _Job:
                              f"({time.perf_counter() - t0:.2f} s)")
         self.timers.compute_s += sum(r.compute_s for r in stats)
         self.timers.wait_s += sum(r.wait_s for r in stats)
+        self.timers.bytes_recv += sum(r.bytes_recv for r in stats)
+        self.timers.schedules.update(r.schedule for r in stats if not hasattr(r, "stage"))
 
     def pass_segments(self, fin, p: Pass) -> dict:
         """The ring calls' segment-id keywords of pass ``p`` (none without segments)."""
