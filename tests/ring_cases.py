@@ -112,10 +112,17 @@ def _documents(seg, size):
 def placements(case, n_q, n_kv, size, seg_q=None):
     """``(lay_q, lay_kv)``: the case's layout, or with ``positions`` an :class:`Assignment`:
     ``"permutation"`` (a random permutation cut at random places, per sequence) or
-    ``"documents"`` (batch entry 0's documents whole on ranks, in a rank order of their own)."""
+    ``"documents"`` (batch entry 0's documents whole on ranks, in a rank order of their own) or
+    ``"balanced"`` (the balanced Layout of batch entry 0's documents, passed as the layout)."""
     kind = case.get("positions")
     if kind is None:
         return Layout(case["layout"], n_q, size), Layout(case["layout"], n_kv, size)
+    if kind == "balanced":  # the balanced Layout of batch entry 0's documents (issue 42)
+        cut = np.flatnonzero(np.diff(seg_q[0]) != 0) + 1
+        docs = np.diff(np.concatenate([[0], cut, [n_q]])).tolist()
+        window = None if case.get("window") is None else tuple(case["window"])
+        lay = Layout("balanced", n_q, size, documents=docs, causal=case.get("causal", False), window=window)
+        return lay, lay
     rng = np.random.default_rng(case.get("seed", 0) + 5)
     if kind == "documents":
         parts = _documents(seg_q[0], size)

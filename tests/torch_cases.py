@@ -109,8 +109,9 @@ def local(comm, case, dtype, device, requires_grad=True):
     for x in shards[:3]:
         x.requires_grad_(requires_grad)
     window = None if case.get("window") is None else tuple(case["window"])
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
-              softmax_scale=case.get("scale"))
+    balanced = getattr(lay_q, "kind", None) == "balanced"  # passed as the Layout object itself
+    kw = dict(comm=comm, layout=lay_q if balanced else case["layout"], causal=case.get("causal", False),
+              window=window, softmax_scale=case.get("scale"))
     kw.update({n: torch.from_numpy(x).to(device) for n, x in position_kw(lay_q, lay_kv, rank).items()})
     if case.get("head_parallel") is not None:
         kw["head_parallel"] = case["head_parallel"]
@@ -137,14 +138,20 @@ def attn_case(comm, case, device):
             # does not run on torch's current stream reads q before it is written
             big = torch.randn(4096, 4096, device=device)
             q = (q + 0 * (big @ big).sum()).detach().requires_grad_(True)
-        o, lse = rt.ring_attention(q, k, v, return_lse=True, **kw)
+        stats = [] if case.get("expect_schedule") else None
+        o, lse = rt.ring_attention(q, k, v, return_lse=True, stats=stats, **kw)
         (o * do).sum().backward()
         mine = [host64(x) for x in (o, lse, q.grad, k.grad, v.grad)]
+    if stats is not None and {r.schedule for r in stats} != {case["expect_schedule"]}:
+        problems = [f"rank {comm.Get_rank()} ran {sorted({r.schedule for r in stats})}"]
+    else:
+        problems = []
     want_lse = torch.float64 if dtype == torch.float64 else torch.float32
-    problems = [f"{n} {x.dtype} on {x.device}" for n, x, dt in
+    problems += [f"{n} {x.dtype} on {x.device}" for n, x, dt in
                 (("o", o, dtype), ("lse", lse, want_lse), ("dq", q.grad, dtype), ("dk", k.grad, dtype),
                  ("dv", v.grad, dtype)) if x.dtype != dt or x.device != device]
     gathered = comm.gather(mine, root=0)
+    problems = sum(comm.allgather(problems), [])
     if comm.Get_rank() != 0:
         return None
     gq, gk, gv, gdo, seg_q, seg_kv = global_inputs(case)

@@ -46,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import ringmpi
 from .runtime.errors import ConfigError, agree
-from .core.layout import Layout
+from .core.layout import BALANCED, Layout
 from .options import AttentionOptions
 from .parallel.ring import resolve_comm
 from .parallel.topology import head_parallel_setting
@@ -177,7 +177,7 @@ def _where(comm, layout, backend, stats) -> _Where:
 # and a flag, dropout_seed as a signed 64-bit int); sinks and alibi_slopes are tensor arguments.
 _OPTION_SCHEMA = ("bool causal, int? window_left, int? window_right, bool has_window, float? softmax_scale, "
                   "float? softcap, float dropout_p, int? dropout_seed, str? head_parallel, float? timeout, "
-                  "bool check_finite")
+                  "bool check_finite, str? schedule")
 
 
 def _option_args(options: AttentionOptions) -> tuple:
@@ -186,17 +186,18 @@ def _option_args(options: AttentionOptions) -> tuple:
     left, right = (None, None) if options.window is None else (_exact_int(w) for w in options.window)
     return (bool(options.causal), left, right, options.window is not None, _float(options.softmax_scale),
             _float(options.softcap), float(options.dropout_p), _signed64(options.dropout_seed),
-            _head_parallel_text(options.head_parallel), _float(options.timeout), bool(options.check_finite))
+            _head_parallel_text(options.head_parallel), _float(options.timeout), bool(options.check_finite),
+            None if options.schedule is None else str(options.schedule))
 
 
 def _options_of(args, sinks, alibi_slopes) -> AttentionOptions:
     """The inverse of :func:`_option_args`, with the ops' ``sinks`` and ``alibi_slopes`` tensors."""
-    causal, left, right, has_window, scale, softcap, p, seed, hp, timeout, check_finite = args
+    causal, left, right, has_window, scale, softcap, p, seed, hp, timeout, check_finite, schedule = args
     return AttentionOptions(causal=causal, window=(left, right) if has_window else None, softmax_scale=scale,
                             softcap=softcap, sinks=None if sinks is None else to_array(sinks),
                             alibi_slopes=_host_numpy(alibi_slopes), dropout_p=p,
                             dropout_seed=None if seed is None else seed % (1 << 64), head_parallel=hp,
-                            timeout=timeout, check_finite=check_finite)
+                            timeout=timeout, check_finite=check_finite, schedule=schedule)
 
 
 def _op_arguments(options: AttentionOptions, alibi_slopes, q) -> tuple:
@@ -356,7 +357,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    check_finite: bool = False, stats: Optional[list] = None,
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
                    softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                   alibi_slopes=None, positions_q=None, positions_kv=None):
+                   alibi_slopes=None, positions_q=None, positions_kv=None, schedule: Optional[str] = None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -368,10 +369,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D), (B, S_kv_local, H_kv, D_v) tensors, same dtype and
         device; ``H % H_kv == 0``; ``D_v`` may differ from ``D`` (as in torch's SDPA).
-    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel, dropout_p, dropout_seed
+    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel, dropout_p, dropout_seed,
+    schedule
         As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
         duplicate of ``COMM_WORLD``); the backward regenerates the dropout mask
-        from the seed.
+        from the seed.  A ``"balanced"`` :class:`~ringmpi.Layout` reaches the op as
+        the positions it gives this rank (``positions_q``), with its default
+        schedule (``"auto"``).
     segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) integer tensors or arrays, optional
         Packed documents: a query sees only keys with the same id.
     return_lse : bool
@@ -405,9 +409,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     The custom op, its copies (none), stream and gradients: the module docstring.
     """
     comm = resolve_comm(comm)
+    if isinstance(layout, Layout) and layout.kind == BALANCED and positions_q is None:
+        # the op's arguments name a layout by kind and length: a balanced one travels as its positions
+        positions_q = positions_kv = torch.from_numpy(layout.indices(comm.Get_rank()))
+        schedule = "auto" if schedule is None else schedule
+        layout = "contiguous"
     options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
                                dropout_p=dropout_p, dropout_seed=dropout_seed, head_parallel=head_parallel,
-                               timeout=timeout, check_finite=check_finite)  # sinks, alibi: the op's tensors
+                               timeout=timeout, check_finite=check_finite,
+                               schedule=schedule)  # sinks, alibi: the op's tensors
     args, alibi, problem = _op_arguments(options, alibi_slopes, q)
     if not torch.compiler.is_compiling():  # MPI cannot be traced: compiled code checks inside the op
         agree(comm, _backend_problem(backend, q, k, v)[1] or problem)
