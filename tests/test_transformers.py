@@ -3,7 +3,8 @@
 One launch per world size (P = 1, 2, 3; N = 61, not divisible by P) runs every
 case of ``transformers_cases.py``: Llama (GQA), Qwen2, Mistral (sliding window),
 Gemma 2 (softcap, non-default scale, alternating windows), gpt-oss (sinks, MoE),
-a packed row of three documents and a left-padded batch, in float64, float32
+a packed row of three documents, two rows of different packs on the balanced
+layout (flattened into one row) and a left-padded batch, in float64, float32
 and (Llama, gpt-oss) bfloat16; attention dropout equal across P; the errors.
 """
 
@@ -34,6 +35,8 @@ def cases_for(p):
             add(f"{model}-{dtype}", model=model, dtype=dtype, B=2 if model == "left-padding" else 1)
     for model in ("llama", "gpt-oss"):
         add(f"{model}-bfloat16", model=model, dtype="bfloat16")
+    if p > 1:  # packed rows flattened into one, on the balanced layout, K/V routed (issue 42)
+        add("packed-rows-balanced-float64", model="packed-rows", dtype="float64", B=2, layout="balanced")
     add("dropout", kind="dropout", model="dropout")
     add("errors", kind="errors", model="llama")
     return cases

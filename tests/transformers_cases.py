@@ -48,7 +48,7 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_lay
 
 def config_for(model: str):
     """(config, HF's reference attention) of one tiny model family."""
-    if model in ("llama", "packed", "left-padding", "dropout"):
+    if model in ("llama", "packed", "packed-rows", "left-padding", "dropout"):
         return transformers.LlamaConfig(**SMALL), "sdpa"
     if model == "qwen2":
         return transformers.Qwen2Config(**SMALL, attention_bias=True), "sdpa"
@@ -87,6 +87,10 @@ def make_batch(case):
     if case["model"] == "packed":  # three documents in one row: position_ids restart
         cuts = [0, n // 3, n // 3 + n // 2, n]
         batch["position_ids"] = torch.cat([torch.arange(cuts[i + 1] - cuts[i]) for i in range(3)])[None]
+    if case["model"] == "packed-rows":  # a different pack per row (one long document in row 0)
+        rows = [[0, n - 9, n - 8, n], [0, 7, 8, 30, n]]
+        batch["position_ids"] = torch.stack([torch.cat([torch.arange(c[i + 1] - c[i]) for i in range(len(c) - 1)])
+                                             for c in rows[:b]])
     if case["model"] == "left-padding":
         mask = torch.ones(b, n, dtype=torch.int64)
         mask[1, :9] = 0
@@ -153,6 +157,7 @@ def run_ringmpi(comm, case, dtype, layout="zigzag", dropout=0.0, seed=None, step
     batch = make_batch(case)
     model = build(case, "ringmpi", dtype, dropout)
     model.train(train)
+    layout = case.get("layout", layout)
     shard = rmt.shard_batch(batch, comm=comm, layout=layout, dropout_seed=seed, step=step)
     out = model(**shard)
     mean_loss(out.logits, shard["shift_labels"], shard["num_items_in_batch"]).backward()
@@ -161,7 +166,11 @@ def run_ringmpi(comm, case, dtype, layout="zigzag", dropout=0.0, seed=None, step
         g = p.grad.double().numpy().copy()
         comm.Allreduce(MPI.IN_PLACE, g)
         grads[name] = g
-    logits = rmt.gather(out.logits, comm=comm, layout=layout).double().numpy()
+    if layout == "balanced":  # one flattened row (1, B * N) placed by the balanced Layout
+        logits = rmt.gather(out.logits, comm=comm, layout=shard[rmt.CONTEXT_KEY].layout)
+        logits = logits.reshape(*batch["input_ids"].shape, -1).double().numpy()
+    else:
+        logits = rmt.gather(out.logits, comm=comm, layout=layout).double().numpy()
     return logits, comm.allreduce(out.loss.item()), grads
 
 

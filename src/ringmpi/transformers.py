@@ -10,6 +10,12 @@
     out = model(**shard)                                  # out.loss summed over ranks: the global mean
     logits = rmt.gather(out.logits, comm=comm, layout="zigzag")   # (B, N, vocab), every rank
 
+With ``layout="balanced"`` a batch of packed rows is flattened into one row of
+``B * N`` tokens (each row's documents, and the rows themselves, kept apart by
+segment ids) placed so that every rank sees the same number of (query, key)
+pairs, and K/V move by the routed schedule; ``gather(..., layout=
+shard["ringmpi_context"].layout)`` then gives ``(1, B * N, ...)``.
+
 Every rank holds the same model and the same global batch; :func:`shard_batch`
 keeps this rank's tokens and adds what the attention needs (a
 :class:`ShardContext`: communicator, layout, global positions, segment ids,
@@ -39,7 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from . import torch as _rt
 from .runtime.errors import ConfigError, agree
-from .core.layout import Layout
+from .core.layout import BALANCED, Layout
 from .parallel.ring import resolve_comm
 
 __all__ = ["NAME", "CONTEXT_KEY", "IGNORE_INDEX", "ShardContext", "register", "attention_forward",
@@ -61,7 +67,8 @@ class ShardContext:
     (``layout.indices(rank)``); ``segment_ids (B, S_local)`` int64 or None:
     documents (from restarting ``position_ids``) and padding (``PAD_SEGMENT``);
     ``dropout_seed``: the user's seed; ``step``: which batch this is (dropout
-    masks differ per step and per layer, :func:`dropout_seed`).
+    masks differ per step and per layer, :func:`dropout_seed`); ``schedule``: the
+    attention's K/V schedule (``"auto"`` for the balanced layout, else None: the ring).
     """
 
     comm: object
@@ -70,6 +77,7 @@ class ShardContext:
     segment_ids: Optional[torch.Tensor]
     dropout_seed: Optional[int] = None
     step: int = 0
+    schedule: Optional[str] = None
     _checked: set = field(default_factory=set, repr=False)
 
     def check_positions(self, position_ids: Optional[torch.Tensor]) -> None:
@@ -182,7 +190,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            positions_q=positions, positions_kv=positions, causal=causal,
                            window=_window(sliding_window, causal),
                            segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
-                           softcap=softcap, **drop)
+                           softcap=softcap, schedule=ctx.schedule, **drop)
     return o, None
 
 
@@ -213,7 +221,8 @@ def _segments(position_ids: Optional[torch.Tensor], attention_mask: Optional[tor
 
 
 def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag",
-                dropout_seed: Optional[int] = None, step: Optional[int] = None) -> dict:
+                dropout_seed: Optional[int] = None, step: Optional[int] = None, causal: bool = True,
+                window=None, schedule: Optional[str] = None) -> dict:
     """This rank's part of a global batch, ready for ``model(**shard)``; call it on every rank.
 
     Parameters
@@ -225,11 +234,20 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
         ``arange(N)``), ``labels (B, N)`` (HF's: the model shifts them), and any other
         ``(B, N, ...)`` tensor.  Other entries pass through unchanged.
     comm : mpi4py communicator, optional (None: a library-owned duplicate of ``COMM_WORLD``)
-    layout : "contiguous" | "zigzag" | "striped"
+    layout : "contiguous" | "zigzag" | "striped" | "balanced"
+        ``"balanced"``: the batch is flattened into one row of ``B * N`` tokens (a
+        document never crosses a row), whose documents (restarting ``position_ids``;
+        padding counts as one) are placed with balanced attention work
+        (:class:`~ringmpi.core.layout.Layout` ``"balanced"``, ``causal`` and ``window`` the
+        model's mask as ``ring_attention`` takes it); every ``(B, N, ...)`` tensor is cut
+        from the flattened ``(1, B * N, ...)``.
     dropout_seed : int, optional
         Needed for attention dropout: masks are drawn from it, this ``step`` and the layer.
     step : int, optional
         Default: how many times this process called ``shard_batch`` before.
+    schedule : "auto" | "ring" | "routed", optional
+        The attention's K/V schedule (``ring_attention(schedule=)``); default ``"auto"``
+        with the balanced layout, else the ring.
 
     Returns
     -------
@@ -250,7 +268,6 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     shape = tuple(lead.shape[:2])
     n = shape[1]
     kind = layout.kind if isinstance(layout, Layout) else layout
-    lay = Layout(kind, n, size)
     mask = batch.pop("attention_mask", None)
     given = batch.get("position_ids")
     seg = _segments(given, mask, shape)
@@ -263,6 +280,12 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
             shifted = shifted.masked_fill(~mask.to(torch.bool), IGNORE_INDEX)
         batch["labels"] = batch["shift_labels"] = shifted
         batch["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+    if kind == BALANCED:
+        batch, seg, n = _flattened(batch, seg, shape)
+        lay = Layout(BALANCED, n, size, documents=_documents(seg, n), causal=causal, window=window)
+        schedule = "auto" if schedule is None else schedule
+    else:
+        lay = Layout(kind, n, size)
     shard = {key: (lay.shard(x, rank) if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == n
                    and key != "num_items_in_batch" else x) for key, x in batch.items()}
     if labels is not None:
@@ -270,15 +293,46 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     shard["use_cache"] = False
     shard[CONTEXT_KEY] = ShardContext(comm=comm, layout=lay, positions=lay.indices(rank),
                                       segment_ids=None if seg is None else lay.shard(seg, rank),
-                                      dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step))
+                                      dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step),
+                                      schedule=schedule)
     return shard
+
+
+def _flattened(batch: dict, seg, shape):
+    """``(batch, segment ids, B * N)``: every ``(B or 1, N, ...)`` tensor of ``batch`` as one row
+    ``(1, B * N, ...)``, and segment ids that keep the rows apart (padding stays ``PAD_SEGMENT``)."""
+    b, n = shape
+    if b > 1:
+        ids = torch.zeros(shape, dtype=torch.int64) if seg is None else seg
+        row = torch.arange(b, dtype=torch.int64)[:, None] * (n + 1)
+        seg = torch.where(ids == PAD_SEGMENT, ids, ids + row)
+    flat = {}
+    for key, x in batch.items():
+        if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == n and x.shape[0] in (1, b) \
+                and key != "num_items_in_batch":
+            x = x.expand(b, *x.shape[1:]).reshape(1, b * n, *x.shape[2:])
+        flat[key] = x
+    return flat, None if seg is None else seg.reshape(1, b * n), b * n
+
+
+def _documents(seg, n: int):
+    """Lengths of the runs of equal segment ids of one row ``(1, n)`` (one document without ids)."""
+    if seg is None:
+        return [n]
+    ids = seg[0].cpu().numpy()
+    cut = np.flatnonzero(np.diff(ids) != 0) + 1
+    return np.diff(np.concatenate([[0], cut, [n]])).tolist()
 
 
 def gather(x: torch.Tensor, *, comm=None, layout: Union[str, Layout] = "zigzag", axis: int = 1) -> torch.Tensor:
     """Every rank's ``(B, S_local, ...)`` shard of ``x`` in global token order ``(B, N, ...)``,
-    on every rank, on ``x``'s device; collective over ``comm``.  Not differentiable."""
+    on every rank, on ``x``'s device; collective over ``comm``.  Not differentiable.  For the
+    balanced layout pass the Layout object (``shard["ringmpi_context"].layout``): the result is
+    the flattened ``(1, B * N, ...)``."""
     comm = resolve_comm(comm)
     parts = comm.allgather(x.detach().cpu())
+    if isinstance(layout, Layout) and layout.kind == BALANCED:  # its documents: the object itself
+        return layout.unshard(parts, axis=axis).to(x.device)
     kind = layout.kind if isinstance(layout, Layout) else layout
     lay = Layout(kind, sum(p.shape[axis] for p in parts), comm.Get_size())
     return lay.unshard(parts, axis=axis).to(x.device)
