@@ -101,3 +101,18 @@ def test_balanced_layout_refuses_bad_documents():
         Layout("balanced", 4, 2, documents=[4], window=(-1, 0))
     lay = Layout("balanced", 10 ** 4, 2, documents=[1] * 10 ** 4)
     assert "<10000 documents>" in repr(lay) and len(repr(lay)) < 200
+
+
+@pytest.mark.parametrize("causal,window", MASKS)
+def test_keys_seen_elsewhere_match_a_dense_count(causal, window):
+    """The bench's lower bound on what a rank must receive (issue 42's bytes target)."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        lengths = [int(x) for x in rng.integers(1, 13, size=rng.integers(1, 7))]
+        n = sum(lengths)
+        mine = rng.choice(n, size=int(rng.integers(0, n + 1)), replace=False)
+        seg = np.repeat(np.arange(len(lengths)), lengths)[None]
+        vis = reference.visible(n, n, causal, window, seg, seg)[0]
+        others = np.setdiff1d(np.arange(n), mine)
+        want = int(vis[np.ix_(mine, others)].any(axis=0).sum()) if len(mine) and len(others) else 0
+        assert balance.seen_elsewhere(mine, lengths, causal, window) == want, (lengths, mine)

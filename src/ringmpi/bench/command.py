@@ -3,10 +3,12 @@
     mpirun -n 4 ringmpi bench --n 16384 --causal --layout zigzag --backward \\
         --json bench.json --plot timeline.png
     mpirun -n 4 ringmpi bench --sweep weak --n 4096 --json weak.json --plot weak.png
+    mpirun -n 4 ringmpi bench --n 65536 --documents lognormal:2048:1.0 --causal --backward
 
 Modes: the ring, one run or a strong/weak sweep (:mod:`ringmpi.bench.ring`);
 ``--sweep head-parallel`` (:mod:`ringmpi.bench.head_parallel`); ``--decode``
-(:mod:`ringmpi.bench.decode`).  Every rank generates its own synthetic shard
+(:mod:`ringmpi.bench.decode`); ``--documents`` (:mod:`ringmpi.bench.documents`: a
+pack of documents, zigzag + ring against balanced + routed).  Every rank generates its own synthetic shard
 (no file I/O); the figures are defined in :mod:`ringmpi.bench.summary`.
 """
 
@@ -60,8 +62,11 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="Time the head x ring schedule with U ranks per group [default: RINGMPI_HEAD_PARALLEL, else 1].")
 @click.option("--softcap", type=float, default=None, metavar="C", help="Logit softcap C > 0 (ring only).")
 @click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
+@click.option("--documents", default=None, metavar="lognormal:MEAN:SIGMA|FILE",
+              help="A pack of documents (lengths drawn log-normal with that mean, or read from FILE, summing "
+                   "to --n): zigzag + ring against balanced + routed, per rank visible pairs, bytes, time.")
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          dropout, sweep, json_path, plot_path, decode, cache, new, head_parallel, softcap, sinks):
+          dropout, sweep, json_path, plot_path, decode, cache, new, head_parallel, softcap, sinks, documents):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -95,6 +100,21 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
         cfg.update(softcap=softcap, sinks=bool(sinks))
     if dropout:
         cfg["dropout"] = float(dropout)
+    if documents is not None:
+        from .documents import document_lengths, run as run_documents
+        try:
+            document_lengths(documents, n, seed)
+            problem = None
+        except ValueError as exc:
+            problem = f"--documents: {exc}"
+        if problem is None and (sweep or dim_v != dim or head_parallel != 1 or softcap is not None or sinks
+                                or dropout or plot_path):
+            problem = "--documents compares two placements on one problem: without --sweep, --dim-v, " \
+                      "--head-parallel, --softcap, --sinks, --dropout or --plot"
+        agree(comm, problem)
+        return run_documents(comm, be, {k: cfg[k] for k in ("batch", "heads", "kv_heads", "dim", "dtype", "causal",
+                                                            "backward", "repeat", "warmup", "seed")},
+                             n, documents, json_path)
     if sweep == "head-parallel":
         from .head_parallel import run as run_head_parallel
         return run_head_parallel(comm, be, cfg, n, json_path, plot_path)

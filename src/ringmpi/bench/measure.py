@@ -67,7 +67,7 @@ def measure(comm, be, cfg, n):
     def forward(stats):
         return ring_attention(q, k, v, stats=stats, **kw)
 
-    o, lse = _repeat(comm, be, forward, cfg, out, "forward")
+    o, lse = timed_calls(comm, be, forward, cfg, out, "forward")
     out["forward"]["peak_memory_bytes"], out["forward"]["peak_rss_bytes"] = memory.peak()
     out["forward"]["peak_alloc_bytes"] = _traced_peak(comm, be, forward)
     if cfg["backward"]:
@@ -76,7 +76,7 @@ def measure(comm, be, cfg, n):
         def backward_call(stats):
             return ring_attention_backward(do, q, k, v, o, lse, stats=stats, **kw)
 
-        _repeat(comm, be, backward_call, cfg, out, "backward")
+        timed_calls(comm, be, backward_call, cfg, out, "backward")
         out["backward"]["peak_memory_bytes"], out["backward"]["peak_rss_bytes"] = memory.peak()
         out["backward"]["peak_alloc_bytes"] = _traced_peak(comm, be, backward_call)
     if p == 1:
@@ -87,7 +87,10 @@ def measure(comm, be, cfg, n):
     return out
 
 
-def _repeat(comm, be, call, cfg, out, phase):
+def timed_calls(comm, be, call, cfg, out, phase):
+    """``cfg["warmup"]`` untimed then ``cfg["repeat"]`` timed calls of ``call(stats)``, each after a
+    barrier: ``out[phase] = {"walls": [s, ...], "records": [[record dicts], ...]}``; returns the
+    last call's result."""
     walls, records, result = [], [], None
     for i in range(cfg["warmup"] + cfg["repeat"]):
         stats, result = [], None  # the previous outputs are not part of this call's memory peak

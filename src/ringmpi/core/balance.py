@@ -97,6 +97,42 @@ def visible_pairs(positions: np.ndarray, lengths: Sequence[int], causal: bool, w
     return int((prefix(last) - prefix(first)).sum())
 
 
+def visible_keys(positions: np.ndarray, lengths: Sequence[int], causal: bool, window: Window = None) -> np.ndarray:
+    """``(2, m)`` merged half-open intervals of the key positions that some query at ``positions``
+    sees (a run of consecutive queries in one document sees one interval: its bounds move
+    monotonically), O(runs log documents)."""
+    positions = np.sort(np.asarray(positions, dtype=np.int64))
+    if len(positions) == 0:
+        return np.zeros((2, 0), dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    doc = np.searchsorted(ends, positions, side="right")
+    cut = np.flatnonzero((np.diff(positions) != 1) | (np.diff(doc) != 0)) + 1
+    first, last = positions[np.concatenate([[0], cut])], positions[np.concatenate([cut - 1, [len(positions) - 1]])]
+    d = doc[np.concatenate([[0], cut])]
+    start, stop = ends[d] - lengths[d], ends[d]
+    left, right = _reach(causal, window)
+    lo = start if left is None else np.maximum(start, first - left)
+    hi = stop if right is None else np.minimum(stop, last + right + 1)
+    out_lo, out_hi = [], []
+    for a, b in zip(lo.tolist(), hi.tolist()):  # sorted by first query: merge in order
+        if out_hi and a <= out_hi[-1]:
+            out_hi[-1] = max(out_hi[-1], b)
+        else:
+            out_lo.append(a)
+            out_hi.append(b)
+    return np.array([out_lo, out_hi], dtype=np.int64)
+
+
+def seen_elsewhere(positions: np.ndarray, lengths: Sequence[int], causal: bool, window: Window = None) -> int:
+    """How many keys held by other ranks the queries at ``positions`` (one rank's, which also
+    holds the keys at ``positions``) can see: what a schedule must bring that rank, at least."""
+    keys = visible_keys(positions, lengths, causal, window)
+    own = np.sort(np.asarray(positions, dtype=np.int64))
+    inside = np.searchsorted(own, keys[1], side="left") - np.searchsorted(own, keys[0], side="left")
+    return int((keys[1] - keys[0]).sum() - inside.sum())
+
+
 # ------------------------------------------------------------------ one document's split units
 @dataclass(frozen=True)
 class _Document:
