@@ -18,7 +18,10 @@ rule (``variant_cases.check``), and:
   can see on other ranks (from the dense visibility, not from the plan), and in
   the backward those again plus the partial sums of its own rows that others read;
 * the repeated calls are bitwise equal;
-* ``case["spanning"]``: the longest document has tokens on every rank.
+* ``case["spanning"]``: the longest document has tokens on every rank;
+* ``case["nonfinite"]``: a NaN in one key of the longest document reaches exactly the
+  queries that see it (their ``o`` NaN on the heads reading it), every other query's
+  ``o`` and ``lse`` are bitwise those of the clean call.
 
 :func:`cases_for` is the case matrix of one world size, added to those launches by
 the test modules.
@@ -28,7 +31,7 @@ import numpy as np
 
 import reference
 import ringmpi
-from ring_cases import Assignment, _converters, _split, make_inputs
+from ring_cases import BACKEND, Assignment, _converters, _split, make_inputs
 from ringmpi import Layout
 from variant_cases import check, make_alibi, make_sinks
 
@@ -53,9 +56,9 @@ def pack(p: int, seed: int, n: int):
 SELECTION = {
     1: ("balanced-all", "auto-dense"),                                        # variant_cases
     2: ("balanced-all", "balanced-gqa-b2", "zigzag-routed", "auto-dense"),    # ring_cases
-    3: ("balanced-all", "balanced-float64", "permutation-routed"),            # variant_cases
+    3: ("balanced-all", "balanced-float64", "permutation-routed", "balanced-nonfinite"),  # variant_cases
     4: ("balanced-all", "balanced-gqa-b2", "U2"),                             # variant_cases
-    5: ("balanced-all", "zigzag-routed", "permutation-routed"),               # ring_cases
+    5: ("balanced-all", "zigzag-routed", "balanced-nonfinite"),               # ring_cases
     6: ("balanced-all", "balanced-float64", "U3"),                            # head_parallel_cases
 }
 
@@ -79,6 +82,7 @@ def cases_for(p: int):
     add("balanced-gqa-b2", placement="balanced", n=83, B=2, H=6, Hkv=2, schedule="routed", spanning=True)
     add("balanced-float64", placement="balanced", dtype="float64", window=[5, 0], schedule="routed",
         documents=[1] * 7 + [20, 1, 3, 1, 25])
+    add("balanced-nonfinite", placement="balanced", n=89, window=[30, 0], schedule="routed", nonfinite=True)
     add("zigzag-routed", placement="zigzag", n=90, causal=False, schedule="routed", sinks=True)
     add("permutation-routed", placement="permutation", n=75, window=[6, 6], causal=False, schedule="routed",
         alibi=True)
@@ -99,6 +103,34 @@ def _visible_rows(vis, mine, theirs):
     return int(vis[np.ix_(mine, theirs)].any(axis=0).sum())
 
 
+def _nonfinite(comm, case, lay, kw, args, whole, docs, causal, window):
+    """A NaN in key ``j`` (head 0) of the longest document: the queries that see it get NaN on
+    the heads that read K/V head 0, everything else keeps the clean call's bits (this rank's)."""
+    rank = comm.Get_rank()
+    to_backend, to_host = _converters()
+    longest = int(np.argmax(docs))
+    j = sum(docs[:longest]) + docs[longest] // 3
+    k_bad = whole[1].copy()
+    k_bad[0, j, 0, 0] = np.nan
+    clean = [to_host(x) for x in ringmpi.ring_attention(*args, **kw)]
+    bad = [to_host(x) for x in ringmpi.ring_attention(args[0], to_backend(lay.shard(k_bad, rank)), args[2], **kw)]
+    n = sum(docs)
+    seg = np.repeat(np.arange(len(docs)), docs)[None]
+    sees = reference.visible(n, n, causal, window, seg, seg)[0][:, j][np.asarray(lay.indices(rank))]
+    group = case["H"] // case["Hkv"]
+    o_c, o_b, l_c, l_b = clean[0][0], bad[0][0], clean[1][0], bad[1][0]  # (S, H, D), (H, S)
+    reading = np.zeros(case["H"], bool)
+    reading[:group] = True  # query heads reading K/V head 0
+    want_nan = sees[:, None] & reading[None, :]
+    problems = []
+    if not np.isnan(o_b[want_nan]).all():
+        problems.append(f"rank {rank}: a query that sees the NaN key is not NaN")
+    keep = ~want_nan
+    if not (np.array_equal(o_b[keep], o_c[keep]) and np.array_equal(l_b.T[keep], l_c.T[keep])):
+        problems.append(f"rank {rank}: queries that do not see the NaN key changed")
+    return problems
+
+
 def packed_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     docs = case["documents"]
@@ -110,7 +142,8 @@ def packed_case(comm, case):
     window = None if case.get("window") is None else tuple(case["window"])
     causal = case.get("causal", False)
     placement = case["placement"]
-    kw = dict(comm=comm, causal=causal, window=window, backend="numpy", softcap=case.get("softcap"),
+    to_backend, to_host = _converters()
+    kw = dict(comm=comm, causal=causal, window=window, backend=BACKEND, softcap=case.get("softcap"),
               alibi_slopes=make_alibi(case, heads), head_parallel=case.get("head_parallel", 1),
               schedule=case.get("schedule"))
     if placement == "balanced":
@@ -129,23 +162,23 @@ def packed_case(comm, case):
     if case.get("dropout"):
         kw.update(dropout_p=case["dropout"], dropout_seed=case["dropout_seed"])
     if sinks is not None:
-        kw["sinks"] = sinks
-    args = [lay.shard(x, rank) for x in (q, k, v)]
+        kw["sinks"] = to_backend(sinks)
+    args = [to_backend(lay.shard(x, rank)) for x in (q, k, v)]
     fwd, bwd = [], []
     o, lse, max_logit = ringmpi.ring_attention(*args, return_max_logit=True, stats=fwd, **kw)
     again = ringmpi.ring_attention(*args, return_max_logit=True, **kw)
     o2, _ = ringmpi.ring_attention(*args, **kw)
-    grads = ringmpi.ring_attention_backward(lay.shard(do, rank), *args, o, lse, stats=bwd, **kw)
-    grads2 = ringmpi.ring_attention_backward(lay.shard(do, rank), *args, o, lse, **kw)
-    to_host = _converters()[1]
+    do_local = to_backend(lay.shard(do, rank))
+    grads = ringmpi.ring_attention_backward(do_local, *args, o, lse, stats=bwd, **kw)
+    grads2 = ringmpi.ring_attention_backward(do_local, *args, o, lse, **kw)
     results = dict(o=to_host(o), lse=to_host(lse), max_logit=np.asarray(max_logit),
                    same_without_max=bool(np.allclose(to_host(o2), to_host(o), rtol=1e-5, atol=1e-6)),
                    dq=to_host(grads[0]), dk=to_host(grads[1]), dv=to_host(grads[2]))
     if sinks is not None:
         results["dsinks"] = np.asarray(grads[3])
     problems = []
-    if not all(np.array_equal(a, b) for a, b in zip((o, lse, max_logit), again)) or \
-            not all(np.array_equal(a, b) for a, b in zip(grads, grads2)):
+    if not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip((o, lse, max_logit), again)) or \
+            not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(grads, grads2)):
         problems.append(f"rank {rank}: repeated calls differ bitwise")
     named = {r.schedule for r in fwd + bwd if not hasattr(r, "stage")}
     if named != {case["expect"]}:
@@ -168,6 +201,8 @@ def packed_case(comm, case):
                                                      & (np.asarray(lay.indices(s)) < start + docs[longest]))]
         if len(holders) != size:
             problems.append(f"the longest document sits on ranks {holders}, not on all {size}")
+    if case.get("nonfinite"):
+        problems += _nonfinite(comm, case, lay, kw, args, (q, k, v), docs, causal, window)
     problems = sum(comm.allgather(problems), [])
     gathered = comm.gather(results, root=0)
     if rank != 0:

@@ -83,7 +83,9 @@ class LocalProblem:
             plan = gather_plan(self.comm, self.q_pos, self.seg_q, self.kv_pos, self.seg_kv, self.spec, order,
                                timeout=self.timeout)
             if self.kv_schedule == "routed" or plan.routed_rows() < plan.ring_rows():
-                return RoutedSchedule(self.comm, be, _heads_view(k), _heads_view(v), plan=plan, q_pos=self.q_pos,
+                # this rank's own block read where it lies (a view on the host; the GPU kernels need a copy)
+                kh, vh = be.heads_view(k, k.dtype), be.heads_view(v, v.dtype)
+                return RoutedSchedule(self.comm, be, kh, vh, plan=plan, q_pos=self.q_pos,
                                       kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
                                       grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
         # head-major views: the schedule copies them straight into its first K/V buffer
