@@ -59,7 +59,7 @@ SELECTION = {
     3: ("balanced-all", "balanced-float64", "permutation-routed", "balanced-nonfinite"),  # variant_cases
     4: ("balanced-all", "balanced-gqa-b2", "U2"),                             # variant_cases
     5: ("balanced-all", "zigzag-routed", "balanced-nonfinite"),               # ring_cases
-    6: ("balanced-all", "balanced-float64", "U3"),                            # head_parallel_cases
+    6: ("balanced-all", "U3"),                                                # head_parallel_cases
 }
 
 

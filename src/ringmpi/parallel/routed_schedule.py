@@ -12,24 +12,25 @@ with nothing to receive compute nothing.
 Order: the transfers of round ``k + 1`` (:mod:`ringmpi.parallel.route_plan`) are
 posted when round ``k`` starts, before it computes (round 1 before the rank's
 own block: for a sparse plan, everything at once); each step waits for its
-own message with the deadline.  Outgoing rows are packed (``take``) into one
-of two send buffers, incoming ones land in one of two receive buffers, each
-holding one round: a buffer is reused two rounds later, after its transfers
-completed.
+own message with the deadline.  Each step has its own messages (outgoing
+rows packed with ``take``), made when its round is posted and dropped once
+their transfers are done -- round ``k - 1``'s when round ``k + 1`` is posted --
+so a buffer is never written while MPI owns it and at most three rounds'
+messages exist at a time (a round: at most one ring slot of rows per rank).
 
 Backward: the rows a rank received get their ``dK, dV`` terms in a zeroed
-buffer (compute dtype), sent back to the owner right after the step; the
+message (compute dtype), sent back to the owner right after the step; the
 owner adds its own block's terms first, then the partial sums of its readers
 round by round, step by step -- a fixed order, so the result is bitwise
 repeatable at a fixed placement and P (not bitwise the ring's: the order of
-the sums differs).  The partial sums of round ``k`` are received into one of
-two buffers posted with round ``k``'s K/V and added when round ``k + 1``
-starts (or at the end).
+the sums differs).  The partial sums of round ``k`` are received into
+messages posted with round ``k``'s K/V and added when round ``k + 3`` is
+posted (one round of slack for the readers) or at the end.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, Optional
 
 import numpy as np
 
