@@ -62,6 +62,10 @@ def measure(comm, be, cfg, n):
         kw["sinks"] = be.asarray(np.random.default_rng(cfg["seed"]).standard_normal(h).astype(np.float32))
     if cfg.get("dropout"):
         kw.update(dropout_p=cfg["dropout"], dropout_seed=cfg["seed"])
+    if cfg.get("window") is not None:
+        kw["window"] = tuple(cfg["window"])
+    if cfg.get("alibi_slopes") is not None:
+        kw["alibi_slopes"] = np.asarray(cfg["alibi_slopes"], dtype=np.float32)
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):

@@ -122,6 +122,10 @@ def _format_single(r):
                                             (", sinks", r.get("sinks"))) if used)
     if r.get("dropout"):
         head += f", dropout {r['dropout']}"
+    if r.get("window") is not None:
+        head += f", window {tuple(r['window'])}"
+    if r.get("alibi_slopes") is not None:
+        head += ", alibi"
     if "head_parallel" in r:
         chosen = f" (U={r['head_parallel_chosen']})" if "head_parallel_chosen" in r else ""
         head += f", head_parallel {r['head_parallel']}{chosen}"
