@@ -16,6 +16,7 @@ import click
 
 from ..core.layout import KINDS
 from ..cli.flags import attention_flags
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 
 INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 
@@ -54,17 +55,16 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --decode: new tokens per call S_new.")
 @click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
-@attention_flags("causal", "window", "softcap", "alibi_slopes", "dropout_p", "head_parallel",
+@attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel",
                  causal=dict(help="Causal mask."), softcap=dict(help="Logit softcap C > 0 (ring only)."),
                  window=dict(help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side; ring only)."),
-                 alibi_slopes=dict(help="ALiBi: H comma-separated slopes, one per query head (ring only)."),
                  dropout_p=dict(show_default=True, help="Dropout on the attention weights (0 <= P < 1), seeded "
                                 "by --seed; the torch SDPA column runs without dropout."),
                  head_parallel=dict(help="Time the head x ring schedule with U ranks per group "
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new, sinks, causal, window, softcap, alibi_slopes, dropout_p,
-          head_parallel):
+          sweep, json_path, plot_path, decode, cache, new, sinks, causal, window, softcap, dropout_p, head_parallel,
+          **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -84,7 +84,7 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
     comm = resolve_comm(None)
     dropout = dropout_p
     head_parallel, problem = _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep,
-                                      window=window, alibi_slopes=alibi_slopes)
+                                      window=window, modifiers=modifiers)
     agree(comm, problem)
     if backend == "cupy":
         from ..runtime.device import require_gpu
@@ -100,8 +100,7 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
         cfg.update(softcap=softcap, sinks=bool(sinks))
     if window is not None:
         cfg["window"] = list(window)
-    if alibi_slopes is not None:
-        cfg["alibi_slopes"] = [float(x) for x in alibi_slopes]
+    cfg.update({name: [float(x) for x in values] for name, values in modifiers.items() if values is not None})
     if dropout:
         cfg["dropout"] = float(dropout)
     if sweep == "head-parallel":
@@ -112,16 +111,17 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
 
 
 def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep, window=None,
-             alibi_slopes=None):
+             modifiers=None):
     """``(U or "auto", the first problem of the options or None)``; the attention options'
     rules are :class:`ringmpi.options.AttentionOptions`'s."""
-    from ..options import AttentionOptions
+    from ..options import AttentionOptions, option_edge
 
-    options = AttentionOptions(softcap=softcap, dropout_p=dropout, window=window, alibi_slopes=alibi_slopes,
+    options = AttentionOptions(softcap=softcap, dropout_p=dropout, window=window, **(modifiers or {}),
                                dropout_seed=(seed if seed >= 0 else None) if dropout else None)
     found = options.field_problem(heads)
     problem = None
-    flags = dict(softcap="--softcap", dropout="--dropout/--seed", window="--window", alibi_slopes="--alibi-slopes")
+    flags = dict(softcap="--softcap", dropout="--dropout/--seed", window="--window",
+                 **{name: option_edge(name)["flag"] for name in MODIFIER_FIELDS})
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
     elif found is not None:  # the only options given: softcap, dropout, window, ALiBi

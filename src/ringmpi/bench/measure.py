@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from .machine import reset_rss_peak, status_bytes
 from .sdpa import measure_sdpa
 
@@ -64,8 +65,7 @@ def measure(comm, be, cfg, n):
         kw.update(dropout_p=cfg["dropout"], dropout_seed=cfg["seed"])
     if cfg.get("window") is not None:
         kw["window"] = tuple(cfg["window"])
-    if cfg.get("alibi_slopes") is not None:
-        kw["alibi_slopes"] = np.asarray(cfg["alibi_slopes"], dtype=np.float32)
+    kw.update({name: np.asarray(cfg[name], dtype=np.float32) for name in MODIFIER_FIELDS if cfg.get(name) is not None})
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):

@@ -17,6 +17,7 @@ import os
 
 import click
 
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from .machine import environment, gemm_rate, instrumentation_unit_costs, rank_environment
 from .measure import idle_barrier, measure, sweep_sizes
 from .summary import chosen_head_parallel, describe, point, write_json
@@ -124,8 +125,7 @@ def _format_single(r):
         head += f", dropout {r['dropout']}"
     if r.get("window") is not None:
         head += f", window {tuple(r['window'])}"
-    if r.get("alibi_slopes") is not None:
-        head += ", alibi"
+    head += "".join(f", {name}" for name in MODIFIER_FIELDS if r.get(name) is not None)
     if "head_parallel" in r:
         chosen = f" (U={r['head_parallel_chosen']})" if "head_parallel_chosen" in r else ""
         head += f", head_parallel {r['head_parallel']}{chosen}"

@@ -13,6 +13,7 @@ import click
 
 from ..core.flops import attention_flops
 from ..core.layout import KINDS
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from .flags import attention_flags
 
 
@@ -48,7 +49,7 @@ class _Progress:
 
 # the attention options ringmpi run offers as flags (their flags and help: options.py)
 ATTENTION_FLAGS = ("causal", "window", "softmax_scale", "check_finite", "timeout", "head_parallel", "softcap",
-                   "alibi_slopes", "return_max_logit", "dropout_p", "dropout_seed")
+                   *MODIFIER_FIELDS, "return_max_logit", "dropout_p", "dropout_seed")
 
 
 @click.command("run")
