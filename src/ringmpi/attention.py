@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional, Union
 import numpy as np
 
 from .core import dtypes as _dtypes
+from .core.host import to_host
 from .backends import get_backend
 from .backends import device_problem, modifier_problem
 from .backends import value_dim_problem as _value_dim_problem
@@ -87,7 +88,7 @@ def _output_shape(q, v) -> tuple:
 
 
 def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
-    xh = np.asarray(x.get() if hasattr(x, "get") else x)
+    xh = to_host(x)
     finite = _dtypes.isfinite(xh)
     if finite.all():
         return None
@@ -103,8 +104,8 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
     comm = resolve_comm(comm)
     be = get_backend(backend, (q, k, v))
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
-    seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
-    seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
+    seg_q = None if segment_ids_q is None else to_host(segment_ids_q)
+    seg_kv = None if segment_ids_kv is None else to_host(segment_ids_kv)
     pos_q = _positions.as_positions(positions_q)
     pos_kv = pos_q if positions_kv is None else _positions.as_positions(positions_kv)
     agree(comm, options.dtype_problem() or _local_problem(q, k, v, seg_q, seg_kv, extra, options.dtype)
@@ -214,10 +215,6 @@ def _agree_finite(comm, named) -> None:
         if problem:
             break
     agree(comm, problem)
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else x
 
 
 def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguous",

@@ -38,6 +38,7 @@ import numpy as np
 from .core import positions as _placement
 from .backends import get_backend, modifier_problem, value_dim_problem
 from .runtime.errors import ConfigError, agree
+from .core.host import to_host
 from .core.layout import KINDS, Layout
 from .core.masks import BlockMask
 from .core.online_softmax import SoftmaxState
@@ -126,10 +127,6 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths) -> Optional[str]:
         if lengths.min() < 0 or lengths.max() > n_cache:
             return f"cache_lengths must lie in [0, N_cache = {n_cache}], got {lengths.tolist()}"
     return None
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _given_positions(comm, positions_kv, n_local):
@@ -258,7 +255,7 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
             raise ConfigError(f"root {root} outside the communicator of size {comm.Get_size()}")
         with phase(f"decode: broadcasting q from rank {root}"):
             with phase(f"decode: broadcasting q from rank {root}"):
-                q = comm.bcast(_host(q) if rank == root else None, root=root)
+                q = comm.bcast(to_host(q) if rank == root else None, root=root)
     be = get_backend(backend, (q, k_cache, v_cache))
     q, k_cache, v_cache = be.asarray(q), be.asarray(k_cache), be.asarray(v_cache)
     problem = _q_problem(q)
@@ -271,7 +268,7 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
     if problem:  # this rank still joins the collective, with options that build a spec
         options = AttentionOptions(causal=options.causal)
     start = time.perf_counter()
-    lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
+    lengths = None if cache_lengths is None else to_host(cache_lengths).astype(np.int64)
     if problem is None:
         problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths)
     if problem is None:
@@ -321,9 +318,9 @@ def _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim) -
     batch, s_new, heads = q.shape[:3]
     ct = o_part.dtype
     packed = np.empty((batch, s_new, heads, dim + _EXTRA), dtype=ct)
-    packed[..., :dim] = _host(o_part)
-    packed[..., dim] = _host(lse_part).transpose(0, 2, 1)
-    host_q = _host(q)
+    packed[..., :dim] = to_host(o_part)
+    packed[..., dim] = to_host(lse_part).transpose(0, 2, 1)
+    host_q = to_host(q)
     sig = float(options.digest(host_q, lengths, extra=(tuple(q.shape), str(q.dtype), n_cache)) & 0xFFFFFF)
     packed[..., dim + 1] = 0.0 if problem is None else 1.0
     packed[..., dim + 2] = sig
@@ -339,6 +336,6 @@ def _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim) -
                           "causal, window, softmax_scale, softcap, alibi_slopes or N_cache must be the same on every rank)")
     if options.sinks is not None:  # the sink is one more partial result: o = 0, lse = sink
         sink_rows = np.zeros_like(merged)
-        sink_rows[..., dim] = np.asarray(_host(options.sinks), dtype=np.float64).astype(ct)[None, None, :]
+        sink_rows[..., dim] = np.asarray(to_host(options.sinks), dtype=np.float64).astype(ct)[None, None, :]
         merge_partials(sink_rows.reshape(-1, dim + _EXTRA), flat)
     return merged

@@ -30,16 +30,13 @@ import numpy as np
 from .core import dtypes as _dtypes
 from .core.dropout import MAX_POSITION, Dropout
 from .core.dropout import validate as _dropout_validate
+from .core.host import to_host
 from .core.masks import MaskSpec
 from .core.modifiers import Alibi, alibi_problem
 
 SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 PER_HEAD = ("sinks", "alibi_slopes")  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def window_problem(window) -> Optional[str]:
@@ -77,7 +74,7 @@ def sinks_problem(sinks, heads: int) -> Optional[str]:
         return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
     if str(sinks.dtype) not in SINK_DTYPES:
         return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
-    host = _host(sinks).astype(np.float64)
+    host = to_host(sinks).astype(np.float64)
     if not np.isfinite(host).all():
         return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
     return None
@@ -297,10 +294,10 @@ class AttentionOptions:
             per_head = getattr(self, name)
             if per_head is not None:
                 crc = zlib.crc32(name.encode(), crc)
-                crc = zlib.crc32(np.ascontiguousarray(_host(per_head), dtype=np.float64).view(np.uint8), crc)
+                crc = zlib.crc32(np.ascontiguousarray(to_host(per_head), dtype=np.float64).view(np.uint8), crc)
         for x in arrays:
             if x is not None:
-                crc = zlib.crc32(np.ascontiguousarray(_host(x)).view(np.uint8), crc)
+                crc = zlib.crc32(np.ascontiguousarray(to_host(x)).view(np.uint8), crc)
         return crc
 
     # ------------------------------------------------------------------ file attributes
@@ -320,7 +317,7 @@ class AttentionOptions:
         if float(self.dropout_p) > 0:
             attrs.update(dropout_p=float(self.dropout_p), dropout_seed=np.uint64(self.dropout_seed))
         if self.alibi_slopes is not None:
-            attrs["alibi_slopes"] = np.asarray(_host(self.alibi_slopes), dtype=np.float32)
+            attrs["alibi_slopes"] = np.asarray(to_host(self.alibi_slopes), dtype=np.float32)
         return attrs
 
     @classmethod

@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
 import ringmpi
+from .core.host import to_host
 from .runtime.errors import ConfigError, agree
 from .core.layout import Layout
 from .options import AttentionOptions
@@ -243,7 +244,7 @@ def _host_tensor(x):
         return None
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
-    return torch.from_numpy(np.asarray(x.get() if hasattr(x, "get") else x))
+    return torch.from_numpy(to_host(x))
 
 
 def _host_numpy(t):

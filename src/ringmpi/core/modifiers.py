@@ -20,6 +20,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .host import to_host
+
 ALIBI_DTYPES = ("float32",)
 
 
@@ -32,7 +34,7 @@ def alibi_problem(slopes, heads: int) -> Optional[str]:
         return f"alibi_slopes must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
     if str(slopes.dtype) not in ALIBI_DTYPES:
         return f"alibi_slopes must be float32, got dtype {slopes.dtype}"
-    host = slopes.get() if hasattr(slopes, "get") else np.asarray(slopes)
+    host = to_host(slopes)
     if not np.isfinite(host).all():
         return f"alibi_slopes must be finite, got {host[~np.isfinite(host)][0]}"
     return None
@@ -49,7 +51,7 @@ class Alibi:
         """The modifier of checked ``alibi_slopes`` (an (H,) array of any backend), or None."""
         if slopes is None:
             return None
-        host = slopes.get() if hasattr(slopes, "get") else np.asarray(slopes)
+        host = to_host(slopes)
         return cls(tuple(float(x) for x in host.astype(np.float32)))
 
     def for_heads(self, part: slice) -> "Alibi":

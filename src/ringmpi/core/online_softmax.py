@@ -28,10 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime.watchdog import phase
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
+from .host import to_host
 
 
 class SoftmaxState:
@@ -77,7 +74,7 @@ class SoftmaxState:
         part, total = (slice(None), m.shape[1]) if heads is None else heads
         local = np.full(total, -np.inf, dtype=m.dtype)
         if m.shape[0] and m.shape[2]:
-            local[part] = _host(m.max(axis=(0, 2)))
+            local[part] = to_host(m.max(axis=(0, 2)))
         nan = np.isnan(local)
         both = np.concatenate([np.where(nan, -np.inf, local), nan]).astype(m.dtype)
         out = np.empty_like(both)

@@ -500,7 +500,10 @@ def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bo
 
 
 def _converters(backend: str):
+    """``(to the backend's device, to the host)`` for a pass's arrays."""
+    from ..core.host import to_host
+
     if backend == "cupy":
         import cupy
-        return cupy.asarray, cupy.asnumpy
-    return (lambda x: x), np.asarray
+        return cupy.asarray, to_host
+    return (lambda x: x), to_host

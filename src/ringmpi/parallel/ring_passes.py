@@ -21,14 +21,11 @@ import numpy as np
 
 from ..core.positions import Placement
 from ..core.masks import MaskSpec
+from ..core.host import to_host
 from ..core.online_softmax import SoftmaxState
 from .ring_schedule import RingSchedule
 from .topology import ring_order
 from ..runtime.watchdog import phase
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _heads_view(x):
@@ -183,7 +180,7 @@ def sink_grads(xp, lse, dvec, sinks, comm):
     local = np.zeros(lse.shape[1], dtype=ct)
     if lse.shape[0] and lse.shape[2]:
         p_sink = xp.exp(sinks.astype(ct)[None, :, None] - lse)
-        local = np.ascontiguousarray(_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
+        local = np.ascontiguousarray(to_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
     if comm is None:
         return local
     out = np.empty_like(local)
