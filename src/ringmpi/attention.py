@@ -35,8 +35,6 @@ from .parallel.ring import default_timeout, resolve_comm
 from .parallel.topology import resolve_groups
 from .runtime.watchdog import phase
 
-FLOAT_DTYPES = _dtypes.NAMES
-
 
 def _describe(x) -> str:
     return f"shape {tuple(x.shape)} dtype {x.dtype}"
@@ -47,8 +45,8 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(extra):
         if getattr(x, "ndim", None) != 4:
             return f"{name} must be 4-D (B, S_local, H, D), got {_describe(x) if hasattr(x, 'shape') else type(x).__name__}"
-        if str(x.dtype) not in FLOAT_DTYPES:
-            return (f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+        if str(x.dtype) not in _dtypes.NAMES:
+            return (f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(_dtypes.NAMES)}"
                     + (" (pass dtype='bfloat16' to read uint16 bfloat16 bit patterns)" if str(x.dtype) == "uint16" else ""))
         if declared is not None and str(x.dtype) != _dtypes.declared_name(declared):
             return f"{name} has dtype {x.dtype} but dtype={declared!r} was given"

@@ -35,6 +35,7 @@ from typing import Optional
 
 import numpy as np
 
+from .core import dtypes as _dtypes
 from .core import positions as _placement
 from .backends import get_backend, modifier_problem, value_dim_problem
 from .runtime.errors import ConfigError, agree
@@ -46,7 +47,6 @@ from .options import AttentionOptions
 from .parallel.ring import resolve_comm
 from .runtime.watchdog import phase
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _EXTRA = 4  # lse, flag, sig, -sig after the D output columns
 
 
@@ -97,8 +97,8 @@ def _describe(x) -> str:
 def _q_problem(q) -> Optional[str]:
     if getattr(q, "ndim", None) != 4:
         return f"q must be 4-D (B, S_new, H, D), got {_describe(q)}"
-    if str(q.dtype) not in FLOAT_DTYPES:
-        return f"q has unsupported dtype {q.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+    if str(q.dtype) not in _dtypes.NAMES:
+        return f"q has unsupported dtype {q.dtype}; expected one of {', '.join(_dtypes.NAMES)}"
     if q.shape[1] < 1 or q.shape[3] < 1:
         return f"q needs S_new >= 1 and D >= 1, got shape {tuple(q.shape)}"
     return None

@@ -34,7 +34,6 @@ from .core.host import to_host
 from .core.masks import MaskSpec
 from .core.modifiers import Alibi, alibi_problem
 
-SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 PER_HEAD = ("sinks", "alibi_slopes")  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
 
@@ -72,8 +71,8 @@ def sinks_problem(sinks, heads: int) -> Optional[str]:
     shape = getattr(sinks, "shape", None)
     if shape is None or tuple(shape) != (heads,):
         return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
-    if str(sinks.dtype) not in SINK_DTYPES:
-        return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
+    if str(sinks.dtype) not in _dtypes.NAMES:
+        return f"sinks must be one of {', '.join(_dtypes.NAMES)}, got dtype {sinks.dtype}"
     host = to_host(sinks).astype(np.float64)
     if not np.isfinite(host).all():
         return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"

@@ -24,12 +24,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core.dtypes import BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
+from ..core.dtypes import NAMES, BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
 from ..runtime.errors import agree
 from ..runtime import watchdog
 from ..runtime.watchdog import phase, sync
-
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def memory_dtype(stored) -> Optional[np.dtype]:
@@ -212,7 +210,7 @@ def _describe_input(f, path: str, backward: bool):
         dtypes[name] = memory_dtype_name(hdf5_logical_dtype(f[name]))
         if dtypes[name] is None:
             return None, (f"{where}: dataset '{name}' has unsupported dtype {f[name].dtype}; "
-                          f"expected floating point: one of {', '.join(SUPPORTED_DTYPES)} (any byte order)")
+                          f"expected floating point: one of {', '.join(NAMES)} (any byte order)")
     if len(set(dtypes.values())) > 1:
         return None, (f"{where}: datasets must share one dtype, got "
                       + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
