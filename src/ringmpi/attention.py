@@ -29,6 +29,7 @@ from .runtime.errors import agree
 from .runtime.faults import fault_point
 from .core import positions as _positions
 from .core.layout import KINDS, Layout
+from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
 from .parallel.ring import default_timeout, resolve_comm
@@ -50,21 +51,11 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
                     + (" (pass dtype='bfloat16' to read uint16 bfloat16 bit patterns)" if str(x.dtype) == "uint16" else ""))
         if declared is not None and str(x.dtype) != _dtypes.declared_name(declared):
             return f"{name} has dtype {x.dtype} but dtype={declared!r} was given"
-    if k.shape[:3] != v.shape[:3]:
-        return (f"k and v must agree on (B, S_kv_local, H_kv), got k {tuple(k.shape)} and v {tuple(v.shape)}"
-                " (only the last dim, D_v, may differ)")
-    if v.shape[3] == 0:
-        return "value head dim D_v must be >= 1"
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.shape[0] != k.shape[0]:
-        return f"q and k/v batch sizes differ: {q.shape[0]} vs {k.shape[0]}"
-    if q.shape[3] != k.shape[3]:
-        return f"q and k/v head dims differ: {q.shape[3]} vs {k.shape[3]}"
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        return f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})"
-    if q.shape[3] == 0:
-        return "head dim must be >= 1"
+    shapes = qkv_problem(q.shape, k.shape, v.shape)
+    if shapes is not None:
+        return shapes[1]
     for name, x in tuple(extra):
         want = _output_shape(q, v)
         if x.shape != want:

@@ -43,6 +43,7 @@ from .core.host import to_host
 from .core.layout import KINDS, Layout
 from .core.masks import BlockMask
 from .core.online_softmax import SoftmaxState
+from .core.shapes import qkv_problem
 from .options import AttentionOptions
 from .parallel.ring import resolve_comm
 from .runtime.watchdog import phase
@@ -111,14 +112,18 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths) -> Optional[str]:
             return f"{name} must be 4-D (B, S_cache_local, H_kv, D), got {_describe(x)}"
         if x.dtype != q.dtype:
             return f"{name} dtype {x.dtype} differs from q's {q.dtype}"
-    if k.shape[:3] != v.shape[:3]:
+    shapes = qkv_problem(q.shape, k.shape, v.shape)
+    rule = None if shapes is None else shapes[0]
+    if rule == "kv":
         return (f"k_cache and v_cache must agree on (B, S_cache_local, H_kv), got {tuple(k.shape)} and "
                 f"{tuple(v.shape)} (only the last dim, D_v, may differ)")
-    b, _, h, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d:
+    if rule == "value_dim":
+        return f"v_cache's value head dim D_v must be >= 1, got shape {tuple(v.shape)}"
+    if rule in ("batch", "head_dim"):
         return f"k_cache {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim"
-    if k.shape[2] == 0 or h % k.shape[2]:
-        return f"q heads ({h}) must be a multiple of cache heads ({k.shape[2]})"
+    if rule == "heads":
+        return f"q heads ({q.shape[2]}) must be a multiple of cache heads ({k.shape[2]})"
+    b = q.shape[0]
     if k.shape[1] != n_local:
         return f"the cache shard holds {k.shape[1]} rows, the layout gives this rank {n_local}"
     if lengths is not None:

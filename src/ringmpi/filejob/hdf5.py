@@ -25,6 +25,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from ..core.dtypes import NAMES, BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
+from ..core.shapes import qkv_problem
 from ..runtime.errors import agree
 from ..runtime import watchdog
 from ..runtime.watchdog import phase, sync
@@ -217,17 +218,19 @@ def _describe_input(f, path: str, backward: bool):
     full = {n: ((1,) + s if ndim == 3 else s) for n, s in shapes.items() if n in ("q", "k", "v", "do")}
     b, n_q, h, d = full["q"]
     bk, n_kv, h_kv, dk = full["k"]
-    if full["v"][:3] != full["k"][:3] or full["v"][3] < 1:
+    found = qkv_problem(full["q"], full["k"], full["v"])
+    rule = None if found is None else found[0]
+    if rule in ("kv", "value_dim"):
         return None, (f"{where}: datasets 'k' {shapes['k']} and 'v' {shapes['v']} must have the same shape "
                       f"but for the last dim (the value head dim D_v may differ from D)")
     d_v = full["v"][3]
-    if bk != b:
+    if rule == "batch":
         return None, f"{where}: batch sizes differ: 'q' has B={b}, 'k' has B={bk}"
-    if dk != d:
+    if rule == "head_dim":
         return None, f"{where}: head dims differ: 'q' has D={d}, 'k'/'v' have D={dk}"
     if min(n_q, n_kv, h, h_kv, d, b) < 1:
         return None, f"{where}: empty dataset: q {shapes['q']}, k {shapes['k']}"
-    if h % h_kv != 0:
+    if rule == "heads":
         return None, (f"{where}: 'q' has H={h} heads, not a multiple of the H_kv={h_kv} heads of 'k'/'v' "
                       f"(H % H_kv must be 0)")
     if "do" in full and full["do"] != full["q"][:3] + (d_v,):
