@@ -32,9 +32,9 @@ from .core.layout import KINDS, Layout
 from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
-from .parallel.ring import default_timeout, resolve_comm
+from .parallel.ring import resolve_comm
 from .parallel.topology import resolve_groups
-from .runtime.watchdog import phase
+from .runtime.watchdog import deadline, phase
 
 
 def _describe(x) -> str:
@@ -114,7 +114,7 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
                       place_q=place_q, place_kv=place_kv,
                       spec=options.mask_spec(q.shape[2], offset=place_kv.n - place_q.n),
                       scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
-                      timeout=default_timeout() if options.timeout is None else options.timeout,
+                      timeout=deadline(options.timeout),
                       sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
 
 

@@ -116,7 +116,9 @@ class AttentionOptions:
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
     timeout : float, optional
-        Deadline in seconds for each ring wait (default: ``RINGMPI_TIMEOUT`` or none).
+        Deadline in seconds for each ring wait (default: the one rule of
+        :func:`ringmpi.runtime.watchdog.deadline`: ``ringmpi run --timeout``, else
+        ``RINGMPI_TIMEOUT``, else none).
     check_finite : bool
         Reject NaN/Inf inputs, naming the global index of the first one.
         Without the check (the default) a NaN/Inf reaches exactly the queries

@@ -12,7 +12,6 @@ deadline.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -32,12 +31,6 @@ def resolve_comm(comm=None):
         from mpi4py import MPI
         _DEFAULT_COMM = MPI.COMM_WORLD.Dup()
     return _DEFAULT_COMM
-
-
-def default_timeout() -> Optional[float]:
-    """Deadline for ring waits from ``RINGMPI_TIMEOUT`` (seconds), else None."""
-    value = os.environ.get("RINGMPI_TIMEOUT")
-    return float(value) if value else None
 
 
 @dataclass

@@ -21,7 +21,8 @@ process ``ABORT_GRACE_S`` after the deadline, which ends the job too.
 
 The deadline of a phase is its ``timeout`` argument, else :func:`set_default`
 (``ringmpi run --timeout``), else ``RINGMPI_TIMEOUT``; none of these means no
-deadline (and no thread).
+deadline (and no thread).  :func:`deadline` is that rule, the one of ringmpi: the
+ring's waits take theirs from it too (a call's ``timeout``, else the same default).
 """
 
 from __future__ import annotations
