@@ -32,7 +32,7 @@ from .core.layout import KINDS, Layout
 from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
 from .parallel.topology import resolve_groups
 from .runtime.watchdog import deadline, phase
 

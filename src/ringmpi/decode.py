@@ -45,7 +45,7 @@ from .core.masks import BlockMask
 from .core.online_softmax import SoftmaxState
 from .core.shapes import qkv_problem
 from .options import AttentionOptions
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 
 _EXTRA = 4  # lse, flag, sig, -sig after the D output columns

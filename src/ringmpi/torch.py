@@ -49,7 +49,7 @@ from .core.host import to_host
 from .runtime.errors import ConfigError, agree
 from .core.layout import Layout
 from .options import AttentionOptions
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
 from .parallel.topology import head_parallel_setting
 
 __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"]

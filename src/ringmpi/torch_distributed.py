@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
 
 __all__ = ["init_process_group", "new_group"]
 

@@ -40,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from . import torch as _rt
 from .runtime.errors import ConfigError, agree
 from .core.layout import Layout
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
 
 __all__ = ["NAME", "CONTEXT_KEY", "IGNORE_INDEX", "ShardContext", "register", "attention_forward",
            "shard_batch", "gather", "dropout_seed"]
