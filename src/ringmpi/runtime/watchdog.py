@@ -36,6 +36,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Optional, Tuple
 
+from .abort import abort_job
+
 _default: Optional[float] = None
 _lock = threading.Condition()
 _phases: Dict[int, Tuple[str, float, float]] = {}  # id -> (name, deadline, timeout)
@@ -137,8 +139,6 @@ def _watch() -> None:
 
 def _expire(name: str, limit: float) -> None:
     import socket
-
-    from .errors import abort_job
 
     timer = threading.Timer(ABORT_GRACE_S, os._exit, args=(1,))
     timer.daemon = True
