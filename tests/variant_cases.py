@@ -391,10 +391,12 @@ def errors_case(comm, case):
 
 
 def nan_max_case(comm, case):
-    """``SoftmaxState.max_logit`` over the ranks: a NaN on any one rank gives NaN on every
-    rank (``MPI.MAX`` alone may drop it), a head of -inf everywhere gives -inf."""
+    """``SoftmaxState.local_max_logit`` reduced over the ranks (``ring_passes.reduce_max_logit``):
+    a NaN on any one rank gives NaN on every rank (``MPI.MAX`` alone may drop it), a head of
+    -inf everywhere gives -inf."""
     from ringmpi.backends.numpy_backend import NumpyBackend
     from ringmpi.core.online_softmax import SoftmaxState
+    from ringmpi.parallel.ring_passes import reduce_max_logit
 
     rank, size = comm.Get_rank(), comm.Get_size()
     problems = []
@@ -405,7 +407,7 @@ def nan_max_case(comm, case):
             m[1, 1, 3] = np.nan
         state = SoftmaxState(NumpyBackend(), m.shape, 1, m.dtype)
         state.m[...] = m
-        out = state.max_logit(comm)
+        out = reduce_max_logit(comm, state.local_max_logit())
         want0 = max(comm.allgather(float(m[:, 0].max())))
         if not (out[0] == np.float32(want0) and np.isnan(out[1]) and out[2] == -np.inf and out.dtype == m.dtype):
             problems.append(f"NaN on rank {nan_rank}: rank {rank} got {out}")
