@@ -124,8 +124,8 @@ def flush_file(handle, comm) -> None:
         handle.flush()
 
 
-def _peek(path: str):
-    """A serial read-only handle for rank 0's metadata checks."""
+def open_serial(path: str):
+    """A serial (one process, no MPI) read-only handle: rank 0's metadata checks, ``ringmpi verify``."""
     import h5py
 
     try:
@@ -270,14 +270,16 @@ def inspect_input(path: str, comm, backward: bool = False) -> InputSpec:
     """
     spec, problem = None, None
     if comm.Get_rank() == 0:
-        spec, problem = _inspect_serial(path, backward)
+        spec, problem = inspect_serial(path, backward)
     with phase(f"sharing the description of {path} (bcast)"):
         spec, problem = comm.bcast((spec, problem), root=0)
     agree(comm, problem)
     return spec
 
 
-def _inspect_serial(path: str, backward: bool):
+def inspect_serial(path: str, backward: bool):
+    """``(InputSpec, None)`` or ``(None, problem)`` for the input file at ``path``, read by this
+    process alone (rank 0 of :func:`inspect_input`, ``ringmpi verify``)."""
     import h5py
 
     if not os.path.exists(path):
@@ -287,7 +289,7 @@ def _inspect_serial(path: str, backward: bool):
     if not h5py.is_hdf5(path):
         return None, f"{path}: not an HDF5 file"
     try:
-        with _peek(path) as f:
+        with open_serial(path) as f:
             return _describe_input(f, path, backward)
     except OSError as exc:
         return None, f"{path}: cannot open as HDF5: {exc}"
