@@ -18,7 +18,7 @@ import numpy as np
 from ..core.dtypes import compute_dtype, is_16bit
 from ..runtime.env import positive_int
 from ..core.masks import FULL, SKIP, BlockMask
-from . import HostMessage
+from .interface import HostMessage
 
 TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
 TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
