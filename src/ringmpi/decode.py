@@ -259,8 +259,7 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
         if not 0 <= int(root) < comm.Get_size():
             raise ConfigError(f"root {root} outside the communicator of size {comm.Get_size()}")
         with phase(f"decode: broadcasting q from rank {root}"):
-            with phase(f"decode: broadcasting q from rank {root}"):
-                q = comm.bcast(to_host(q) if rank == root else None, root=root)
+            q = comm.bcast(to_host(q) if rank == root else None, root=root)
     be = get_backend(backend, (q, k_cache, v_cache))
     q, k_cache, v_cache = be.asarray(q), be.asarray(k_cache), be.asarray(v_cache)
     problem = _q_problem(q)

@@ -147,7 +147,10 @@ def _usage_error(exc) -> None:
     if rank is not None:
         from mpi4py import MPI
 
-        MPI.COMM_WORLD.Barrier()
+        from ..runtime.watchdog import phase
+
+        with phase("the ranks' exit after a usage error (barrier)"):
+            MPI.COMM_WORLD.Barrier()
     sys.exit(exc.exit_code)
 
 

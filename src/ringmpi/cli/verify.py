@@ -137,6 +137,7 @@ def verify(input_path, output_path, max_n):
             status, text = _check(input_path, output_path, max_n)
         except ConfigError as exc:
             problem = str(exc)
+    # not under the watchdog: the other ranks wait here for as long as rank 0's dense reference takes
     problem, status = comm.bcast((problem, status), root=0)
     agree(comm, problem)
     if comm.Get_rank() == 0:

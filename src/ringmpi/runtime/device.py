@@ -134,7 +134,10 @@ def select_device(comm) -> int:
     from mpi4py import MPI
     import cupy
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    from .watchdog import phase
+
+    with phase("binding GPUs: the node's ranks (COMM_TYPE_SHARED split)"):
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         local_rank = local.Get_rank()
     finally:
