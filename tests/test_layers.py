@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(d for d in Path(__file__).resolve().parents if (d / "src" / "ringmpi").is_dir())  # the checkout
 PACKAGE = ROOT / "src" / "ringmpi"
-TESTS = Path(__file__).resolve().parent
+TESTS = ROOT / "tests"
 
 # lowest first: a module may import modules of its own layer and of the layers before it
 LAYERS = (

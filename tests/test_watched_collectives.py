@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ringmpi"
+PACKAGE = next(d for d in Path(__file__).resolve().parents if (d / "src" / "ringmpi").is_dir()) / "src" / "ringmpi"
 
 BLOCKING = {
     # mpi4py, pickle-based and buffer-based
