@@ -34,7 +34,6 @@ from .core import modifiers as _modifiers
 from .core.host import to_host
 from .core.masks import MaskSpec
 
-SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 PER_HEAD = ("sinks",) + _modifiers.FIELDS  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
 
@@ -72,8 +71,8 @@ def sinks_problem(sinks, heads: int) -> Optional[str]:
     shape = getattr(sinks, "shape", None)
     if shape is None or tuple(shape) != (heads,):
         return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
-    if str(sinks.dtype) not in SINK_DTYPES:
-        return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
+    if str(sinks.dtype) not in _dtypes.NAMES:
+        return f"sinks must be one of {', '.join(_dtypes.NAMES)}, got dtype {sinks.dtype}"
     host = to_host(sinks).astype(np.float64)
     if not np.isfinite(host).all():
         return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
@@ -144,7 +143,9 @@ class AttentionOptions:
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
     timeout : float, optional
-        Deadline in seconds for each ring wait (default: ``RINGMPI_TIMEOUT`` or none).
+        Deadline in seconds for each ring wait (default: the one rule of
+        :func:`ringmpi.runtime.watchdog.deadline`: ``ringmpi run --timeout``, else
+        ``RINGMPI_TIMEOUT``, else none).
     check_finite : bool
         Reject NaN/Inf inputs, naming the global index of the first one.
         Without the check (the default) a NaN/Inf reaches exactly the queries
