@@ -15,7 +15,7 @@ import pytest
 
 from reference import dense_backward, dense_forward, tolerance_check, visible
 from ringmpi.backends import INTERFACE, MESSAGE_INTERFACE, Backend, Message, get_backend, gpu_available
-from ringmpi.core.masks import BlockMask, MaskSpec
+from ringmpi.core.masks import BlockMask, ScoreSpec
 
 BACKENDS = [
     "numpy",
@@ -141,7 +141,7 @@ def _block_pass(be, q, k, v, spec, seg=None, split=3):
 def test_forward_block_matches_the_dense_reference_and_counts_tiles(be, causal, use_seg):
     q, k, v, _ = _problem(0)
     seg = np.sort(np.random.default_rng(1).integers(0, 3, q.shape[:2]), axis=1) if use_seg else None
-    spec = MaskSpec(causal=causal)
+    spec = ScoreSpec(causal=causal)
     o, lse, counts = _block_pass(be, q, k, v, spec, seg)
     vis = visible(70, 70, causal, None, seg, seg)
     o64, lse64 = dense_forward(q, k, v, vis, 1 / 4, np.float64)
@@ -165,7 +165,7 @@ def test_a_block_entirely_in_the_future_is_skipped(be):
     o_acc = be.xp.zeros(qh.shape, np.float32)
     m = be.xp.full(qh.shape[:3], -np.inf, dtype=np.float32)
     l = be.xp.zeros(qh.shape[:3], np.float32)
-    mask = BlockMask(MaskSpec(causal=True), np.arange(10), np.arange(20, 40))
+    mask = BlockMask(ScoreSpec(causal=True), np.arange(10), np.arange(20, 40))
     computed, skipped = be.forward_block(qh, kh, vh, o_acc, m, l, 0.25, mask)
     assert computed == 0 and skipped > 0
     assert not _host(l).any()
@@ -175,12 +175,12 @@ def test_a_block_entirely_in_the_future_is_skipped(be):
     assert computed == 0 and skipped > 0 and not _host(dk).any()
     empty = be.to_heads(be.asarray(k[:, :0]), np.float32)
     assert be.forward_block(qh, empty, empty, o_acc, m, l, 0.25,
-                            BlockMask(MaskSpec(), np.arange(10), np.arange(0))) == (0, 0)
+                            BlockMask(ScoreSpec(), np.arange(10), np.arange(0))) == (0, 0)
 
 
 def test_backward_block_matches_the_dense_reference(be):
     q, k, v, do = _problem(3)
-    spec = MaskSpec(causal=True)
+    spec = ScoreSpec(causal=True)
     o, lse, _ = _block_pass(be, q, k, v, spec)
     xp = be.xp
     qh, doh = be.to_heads(be.asarray(q), np.float32), be.to_heads(be.asarray(do), np.float32)

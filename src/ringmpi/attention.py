@@ -112,7 +112,7 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
     ct = be.compute_dtype(q.dtype)
     return AgreedCall(comm=comm, backend=be, batch=q.shape[0], heads=q.shape[2], compute_dtype=ct,
                       place_q=place_q, place_kv=place_kv,
-                      spec=options.mask_spec(q.shape[2], offset=place_kv.n - place_q.n),
+                      spec=options.score_spec(q.shape[2], offset=place_kv.n - place_q.n),
                       scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
                       timeout=deadline(options.timeout),
                       sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))

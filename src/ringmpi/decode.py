@@ -296,7 +296,7 @@ def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, ru
     own cache rows (nothing seen when ``run`` is False: the rank only joins the merge)."""
     batch, s_new = q.shape[:2]
     ct = be.compute_dtype(q.dtype)
-    scale, spec = options.scale(q.shape[3]), options.mask_spec(q.shape[2])
+    scale, spec = options.scale(q.shape[3]), options.score_spec(q.shape[2])
     qh = be.heads_view(q, ct)
     state = SoftmaxState(be, qh.shape[:3], dim, ct)
     if run and len(pos):

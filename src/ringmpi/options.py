@@ -9,7 +9,7 @@ object travels and nothing else checks what it checks:
   message, or None), for the caller to agree on across ranks (``errors.agree``);
 * :meth:`AttentionOptions.digest` -- a CRC of everything the ranks must pass
   alike (the call's own arrays may be added), compared with one collective;
-* :meth:`AttentionOptions.mask_spec` -- the :class:`~ringmpi.core.masks.MaskSpec` the
+* :meth:`AttentionOptions.score_spec` -- the :class:`~ringmpi.core.masks.ScoreSpec` the
   options imply for a call with global lengths ``N_q``, ``N_kv``.
 
 The file job writes them as HDF5 attributes (:mod:`ringmpi.filejob.attributes`).
@@ -32,7 +32,7 @@ from .core.dropout import MAX_POSITION, Dropout
 from .core.dropout import validate as _dropout_validate
 from .core import modifiers as _modifiers
 from .core.host import to_host
-from .core.masks import MaskSpec
+from .core.masks import ScoreSpec
 
 PER_HEAD = ("sinks",) + _modifiers.FIELDS  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
@@ -249,7 +249,7 @@ class AttentionOptions:
 
     def for_heads(self, first: int, count: int) -> "AttentionOptions":
         """These options for a call over the query heads ``[first, first + count)`` of this one
-        (as :meth:`MaskSpec.for_heads`): the per-head arrays (``sinks``, ``alibi_slopes``)
+        (as :meth:`ScoreSpec.for_heads`): the per-head arrays (``sinks``, ``alibi_slopes``)
         sliced; ``dropout_offsets`` stay the caller's to set."""
         return replace(self, **{name: getattr(self, name)[first:first + count] for name in PER_HEAD
                                 if getattr(self, name) is not None})
@@ -329,12 +329,12 @@ class AttentionOptions:
         b0, h0, total = (0, 0, heads) if self.dropout_offsets is None else self.dropout_offsets
         return float(self.dropout_p), int(self.dropout_seed), int(b0), int(h0), int(total)
 
-    def mask_spec(self, heads: int, offset: int = 0) -> MaskSpec:
+    def score_spec(self, heads: int, offset: int = 0) -> ScoreSpec:
         """The mask spec of a call with ``heads`` query heads and ``offset = N_kv - N_q``."""
         key = self.dropout_key(heads)
         dropout = None if key is None else Dropout(p=key[0], seed=key[1], heads=key[4],
                                                    batch_offset=key[2], head_offset=key[3])
-        return MaskSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
+        return ScoreSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
                         softcap=None if self.softcap is None else float(self.softcap),
                         exact_max=bool(self.return_max_logit), dropout=dropout,
                         modifiers=_modifiers.of_fields({f: getattr(self, f) for f in _modifiers.FIELDS}))

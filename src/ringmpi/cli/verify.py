@@ -27,7 +27,7 @@ PER_HEAD = ("max_logit", "dsinks")  # (H,) datasets of --max-logit and --sinks-d
 def _check(in_path: str, out_path: str, max_n: int):
     """Rank 0's work: ``(exit status, report text)``; raises ConfigError for unusable files."""
     spec, attrs, sinks, inputs, ours, segs = _read(in_path, out_path, max_n)
-    mask, scale = attrs.mask_spec(spec), attrs.attention.softmax_scale
+    mask, scale = attrs.score_spec(spec), attrs.attention.softmax_scale
     refs: Dict[str, list] = {name: [] for name in ours}
     naives: Dict[str, list] = {name: [] for name in ours}
     for b in range(spec.batch):

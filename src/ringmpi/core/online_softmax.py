@@ -15,7 +15,7 @@ here:
   is zero; the sink's own gradient is :func:`ringmpi.parallel.ring_passes.sink_grads`.)
 * **max logit** ``(H,)``: the largest score (after scale and score modifiers,
   masked keys excluded, the sink not counted) any query of head ``h`` saw, over
-  the whole sequence.  With ``MaskSpec.exact_max`` the running maximum ``m`` is
+  the whole sequence.  With ``ScoreSpec.exact_max`` the running maximum ``m`` is
   exact in every backend, so :meth:`SoftmaxState.local_max_logit` reads this
   rank's part before the sinks are folded in (the ranks' parts are reduced by
   :func:`ringmpi.parallel.ring_passes.reduce_max_logit`); a head no query sees any

@@ -175,7 +175,7 @@ class _Split:
 
     def problem(self, call: AgreedCall, seg_q, seg_kv) -> LocalProblem:
         """The local problem of this rank's heads over its group's tokens, on the ring across
-        groups, with the mask spec of those heads (:meth:`~ringmpi.core.masks.MaskSpec.for_heads`)."""
+        groups, with the mask spec of those heads (:meth:`~ringmpi.core.masks.ScoreSpec.for_heads`)."""
         spec = call.spec.for_heads(self.heads(self.index).start, self.hu)
         return LocalProblem(self.groups.ring_comm, call.backend, call.compute_dtype, spec, call.scale,
                             kv_counts=self.ring_kv_counts, q_pos=self.q_pos, kv_pos=self.kv_pos,

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.positions import Placement
-from ..core.masks import MaskSpec
+from ..core.masks import ScoreSpec
 from ..core.host import to_host
 from ..core.online_softmax import SoftmaxState
 from .ring_schedule import RingSchedule
@@ -51,7 +51,7 @@ class LocalProblem:
     comm: object
     backend: object
     compute_dtype: np.dtype
-    spec: MaskSpec
+    spec: ScoreSpec
     scale: float
     kv_counts: Sequence[int]
     q_pos: np.ndarray
@@ -90,7 +90,7 @@ class AgreedCall:
     heads: int
     place_q: Placement
     place_kv: Placement
-    spec: MaskSpec
+    spec: ScoreSpec
     scale: float
     seg_q: Optional[np.ndarray] = None
     seg_kv: Optional[np.ndarray] = None
