@@ -21,106 +21,26 @@
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define X86_PATHS 1
-#define ISA_AVX512 __attribute__((target("avx512f")))
-#define ISA_AVX2 __attribute__((target("avx2")))
 #endif
-#define INLINE static inline __attribute__((always_inline))
+#define LANES 16 /* a row's sum adds into this many lanes, on every path */
 
-/* sixteen lanes in GCC/Clang vector extensions: one AVX-512 register, two AVX2, four
- * SSE2 or NEON; the lanes' arithmetic (and so every result) is the same on each */
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-#define LANES 16
-
-INLINE vf bc(float a) { return (vf){0} + a; }
-INLINE vi bci(int32_t a) { return (vi){0} + a; }
-INLINE vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-
-INLINE vf exp_poly(vf x)
-{
-    /* x = n ln2 + r, |r| <= ln2 / 2; exp(r) by a degree-6 polynomial; 2^n by exponent bits */
-    vf xc = sel(x > bc(88.72283905206835f), bc(88.72283905206835f), x);
-    xc = sel(xc < bc(-103.0f), bc(-103.0f), xc);
-    /* round to nearest by the 1.5 * 2^23 trick */
-    vf n = (xc * bc(1.44269504088896341f) + bc(12582912.0f)) - bc(12582912.0f);
-    vf r = xc - n * bc(0.693359375f);
-    r = r - n * bc(-2.12194440e-4f);
-    vf p = bc(1.9875691500e-4f);
-    p = p * r + bc(1.3981999507e-3f);
-    p = p * r + bc(8.3334519073e-3f);
-    p = p * r + bc(4.1665795894e-2f);
-    p = p * r + bc(1.6666665459e-1f);
-    p = p * r + bc(5.0000001201e-1f);
-    p = p * (r * r) + r + bc(1.0f);
-    /* 2^n in two factors: n in [-149, 128] reaches the subnormals without overflowing one */
-    vi ni = __builtin_convertvector(n, vi);
-    vi n1 = ni >> 1, n2 = ni - n1;
-    vf y = p * (vf)((n1 + bci(127)) << 23) * (vf)((n2 + bci(127)) << 23);
-    y = sel(x > bc(88.72283905206835f), bc(INFINITY), y);
-    y = sel(x < bc(-103.972077083991796f), bc(0.0f), y);
-    return sel(x != x, x, y);
-}
-
-/* one row: out = exp(((row * scale) + bias) - shift), LANES at a time; the tail through a
- * padded copy, so every element gets the same arithmetic; returns the row's sum */
-INLINE float exp_row(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
-{
-    Py_ssize_t j = 0;
-    const vf vscale = bc(scale), vsh = bc(sh);
-    vf acc = bc(0.0f);
-    float sum = 0.0f;
-    for (; j + LANES <= cols; j += LANES) {
-        vf v, b;
-        memcpy(&v, row + j, sizeof v);
-        v = v * vscale;
-        if (brow) { memcpy(&b, brow + j, sizeof b); v = v + b; }
-        v = exp_poly(v - vsh);
-        acc = acc + v;
-        memcpy(row + j, &v, sizeof v);
-    }
-    for (int lane = 0; lane < LANES; lane++) sum += acc[lane];
-    if (j < cols) {
-        float buf[LANES] = {0}, bb[LANES] = {0};
-        Py_ssize_t rest = cols - j;
-        memcpy(buf, row + j, rest * sizeof(float));
-        if (brow) memcpy(bb, brow + j, rest * sizeof(float));
-        vf v, b;
-        memcpy(&v, buf, sizeof v);
-        memcpy(&b, bb, sizeof b);
-        v = v * vscale;
-        if (brow) v = v + b;
-        v = exp_poly(v - vsh);
-        memcpy(buf, &v, sizeof v);
-        memcpy(row + j, buf, rest * sizeof(float));
-        for (Py_ssize_t t = 0; t < rest; t++) sum += buf[t];
-    }
-    return sum;
-}
-
-INLINE void exp_rows_body(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
-                          const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
-{
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        float sum = exp_row(s + i * ld, cols, scale, bias ? bias + i * ldb : NULL, shift ? shift[i] : 0.0f);
-        if (sums) sums[i] = sum;
-    }
-}
+#define PATH plain
+#define PATH_ISA
+#define VW 4
+#include "exp_rows.h"
+#ifdef X86_PATHS
+#define PATH avx2
+#define PATH_ISA __attribute__((target("avx2")))
+#define VW 8
+#include "exp_rows.h"
+#define PATH avx512
+#define PATH_ISA __attribute__((target("avx512f")))
+#define VW 16
+#include "exp_rows.h"
+#endif
 
 typedef void (*exp_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float, const float *, Py_ssize_t,
                             const float *, float *);
-
-#define EXP_ROWS(NAME, ISA)                                                                              \
-    ISA static void NAME(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,       \
-                         const float *bias, Py_ssize_t ldb, const float *shift, float *sums)           \
-    {                                                                                                   \
-        exp_rows_body(s, rows, cols, ld, scale, bias, ldb, shift, sums);                                \
-    }
-
-EXP_ROWS(exp_rows_plain, )
-#ifdef X86_PATHS
-EXP_ROWS(exp_rows_avx512, ISA_AVX512)
-EXP_ROWS(exp_rows_avx2, ISA_AVX2)
-#endif
 
 /* the paths, best first; a path runs where the CPU has its extension */
 static const struct {
