@@ -3,86 +3,114 @@
  *   PATH      the path's name (a C token: plain, avx2, avx512)
  *   PATH_ISA  the function attribute that enables its instructions (empty for the baseline)
  *   VW        the lanes of one native vector: 4 (SSE2, NEON), 8 (AVX2), 16 (AVX-512)
+ *   NB        native vectors whose exp is computed step by step together (a multiple of
+ *             LANES / VW): NB independent chains in flight, what hides the latency
  *
- * The vector width is the only difference between the paths: each processes LANES (16)
- * columns at a time as LANES / VW native vectors, so every element goes through the same
- * float32 operations and every row sum adds into the same 16 lanes in the same order. */
+ * The vector width is the only difference in the arithmetic: every element goes through the
+ * same float32 operations (max/min pick, as x86's maxps/minps do, x when x is NaN), and a
+ * row's sum adds vector k of columns into lane group k % (LANES / VW), so into the same 16
+ * lanes in column order on every path. */
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, CAT(_, PATH))
 #define VF CAT(vf, VW)
 #define VI CAT(vi, VW)
+#define VU CAT(vu, VW)
 #define NVEC (LANES / VW)
 #define PINLINE PATH_ISA static inline __attribute__((always_inline))
 
 typedef float VF __attribute__((vector_size(VW * 4)));
 typedef int32_t VI __attribute__((vector_size(VW * 4)));
+typedef uint32_t VU __attribute__((vector_size(VW * 4)));
+/* an unaligned float vector in memory (rows start anywhere; may alias the float arrays) */
+typedef float CAT(VF, _mem) __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+#define LOAD(p) (*(const CAT(VF, _mem) *)(p))
+#define STORE(p, v) (*(CAT(VF, _mem) *)(p) = (v))
 
 PINLINE VF FN(bc)(float a) { return (VF){0} + a; }
-PINLINE VI FN(bci)(int32_t a) { return (VI){0} + a; }
-PINLINE VF FN(sel)(VI m, VF a, VF b) { return (VF)(((VI)a & m) | ((VI)b & ~m)); }
+PINLINE VU FN(bcu)(uint32_t a) { return (VU){0} + a; }
+/* max(lo, x) and min(hi, x) as x86's maxps / minps order them: x where x is NaN */
+#if defined(__SSE__) && VW == 4
+PINLINE VF FN(max)(VF lo, VF x) { return (VF)_mm_max_ps((__m128)lo, (__m128)x); }
+PINLINE VF FN(min)(VF hi, VF x) { return (VF)_mm_min_ps((__m128)hi, (__m128)x); }
+#elif defined(X86_PATHS) && VW == 8
+PINLINE VF FN(max)(VF lo, VF x) { return (VF)_mm256_max_ps((__m256)lo, (__m256)x); }
+PINLINE VF FN(min)(VF hi, VF x) { return (VF)_mm256_min_ps((__m256)hi, (__m256)x); }
+#elif defined(X86_PATHS) && VW == 16
+PINLINE VF FN(max)(VF lo, VF x) { return (VF)_mm512_max_ps((__m512)lo, (__m512)x); }
+PINLINE VF FN(min)(VF hi, VF x) { return (VF)_mm512_min_ps((__m512)hi, (__m512)x); }
+#else
+PINLINE VF FN(max)(VF lo, VF x) { VI m = lo > x; return (VF)(((VI)lo & m) | ((VI)x & ~m)); }
+PINLINE VF FN(min)(VF hi, VF x) { VI m = hi < x; return (VF)(((VI)hi & m) | ((VI)x & ~m)); }
+#endif
 
-PINLINE VF FN(exp_poly)(VF x)
+/* x[0..n) = exp(x), each step over the n vectors before the next (n <= NB, a constant).
+ * x = k ln2 + r with |r| <= ln2 / 2 (k by the 1.5 * 2^23 rounding trick, read back from
+ * its bits; ln2 in two parts, the first exact in k * ln2); exp(r) = 1 + r + r^2 Q(r) with Q
+ * of degree 4, a minimax fit (relative error 5e-9 with its float32 coefficients, evaluated
+ * by Estrin's scheme); 2^k in two factors, so k in [-150, 128] reaches the subnormals and
+ * overflows to inf only by the final product.  x is clamped to [-104, 88.7228394]: -104
+ * (and -inf) underflow to 0, 88.7228394, the first float32 past log(FLT_MAX), and all above
+ * (+inf) to inf; NaN passes both clamps and the arithmetic unchanged. */
+PINLINE void FN(exp_vecs)(VF *x, const int n)
 {
 #define bc FN(bc)
-#define bci FN(bci)
-#define sel FN(sel)
-    /* x = n ln2 + r, |r| <= ln2 / 2; exp(r) by a degree-6 polynomial; 2^n by exponent bits */
-    VF xc = sel(x > bc(88.72283905206835f), bc(88.72283905206835f), x);
-    xc = sel(xc < bc(-103.0f), bc(-103.0f), xc);
-    /* round to nearest by the 1.5 * 2^23 trick */
-    VF n = (xc * bc(1.44269504088896341f) + bc(12582912.0f)) - bc(12582912.0f);
-    VF r = xc - n * bc(0.693359375f);
-    r = r - n * bc(-2.12194440e-4f);
-    VF p = bc(1.9875691500e-4f);
-    p = p * r + bc(1.3981999507e-3f);
-    p = p * r + bc(8.3334519073e-3f);
-    p = p * r + bc(4.1665795894e-2f);
-    p = p * r + bc(1.6666665459e-1f);
-    p = p * r + bc(5.0000001201e-1f);
-    p = p * (r * r) + r + bc(1.0f);
-    /* 2^n in two factors: n in [-149, 128] reaches the subnormals without overflowing one */
-    VI ni = __builtin_convertvector(n, VI);
-    VI n1 = ni >> 1, n2 = ni - n1;
-    VF y = p * (VF)((n1 + bci(127)) << 23) * (VF)((n2 + bci(127)) << 23);
-    y = sel(x > bc(88.72283905206835f), bc(INFINITY), y);
-    y = sel(x < bc(-103.972077083991796f), bc(0.0f), y);
-    return sel(x != x, x, y);
+#define bcu FN(bcu)
+#define EACH _Pragma("GCC unroll 16") for (int k = 0; k < n; k++)
+    VF xc[NB], t[NB], r[NB], r2[NB], q[NB], b[NB];
+    VU ni[NB];
+    EACH xc[k] = FN(min)(bc(88.72283935546875f), FN(max)(bc(-104.0f), x[k]));
+    EACH t[k] = xc[k] * bc(1.44269504088896341f) + bc(12582912.0f);
+    EACH ni[k] = (VU)t[k] - bcu(0x4b400000u);
+    EACH t[k] = t[k] - bc(12582912.0f);
+    EACH r[k] = xc[k] - t[k] * bc(0.693359375f);
+    EACH r[k] = r[k] - t[k] * bc(-2.12194440e-4f);
+    EACH r2[k] = r[k] * r[k];
+    EACH q[k] = r[k] * bc(0.008368747308850288f) + bc(0.04166839271783829f);
+    EACH b[k] = r[k] * bc(0.1666651964187622f) + bc(0.4999999403953552f);
+    EACH q[k] = r2[k] * bc(0.00138145184610039f) + q[k];
+    EACH q[k] = r2[k] * q[k] + b[k];
+    EACH q[k] = r2[k] * q[k] + r[k] + bc(1.0f);
+    EACH {
+        VU n1 = (VU)((VI)ni[k] >> 1), n2 = ni[k] - n1;
+        x[k] = q[k] * (VF)((n1 + bcu(127)) << 23) * (VF)((n2 + bcu(127)) << 23);
+    }
+#undef EACH
 #undef bc
-#undef bci
-#undef sel
+#undef bcu
 }
 
-/* LANES columns: v = exp(((v * scale) + b) - shift) in place, added into the lanes' sums */
-PINLINE void FN(exp_lanes)(float *v, const float *b, VF scale, VF shift, VF acc[NVEC])
+/* n vectors of columns: v = exp(((v * scale) + b) - shift) in place, vector k added into
+ * lane group k % NVEC */
+PINLINE void FN(exp_cols)(float *v, const float *b, VF scale, VF shift, VF acc[NVEC], const int n)
 {
-    for (int k = 0; k < NVEC; k++) {
-        VF x, bk;
-        memcpy(&x, v + k * VW, sizeof x);
-        x = x * scale;
-        if (b) {
-            memcpy(&bk, b + k * VW, sizeof bk);
-            x = x + bk;
-        }
-        x = FN(exp_poly)(x - shift);
-        acc[k] = acc[k] + x;
-        memcpy(v + k * VW, &x, sizeof x);
+    VF x[NB];
+    _Pragma("GCC unroll 16") for (int k = 0; k < n; k++) {
+        x[k] = LOAD(v + k * VW) * scale;
+        if (b) x[k] = x[k] + LOAD(b + k * VW);
+        x[k] = x[k] - shift;
+    }
+    FN(exp_vecs)(x, n);
+    _Pragma("GCC unroll 16") for (int k = 0; k < n; k++) {
+        acc[k % NVEC] = acc[k % NVEC] + x[k];
+        STORE(v + k * VW, x[k]);
     }
 }
 
-/* one row, LANES columns at a time, the tail through a padded copy (so every element gets
- * the same arithmetic); returns the row's sum: the lanes 0..LANES-1, then the tail's columns */
 PINLINE float FN(exp_row)(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
 {
     const VF vscale = FN(bc)(scale), vsh = FN(bc)(sh);
     VF acc[NVEC];
     for (int k = 0; k < NVEC; k++) acc[k] = FN(bc)(0.0f);
     Py_ssize_t j = 0;
-    if (brow)
-        for (; j + LANES <= cols; j += LANES) FN(exp_lanes)(row + j, brow + j, vscale, vsh, acc);
-    else
-        for (; j + LANES <= cols; j += LANES) FN(exp_lanes)(row + j, NULL, vscale, vsh, acc);
+    if (brow) {
+        for (; j + NB * VW <= cols; j += NB * VW) FN(exp_cols)(row + j, brow + j, vscale, vsh, acc, NB);
+        for (; j + LANES <= cols; j += LANES) FN(exp_cols)(row + j, brow + j, vscale, vsh, acc, NVEC);
+    } else {
+        for (; j + NB * VW <= cols; j += NB * VW) FN(exp_cols)(row + j, NULL, vscale, vsh, acc, NB);
+        for (; j + LANES <= cols; j += LANES) FN(exp_cols)(row + j, NULL, vscale, vsh, acc, NVEC);
+    }
     float sum = 0.0f;
     for (int k = 0; k < NVEC; k++)
         for (int lane = 0; lane < VW; lane++) sum += acc[k][lane];
@@ -91,7 +119,7 @@ PINLINE float FN(exp_row)(float *row, Py_ssize_t cols, float scale, const float 
         Py_ssize_t rest = cols - j;
         memcpy(buf, row + j, rest * sizeof(float));
         if (brow) memcpy(bb, brow + j, rest * sizeof(float));
-        FN(exp_lanes)(buf, brow ? bb : NULL, vscale, vsh, acc);
+        FN(exp_cols)(buf, brow ? bb : NULL, vscale, vsh, acc, NVEC);
         memcpy(row + j, buf, rest * sizeof(float));
         for (Py_ssize_t t = 0; t < rest; t++) sum += buf[t];
     }
@@ -110,6 +138,9 @@ PATH_ISA static void FN(exp_rows)(float *s, Py_ssize_t rows, Py_ssize_t cols, Py
 #undef FN
 #undef VF
 #undef VI
+#undef VU
+#undef LOAD
+#undef STORE
 #undef NVEC
 #undef PINLINE
 #undef CAT
@@ -117,3 +148,4 @@ PATH_ISA static void FN(exp_rows)(float *s, Py_ssize_t rows, Py_ssize_t cols, Py
 #undef PATH
 #undef PATH_ISA
 #undef VW
+#undef NB

@@ -6,13 +6,16 @@
  * bias, shift and sums optional.  A row's sum adds its elements into LANES partial
  * sums (element j into lane j % LANES, in column order), then the lanes in order
  * 0..LANES-1, then the tail's elements in column order: fixed for a row's length.
- * exp is a Cephes-style polynomial (max error ~2 ulp): exp(-inf) = 0, exp(+inf) = inf,
- * NaN stays NaN, overflow gives inf, so the NumPy path's finiteness checks see what they
- * saw with np.exp.  An element depends on that element alone, a sum on its row alone.
+ * exp is a polynomial (max error 1 ulp, see exp_rows.h): exp(-inf) = 0, exp(+inf) = inf,
+ * NaN stays NaN, overflow gives inf, subnormal results are kept, so the NumPy path's
+ * finiteness checks see what they saw with np.exp.  An element depends on that element
+ * alone, a sum on its row alone.
  *
- * The pass is compiled once per x86 vector extension (AVX-512, AVX2, the baseline: the
- * "paths"); import picks the best the CPU runs, use() pins one (RINGMPI_CPU_VECTOR).  Every
- * path does the same float32 operations in the same order: the same bits on each. */
+ * The pass is compiled once per vector path (AVX-512, AVX2, the baseline: SSE2 or NEON), from
+ * one source (exp_rows.h) with the vector width as its parameter; every path does the same
+ * float32 operations in the same order: the same bits on each.  paths() lists those this
+ * CPU runs, use() picks one (ringmpi.backends.tile_pass chooses the fastest at first use,
+ * or the one RINGMPI_CPU_VECTOR pins). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -21,21 +24,25 @@
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define X86_PATHS 1
+#include <immintrin.h>
 #endif
 #define LANES 16 /* a row's sum adds into this many lanes, on every path */
 
 #define PATH plain
 #define PATH_ISA
 #define VW 4
+#define NB 8
 #include "exp_rows.h"
 #ifdef X86_PATHS
 #define PATH avx2
 #define PATH_ISA __attribute__((target("avx2")))
 #define VW 8
+#define NB 8
 #include "exp_rows.h"
 #define PATH avx512
 #define PATH_ISA __attribute__((target("avx512f")))
 #define VW 16
+#define NB 4
 #include "exp_rows.h"
 #endif
 
