@@ -1,5 +1,6 @@
-"""The CPU backend's float32 tile pass on both paths: the compiled sweep
-(``ringmpi._ext._fused``, built by ``pip install``) and the NumPy passes it replaces.
+"""The CPU backend's float32 tile pass (:mod:`ringmpi.backends.tile_pass`) on every path:
+the compiled sweep (``ringmpi._ext._fused``, built by ``pip install``) on each vector path
+this CPU runs, and the NumPy passes it replaces.
 
 In-process, one rank: the pass itself (accuracy of its ``exp``, non-finite values),
 then forward and gradients of masks, windows, segments, GQA, ALiBi and dropout against
@@ -12,7 +13,8 @@ import pytest
 
 import reference
 import ringmpi
-from ringmpi.backends import numpy_backend
+from ringmpi.backends import numpy_backend, tile_pass as tp
+
 
 def _compiled_paths():
     """``compiled-<vector path>`` for each path of the built pass this CPU runs."""
@@ -23,24 +25,25 @@ def _compiled_paths():
     return tuple(f"compiled-{path}" for path in _fused.paths())
 
 
+
 PATHS = _compiled_paths() + ("numpy",)
 
 
 @pytest.fixture(params=PATHS)
 def tile_pass(request, monkeypatch):
-    fused = numpy_backend._FUSED
+    fused = tp.compiled
     if request.param.startswith("compiled"):
         if fused is None:
             pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
     else:
-        monkeypatch.setattr(numpy_backend, "_FUSED", None)
+        monkeypatch.setattr(tp, "compiled", None)
     monkeypatch.setattr(numpy_backend, "TILE_Q", 16)
     monkeypatch.setattr(numpy_backend, "TILE_KV", 24)
     monkeypatch.setattr(numpy_backend, "BAND_Q", 8)
     before = None if fused is None else fused.path()
     if request.param.startswith("compiled-"):
         fused.use(request.param.split("-", 1)[1])
-    assert numpy_backend.tile_pass() == request.param.split("-")[0]
+    assert tp.implementation() == request.param.split("-")[0]
     yield request.param
     if before is not None:
         fused.use(before)
@@ -57,7 +60,7 @@ def test_exp_pass_accuracy_and_nonfinite(tile_pass):
         want = np.exp(x64)
         numpy_way = np.exp(x64.astype(np.float32))
         got = s.copy()
-        numpy_backend._exp_pass(got, np.float32(0.7), bias, shift)
+        tp.exp_pass(got, np.float32(0.7), bias, shift)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(got == 0, numpy_way == 0)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(numpy_way))
@@ -80,7 +83,7 @@ def test_exp_pass_row_sums(tile_pass, cols):
     for _ in range(2):
         got, sums = s.copy(), np.full(9, -1.0, dtype=np.float32)
         with np.errstate(all="ignore"):
-            numpy_backend._exp_pass(got, np.float32(0.5), bias, shift, sums)
+            tp.exp_pass(got, np.float32(0.5), bias, shift, sums)
         runs.append((got, sums))
     got, sums = runs[0]
     assert np.array_equal(runs[1][1], sums, equal_nan=True)
@@ -157,12 +160,16 @@ def test_every_vector_path_gives_the_same_bits():
     """The compiled pass's vector paths (AVX-512, AVX2, plain: as many as this CPU runs) do the
     same arithmetic in the same order: the same results and row sums, bit for bit, tails of
     every length under 16 columns, non-finite values and strided rows included."""
-    fused = numpy_backend._FUSED
+    fused = tp.compiled
     if fused is None:
         pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
     rng = np.random.default_rng(5)
     wide = (rng.standard_normal((7, 80)) * 40).astype(np.float32)
     wide[2, [0, 17, 33]] = [np.nan, np.inf, -np.inf]
+    # NaNs of both signs and other payloads, the clamps, the overflow and underflow edges
+    wide[3, :4] = np.array([0xFFC00000, 0x7FC01234, 0xFFC0ABCD, 0x7F812345], dtype=np.uint32).view(np.float32)
+    wide[4, :8] = [88.72283935546875, 88.72283172607422, 89.0, -104.0, -103.97207, -103.9721, -87.33655, -110.0]
+    wide[5, :] = np.linspace(-104.5, 89, 80, dtype=np.float32) / np.float32(0.3)
     bias = np.where(rng.random(wide.shape) < 0.3, -np.inf, 0).astype(np.float32)
     shift = rng.standard_normal(7).astype(np.float32)
     before, results = fused.path(), {}

@@ -12,6 +12,7 @@ difference between CPUs (issue 34: OpenBLAS's AVX-512 gemv on an Intel Xeon) sho
 any machine that has the instructions.
 """
 
+import ast
 import os
 import sys
 
@@ -87,10 +88,9 @@ def numpy_runs_above(path):
 
 def tile_paths():
     """(the paths this CPU runs, best first; the one this process runs), or ((), None)."""
-    from ringmpi.backends import numpy_backend
+    from ringmpi.backends import tile_pass
 
-    fused = numpy_backend._FUSED
-    return ((), None) if fused is None else (fused.paths(), fused.path())
+    return tile_pass.vector_paths(), tile_pass.vector_path()
 
 
 def levels():
@@ -125,12 +125,32 @@ def test_the_switch_pins_each_path_and_refuses_others():
     paths, _ = tile_paths()
     if not paths:
         pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
-    probe = "from ringmpi.backends import numpy_backend as nb; print(nb.vector_path())"
+    probe = "from ringmpi.backends import tile_pass; print(tile_pass.vector_path())"
     for path in paths:
         rc, out = _run([sys.executable, "-c", probe], dict(os.environ, RINGMPI_CPU_VECTOR=path), 120)
         assert (rc, out.strip()) == (0, path)
     rc, out = _run([sys.executable, "-c", probe], dict(os.environ, RINGMPI_CPU_VECTOR="sse9"), 120)
     assert rc != 0 and f"RINGMPI_CPU_VECTOR must be a path this CPU runs ({', '.join(paths)}), got 'sse9'" in out
+
+
+def test_unpinned_import_takes_the_fastest_path():
+    """Without ``RINGMPI_CPU_VECTOR`` the import times every path this CPU runs and takes the
+    fastest (not the widest)."""
+    paths, _ = tile_paths()
+    if not paths:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
+    probe = "from ringmpi.backends import tile_pass as tp; print(tp.vector_path(), repr(tp.calibration()))"
+    env = dict(os.environ)
+    env.pop("RINGMPI_CPU_VECTOR", None)
+    rc, out = _run([sys.executable, "-c", probe], env, 120)
+    assert rc == 0, out
+    chosen, rates = out.split(" ", 1)
+    rates = ast.literal_eval(rates)
+    if len(paths) == 1:
+        assert (chosen, rates) == (paths[0], {})
+        return
+    assert set(rates) == set(paths) and all(rate > 0 for rate in rates.values())
+    assert chosen == max(rates, key=rates.get), f"chose {chosen} from {rates}"
 
 
 def _pinned_env(path, core):
@@ -152,8 +172,8 @@ def _run(cmd, env, timeout):
 @pytest.mark.parametrize("path,core", LEVELS, ids=[f"{p}-{c or 'own-blas'}" for p, c in LEVELS])
 def test_bitwise_cases_under_pinned_level(path, core):
     env = _pinned_env(path, core)
-    probe = ("from ringmpi.backends import numpy_backend as nb; import test_vector_paths as t; "
-             "print(nb.vector_path(), t.openblas_core(), t.numpy_runs_above(nb.vector_path()))")
+    probe = ("from ringmpi.backends import tile_pass as tp; import test_vector_paths as t; "
+             "print(tp.vector_path(), t.openblas_core(), t.numpy_runs_above(tp.vector_path()))")
     rc, out = _run([sys.executable, "-c", probe], dict(env, PYTHONPATH=str(ROOT / "tests")), 120)
     assert rc == 0, out
     assert out.split() == [path, str(core if core is not None else openblas_core()), "[]"], \

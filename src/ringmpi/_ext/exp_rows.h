@@ -123,7 +123,9 @@ PINLINE float FN(exp_row)(float *row, Py_ssize_t cols, float scale, const float 
         memcpy(row + j, buf, rest * sizeof(float));
         for (Py_ssize_t t = 0; t < rest; t++) sum += buf[t];
     }
-    return sum;
+    /* which of two NaNs an addition returns depends on how the compiler ordered its operands,
+     * which differs between paths: a NaN sum is the one quiet NaN on every path */
+    return sum == sum ? sum : __builtin_nanf("");
 }
 
 PATH_ISA static void FN(exp_rows)(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,

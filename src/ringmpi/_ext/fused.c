@@ -5,7 +5,8 @@
  * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off),
  * bias, shift and sums optional.  A row's sum adds its elements into LANES partial
  * sums (element j into lane j % LANES, in column order), then the lanes in order
- * 0..LANES-1, then the tail's elements in column order: fixed for a row's length.
+ * 0..LANES-1, then the tail's elements in column order: fixed for a row's length (a NaN
+ * sum is the one quiet NaN: which NaN a sum of several would give depends on the compiler).
  * exp is a polynomial (max error 1 ulp, see exp_rows.h): exp(-inf) = 0, exp(+inf) = inf,
  * NaN stays NaN, overflow gives inf, subnormal results are kept, so the NumPy path's
  * finiteness checks see what they saw with np.exp.  An element depends on that element

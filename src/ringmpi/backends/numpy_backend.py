@@ -11,7 +11,6 @@ per rank (``OPENBLAS_NUM_THREADS=1``).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 
@@ -19,67 +18,13 @@ from ..dtypes import compute_dtype, is_16bit
 from ..env import positive_int
 from ..masks import FULL, SKIP, BlockMask
 from . import HostMessage
+from .tile_pass import exp_pass
 
 TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
 TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
 # a partly hidden tile runs as row bands of this many rows, each cut to its visible columns
 BAND_Q = positive_int("RINGMPI_BAND_Q", 128)
 _RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf only past ~2^127)
-
-
-def _load_fused():
-    """The compiled float32 tile pass (``ringmpi._ext._fused``), or None where it was not
-    built or ``RINGMPI_CPU_KERNEL=numpy`` asks for the NumPy-only path.  It runs the best
-    vector path the CPU has (``avx512``, ``avx2``, ``plain``) unless ``RINGMPI_CPU_VECTOR``
-    pins one (a ``ValueError`` naming the variable if this CPU or build cannot run it)."""
-    if os.environ.get("RINGMPI_CPU_KERNEL", "compiled") == "numpy":
-        return None
-    pinned = os.environ.get("RINGMPI_CPU_VECTOR", "")
-    try:
-        from .._ext import _fused
-    except ImportError:
-        if pinned:
-            raise ValueError(f"RINGMPI_CPU_VECTOR={pinned} pins a path of the compiled tile pass, "
-                             "which was not built (pip install the checkout with a C compiler)") from None
-        return None
-    if pinned:
-        if pinned not in _fused.paths():
-            raise ValueError(f"RINGMPI_CPU_VECTOR must be a path this CPU runs "
-                             f"({', '.join(_fused.paths())}), got {pinned!r}")
-        _fused.use(pinned)
-    return _fused
-
-
-_FUSED = _load_fused()
-
-
-def tile_pass() -> str:
-    """Which elementwise tile pass float32 blocks use: ``"compiled"`` or ``"numpy"``."""
-    return "numpy" if _FUSED is None else "compiled"
-
-
-def vector_path():
-    """The vector path the compiled tile pass runs (``"avx512"``, ``"avx2"``, ``"plain"``),
-    or None where the NumPy passes run."""
-    return None if _FUSED is None else _FUSED.path()
-
-
-def _exp_pass(s, scale, bias=None, shift=None, sums=None):
-    """``s = exp(s * scale + bias - shift[:, None])`` in place (``bias``, ``shift`` optional),
-    each step rounded in that order; ``sums (rows,)``, when given, receives the rows' sums of
-    the result.  One compiled sweep for float32 (``_FUSED``), NumPy passes otherwise."""
-    if _FUSED is not None and s.dtype == np.float32 and (bias is None or bias.dtype == np.float32):
-        _FUSED.exp_tile(s, scale, bias, shift, sums)
-        return
-    if scale != 1:
-        s *= scale
-    if bias is not None:
-        s += bias
-    if shift is not None:
-        s -= shift[:, None]
-    np.exp(s, out=s)
-    if sums is not None:
-        np.sum(s, axis=1, out=sums)
 
 
 def _once(resident, key, make):
@@ -211,7 +156,7 @@ def _shifted_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows, o_row
     ``sums (rows,)``: scratch.
     """
     np.matmul(q_t, k_t.T, out=s)
-    _exp_pass(s, scale, bias, m_rows, sums)
+    exp_pass(s, scale, bias, m_rows, sums)
     if drop is not None:
         s *= drop
     np.matmul(s, v_t, out=pv)
@@ -245,7 +190,7 @@ def _exact_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows, o_rows,
     m_new = np.maximum(m_rows, row_max)
     # rows that have seen nothing yet keep m = -inf; shift them by 0
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype, copy=False)
-    _exp_pass(s, pass_scale, None, shift, sums)
+    exp_pass(s, pass_scale, None, shift, sums)
     if drop is not None:
         s *= drop
     np.matmul(s, v_t, out=pv)
@@ -429,7 +374,7 @@ def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t,
     With dropout (``drop``: the tile's keep/(1-p) factors) ``dv += (P Z)^T do`` and
     ``dS = P * ((do v^T) Z - dvec)``."""
     np.matmul(q_t, k_t.T, out=p)
-    _exp_pass(p, scale, bias, lse_t)
+    exp_pass(p, scale, bias, lse_t)
     if drop is None:
         dv_t += p.T @ do_t
     else:

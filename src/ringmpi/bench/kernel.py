@@ -51,9 +51,9 @@ def machine_rates(dim, tile=512, repeat=5):
     s[...] = rng.standard_normal((tile, tile), dtype=np.float32)
     np.minimum(s, 0, out=s)
     x = s.copy()
-    from ..backends.numpy_backend import _exp_pass
+    from ..backends.tile_pass import exp_pass
 
-    exp = _best(lambda: (np.copyto(s, x), _exp_pass(s, np.float32(1))), repeat)
+    exp = _best(lambda: (np.copyto(s, x), exp_pass(s, np.float32(1))), repeat)
     return 4 * tile * tile * dim / gemm, tile * tile / exp
 
 
@@ -139,10 +139,10 @@ def main(argv=None):
             f"| {'bwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6}")
     print(f"S={args.seq} B={args.batch} H={args.heads} float32, 1 thread; bound = GEMM + exp design "
           f"at this machine's rates (GEMM G, exp E, measured now)")
-    from ..backends.numpy_backend import tile_pass, vector_path
+    from ..backends.tile_pass import implementation, vector_path
 
     path = vector_path()
-    print(f"CPU {cpu_model()}; BLAS {blas_name()} (NumPy's); float32 tile pass: {tile_pass()}"
+    print(f"CPU {cpu_model()}; BLAS {blas_name()} (NumPy's); float32 tile pass: {implementation()}"
           + (f" ({path})" if path else ""))
     print(head)
     print("-" * len(head))
