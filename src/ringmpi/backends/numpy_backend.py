@@ -25,6 +25,10 @@ TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
 # a partly hidden tile runs as row bands of this many rows, each cut to its visible columns
 BAND_Q = positive_int("RINGMPI_BAND_Q", 128)
 _RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf only past ~2^127)
+# a shifted tile whose row sum passes this had a shift lagging that row's maximum by up to
+# ln(sum) (> 11): its exp arguments, rounded to float32 at that magnitude, lose the precision
+# the exact path keeps (scores near their maximum), so the exact path redoes the tile
+_LAG_SUM = 2.0 ** 16
 
 
 def _once(resident, key, make):
@@ -148,19 +152,21 @@ def _shifted_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_rows, o_row
     """One tile with the running maximum as the shift: ``exp(scale * q.k + bias - m)`` and
     its row sums in one pass after the scores' GEMM, no max pass.
 
-    Returns False, having changed nothing, when the tile overflows; the caller
-    then takes the exact path.  ``fix_pv(weights, pv)``, when given, adds the
+    Returns False, having changed nothing, when the tile overflows or a row's sum passes
+    ``_LAG_SUM`` (the shift lagged too far behind the row's maximum); the caller then takes
+    the exact path.  ``fix_pv(weights, pv)``, when given, adds the
     contributions of non-finite ``v`` rows (see :func:`_careful_forward_tile`).
     ``drop``, when given, multiplies the weights after their row sums are taken
     (dropout: ``l`` stays the sum of the un-dropped weights).  ``pv (rows, D_v)``,
     ``sums (rows,)``: scratch.
     """
     np.matmul(q_t, k_t.T, out=s)
-    exp_pass(s, scale, bias, m_rows, sums)
-    if drop is not None:
-        s *= drop
-    np.matmul(s, v_t, out=pv)
-    if not (np.isfinite(sums).all() and np.isfinite(pv).all()):
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow here is expected: the exact path redoes it
+        exp_pass(s, scale, bias, m_rows, sums)
+        if drop is not None:
+            s *= drop
+        np.matmul(s, v_t, out=pv)
+    if not (sums.max() <= _LAG_SUM and np.isfinite(pv).all()):  # NaN and inf fail too
         return False
     if fix_pv is not None:
         fix_pv(s, pv)
