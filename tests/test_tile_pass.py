@@ -96,6 +96,26 @@ def test_exp_pass_row_sums(tile_pass, cols):
     np.testing.assert_allclose(sums[fine], want[fine], rtol=cols * np.finfo(np.float32).eps)
 
 
+def test_ds_pass_gives_numpys_bits(tile_pass):
+    """The backward's dS pass is NumPy's two passes (subtract, multiply) bit for bit, strided
+    rows, tails and non-finite values included."""
+    rng = np.random.default_rng(2)
+    p = rng.random((9, 40)).astype(np.float32)
+    dp = rng.standard_normal((9, 40)).astype(np.float32)
+    dvec = rng.standard_normal(9).astype(np.float32)
+    dp[1, 3], p[2, 5], dvec[4], p[5, 0], dp[6, 7] = np.nan, np.inf, np.inf, 0.0, np.inf
+    for cols in (1, 7, 16, 33, 40):
+        wide = np.zeros((9, 64), np.float32)
+        wide[:, :cols] = dp[:, :cols]
+        got = wide[:, :cols]  # rows 64 floats apart
+        want = dp[:, :cols].copy()
+        with np.errstate(all="ignore"):
+            tp.ds_pass(got, p[:, :cols], dvec)
+            want -= dvec[:, None]
+            want *= p[:, :cols]
+        np.testing.assert_array_equal(got, want)
+
+
 CASES = {
     "full": dict(),
     "causal-gqa": dict(causal=True, hkv=2),
@@ -170,9 +190,10 @@ def test_same_bits_on_repeat(tile_pass):
 
 
 def test_every_vector_path_gives_the_same_bits():
-    """The compiled pass's vector paths (AVX-512, AVX2, plain: as many as this CPU runs) do the
+    """The compiled passes' vector paths (AVX-512, AVX2, plain: as many as this CPU runs) do the
     same arithmetic in the same order: the same results and row sums, bit for bit, tails of
-    every length under 16 columns, non-finite values and strided rows included."""
+    every length under 16 columns, non-finite values and strided rows included (the exp pass
+    and the backward's dS pass)."""
     fused = tp.compiled
     if fused is None:
         pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
@@ -196,9 +217,11 @@ def test_every_vector_path_gives_the_same_bits():
                 strided[:, :cols] = wide[:, :cols]
                 view = strided[:, :cols]  # rows 80 floats apart
                 with np.errstate(all="ignore"):
+                    ds = wide[:, :cols] * np.float32(0.01)
                     fused.exp_tile(s, np.float32(0.3), bias[:, :cols].copy(), shift, sums)
                     fused.exp_tile(view, np.float32(0.3), None, shift)
-                got.append(s.tobytes() + sums.tobytes() + view.tobytes())
+                    fused.ds_tile(ds, s, shift)  # NaN in both operands where s has one
+                got.append(s.tobytes() + sums.tobytes() + view.tobytes() + ds.tobytes())
             results[path] = got
     finally:
         fused.use(before)

@@ -137,6 +137,19 @@ PATH_ISA static void FN(exp_rows)(float *s, Py_ssize_t rows, Py_ssize_t cols, Py
     }
 }
 
+/* the backward's dS = (dP - dvec[i]) * P in place in dp, a subtraction then a product, each
+ * rounded (as NumPy's two passes round them) */
+PATH_ISA static void FN(ds_rows)(float *dp, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, const float *p,
+                                 Py_ssize_t ldp, const float *dvec, Py_ssize_t inc)
+{
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        float *restrict out = dp + i * ld;
+        const float *restrict weights = p + i * ldp;
+        const float d = dvec[i * inc];
+        for (Py_ssize_t j = 0; j < cols; j++) out[j] = (out[j] - d) * weights[j];
+    }
+}
+
 #undef FN
 #undef VF
 #undef VI

@@ -1,6 +1,7 @@
-/* ringmpi._fused: the CPU tile's elementwise pass in one sweep (float32).
+/* ringmpi._fused: the CPU tile's elementwise passes, each in one sweep (float32).
  *
- *   s[i, j] = exp(((s[i, j] * scale) + bias[i, j]) - shift[i]),   sums[i] = sum_j s[i, j]
+ *   exp_tile:  s[i, j] = exp(((s[i, j] * scale) + bias[i, j]) - shift[i]),   sums[i] = sum_j s[i, j]
+ *   ds_tile:   dp[i, j] = (dp[i, j] - dvec[i]) * p[i, j]                     (the backward's dS)
  *
  * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off),
  * bias, shift and sums optional.  A row's sum adds its elements into LANES partial
@@ -49,17 +50,20 @@
 
 typedef void (*exp_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float, const float *, Py_ssize_t,
                             const float *, float *);
+typedef void (*ds_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, const float *,
+                           Py_ssize_t);
 
-/* the paths, best first; a path runs where the CPU has its extension */
+/* the paths, widest first; a path runs where the CPU has its extension */
 static const struct {
     const char *name;
-    exp_rows_fn fn;
+    exp_rows_fn exp_rows;
+    ds_rows_fn ds_rows;
 } PATHS[] = {
 #ifdef X86_PATHS
-    {"avx512", exp_rows_avx512},
-    {"avx2", exp_rows_avx2},
+    {"avx512", exp_rows_avx512, ds_rows_avx512},
+    {"avx2", exp_rows_avx2, ds_rows_avx2},
 #endif
-    {"plain", exp_rows_plain},
+    {"plain", exp_rows_plain, ds_rows_plain},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -67,20 +71,14 @@ static int cpu_runs(int i)
 {
 #ifdef X86_PATHS
     __builtin_cpu_init();
-    if (PATHS[i].fn == exp_rows_avx512) return __builtin_cpu_supports("avx512f");
-    if (PATHS[i].fn == exp_rows_avx2) return __builtin_cpu_supports("avx2");
+    if (PATHS[i].exp_rows == exp_rows_avx512) return __builtin_cpu_supports("avx512f");
+    if (PATHS[i].exp_rows == exp_rows_avx2) return __builtin_cpu_supports("avx2");
 #endif
     (void)i;
     return 1; /* the baseline */
 }
 
 static int current = -1; /* index into PATHS, set at import */
-
-static void exp_rows(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
-                     const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
-{
-    PATHS[current].fn(s, rows, cols, ld, scale, bias, ldb, shift, sums);
-}
 
 /* a writable (or, for inputs, readable) float32 2-D buffer with unit column stride */
 static int get2d(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t *rows, Py_ssize_t *cols,
@@ -135,7 +133,7 @@ static PyObject *py_exp_tile(PyObject *self, PyObject *args)
         sums = (float *)uv.buf;
     }
     Py_BEGIN_ALLOW_THREADS
-    exp_rows((float *)sv.buf, rows, cols, ld, scale, bias, ldb, shift, sums);
+    PATHS[current].exp_rows((float *)sv.buf, rows, cols, ld, scale, bias, ldb, shift, sums);
     Py_END_ALLOW_THREADS
     if (has_u) PyBuffer_Release(&uv);
     if (has_h) PyBuffer_Release(&hv);
@@ -147,6 +145,38 @@ fail_h:
 fail:
     if (has_b) PyBuffer_Release(&bv);
     PyBuffer_Release(&sv);
+    return NULL;
+}
+
+static PyObject *py_ds_tile(PyObject *self, PyObject *args)
+{
+    PyObject *dpo, *po, *vo;
+    if (!PyArg_ParseTuple(args, "OOO", &dpo, &po, &vo)) return NULL;
+    Py_buffer dv, pv, vv;
+    Py_ssize_t rows, cols, ld, pr, pc, ldp;
+    if (get2d(dpo, &dv, 1, &rows, &cols, &ld) < 0) return NULL;
+    if (get2d(po, &pv, 0, &pr, &pc, &ldp) < 0) { PyBuffer_Release(&dv); return NULL; }
+    if (pr != rows || pc != cols) {
+        PyErr_SetString(PyExc_ValueError, "p's shape differs from dp's");
+        goto fail;
+    }
+    if (PyObject_GetBuffer(vo, &vv, PyBUF_STRIDES | PyBUF_FORMAT) < 0) goto fail;
+    if (vv.ndim != 1 || strcmp(vv.format, "f") != 0 || vv.shape[0] != rows || vv.strides[0] % 4) {
+        PyErr_SetString(PyExc_ValueError, "dvec must be a (rows,) float32 array");
+        PyBuffer_Release(&vv);
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    PATHS[current].ds_rows((float *)dv.buf, rows, cols, ld, (const float *)pv.buf, ldp, (const float *)vv.buf,
+                           vv.strides[0] / 4);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vv);
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&dv);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&dv);
     return NULL;
 }
 
@@ -186,6 +216,8 @@ static PyMethodDef methods[] = {
      "exp_tile(s, scale, bias, shift, sums=None): s = exp(s * scale + bias - shift[:, None]) in place, "
      "float32 (bias a same-shape array or None, shift a (rows,) array or None); sums, a (rows,) "
      "array, receives the rows' sums of the result"},
+    {"ds_tile", py_ds_tile, METH_VARARGS,
+     "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
     {"path", py_path, METH_NOARGS, "path(): the vector path exp_tile runs"},
     {"use", py_use, METH_VARARGS, "use(name): exp_tile runs the vector path ``name`` (ValueError where this CPU cannot)"},

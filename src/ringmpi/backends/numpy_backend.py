@@ -18,7 +18,7 @@ from ..dtypes import compute_dtype, is_16bit
 from ..env import positive_int
 from ..masks import FULL, SKIP, BlockMask
 from . import HostMessage
-from .tile_pass import exp_pass
+from .tile_pass import ds_pass, exp_pass
 
 TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
 TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
@@ -388,8 +388,7 @@ def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t,
     np.matmul(do_t, v_t.T, out=dp)
     if drop is not None:
         dp *= drop
-    dp -= dvec_t[:, None]
-    dp *= p
+    ds_pass(dp, p, dvec_t)
     dq_t += dp @ k_t
     dk_t += dp.T @ q_t
 
@@ -412,8 +411,7 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     np.matmul(do_t, v_t.T, out=dp)
     if drop is not None:
         dp *= drop
-    dp -= dvec_t[:, None]
-    dp *= p
+    ds_pass(dp, p, dvec_t)
     np.square(t, out=t)
     np.subtract(1, t, out=t)
     dp *= t

@@ -1,8 +1,9 @@
-"""The CPU tiles' elementwise pass between the two GEMMs, and which code runs it.
+"""The CPU tiles' elementwise passes between their GEMMs, and which code runs them.
 
 ``exp_pass(s, scale, bias, shift, sums)``: ``s = exp(s * scale + bias - shift[:, None])`` in
-place, each step rounded in that order, with the rows' sums of the result when asked.  For
-float32 it is one sweep of the compiled extension (``ringmpi._ext._fused``, built by ``pip
+place, each step rounded in that order, with the rows' sums of the result when asked;
+``ds_pass(dp, p, dvec)``: the backward's ``dp = (dp - dvec[:, None]) * p``.  For
+float32 each is one sweep of the compiled extension (``ringmpi._ext._fused``, built by ``pip
 install`` from ``src/ringmpi/_ext/fused.c``), which is compiled once per vector path
 (``avx512``, ``avx2``, ``plain``: the same float32 operations in the same order, so the same
 bits on each); other dtypes, and every dtype where the extension was not built or
@@ -118,3 +119,15 @@ def exp_pass(s, scale, bias=None, shift=None, sums=None) -> None:
     np.exp(s, out=s)
     if sums is not None:
         np.sum(s, axis=1, out=sums)
+
+
+def ds_pass(dp, p, dvec) -> None:
+    """The backward's ``dS = P * (dP - dvec)`` in place in ``dp``: ``dp = (dp - dvec[:, None]) * p``,
+    the subtraction and the product each rounded, so NumPy's two passes give the same bits.
+    ``dp``, ``p (rows, cols)`` with unit column stride, ``dvec (rows,)``; one compiled sweep
+    for float32, NumPy passes otherwise."""
+    if compiled is not None and dp.dtype == p.dtype == dvec.dtype == np.float32:
+        compiled.ds_tile(dp, p, dvec)
+        return
+    dp -= dvec[:, None]
+    dp *= p
