@@ -153,6 +153,30 @@ def test_unpinned_import_takes_the_fastest_path():
     assert chosen == max(rates, key=rates.get), f"chose {chosen} from {rates}"
 
 
+def test_the_avx512_width_gives_the_same_bits(tmp_path):
+    """``exp_rows.h`` built with the avx512 path's width and block (16 lanes, 4 vectors) but AVX2
+    instructions gives the plain and avx2 paths' bits (``tests/exp_rows_widths.c``): the
+    vector width is the paths' only difference, so this checks the avx512 path's arithmetic
+    on a CPU without AVX-512 (where the pinned levels cannot run it)."""
+    import shlex
+    import shutil
+    import sysconfig
+
+    if "avx2" not in cpu_flags():
+        pytest.skip("the check builds an AVX2 program: this CPU has no AVX2")
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(cc[0]) is None:
+        pytest.skip(f"no C compiler ({cc[0]})")
+    exe = tmp_path / "exp_rows_widths"
+    cmd = cc + ["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi",
+                f"-I{ROOT / 'src' / 'ringmpi' / '_ext'}", f"-I{sysconfig.get_paths()['include']}",
+                str(ROOT / "tests" / "exp_rows_widths.c"), "-o", str(exe), "-lm"]
+    rc, out = _run(cmd, dict(os.environ), 300)
+    assert rc == 0, out
+    rc, out = _run([str(exe)], dict(os.environ), 120)
+    assert (rc, out.strip()) == (0, "SAME BITS"), out
+
+
 def _pinned_env(path, core):
     env = dict(os.environ, RINGMPI_CPU_VECTOR=path, OPENBLAS_NUM_THREADS="1",
                NPY_DISABLE_CPU_FEATURES=" ".join(numpy_targets_above(path)))
