@@ -215,9 +215,8 @@ def main(argv=None):
         for path in paths:
             print(f"  compiled pass, {path:>6}: {rates[path] / 1e9:.2f} = {rates[path] / rates['np.exp']:.2f}x np.exp"
                   + (f", {rates[path] / torch_rate:.2f}x torch.exp" if torch_rate else ""))
-    label = "path" if args.paths else ""
-    head = (f"{label:>6} {'D':>4} {'causal':>6} | {'fwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6} "
-            f"| {'bwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6}")
+    head = (("  path " if args.paths else "") + f"{'D':>4} {'causal':>6} | {'fwd GF/s':>9} {'torch':>9} {'ratio':>6} "
+            f"{'bound':>7} {'of bnd':>6} | {'bwd GF/s':>9} {'torch':>9} {'ratio':>6} {'bound':>7} {'of bnd':>6}")
     print(head)
     print("-" * len(head))
     if measure_torch(64, 8, 1, 1, False, 1) is None:
@@ -245,8 +244,8 @@ def main(argv=None):
                         cells.append(f"{ours[i] / 1e9:9.2f} " + (
                             f"{theirs[i] / 1e9:9.2f} {ours[i] / theirs[i]:6.2f}x" if theirs
                             else f"{'-':>9} {'-':>6}") + f" {bounds[i] / 1e9:7.1f} {ours[i] / bounds[i]:6.2f}")
-                    name = (path or "numpy") if args.paths else ""
-                    print(f"{name:>6} {dim:>4} {str(causal):>6} | {cells[0]} | {cells[1]}", flush=True)
+                    name = f"{path or 'numpy':>6} " if args.paths else ""
+                    print(f"{name}{dim:>4} {str(causal):>6} | {cells[0]} | {cells[1]}", flush=True)
     finally:
         if chosen is not None:
             tile_pass.use(chosen)
