@@ -177,6 +177,27 @@ def test_the_avx512_width_gives_the_same_bits(tmp_path):
     assert (rc, out.strip()) == (0, "SAME BITS"), out
 
 
+def test_kernel_bench_measures_every_path():
+    """``python -m ringmpi.bench.kernel --paths`` prints every path's exp rate beside np.exp's,
+    and a table row per path and shape (tiny shapes, torch hidden so that no child imports it:
+    the command, not the figures)."""
+    paths, _ = tile_paths()
+    if not paths:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env.pop("RINGMPI_CPU_VECTOR", None)
+    bench = ("import sys; sys.modules['torch'] = None; from ringmpi.bench.kernel import main; "
+             "main(['--paths', '--seq', '128', '--dims', '16', '--repeat', '1'])")
+    rc, out = _run([sys.executable, "-c", bench], env, 300)
+    assert rc == 0, out
+    assert "np.exp" in out, out
+    if len(paths) > 1:
+        assert "the fastest in the import's calibration" in out, out
+    for path in paths:
+        assert f"compiled pass, {path:>6}:" in out, out
+        rows = [line.split() for line in out.splitlines() if line.split()[:2] == [path, "16"]]
+        assert [row[2] for row in rows] == ["False", "True"], out
+
 def _pinned_env(path, core):
     env = dict(os.environ, RINGMPI_CPU_VECTOR=path, OPENBLAS_NUM_THREADS="1",
                NPY_DISABLE_CPU_FEATURES=" ".join(numpy_targets_above(path)))

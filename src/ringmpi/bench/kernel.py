@@ -105,6 +105,10 @@ print("TORCH_EXP", s.numel() / max(best(lambda: torch.exp(s.copy_(x), out=s)) - 
 def torch_exp_rate(tile=512, repeat=20):
     """``torch.exp``'s float32 elements/s on the same tile with one thread, in a child process
     (see :mod:`ringmpi.bench.sdpa`), or None without torch."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return None
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     try:
         proc = subprocess.run([sys.executable, "-c", _TORCH_EXP, str(tile), str(repeat)], capture_output=True,
