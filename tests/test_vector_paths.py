@@ -12,6 +12,7 @@ difference between CPUs (issue 34: OpenBLAS's AVX-512 gemv on an Intel Xeon) sho
 any machine that has the instructions.
 """
 
+import ast
 import os
 import sys
 
@@ -87,10 +88,9 @@ def numpy_runs_above(path):
 
 def tile_paths():
     """(the paths this CPU runs, best first; the one this process runs), or ((), None)."""
-    from ringmpi.backends import numpy_backend
+    from ringmpi.backends import tile_pass
 
-    fused = numpy_backend._FUSED
-    return ((), None) if fused is None else (fused.paths(), fused.path())
+    return tile_pass.vector_paths(), tile_pass.vector_path()
 
 
 def levels():
@@ -125,13 +125,78 @@ def test_the_switch_pins_each_path_and_refuses_others():
     paths, _ = tile_paths()
     if not paths:
         pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
-    probe = "from ringmpi.backends import numpy_backend as nb; print(nb.vector_path())"
+    probe = "from ringmpi.backends import tile_pass; print(tile_pass.vector_path())"
     for path in paths:
         rc, out = _run([sys.executable, "-c", probe], dict(os.environ, RINGMPI_CPU_VECTOR=path), 120)
         assert (rc, out.strip()) == (0, path)
     rc, out = _run([sys.executable, "-c", probe], dict(os.environ, RINGMPI_CPU_VECTOR="sse9"), 120)
     assert rc != 0 and f"RINGMPI_CPU_VECTOR must be a path this CPU runs ({', '.join(paths)}), got 'sse9'" in out
 
+
+def test_unpinned_import_takes_the_fastest_path():
+    """Without ``RINGMPI_CPU_VECTOR`` the import times every path this CPU runs and takes the
+    fastest (not the widest)."""
+    paths, _ = tile_paths()
+    if not paths:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
+    probe = "from ringmpi.backends import tile_pass as tp; print(tp.vector_path(), repr(tp.calibration()))"
+    env = dict(os.environ)
+    env.pop("RINGMPI_CPU_VECTOR", None)
+    rc, out = _run([sys.executable, "-c", probe], env, 120)
+    assert rc == 0, out
+    chosen, rates = out.split(" ", 1)
+    rates = ast.literal_eval(rates)
+    if len(paths) == 1:
+        assert (chosen, rates) == (paths[0], {})
+        return
+    assert set(rates) == set(paths) and all(rate > 0 for rate in rates.values())
+    assert chosen == max(rates, key=rates.get), f"chose {chosen} from {rates}"
+
+
+def test_the_avx512_width_gives_the_same_bits(tmp_path):
+    """``exp_rows.h`` built with the avx512 path's width and block (16 lanes, 4 vectors) but AVX2
+    instructions gives the plain and avx2 paths' bits (``tests/exp_rows_widths.c``): the
+    vector width is the paths' only difference, so this checks the avx512 path's arithmetic
+    on a CPU without AVX-512 (where the pinned levels cannot run it)."""
+    import shlex
+    import shutil
+    import sysconfig
+
+    if "avx2" not in cpu_flags():
+        pytest.skip("the check builds an AVX2 program: this CPU has no AVX2")
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(cc[0]) is None:
+        pytest.skip(f"no C compiler ({cc[0]})")
+    exe = tmp_path / "exp_rows_widths"
+    cmd = cc + ["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi",
+                f"-I{ROOT / 'src' / 'ringmpi' / '_ext'}", f"-I{sysconfig.get_paths()['include']}",
+                str(ROOT / "tests" / "exp_rows_widths.c"), "-o", str(exe), "-lm"]
+    rc, out = _run(cmd, dict(os.environ), 300)
+    assert rc == 0, out
+    rc, out = _run([str(exe)], dict(os.environ), 120)
+    assert (rc, out.strip()) == (0, "SAME BITS"), out
+
+
+def test_kernel_bench_measures_every_path():
+    """``python -m ringmpi.bench.kernel --paths`` prints every path's exp rate beside np.exp's,
+    and a table row per path and shape (tiny shapes, torch hidden so that no child imports it:
+    the command, not the figures)."""
+    paths, _ = tile_paths()
+    if not paths:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy): no vector paths")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env.pop("RINGMPI_CPU_VECTOR", None)
+    bench = ("import sys; sys.modules['torch'] = None; from ringmpi.bench.kernel import main; "
+             "main(['--paths', '--seq', '128', '--dims', '16', '--repeat', '1'])")
+    rc, out = _run([sys.executable, "-c", bench], env, 300)
+    assert rc == 0, out
+    assert "np.exp" in out, out
+    if len(paths) > 1:
+        assert "the fastest in the import's calibration" in out, out
+    for path in paths:
+        assert f"compiled pass, {path:>6}:" in out, out
+        rows = [line.split() for line in out.splitlines() if line.split()[:2] == [path, "16"]]
+        assert [row[2] for row in rows] == ["False", "True"], out
 
 def _pinned_env(path, core):
     env = dict(os.environ, RINGMPI_CPU_VECTOR=path, OPENBLAS_NUM_THREADS="1",
@@ -152,8 +217,8 @@ def _run(cmd, env, timeout):
 @pytest.mark.parametrize("path,core", LEVELS, ids=[f"{p}-{c or 'own-blas'}" for p, c in LEVELS])
 def test_bitwise_cases_under_pinned_level(path, core):
     env = _pinned_env(path, core)
-    probe = ("from ringmpi.backends import numpy_backend as nb; import test_vector_paths as t; "
-             "print(nb.vector_path(), t.openblas_core(), t.numpy_runs_above(nb.vector_path()))")
+    probe = ("from ringmpi.backends import tile_pass as tp; import test_vector_paths as t; "
+             "print(tp.vector_path(), t.openblas_core(), t.numpy_runs_above(tp.vector_path()))")
     rc, out = _run([sys.executable, "-c", probe], dict(env, PYTHONPATH=str(ROOT / "tests")), 120)
     assert rc == 0, out
     assert out.split() == [path, str(core if core is not None else openblas_core()), "[]"], \
