@@ -43,8 +43,6 @@ LAYERS = (
     ("commands", ("ringmpi.cli", "ringmpi.bench", "ringmpi.__main__")),
 )
 CORE_FORBIDDEN = ("mpi4py", "h5py", "cupy")
-# Private imports other branches remove; an entry that no longer occurs fails the test (delete it then).
-PENDING = {("ringmpi.bench.kernel", "ringmpi.backends.numpy_backend", "_exp_pass")}  # the tile-pass branch
 
 
 # ------------------------------------------------------------------ reading the source
@@ -192,10 +190,9 @@ def core_problems(src: Source) -> list:
             for m, pkg, line in src.external if layer_of(m) and layer_of(m)[1] == "core" and pkg in CORE_FORBIDDEN]
 
 
-def private_problems(src: Source, pending=frozenset()) -> list:
+def private_problems(src: Source) -> list:
     return [f"{m}:{line} imports the private name {name} from {target}" for m, target, name, line in src.names
-            if name.startswith("_") and not name.startswith("__") and target != m
-            and (m, target, name) not in pending]
+            if name.startswith("_") and not name.startswith("__") and target != m]
 
 
 def test_layer_table_is_ordered_and_disjoint():
@@ -224,9 +221,7 @@ def test_core_does_no_mpi_io_or_gpu(package):
 
 
 def test_no_private_name_is_imported_across_modules(package):
-    assert private_problems(package, PENDING) == []
-    still = {(m, t, n) for m, t, n, _ in package.names} & PENDING
-    assert still == PENDING, f"{sorted(PENDING - still)} no longer occur: delete them from PENDING"
+    assert private_problems(package) == []
 
 
 def test_the_tests_import_no_private_name_of_the_package_or_of_each_other():
@@ -255,7 +250,7 @@ def test_the_reading_sees_function_level_imports_and_root_names(package):
     assert ("ringmpi.filejob.job", "ringmpi.attention") in edges  # ``from .. import ring_attention`` in a function
     assert ("ringmpi.torch", "ringmpi.attention") in edges        # ``ringmpi.ring_attention(...)``
     assert ("ringmpi.backends", "ringmpi.backends.numpy_backend") in edges  # inside get_backend
-    assert ("ringmpi.backends.numpy_backend", "ringmpi._ext._fused") in edges  # setup.py's extension
+    assert ("ringmpi.backends.tile_pass", "ringmpi._ext._fused") in edges  # setup.py's extension
 
 
 # ------------------------------------------------------------------ the checks fail where they should
