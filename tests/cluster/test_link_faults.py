@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from test_file_io import RINGMPI
+from cli_util import RINGMPI
 
 pytestmark = pytest.mark.mpi
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_util import RINGMPI
 from mpi_util import case_results, launch_cache
-from test_file_io import RINGMPI
 
 pytestmark = pytest.mark.mpi
 

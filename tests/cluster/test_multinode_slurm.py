@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 import slurm_cluster
+from cli_util import RINGMPI
 from mpi_util import ROOT
-from test_file_io import RINGMPI
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slurm]
 

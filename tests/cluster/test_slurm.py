@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import slurm_cluster
+from cli_util import RINGMPI
+from file_check import check_case
 from mpi_util import ROOT, mpirun, mpirun_env
-from test_file_io import RINGMPI, check_case
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slurm]
 

@@ -5,7 +5,6 @@ file; failures while writing never damage an existing output; ``--help`` and
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -13,45 +12,14 @@ import h5py
 import numpy as np
 import pytest
 
+from cli_util import RINGMPI, leftovers, ringmpi, write_input
 from mpi_util import DRIVERS, ROOT, mpirun, mpirun_env
-from test_file_io import RINGMPI
 
 JOB_SCRIPTS = sorted(p for p in (ROOT / "jobs").glob("*") if p.suffix != ".py") + [ROOT / "scripts" / "main.sh", ROOT / "data" / "make_sample.sh"]
 
 
-def ringmpi(args, timeout=60, env=None):
-    """One process, no mpirun (P = 1): (returncode, stdout, stderr)."""
-    proc = subprocess.Popen([RINGMPI] + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env or mpirun_env(), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"ringmpi {args} passed its {timeout} s deadline")
-    return proc.returncode, out, err
-
-
-def write_input(path, n=20, h=4, hkv=2, d=8, b=1, dtype="float32", do=True, **override):
-    rng = np.random.default_rng(1)
-    data = dict(q=rng.standard_normal((b, n, h, d)), k=rng.standard_normal((b, n, hkv, d)),
-                v=rng.standard_normal((b, n, hkv, d)))
-    if do:
-        data["do"] = rng.standard_normal((b, n, h, d))
-    data = {k: v.astype(dtype) for k, v in data.items()}
-    data.update(override)
-    with h5py.File(path, "w") as f:
-        for name, value in data.items():
-            if value is not None:
-                f[name] = value
-    return path
-
-
 def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def leftovers(directory):
-    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name)
 
 
 BAD = {

@@ -6,9 +6,8 @@ import h5py
 import numpy as np
 import pytest
 
+from cli_util import RINGMPI, write_input
 from mpi_util import mpirun
-from test_cli import write_input
-from test_file_io import RINGMPI
 
 MISTAKES = {
     "missing-argument": (["run"], "Missing argument 'IN.h5'"),

@@ -10,9 +10,8 @@ import sys
 
 import pytest
 
+from cli_util import RINGMPI, write_input
 from mpi_util import ROOT, mpirun, mpirun_env
-from test_cli import write_input
-from test_file_io import RINGMPI
 from ringmpi.runtime.device import cuda_error_reason, gpu_unavailable_reason
 
 REASON = gpu_unavailable_reason()

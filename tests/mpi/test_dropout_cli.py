@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 import reference
+from cli_util import RINGMPI, ringmpi, write_input
 from mpi_util import mpirun
-from test_cli import ringmpi, write_input
-from test_file_io import RINGMPI
 
 P, SEED = 0.25, 12345
 

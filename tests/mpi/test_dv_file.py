@@ -13,8 +13,9 @@ import sys
 import h5py
 import pytest
 
+from cli_util import RINGMPI
+from file_check import check_case
 from mpi_util import DRIVERS, mpirun
-from test_file_io import RINGMPI, check_case
 
 WORLD_SIZES = (1, 3)
 NARROW = ["--n", "41", "--heads", "4", "--kv-heads", "2", "--dim", "24", "--dim-v", "8", "--with-do", "--seed", "5"]

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 import reference
+from cli_util import RINGMPI
+from file_check import check_case, load_file
 from mpi_util import DRIVERS, ROOT, mpirun, mpirun_env
 
 WORLD_SIZES = (1, 2, 3, 4)
 BASE = ["--n", "67", "--heads", "4", "--kv-heads", "2", "--dim", "8", "--with-do", "--seed", "7"]
-RINGMPI = str(ROOT / ".venv" / "bin" / "ringmpi") if (ROOT / ".venv" / "bin" / "ringmpi").exists() \
-    else shutil.which("ringmpi")
 
 
 def cases():
@@ -75,74 +75,6 @@ def launch(tmp_path_factory):
     return get
 
 
-def _read(dset):
-    """A dataset's values; bfloat16 per docs/file-format.md: uint16 patterns marked dtype="bfloat16"."""
-    data = dset[()]
-    if dset.attrs.get("dtype") == "bfloat16":
-        assert data.dtype == np.uint16
-        return data.view(reference.BFLOAT16)
-    return data
-
-
-def _load(path):
-    with h5py.File(path, "r") as f:
-        return {k: _read(f[k]) for k in f}, dict(f.attrs)
-
-
-def _opt(args, name, n=1):
-    if name not in args:
-        return None
-    i = args.index(name)
-    return args[i + 1:i + 1 + n]
-
-
-def check_case(case, where, p):
-    data, _ = _load(where / f"{case['id']}.in.h5")
-    out, attrs = _load(where / f"{case['id']}.out.h5")
-    rank4 = data["q"].ndim == 4
-    lift = (lambda x: x) if rank4 else (lambda x: x[None])
-    q, k, v = lift(data["q"]), lift(data["k"]), lift(data["v"])
-    b = q.shape[0]
-    seg_q = seg_kv = None
-    if "segment_ids" in data:
-        seg_q = seg_kv = np.broadcast_to(data["segment_ids"], (b, q.shape[1]))
-    causal = "--causal" in case["run"]
-    window = _opt(case["run"], "--window", 2)
-    window = None if window is None else tuple(None if int(w) < 0 else int(w) for w in window)
-    scale = _opt(case["run"], "--scale")
-    scale = float(scale[0]) if scale else 1.0 / np.sqrt(q.shape[3])
-    layout = (_opt(case["run"], "--layout") or ["zigzag" if causal else "contiguous"])[0]
-    assert attrs["world_size"] == p and attrs["layout"] == layout and bool(attrs["causal"]) == causal
-    assert np.isclose(attrs["softmax_scale"], scale)
-    dtype = q.dtype
-    alibi = _opt(case["run"], "--alibi-slopes")
-    alibi = None if alibi is None else np.array(alibi[0].split(","), dtype=np.float32)
-    assert ("alibi_slopes" in attrs) == (alibi is not None)
-    if alibi is not None:
-        assert attrs["alibi_slopes"].dtype == np.float32 and np.array_equal(attrs["alibi_slopes"], alibi)
-    vis = reference.visible(q.shape[1], k.shape[1], causal, window, seg_q, seg_kv)
-    ref_o, ref_lse = reference.dense_forward(q, k, v, vis, scale, np.float64, alibi=alibi)
-    naive_o, naive_lse = reference.dense_forward(q, k, v, vis, scale, dtype, alibi=alibi)
-    assert out["o"].dtype == dtype and out["o"].shape == data["q"].shape[:-1] + data["v"].shape[-1:]  # D_v wide
-    assert out["lse"].dtype == (np.float64 if dtype == np.float64 else np.float32)
-    assert out["lse"].shape == ((b,) if rank4 else ()) + (q.shape[2], q.shape[1])
-    problems = []
-    for name, ours, ref, naive in (("o", out["o"], ref_o, naive_o), ("lse", out["lse"], ref_lse, naive_lse)):
-        ok, msg = reference.tolerance_check(name, lift(ours), ref, naive)
-        problems += [] if ok else [msg]
-    backward = "--backward" in case["run"]
-    assert ("dq" in out) == backward
-    if backward:
-        do = lift(data["do"])
-        refs = reference.dense_backward(do, q, k, v, vis, scale, np.float64, alibi=alibi)
-        naives = reference.dense_backward(do, q, k, v, vis, scale, dtype, alibi=alibi)
-        for name, ref, naive, like in zip(("dq", "dk", "dv"), refs, naives, ("q", "k", "v")):
-            assert out[name].dtype == dtype and out[name].shape == data[like].shape
-            ok, msg = reference.tolerance_check(name, lift(out[name]), ref, naive, gradient=True)
-            problems += [] if ok else [msg]
-    assert not problems, "; ".join(problems)
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("p", WORLD_SIZES)
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
@@ -154,8 +86,8 @@ def test_file_case(launch, p, case):
 def test_make_data_same_bytes_for_any_rank_count(launch):
     one, three = launch(1), launch(3)
     for case in CASES:
-        a, _ = _load(one / f"{case['id']}.in.h5")
-        b, _ = _load(three / f"{case['id']}.in.h5")
+        a, _ = load_file(one / f"{case['id']}.in.h5")
+        b, _ = load_file(three / f"{case['id']}.in.h5")
         assert a.keys() == b.keys()
         for name in a:
             assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), (case["id"], name)

@@ -15,9 +15,9 @@ import h5py
 import numpy as np
 import pytest
 
+from cli_util import ringmpi
 import reference
 from mpi_util import DRIVERS, mpirun
-from test_cli import ringmpi
 
 N, B, H, HKV, D = 37, 2, 4, 2, 8
 CHUNKS = (1, 8, 2, 8)  # q/do chunks hold 2 of the 4 heads: shards and passes cut across chunks

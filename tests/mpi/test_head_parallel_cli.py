@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import reference
+from cli_util import leftovers
 from mpi_util import DRIVERS, mpirun, mpirun_env
-from test_cli import leftovers
 
 B, N, H, HKV, D = 2, 37, 4, 2, 8
 

@@ -8,9 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
+from cli_util import RINGMPI, write_input
 from mpi_util import mpirun, mpirun_env
-from test_cli import write_input
-from test_file_io import RINGMPI
 
 OPTIONS = ["--backward", "--causal", "--heads-per-pass", "2"]
 N_PASSES = 6  # 3 batch entries x 2 kv-head groups (RINGMPI_PASS_BYTES=1: one entry per pass)

@@ -189,7 +189,7 @@ def test_file_job_with_sinks_resumes_bitwise(tmp_path):
     rows of max_logit/dsinks are rewritten, never added twice."""
     import h5py
 
-    from test_cli import write_input
+    from cli_util import write_input
     from test_resume import job, load
 
     src = write_input(tmp_path / "in.h5", n=30, b=3)
