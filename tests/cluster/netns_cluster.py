@@ -52,6 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # also when run as a program
+from mpi_util import run_deadline  # noqa: E402
+
 RANGE = ipaddress.ip_network("198.18.0.0/15")
 SUBNET = ipaddress.ip_network("198.18.0.0/24")
 PREFIX = "ringmpi-"               # namespace names: ringmpi-<creator pid>-<cluster>-<host>
@@ -328,19 +331,8 @@ exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- sh -c "$*"
         """``mpirun -n nprocs --host ... --map-by map_by args`` inside host 1, killed at the deadline.
 
         Returns (returncode, stdout, stderr, seconds); raises ClusterError past the deadline."""
-        start = time.monotonic()
-        proc = subprocess.Popen(self.mpirun_command(nprocs, args, hosts, slots, map_by, cwd),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env or self.mpi_env(), start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            self.kill_jobs()
-            out, err = proc.communicate()
-            raise ClusterError(f"mpirun -n {nprocs} {' '.join(map(str, args))} passed its {timeout} s "
-                               f"deadline\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
-        return proc.returncode, out, err, time.monotonic() - start
+        return run_deadline(self.mpirun_command(nprocs, args, hosts, slots, map_by, cwd), timeout,
+                            env=env or self.mpi_env(), on_deadline=self.kill_jobs, error=ClusterError)
 
     # ---- the links -------------------------------------------------------------------
 

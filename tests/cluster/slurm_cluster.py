@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from mpi_util import run_deadline
 from netns_cluster import kill_all
 
 PACKAGES = ("slurm-wlm", "munge")
@@ -348,18 +349,10 @@ class SlurmCluster:
     def srun(self, args: Sequence, cwd: Path, env: Optional[dict] = None, timeout: float = 120.0):
         """``srun args`` from ``cwd``: (returncode, stdout, stderr); the job is cancelled at the deadline."""
         name = f"ringmpi-test-{os.getpid()}-{time.monotonic_ns()}"
-        proc = subprocess.Popen(self._on(None, ["srun", f"--job-name={name}", *args], cwd), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=cwd, env=self.env(env),
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._client(["scancel", f"--name={name}"], check=False)
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise ClusterError(f"srun {' '.join(map(str, args))} passed its {timeout} s deadline: cancelled\n"
-                               f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
-        return proc.returncode, out, err
+        cancel = lambda: self._client(["scancel", f"--name={name}"], check=False)  # noqa: E731
+        rc, out, err, _ = run_deadline(self._on(None, ["srun", f"--job-name={name}", *args], cwd), timeout,
+                                       env=self.env(env), cwd=cwd, on_deadline=cancel, error=ClusterError)
+        return rc, out, err
 
     # ---- stop ---------------------------------------------------------------------
 

@@ -51,11 +51,13 @@ def mpirun(nprocs, args, timeout, env=None, cwd=None):
     return run_deadline(cmd, timeout, env=env or mpirun_env(), cwd=cwd)
 
 
-def run_deadline(cmd, timeout, env=None, cwd=None):
+def run_deadline(cmd, timeout, env=None, cwd=None, on_deadline=None, error=None):
     """Run ``cmd`` in a new process session; kill the whole session on the deadline.
 
-    Returns (returncode, stdout, stderr, seconds).  A run past its deadline
-    fails the calling test.
+    Returns (returncode, stdout, stderr, seconds).  Past its deadline, after the kill,
+    ``on_deadline()`` ends what lives outside the session (a job's processes on other hosts,
+    a Slurm job), then the calling test fails -- or, given ``error`` (an exception class, for
+    the cluster harnesses), ``error(message)`` is raised.
     """
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -64,9 +66,14 @@ def run_deadline(cmd, timeout, env=None, cwd=None):
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        if on_deadline is not None:
+            on_deadline()
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} passed its {timeout} s deadline "
-                    f"(hung?)\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+        message = (f"{' '.join(map(str, cmd))} passed its {timeout} s deadline "
+                   f"(hung?)\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
+        if error is not None:
+            raise error(message) from None
+        pytest.fail(message)
     return proc.returncode, out, err, time.monotonic() - start
 
 
