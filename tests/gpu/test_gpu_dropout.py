@@ -105,7 +105,7 @@ def test_ring_dropout_cases_on_cupy(tmp_path_factory):
     from test_dropout import cases_for
 
     tmp = tmp_path_factory.mktemp("gpu_dropout")
-    cases = [c for c in cases_for(2, tmp) if "-inv-" not in c["id"] and c.get("kind") != "torch"]
+    cases = [c for c in cases_for(2) if "-inv-" not in c["id"] and c.get("kind") != "torch"]
     results = run_cases(2, cases, tmp, timeout=300, env=mpirun_env(RINGMPI_TEST_BACKEND="cupy"),
                         driver="dropout_cases.py")
     failed = {k: msg for k, (ok, msg) in results.items() if not ok}

@@ -7,32 +7,21 @@ Needs a CUDA GPU; skipped, with the reason shown, where none is visible."""
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 
-from mpi_util import DRIVERS, mpirun, mpirun_env
 from ringmpi.backends import gpu_available
-from test_nonfinite import CASES
+from test_nonfinite import CASES, nonfinite_results
 from test_nonfinite_dtypes import CASES as DTYPE_CASES, results as dtype_results
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")
-_RESULTS = {}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_nonfinite_case_on_gpu(tmp_path_factory, case):
-    if "r" not in _RESULTS:
-        path = tmp_path_factory.mktemp("nonfinite_gpu") / "cases.json"
-        path.write_text(json.dumps(CASES))
-        rc, out, err, _ = mpirun(3, [sys.executable, DRIVERS / "nonfinite_cases.py", path], 300,
-                                 env=mpirun_env(RINGMPI_TEST_BACKEND="cupy"))
-        found = {json.loads(l[5:])["id"]: json.loads(l[5:]) for l in out.splitlines() if l.startswith("CASE ")}
-        _RESULTS["r"] = (rc, found, err)
-    rc, found, err = _RESULTS["r"]
+    rc, found, err = nonfinite_results(tmp_path_factory, "cupy", 3, CASES, RINGMPI_TEST_BACKEND="cupy")
     assert case["id"] in found, f"no result (mpirun exit {rc})\n{err[-3000:]}"
-    assert found[case["id"]]["ok"], found[case["id"]]["msg"]
+    ok, msg = found[case["id"]]
+    assert ok, msg
 
 
 @pytest.mark.parametrize("case", DTYPE_CASES, ids=[c["id"] for c in DTYPE_CASES])

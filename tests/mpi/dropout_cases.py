@@ -7,8 +7,8 @@ Kinds (``case["kind"]``):
 * ``ref`` (default): ring forward and backward with ``dropout_p``/``dropout_seed``
   against the float64 dense reference with the same keep matrix
   (``reference.dropout_factors``, drawn from Philox directly), under the
-  tolerance rule; with ``save`` the gathered global results go to that .npz
-  so the test can compare runs across world sizes and layouts.
+  tolerance rule; with ``save`` the gathered global results go to the .npz of that name
+  beside the cases file, so the test can compare runs across world sizes and layouts.
 * ``fd``: float64 finite differences of ``sum(o * do)`` along random
   directions against the ring backward, the mask fixed by the seed.
 * ``errors``: bad dropout arguments give one ConfigError, the same on every rank.
@@ -59,7 +59,7 @@ def ref_case(comm, case):
     ours = {n: lay.unshard([g[i] for g in gathered], axis=ax)
             for i, (n, ax, lay) in enumerate(zip(names, axes, lays))}
     if case.get("save"):
-        np.savez(case["save"], **ours)
+        np.savez(os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), case["save"]), **ours)
     scale = 1.0 / np.sqrt(q.shape[3])
     vis = reference.visible(q.shape[1], k.shape[1], case.get("causal", False), window, seg_q, seg_kv)
     drop = reference.dropout_factors(case["dropout_seed"], case["p"], q.shape[0], q.shape[2],

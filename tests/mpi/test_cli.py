@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cli_util import RINGMPI, leftovers, ringmpi, write_input
-from mpi_util import DRIVERS, ROOT, mpirun, mpirun_env
+from mpi_util import DRIVERS, ROOT, case_records, mpirun, mpirun_env
 
 JOB_SCRIPTS = sorted(p for p in (ROOT / "jobs").glob("*") if p.suffix != ".py") + [ROOT / "scripts" / "main.sh", ROOT / "data" / "make_sample.sh"]
 
@@ -81,11 +81,7 @@ def test_bad_input_exit_2_under_mpirun(tmp_path):
     path = tmp_path / "cases.json"
     path.write_text(json.dumps(cases))
     rc, stdout, stderr, _ = mpirun(4, [sys.executable, DRIVERS / "cli_cases.py", path], 120)
-    results = {}
-    for line in stdout.splitlines():
-        if line.startswith("CASE "):
-            rec = json.loads(line[5:])
-            results[rec["id"]] = rec
+    results = case_records(stdout)
     assert rc == 0 and set(results) == set(BAD), (rc, sorted(results), stderr[-3000:])
     for name, (out, messages) in expect.items():
         rcs, errs = results[name]["rc"], results[name]["stderr"]

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from mpi_util import launch_cache, mpirun_env, run_cases
+from mpi_util import CaseLaunches, mpirun_env
 
 WORLD_SIZES = (1, 2, 3, 4)
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -73,23 +73,25 @@ def forced_cases(algorithm):
 
 
 LAUNCHES = [(p, None) for p in WORLD_SIZES] + [(FORCED_P, a) for a in ALLREDUCE_ALGORITHMS]
-ALL = [((p, a), c) for p, a in LAUNCHES for c in (cases_for(p) if a is None else forced_cases(a))]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    def launch(key):
-        p, algorithm = key
-        cases = cases_for(p) if algorithm is None else forced_cases(algorithm)
-        env = None if algorithm is None else mpirun_env(OMPI_MCA_coll_tuned_use_dynamic_rules=1,
-                                                        OMPI_MCA_coll_tuned_allreduce_algorithm=algorithm)
-        return run_cases(p, cases, tmp_path_factory.mktemp(f"decode{p}"), timeout=240, env=env,
-                         driver="decode_cases.py")
-    return launch_cache(launch)
+def launch_cases(launch):
+    p, algorithm = launch
+    return cases_for(p) if algorithm is None else forced_cases(algorithm)
+
+
+def launch_env(launch):
+    algorithm = launch[1]
+    return None if algorithm is None else mpirun_env(OMPI_MCA_coll_tuned_use_dynamic_rules=1,
+                                                     OMPI_MCA_coll_tuned_allreduce_algorithm=algorithm)
+
+
+DECODE = CaseLaunches("decode_cases.py", LAUNCHES, launch_cases, timeout=240, env=launch_env)
+results = DECODE.fixture()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("launch,case", ALL, ids=[c["id"] for _, c in ALL])
+@pytest.mark.parametrize("launch,case", DECODE.params())
 def test_decode_case(results, launch, case):
     ok, msg = results(launch)[case["id"]]
     assert ok, msg

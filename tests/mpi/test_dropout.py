@@ -9,13 +9,12 @@ rounding) for P = 1, 2, 3 and every layout with one seed, different ones with an
 """
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import reference
-from mpi_util import mpirun_env, run_cases
+from mpi_util import CaseLaunches, mpirun_env
 from ringmpi.core.dropout import Dropout, validate
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -81,11 +80,11 @@ def test_validate(p, seed, want):
 
 
 # ------------------------------------------------------------ under mpirun
-def cases_for(p, tmp):
+def cases_for(p):
     cases = []
     for layout, seed in itertools.product(LAYOUTS, SEEDS):
         cases.append(dict(INVARIANT, id=f"P{p}-inv-{layout}-s{seed}", layout=layout, seed=5,
-                          dropout_seed=seed, save=str(tmp / f"inv-P{p}-{layout}-{seed}.npz")))
+                          dropout_seed=seed, save=f"inv-P{p}-{layout}-{seed}.npz"))
     for i, layout in enumerate(LAYOUTS):
         common = dict(id="", layout=layout, seed=100 * p + i, dropout_seed=31 + i, p=0.2)
         cases += [
@@ -103,31 +102,21 @@ def cases_for(p, tmp):
     return cases
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dropout")
-    out = {}
-    for p in WORLD_SIZES:
-        env = mpirun_env(**ENVS[p]) if p in ENVS else None
-        out[p] = run_cases(p, cases_for(p, tmp), tmp_path_factory.mktemp(f"dp{p}"), timeout=300,
-                           env=env, driver="dropout_cases.py")
-    return tmp, out
-
-
-ALL = [(p, c["id"]) for p in WORLD_SIZES for c in cases_for(p, Path("."))]
+DROPOUT = CaseLaunches("dropout_cases.py", WORLD_SIZES, cases_for, timeout=300,
+                       env=lambda p: mpirun_env(**ENVS[p]) if p in ENVS else None)
+results = DROPOUT.fixture()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("p, case_id", ALL, ids=[c for _, c in ALL])
-def test_dropout_case(launches, p, case_id):
-    ok, msg = launches[1][p][case_id]
+@pytest.mark.parametrize("p, case", DROPOUT.params())
+def test_dropout_case(results, p, case):
+    ok, msg = results(p)[case["id"]]
     assert ok, msg
 
 
 @pytest.mark.mpi
-def test_same_mask_for_every_world_size_and_layout(launches):
-    tmp = launches[0]
-    runs = {(p, layout, seed): dict(np.load(tmp / f"inv-P{p}-{layout}-{seed}.npz"))
+def test_same_mask_for_every_world_size_and_layout(results):
+    runs = {(p, layout, seed): dict(np.load(results.where(p) / f"inv-P{p}-{layout}-{seed}.npz"))
             for p in WORLD_SIZES for layout in LAYOUTS for seed in SEEDS}
     base = runs[(1, "contiguous", SEEDS[0])]
     for (p, layout, seed), got in runs.items():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import reference
-from mpi_util import mpirun_env, run_cases
+from mpi_util import CaseLaunches, mpirun_env
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 PAIRS = ((192, 128), (24, 40), (64, 8), (5, 13))   # (D, D_v): MLA, a small odd pair both ways
@@ -63,26 +63,14 @@ def cases_for(p, small_tiles=False):
     return cases
 
 
-ALL = [((p, small), c) for p, small in LAUNCHES for c in cases_for(p, small)]
+DV = CaseLaunches("dv_cases.py", LAUNCHES, lambda launch: cases_for(*launch), timeout=600,
+                  env=lambda launch: mpirun_env(**SMALL_TILES) if launch[1] else None)
+results = DV.fixture()
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return {}
-
-
-def _results(launches, tmp_path_factory, p, small):
-    key = (p, small)
-    if key not in launches:
-        env = mpirun_env(**(SMALL_TILES if small else {}))
-        launches[key] = run_cases(p, cases_for(p, small), tmp_path_factory.mktemp(f"dv{p}{small}"),
-                                  timeout=600, env=env, driver="dv_cases.py")
-    return launches[key]
-
-
-@pytest.mark.parametrize("launch,case", ALL, ids=[c["id"] for _, c in ALL])
-def test_dv_case(launches, tmp_path_factory, launch, case):
-    ok, msg = _results(launches, tmp_path_factory, *launch)[case["id"]]
+@pytest.mark.parametrize("launch,case", DV.params())
+def test_dv_case(results, launch, case):
+    ok, msg = results(launch)[case["id"]]
     assert ok, msg
 
 

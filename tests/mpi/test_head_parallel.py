@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from mpi_util import launch_cache, run_cases
+from mpi_util import CaseLaunches
 from ringmpi.parallel.head_parallel import kv_heads_of, replicated
 from ringmpi.parallel.topology import (auto_head_parallel, group_members, head_parallel_problem,
                               head_parallel_setting, spans_nodes)
@@ -78,18 +78,12 @@ def launch_cases(p):
     return cases
 
 
-LAUNCHES = (2, 4, 6)
-ALL = [(p, c) for p in LAUNCHES for c in launch_cases(p)]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch_cache(lambda p: run_cases(p, launch_cases(p), tmp_path_factory.mktemp(f"hp{p}"), timeout=400,
-                                            driver="head_parallel_cases.py"))
+HEAD_PARALLEL = CaseLaunches("head_parallel_cases.py", (2, 4, 6), launch_cases, timeout=400)
+results = HEAD_PARALLEL.fixture()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
+@pytest.mark.parametrize("p,case", HEAD_PARALLEL.params())
 def test_head_parallel_case(results, p, case):
     ok, msg = results(p)[case["id"]]
     assert ok, msg

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mpi_util import DRIVERS, mpirun, mpirun_env
+from mpi_util import DRIVERS, case_records, mpirun, mpirun_env
 from test_bench import RINGMPI
 
 pytestmark = pytest.mark.mpi
@@ -67,8 +67,7 @@ def test_bench_head_parallel_single_and_bad_choices(tmp_path):
     path = tmp_path / "cases.json"
     path.write_text(json.dumps(cases))
     rc, stdout, stderr, _ = mpirun(P, [sys.executable, DRIVERS / "cli_cases.py", path], 120)
-    results = {json.loads(line[5:])["id"]: json.loads(line[5:]) for line in stdout.splitlines()
-               if line.startswith("CASE ")}
+    results = case_records(stdout)
     assert rc == 0 and set(results) == set(bad), (rc, sorted(results), stderr[-3000:])
     for name, (_, message) in bad.items():
         rcs, errs = results[name]["rc"], results[name]["stderr"]

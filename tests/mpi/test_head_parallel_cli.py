@@ -14,9 +14,9 @@ import h5py
 import numpy as np
 import pytest
 
-import reference
 from cli_util import leftovers
-from mpi_util import DRIVERS, mpirun, mpirun_env
+import reference
+from mpi_util import DRIVERS, case_records, mpirun, mpirun_env
 
 B, N, H, HKV, D = 2, 37, 4, 2, 8
 
@@ -71,11 +71,7 @@ def test_file_job_head_parallel_auto_and_bad_choices(tmp_path):
     path.write_text(json.dumps(cases))
     rc, stdout, stderr, _ = mpirun(4, [sys.executable, DRIVERS / "cli_cases.py", path], 240,
                                    env=mpirun_env(RINGMPI_NODE_SIZE=2))
-    results = {}
-    for line in stdout.splitlines():
-        if line.startswith("CASE "):
-            rec = json.loads(line[5:])
-            results[rec["id"]] = rec
+    results = case_records(stdout)
     assert rc == 0 and set(results) == {c["id"] for c in cases}, (rc, sorted(results), stderr[-3000:])
     for name in ("flat", "auto"):
         assert results[name]["rc"] == [0, 0, 0, 0], (name, results[name]["stderr"])

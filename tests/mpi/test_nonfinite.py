@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpi_util import DRIVERS, mpirun, mpirun_env
+from mpi_util import DRIVERS, case_records, mpirun, mpirun_env
 
 N, B, H, HKV, D = 23, 2, 4, 2, 8
 
@@ -35,20 +35,22 @@ LAUNCHES = {"tiles-default-P3": (3, {}), "tiles-3x2-P4": (4, {"RINGMPI_TILE_Q": 
 _RESULTS = {}
 
 
-def results(tmp_path_factory, launch):
-    if launch not in _RESULTS:
-        p, env = LAUNCHES[launch]
+def nonfinite_results(tmp_path_factory, key, p, cases, **env):
+    """``(mpirun exit code, {id: (ok, msg)}, stderr)`` of ``cases`` in one launch of
+    ``nonfinite_cases.py`` on ``p`` ranks, run the first time ``key`` is asked for."""
+    if key not in _RESULTS:
         path = tmp_path_factory.mktemp("nonfinite") / "cases.json"
-        path.write_text(json.dumps(CASES))
+        path.write_text(json.dumps(cases))
         rc, out, err, _ = mpirun(p, [sys.executable, DRIVERS / "nonfinite_cases.py", path], 300,
                                  env=mpirun_env(**env))
-        found = {}
-        for line in out.splitlines():
-            if line.startswith("CASE "):
-                rec = json.loads(line[5:])
-                found[rec["id"]] = (rec["ok"], rec["msg"])
-        _RESULTS[launch] = (rc, found, err)
-    return _RESULTS[launch]
+        found = {id_: (rec["ok"], rec["msg"]) for id_, rec in case_records(out).items()}
+        _RESULTS[key] = (rc, found, err)
+    return _RESULTS[key]
+
+
+def results(tmp_path_factory, launch):
+    p, env = LAUNCHES[launch]
+    return nonfinite_results(tmp_path_factory, launch, p, CASES, **env)
 
 
 @pytest.mark.mpi

@@ -11,13 +11,9 @@ reference over visible keys makes non-finite are non-finite, the others match
 it, and every output no bad value can reach equals a clean run's.
 One mpirun launch at P = 3."""
 
-import json
-import sys
-
 import pytest
 
-from mpi_util import DRIVERS, mpirun, mpirun_env
-from test_nonfinite import B, D, HKV, H, N
+from test_nonfinite import B, D, HKV, H, N, nonfinite_results
 
 
 def dtype_cases():
@@ -46,22 +42,10 @@ def dtype_cases():
 
 
 CASES = dtype_cases()
-_RESULTS = {}
 
 
 def results(tmp_path_factory, backend="numpy"):
-    if backend not in _RESULTS:
-        path = tmp_path_factory.mktemp(f"nonfinite_dtypes_{backend}") / "cases.json"
-        path.write_text(json.dumps(CASES))
-        rc, out, err, _ = mpirun(3, [sys.executable, DRIVERS / "nonfinite_cases.py", path], 300,
-                                 env=mpirun_env(RINGMPI_TEST_BACKEND=backend))
-        found = {}
-        for line in out.splitlines():
-            if line.startswith("CASE "):
-                rec = json.loads(line[5:])
-                found[rec["id"]] = (rec["ok"], rec["msg"])
-        _RESULTS[backend] = (rc, found, err)
-    return _RESULTS[backend]
+    return nonfinite_results(tmp_path_factory, f"dtypes-{backend}", 3, CASES, RINGMPI_TEST_BACKEND=backend)
 
 
 @pytest.mark.mpi

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from mpi_util import launch_cache, mpirun_env, run_cases
+from mpi_util import CaseLaunches, mpirun_env
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 SMALL_TILES = {"RINGMPI_TILE_Q": 32, "RINGMPI_TILE_KV": 48}
@@ -85,20 +85,13 @@ def cases_for(p, small_tiles=False):
     return cases
 
 
-ALL = [((p, small), c) for p, small in LAUNCHES for c in cases_for(p, small)]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    def launch(key):
-        p, small = key
-        env = mpirun_env(**SMALL_TILES) if small else None
-        return run_cases(p, cases_for(p, small), tmp_path_factory.mktemp(f"p{p}"), timeout=300, env=env)
-    return launch_cache(launch)
+RING = CaseLaunches("ring_cases.py", LAUNCHES, lambda launch: cases_for(*launch), timeout=300,
+                    env=lambda launch: mpirun_env(**SMALL_TILES) if launch[1] else None)
+results = RING.fixture()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("launch,case", ALL, ids=[c["id"] for _, c in ALL])
+@pytest.mark.parametrize("launch,case", RING.params())
 def test_ring_case(results, launch, case):
     ok, msg = results(launch)[case["id"]]
     assert ok, msg

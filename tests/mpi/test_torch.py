@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import reference
-from mpi_util import ROOT, launch_cache, mpirun, mpirun_env, run_cases
+from mpi_util import CaseLaunches, ROOT, mpirun, mpirun_env
 
 pytest.importorskip("torch", reason="ringmpi.torch needs PyTorch (the 'torch' extra)")
 
@@ -59,8 +59,9 @@ def cases_for(p, cuda=False):
     return cases
 
 
-LAUNCHES = [(2, False), (3, False), (2, True)]
-ALL = [(launch, c) for launch in LAUNCHES for c in cases_for(*launch)]
+TORCH = CaseLaunches("torch_cases.py", [(2, False), (3, False), (2, True)], lambda launch: cases_for(*launch),
+                     timeout=300, env=lambda launch: mpirun_env(RINGMPI_TEST_DEVICE="cuda" if launch[1] else "cpu"))
+results = TORCH.fixture()
 
 
 def cuda_skip_reason():
@@ -74,18 +75,8 @@ def cuda_skip_reason():
     return None
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    def launch(key):
-        p, cuda = key
-        env = mpirun_env(RINGMPI_TEST_DEVICE="cuda" if cuda else "cpu")
-        return run_cases(p, cases_for(p, cuda), tmp_path_factory.mktemp(f"torch{p}"), timeout=300, env=env,
-                         driver="torch_cases.py")
-    return launch_cache(launch)
-
-
 @pytest.mark.mpi
-@pytest.mark.parametrize("launch,case", ALL, ids=[c["id"] for _, c in ALL])
+@pytest.mark.parametrize("launch,case", TORCH.params())
 def test_torch_case(results, launch, case):
     if launch[1]:
         reason = cuda_skip_reason()

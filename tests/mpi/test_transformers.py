@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpi_util import launch_cache, mpirun_env, run_cases
+from mpi_util import CaseLaunches, mpirun_env
 
 pytest.importorskip("torch", reason="ringmpi.transformers needs PyTorch")
 pytest.importorskip("transformers", reason="ringmpi.transformers needs transformers (the 'transformers' extra)")
@@ -39,17 +39,12 @@ def cases_for(p):
     return cases
 
 
-ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch_cache(lambda p: run_cases(p, cases_for(p), tmp_path_factory.mktemp(f"hf{p}"), timeout=400,
-                                            driver="transformers_cases.py"))
+TRANSFORMERS = CaseLaunches("transformers_cases.py", WORLD_SIZES, cases_for, timeout=400)
+results = TRANSFORMERS.fixture()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
+@pytest.mark.parametrize("p,case", TRANSFORMERS.params())
 def test_transformers_case(results, p, case):
     ok, msg = results(p)[case["id"]]
     assert ok, msg

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpi_util import launch_cache, run_cases
+from mpi_util import CaseLaunches
 
 WORLD_SIZES = (1, 3, 4)
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -105,20 +105,12 @@ def cases_for(p):
     return cases
 
 
-ALL = [(p, c) for p in WORLD_SIZES for c in cases_for(p)]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    def launch(p):
-        tmp = tmp_path_factory.mktemp(f"variants{p}")
-        return run_cases(p, [dict(c, dir=str(tmp)) for c in cases_for(p)], tmp, timeout=300,
-                         driver="variant_cases.py")
-    return launch_cache(launch)
+VARIANTS = CaseLaunches("variant_cases.py", WORLD_SIZES, cases_for, timeout=300)
+results = VARIANTS.fixture()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("p,case", ALL, ids=[c["id"] for _, c in ALL])
+@pytest.mark.parametrize("p,case", VARIANTS.params())
 def test_variant_case(results, p, case):
     ok, msg = results(p)[case["id"]]
     assert ok, msg

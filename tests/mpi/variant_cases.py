@@ -223,7 +223,8 @@ def decode_case(comm, case):
 
 def file_case(comm, case):
     """``ringmpi run --sinks-dataset --softcap --max-logit [--backward]`` on an HDF5 file (in
-    process, every rank), in several passes; rank 0 checks the output datasets."""
+    process, every rank), in several passes, its files beside the cases file; rank 0 checks the
+    output datasets."""
     import h5py
     from ringmpi.cli.run import run
     from ringmpi.runtime.errors import ConfigError
@@ -231,7 +232,8 @@ def file_case(comm, case):
     rank = comm.Get_rank()
     case = dict(case, sinks=True)
     q, k, v, do, _, _, sinks = inputs(case)
-    src, dst = (os.path.join(case["dir"], f"{case['id']}.{x}.h5") for x in ("in", "out"))
+    where = os.path.dirname(os.path.abspath(sys.argv[1]))
+    src, dst = (os.path.join(where, f"{case['id']}.{x}.h5") for x in ("in", "out"))
     if rank == 0:
         with h5py.File(src, "w") as f:
             for name, x in (("q", q), ("k", k), ("v", v), ("do", do), ("heads_sinks", sinks)):

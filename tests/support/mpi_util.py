@@ -98,15 +98,66 @@ def run_cases(nprocs, cases, tmp_path, timeout, env=None, driver="ring_cases.py"
     return case_results(cases, rc, out, err)
 
 
-def case_results(cases, rc, out, err):
-    """{id: (ok, msg)} from a driver's ``CASE {json}`` lines; fails unless the launch
-    exited 0 and every case reported."""
-    results = {}
+def case_records(out):
+    """{id: record} from a driver's ``CASE {json}`` lines (a record is the whole json object)."""
+    records = {}
     for line in out.splitlines():
         if line.startswith("CASE "):
             rec = json.loads(line[5:])
-            results[rec["id"]] = (rec["ok"], rec["msg"])
+            records[rec["id"]] = rec
+    return records
+
+
+def case_results(cases, rc, out, err):
+    """{id: (ok, msg)} from a driver's ``CASE {json}`` lines; fails unless the launch
+    exited 0 and every case reported."""
+    results = {id_: (rec["ok"], rec["msg"]) for id_, rec in case_records(out).items()}
     missing = [c["id"] for c in cases if c["id"] not in results]
     assert rc == 0 and not missing, (f"mpirun exit {rc}, {len(missing)} case(s) without a result "
                                      f"(first: {missing[:3]})\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
     return results
+
+
+class CaseLaunches:
+    """A driver's cases, grouped in launches (one mpirun each), each case its own pytest item.
+
+    ``launches`` are the launch keys: P, or a tuple whose first item is P; ``cases_for(launch)``
+    gives a launch's cases; ``env(launch)`` its environment (None: ``mpirun_env()``).
+    ``params()`` feeds ``@pytest.mark.parametrize("launch,case", ...)`` with the case ids as
+    test ids; ``fixture()`` makes the module fixture whose value ``results`` answers
+    ``results(launch) -> {id: (ok, msg)}``, running the launch the first time a test asks (so a
+    ``-k`` selection starts only the launches it needs), and ``results.where(launch)``, the
+    directory of that launch's cases file, where its driver writes its files.
+    """
+
+    def __init__(self, driver, launches, cases_for, timeout, env=None):
+        self.driver, self.launches, self.cases_for, self.timeout = driver, launches, cases_for, timeout
+        self.env = env or (lambda launch: None)
+
+    def params(self):
+        return [pytest.param(launch, case, id=case["id"]) for launch in self.launches
+                for case in self.cases_for(launch)]
+
+    def fixture(self):
+        @pytest.fixture(scope="module")
+        def results(tmp_path_factory):
+            return _LaunchResults(self, tmp_path_factory)
+        return results
+
+
+class _LaunchResults:
+    def __init__(self, launches, tmp_path_factory):
+        self.launches, self.tmp_path_factory, self.done = launches, tmp_path_factory, {}
+
+    def __call__(self, launch):
+        if launch not in self.done:
+            spec = self.launches
+            nprocs = launch[0] if isinstance(launch, tuple) else launch
+            where = self.tmp_path_factory.mktemp(f"{spec.driver[:-3]}-{nprocs}")
+            self.done[launch] = (run_cases(nprocs, spec.cases_for(launch), where, spec.timeout,
+                                           env=spec.env(launch), driver=spec.driver), where)
+        return self.done[launch][0]
+
+    def where(self, launch):
+        self(launch)
+        return self.done[launch][1]
