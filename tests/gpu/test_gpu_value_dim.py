@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import reference
+from random_inputs import attention_inputs
 from ringmpi.backends import gpu_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")]
@@ -37,12 +38,8 @@ def test_value_dim_cupy(mask, dtype, d, d_v):
     from ringmpi.core.dtypes import to_dtype
 
     dt = _dtype(dtype)
-    rng = np.random.default_rng(5)
     b, n, h, hkv = 2, 150, 4, 2
-    q = to_dtype(rng.standard_normal((b, n, h, d)), dt)
-    k = to_dtype(rng.standard_normal((b, n, hkv, d)), dt)
-    v = to_dtype(rng.standard_normal((b, n, hkv, d_v)), dt)
-    do = to_dtype(rng.standard_normal((b, n, h, d_v)), dt)
+    q, k, v, do = (to_dtype(x, dt) for x in attention_inputs(5, b, n, h, hkv, d, dv=d_v))
     kw = dict(MASKS[mask])
     seg = None
     if kw.pop("segments", False):

@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 import reference  # noqa: E402
+from random_inputs import attention_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 from ringmpi.core.dtypes import BFLOAT16  # noqa: E402
@@ -81,8 +82,7 @@ def dense_visible(q, k, v, do, vis, scale):
 def make_inputs(case):
     rng = np.random.default_rng(case["seed"])
     b, n, h, hkv, d = case["B"], case["N"], case["H"], case["Hkv"], case["D"]
-    q, do = rng.standard_normal((b, n, h, d)), rng.standard_normal((b, n, h, d))
-    k, v = rng.standard_normal((b, n, hkv, d)), rng.standard_normal((b, n, hkv, d))
+    q, k, v, do = attention_inputs(rng, b, n, h, hkv, d)
     seg = None
     if case["mask"] == "segments":
         seg = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(1, n), 3, replace=False)),

@@ -19,6 +19,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 import reference  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
+from random_inputs import attention_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.core.dtypes  # noqa: E402
 from ringmpi import Layout  # noqa: E402
@@ -37,10 +38,9 @@ def make_inputs(case):
     b, h, hkv, d = case["B"], case["H"], case["Hkv"], case["D"]
     n_q, n_kv = case["n_q"], case.get("n_kv", case["n_q"])
     dtype = dtype_of(case)
-    q = rng.standard_normal((b, n_q, h, d)) * case.get("q_scale", 1.0) + case.get("q_offset", 0.0)
-    k = rng.standard_normal((b, n_kv, hkv, d)) * case.get("k_scale", 1.0)
-    v = rng.standard_normal((b, n_kv, hkv, d))
-    do = rng.standard_normal((b, n_q, h, d))
+    q, k, v, do = attention_inputs(rng, b, n_q, h, hkv, d, n_kv=n_kv)
+    q = q * case.get("q_scale", 1.0) + case.get("q_offset", 0.0)
+    k = k * case.get("k_scale", 1.0)
     seg_q = seg_kv = None
     if case.get("segments"):
         # packed documents with boundaries at random places: documents cross shard boundaries

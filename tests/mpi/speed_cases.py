@@ -27,6 +27,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 from case_driver import run_all  # noqa: E402
 import reference  # noqa: E402
+from random_inputs import attention_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 from ringmpi.parallel import ring_schedule as schedule_mod  # noqa: E402
@@ -34,10 +35,8 @@ from ringmpi.backends import numpy_backend  # noqa: E402
 
 
 def _inputs(case):
-    rng = np.random.default_rng(case["seed"])
     b, n, h, hkv, d = case["B"], case["N"], case["H"], case["Hkv"], case["D"]
-    q, do = rng.standard_normal((2, b, n, h, d)).astype(np.float32)
-    k, v = rng.standard_normal((2, b, n, hkv, d)).astype(np.float32)
+    q, k, v, do = (x.astype(np.float32) for x in attention_inputs(case["seed"], b, n, h, hkv, d))
     seg = None
     if case.get("segments"):
         seg = np.broadcast_to(np.arange(n) * case["segments"] // n, (b, n)).astype(np.int64).copy()

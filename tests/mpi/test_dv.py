@@ -17,6 +17,7 @@ import pytest
 
 import reference
 from mpi_util import CaseLaunches, mpirun_env
+from random_inputs import attention_inputs
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 PAIRS = ((192, 128), (24, 40), (64, 8), (5, 13))   # (D, D_v): MLA, a small odd pair both ways
@@ -76,9 +77,7 @@ def test_dv_case(results, launch, case):
 
 # ----------------------------------------------------------------- in-process (P = 1)
 def _inputs(d, dv, n=40, b=1, h=4, hkv=2, seed=3):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((b, n, h, d)), rng.standard_normal((b, n, hkv, d)),
-            rng.standard_normal((b, n, hkv, dv)), rng.standard_normal((b, n, h, dv)))
+    return attention_inputs(seed, b, n, h, hkv, d, dv=dv)
 
 
 def test_nan_in_v_reaches_only_its_column_and_the_queries_that_see_it():

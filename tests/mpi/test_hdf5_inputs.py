@@ -15,9 +15,10 @@ import h5py
 import numpy as np
 import pytest
 
-from cli_util import ringmpi
 import reference
+from cli_util import ringmpi
 from mpi_util import DRIVERS, mpirun
+from random_inputs import attention_inputs
 
 N, B, H, HKV, D = 37, 2, 4, 2, 8
 CHUNKS = (1, 8, 2, 8)  # q/do chunks hold 2 of the 4 heads: shards and passes cut across chunks
@@ -40,9 +41,7 @@ FILTERED = sorted(name for name, variant in VARIANTS.items() if "compression" in
 
 
 def write_variant(path, variant):
-    rng = np.random.default_rng(11)
-    data = dict(q=rng.standard_normal((B, N, H, D)), k=rng.standard_normal((B, N, HKV, D)),
-                v=rng.standard_normal((B, N, HKV, D)), do=rng.standard_normal((B, N, H, D)))
+    data = dict(zip(("q", "k", "v", "do"), attention_inputs(11, B, N, H, HKV, D)))
     opts = {k: v for k, v in variant.items() if k not in ("dtype", "three_d", "compressible_rows")}
     with h5py.File(path, "w") as f:
         for name, x in data.items():

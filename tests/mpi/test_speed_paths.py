@@ -16,6 +16,7 @@
 import numpy as np
 import pytest
 
+from random_inputs import attention_inputs
 from ringmpi.backends.numpy_backend import NumpyBackend
 from ringmpi.core.masks import BlockMask, MaskSpec
 
@@ -24,10 +25,7 @@ SPLITS = (0, 11, 25, 37)  # three visiting blocks of uneven length
 
 
 def _inputs(seed, bad=None):
-    rng = np.random.default_rng(seed)
-    q, do = rng.standard_normal((2, B, N, H, D)).astype(np.float32)
-    k, v = rng.standard_normal((2, B, N, HKV, D)).astype(np.float32)
-    arrays = dict(q=q, k=k, v=v, do=do)
+    arrays = dict(zip(("q", "k", "v", "do"), (x.astype(np.float32) for x in attention_inputs(seed, B, N, H, HKV, D))))
     if bad is not None:
         name, value, token = bad
         arrays[name][1, token, 1 if name in ("q", "do") else 0, 3] = value

@@ -4,9 +4,9 @@ file to give it, and what a failed write leaves behind."""
 import shutil
 
 import h5py
-import numpy as np
 
 from mpi_util import ROOT, mpirun_env, run_deadline
+from random_inputs import attention_inputs
 
 RINGMPI = str(ROOT / ".venv" / "bin" / "ringmpi") if (ROOT / ".venv" / "bin" / "ringmpi").exists() \
     else shutil.which("ringmpi")
@@ -21,11 +21,7 @@ def ringmpi(args, timeout=60, env=None):
 def write_input(path, n=20, h=4, hkv=2, d=8, b=1, dtype="float32", do=True, **override):
     """An input file of ``ringmpi run``: random q, k, v (and do), each replaced by ``override``'s
     array of that name, or left out where that is None."""
-    rng = np.random.default_rng(1)
-    data = dict(q=rng.standard_normal((b, n, h, d)), k=rng.standard_normal((b, n, hkv, d)),
-                v=rng.standard_normal((b, n, hkv, d)))
-    if do:
-        data["do"] = rng.standard_normal((b, n, h, d))
+    data = dict(zip(("q", "k", "v", "do"), attention_inputs(1, b, n, h, hkv, d, do=do)))
     data = {k: v.astype(dtype) for k, v in data.items()}
     data.update(override)
     with h5py.File(path, "w") as f:

@@ -9,6 +9,7 @@ CuPy is skipped, with the reason shown, where no GPU is visible.
 import numpy as np
 import pytest
 
+from random_inputs import attention_inputs
 from reference import dense_backward, dense_forward, tolerance_check, visible
 from ringmpi.backends import INTERFACE, MESSAGE_INTERFACE, get_backend, gpu_available
 from ringmpi.core.masks import BlockMask, MaskSpec
@@ -25,12 +26,7 @@ def _host(x):
 
 
 def _problem(seed, b=2, n=70, h=4, hkv=2, d=16):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, n, h, d)).astype(np.float32)
-    k = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
-    do = rng.standard_normal((b, n, h, d)).astype(np.float32)
-    return q, k, v, do
+    return tuple(x.astype(np.float32) for x in attention_inputs(seed, b, n, h, hkv, d))
 
 
 @pytest.fixture(params=BACKENDS)

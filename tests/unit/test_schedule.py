@@ -7,6 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import ringmpi
+from random_inputs import attention_inputs
 from ringmpi.backends.numpy_backend import NumpyBackend
 from ringmpi.core.masks import MaskSpec
 from ringmpi.parallel.ring_schedule import RingSchedule
@@ -14,9 +15,7 @@ from ringmpi.parallel.ring_schedule import RingSchedule
 
 def _inputs(seed=0, b=2, s=11, h=4, hkv=2, d=6, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, s, h, d)).astype(dtype)
-    k = rng.standard_normal((b, s, hkv, d)).astype(dtype)
-    v = rng.standard_normal((b, s, hkv, d)).astype(dtype)
+    q, k, v = (x.astype(dtype) for x in attention_inputs(rng, b, s, h, hkv, d, do=False))
     seg = np.sort(rng.integers(0, 3, (b, s)), axis=1).astype(np.int64)
     return q, k, v, seg
 

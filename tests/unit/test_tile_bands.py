@@ -11,6 +11,7 @@ tolerance rule, forward and backward, for every mask kind.
 import numpy as np
 import pytest
 import reference
+from random_inputs import attention_inputs
 
 import ringmpi
 from ringmpi.backends import numpy_backend as nb
@@ -64,10 +65,7 @@ VARIANTS = {"plain": {}, "softcap": dict(softcap=2.5), "dropout": dict(dropout_p
 
 
 def _inputs(seed):
-    rng = np.random.default_rng(seed)
-    q, do = rng.standard_normal((2, B, N, H, D)).astype(np.float32)
-    k, v = rng.standard_normal((2, B, N, HKV, D)).astype(np.float32)
-    return q, k, v, do
+    return tuple(x.astype(np.float32) for x in attention_inputs(seed, B, N, H, HKV, D))
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import reference
+from random_inputs import attention_inputs
 import ringmpi
 from ringmpi.backends import numpy_backend
 
@@ -104,10 +105,7 @@ CASES = {
 def _inputs(case, n=53, b=2, h=4, d=16, seed=0):
     rng = np.random.default_rng(seed)
     hkv = case.get("hkv", h)
-    q = rng.standard_normal((b, n, h, d)).astype(np.float32)
-    k = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
-    do = rng.standard_normal((b, n, h, d)).astype(np.float32)
+    q, k, v, do = (x.astype(np.float32) for x in attention_inputs(rng, b, n, h, hkv, d))
     kw = dict(causal=case.get("causal", False), window=case.get("window"))
     seg = None
     if case.get("segments"):
