@@ -9,17 +9,12 @@ Skipped, with the reason shown, where no GPU is visible.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+import reference
+from mpi_util import mpirun_env, run_cases
 from ringmpi.backends import gpu_available
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import reference  # noqa: E402
-from mpi_util import mpirun_env, run_cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")]
 BF16 = reference.BFLOAT16
@@ -148,7 +143,7 @@ def test_cupy_backend_rounds_q_and_do_like_numpy(kv, d):
 
     from ringmpi.backends.cupy_backend import CupyBackend
     from ringmpi.core.dtypes import resolve
-    from ringmpi.core.masks import BlockMask, MaskSpec
+    from ringmpi.core.masks import BlockMask, ScoreSpec
 
     kvt = resolve(kv)
     be = CupyBackend.instance()
@@ -157,7 +152,7 @@ def test_cupy_backend_rounds_q_and_do_like_numpy(kv, d):
     qh = rng.standard_normal((b, h, sq, d)).astype(np.float32)
     doh = rng.standard_normal((b, h, sq, d)).astype(np.float32)
     kh, vh = (cp.asarray(rng.standard_normal((b, h, skv, d)).astype(kvt)) for _ in range(2))
-    mask = BlockMask(MaskSpec(causal=True, offset=skv - sq), np.arange(sq), np.arange(skv), None, None)
+    mask = BlockMask(ScoreSpec(causal=True, offset=skv - sq), np.arange(sq), np.arange(skv), None, None)
     lse = cp.asarray(rng.standard_normal((b, h, sq)).astype(np.float32) + 5)
     dvec = cp.asarray(rng.standard_normal((b, h, sq)).astype(np.float32))
 

@@ -19,7 +19,7 @@ import pytest
 
 from ringmpi import kernels as K
 from ringmpi.backends import gpu_available
-from ringmpi.core.masks import MaskSpec
+from ringmpi.core.masks import ScoreSpec
 from ringmpi.core.dense_reference import tolerance
 from test_gpu_backend import NO_GPU, check, max_err, naive, reference64, round_to, run_backend, visibility
 
@@ -49,7 +49,7 @@ def test_more_batch_heads_than_grid_y(dtype):
     pos = np.arange(s, dtype=np.int64)
     kind = K.F32 if dtype == "float32" else K.BF16
     assert K.forward_kernel(kind, d).grid(batch, heads, kv_heads, s, s)[2] == 2
-    _judge((MaskSpec(causal=True), q, k, v, do, pos, pos, None, None), d, dtype, f"B*H=66000 {dtype}")
+    _judge((ScoreSpec(causal=True), q, k, v, do, pos, pos, None, None), d, dtype, f"B*H=66000 {dtype}")
 
 
 # (compute capability, opt-in shared memory per block) whose plans run on a bigger GPU
@@ -67,7 +67,7 @@ def test_kernels_chosen_for_smaller_gpus(monkeypatch, dtype, d, cc):
         pytest.skip(f"this GPU (compute capability {real_cc}, {real_limit} B per block) cannot run {cc}'s plan")
     kind = {"float16": K.F16, "bfloat16": K.BF16, "float32": K.F32, "float64": K.F64}[dtype]
     if (cc, kind) == ("7.5", K.F64) and d > 192:
-        pytest.skip("no float64 kernel for D > 192 fits 7.5 (tests/test_launch_planning.py checks the refusal)")
+        pytest.skip("no float64 kernel for D > 192 fits 7.5 (tests/unit/test_launch_planning.py checks the refusal)")
     monkeypatch.setattr(cupy_backend, "smem_optin_limit", lambda device_id: limit)
     monkeypatch.setattr(cupy_backend, "compute_capability", lambda device_id: arch)
     fwd, bwd = K.forward_kernel(kind, d, limit, cc=arch), K.backward_kernel(kind, d, limit, cc=arch)

@@ -3,7 +3,7 @@
 The global sequence of ``n`` tokens is a pack of documents (segment ids: the
 document index; ``lognormal:MEAN:SIGMA`` draws the lengths, seeded by
 ``--seed``, else a file of lengths), attended with the segment ids (and
-``--causal``).  Two configurations run in one job on the same problem:
+``--causal``, ``--window``).  Two configurations run in one job on the same problem:
 
 * ``zigzag + ring``: ``Layout("zigzag")``, ``schedule="ring"``;
 * ``balanced + routed``: ``Layout("balanced", documents=...)``, ``schedule="routed"``.
@@ -66,6 +66,7 @@ def _measure(comm, be, cfg, n, lengths, layout, schedule):
     from ..core import balance
 
     rank = comm.Get_rank()
+    window = _window(cfg)
     mine = layout.indices(rank)
     ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
     seg = np.broadcast_to(np.searchsorted(ends, mine, side="right"), (cfg["batch"], len(mine))).copy()
@@ -77,15 +78,21 @@ def _measure(comm, be, cfg, n, lengths, layout, schedule):
 
     q, k, v = randn(h), randn(hkv), randn(hkv)
     kw = dict(comm=comm, layout=layout if layout.kind == "balanced" else layout.kind, causal=cfg["causal"],
-              backend=be.name, segment_ids_q=seg, segment_ids_kv=seg, schedule=schedule)
-    out = {"s_local": len(mine), "pairs": balance.visible_pairs(mine, lengths, cfg["causal"]),
-           "seen_rows": balance.seen_elsewhere(mine, lengths, cfg["causal"])}
+              window=window, backend=be.name, segment_ids_q=seg, segment_ids_kv=seg, schedule=schedule)
+    out = {"s_local": len(mine), "pairs": balance.visible_pairs(mine, lengths, cfg["causal"], window),
+           "seen_rows": balance.seen_elsewhere(mine, lengths, cfg["causal"], window)}
     o, lse = timed_calls(comm, be, lambda stats: ring_attention(q, k, v, stats=stats, **kw), cfg, out, "forward")
     if cfg["backward"]:
         do = randn(h)
         timed_calls(comm, be, lambda stats: ring_attention_backward(do, q, k, v, o, lse, stats=stats, **kw),
                     cfg, out, "backward")
     return out
+
+
+def _window(cfg):
+    """The report's window as the calls take it: ``(left, right)`` with None unbounded, or None."""
+    window = cfg.get("window")
+    return None if window is None else tuple(None if w is None else int(w) for w in window)
 
 
 def _phase(per_rank, phase):
@@ -113,7 +120,7 @@ def run(comm, be, cfg, n, spec, json_path) -> None:
     mine = []
     for _, kind, schedule in CONFIGS:
         layout = Layout(kind, n, size) if kind != "balanced" else \
-            Layout("balanced", n, size, documents=lengths, causal=cfg["causal"])
+            Layout("balanced", n, size, documents=lengths, causal=cfg["causal"], window=_window(cfg))
         mine.append(_measure(comm, be, cfg, n, lengths, layout, schedule))
         idle_barrier(comm)
     gathered = comm.gather((rank_environment(), mine), root=0)
@@ -153,7 +160,8 @@ def _format(r) -> str:
     lines = [f"ringmpi bench --documents {r['documents_spec']}: N={r['n']} in {r['documents']} documents "
              f"(longest {r['longest_document']}), P={r['world_size']}, B={r['batch']} H={r['heads']} "
              f"Hkv={r['kv_heads']} D={r['dim']} {r['dtype']} {'causal' if r['causal'] else 'non-causal'} "
-             f"segment ids, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up",
+             + (f"window {tuple(r['window'])} " if r.get("window") is not None else "")
+             + f"segment ids, backend {r['backend']}, {r['repeat']} repeats after {r['warmup']} warm-up",
              f"{'':<19}{'work max/mean':>14} {'recv MiB/rank max':>18} {'recv/seen max':>14}"
              + "".join(f" {ph + ' s':>11}" for ph in phases)]
     for c in r["configs"]:

@@ -1,7 +1,9 @@
-"""Attention masks as functions of global token positions.
+"""Which scores survive, and how they are changed, as functions of global token positions.
 
-A :class:`MaskSpec` describes which keys a query may see; it never stores an
-``N x N`` matrix.  Positions are global token indices (from a
+A :class:`ScoreSpec` describes one call's scores: which keys a query may see
+(the mask rules below) and what changes a visible score (the logit softcap,
+the score modifiers of :mod:`ringmpi.core.modifiers`, dropout on the
+weights); it never stores an ``N x N`` matrix.  Positions are global token indices (from a
 :class:`~ringmpi.core.layout.Layout`), so the same spec works on every rank and for
 every layout.
 
@@ -17,15 +19,14 @@ All given rules must hold.  Tiles are classified as ``SKIP`` (nothing visible),
 ``FULL`` (everything visible, no elementwise mask needed) or ``PARTIAL``.
 
 This module is the one Python source of the rule: the NumPy tiles call
-:meth:`MaskSpec.classify` / :meth:`MaskSpec.visible`, and the CuPy backend
-builds its launch arguments with :meth:`MaskSpec.key_deltas`,
+:meth:`ScoreSpec.classify` / :meth:`ScoreSpec.visible`, and the CuPy backend
+builds its launch arguments with :meth:`ScoreSpec.key_deltas`,
 :func:`kernel_scalars`, :func:`tile_bounds` and counts its tiles with
 :func:`classify_tiles` -- the host twin of ``classify_tile`` in
 ``kernels/common.cuh``, the one place the CUDA code states the rule.
 
-A :class:`BlockMask` is the one object through which a block's mask (and,
-later, score modifiers such as softcap, sinks or dropout: a new field on
-:class:`MaskSpec`) reaches the block kernels.
+A :class:`BlockMask` is the one object through which a block's mask and its
+spec (with the modifiers and dropout) reach the block kernels.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .dropout import Dropout
-    from .modifiers import Alibi
+    from .modifiers import HeadModifier
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class MaskSpec:
-    """Mask rules for one attention call.
+class ScoreSpec:
+    """The score rules of one attention call: its mask, modifiers and dropout.
 
     Parameters
     ----------
@@ -65,9 +66,10 @@ class MaskSpec:
     dropout : ringmpi.core.dropout.Dropout or None
         Dropout on the visible weights (a function of global positions too);
         it never changes visibility, tile classes or the softmax denominator.
-    alibi : ringmpi.core.modifiers.Alibi or None
-        ALiBi: a visible score gains ``-slope_h * |i + offset - j|`` after the
-        softcap (a score modifier with per-head data, :mod:`ringmpi.core.modifiers`).
+    modifiers : tuple of ringmpi.core.modifiers.HeadModifier
+        Score modifiers with per-head data (ALiBi: a visible score gains
+        ``-slope_h * |i + offset - j|``), applied after the softcap, in
+        :data:`ringmpi.core.modifiers.MODIFIERS`' order.
     """
 
     causal: bool = False
@@ -76,28 +78,32 @@ class MaskSpec:
     softcap: Optional[float] = None
     exact_max: bool = False
     dropout: Optional["Dropout"] = None
-    alibi: Optional["Alibi"] = None
+    modifiers: Tuple["HeadModifier", ...] = ()
 
-    def for_heads(self, first: int, count: int) -> "MaskSpec":
+    def for_heads(self, first: int, count: int) -> "ScoreSpec":
         """This spec for a call over the query heads ``[first, first + count)`` of this one:
-        dropout draws those heads' masks, ALiBi takes their slopes."""
+        dropout draws those heads' masks, the modifiers take their values."""
         from dataclasses import replace
 
         spec = self
         if spec.dropout is not None:
             spec = replace(spec, dropout=replace(spec.dropout, head_offset=spec.dropout.head_offset + first))
-        if spec.alibi is not None:
-            spec = replace(spec, alibi=spec.alibi.for_heads(slice(first, first + count)))
+        if spec.modifiers:
+            part = slice(first, first + count)
+            spec = replace(spec, modifiers=tuple(m.for_heads(part) for m in spec.modifiers))
         return spec
 
     def modifier_terms(self, q_pos, kv_pos, dtype):
         """Per-head additive score terms of the score modifiers over global positions
         ``q_pos`` x ``kv_pos``: a function ``h -> (len(q_pos), len(kv_pos))`` array in
-        ``dtype``, or None without any (ALiBi: :meth:`ringmpi.core.modifiers.Alibi.bias`)."""
-        if self.alibi is None:
+        ``dtype``, or None without any (each modifier's
+        :meth:`~ringmpi.core.modifiers.HeadModifier.terms`, added in their order)."""
+        parts = [m.terms(q_pos, kv_pos, self.offset, dtype) for m in self.modifiers]
+        if not parts:
             return None
-        dist = self.alibi.distances(q_pos, kv_pos, self.offset, dtype)
-        return lambda h: self.alibi.bias(h, dist)
+        if len(parts) == 1:
+            return parts[0]
+        return lambda h: sum((term(h) for term in parts[1:]), parts[0](h))
 
     def __post_init__(self):
         if self.window is not None:
@@ -187,7 +193,7 @@ class BlockMask:
     All host (NumPy) arrays; a GPU backend uploads them.
     """
 
-    spec: MaskSpec
+    spec: ScoreSpec
     q_pos: np.ndarray
     kv_pos: np.ndarray
     seg_q: Optional[np.ndarray] = None
@@ -195,15 +201,15 @@ class BlockMask:
 
 
 # ------------------------------------------------------------ the kernels' view of the rule
-def kernel_scalars(spec: MaskSpec):
+def kernel_scalars(spec: ScoreSpec):
     """``(has_lo int32, lo_delta int64, has_hi int32, hi_delta int64)``: the typed
-    launch scalars of :meth:`MaskSpec.key_deltas` (``MASK_PARAMS`` in common.cuh)."""
+    launch scalars of :meth:`ScoreSpec.key_deltas` (``MASK_PARAMS`` in common.cuh)."""
     lo, hi = spec.key_deltas()
     return (np.int32(lo is not None), np.int64(0 if lo is None else lo),
             np.int32(hi is not None), np.int64(0 if hi is None else hi))
 
 
-def modifier_scalars(spec: MaskSpec):
+def modifier_scalars(spec: ScoreSpec):
     """``(softcap float64,)``: the typed launch scalars of the score modifiers
     (``MOD_PARAMS`` in common.cuh); ``softcap = 0`` means no cap."""
     return (np.float64(0.0 if spec.softcap is None else spec.softcap),)
@@ -226,7 +232,7 @@ def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts))
 
 
-def classify_tiles(spec: MaskSpec, q_bounds: np.ndarray, kv_bounds: np.ndarray,
+def classify_tiles(spec: ScoreSpec, q_bounds: np.ndarray, kv_bounds: np.ndarray,
                    nqt: int, nkt: int, batch: int, has_seg: bool) -> np.ndarray:
     """Every tile's class as the kernels compute it (``classify_tile`` in common.cuh).
 

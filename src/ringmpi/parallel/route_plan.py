@@ -8,7 +8,7 @@ once per call (:func:`gather_plan`, one allgather), and every rank computes
 the same :class:`RoutePlan` from them: for each (receiver, sender) pair the
 sender's local row intervals that some query of the receiver sees (same
 segment id in some batch entry, inside the causal and window bounds of
-:meth:`ringmpi.core.masks.MaskSpec.key_deltas`) -- per receiver one sorted
+:meth:`ringmpi.core.masks.ScoreSpec.key_deltas`) -- per receiver one sorted
 sweep over the merged visibility windows of its query runs, O(runs log runs).
 
 Steps and rounds: at ring step ``t`` a rank receives from ring rank
@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core.masks import MaskSpec
+from ..core.masks import ScoreSpec
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class RoutePlan:
         return int(self.rows.sum())
 
 
-def make_plan(rank: int, q_runs: Sequence[Runs], kv_runs: Sequence[Runs], spec: MaskSpec, order: Sequence[int],
+def make_plan(rank: int, q_runs: Sequence[Runs], kv_runs: Sequence[Runs], spec: ScoreSpec, order: Sequence[int],
               batch: int) -> RoutePlan:
     """The :class:`RoutePlan` of ``rank`` from every rank's runs (rank order) and the mask spec."""
     size = len(q_runs)
@@ -236,7 +236,7 @@ def _rounds(rows: np.ndarray, order: List[int], cap: int) -> List[List[int]]:
     return rounds
 
 
-def gather_plan(comm, q_pos, seg_q, kv_pos, seg_kv, spec: MaskSpec, order, timeout=None) -> RoutePlan:
+def gather_plan(comm, q_pos, seg_q, kv_pos, seg_kv, spec: ScoreSpec, order, timeout=None) -> RoutePlan:
     """Collective over ``comm``: every rank's runs in one allgather, then this rank's plan."""
     from ..runtime.watchdog import phase
 

@@ -34,7 +34,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from ..core.masks import BlockMask, MaskSpec
+from ..core.masks import BlockMask, ScoreSpec
 from ..runtime.faults import fault_point
 from .ring import Ring
 from .ring_schedule import Block, timed_compute
@@ -94,7 +94,7 @@ class RoutedSchedule:
     """
 
     def __init__(self, comm, backend, kh, vh, *, plan: RoutePlan, q_pos: np.ndarray, kv_pos: np.ndarray,
-                 spec: MaskSpec, seg_q: Optional[np.ndarray] = None, seg_kv: Optional[np.ndarray] = None,
+                 spec: ScoreSpec, seg_q: Optional[np.ndarray] = None, seg_kv: Optional[np.ndarray] = None,
                  grad_dtype=None, timeout: Optional[float] = None, phase: str = "fwd"):
         self.backend, self.spec, self.phase, self.plan = backend, spec, phase, plan
         self.q_pos, self.seg_q, self.kv_pos, self.seg_kv = q_pos, seg_q, kv_pos, seg_kv
