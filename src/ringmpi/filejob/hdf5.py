@@ -303,7 +303,7 @@ def document_lengths(spec: InputSpec, comm) -> List[int]:
     if comm.Get_rank() == 0:
         lengths = [spec.n_q]
         if spec.seg_q:
-            with _peek(spec.path) as f:
+            with open_serial(spec.path) as f:
                 ids = np.asarray(f[spec.seg_q][()], dtype=np.int64).reshape(-1, spec.n_q)
             cut = np.flatnonzero((np.diff(ids, axis=1) != 0).any(axis=0)) + 1
             lengths = np.diff(np.concatenate([[0], cut, [spec.n_q]])).astype(int).tolist()
