@@ -55,6 +55,8 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --decode: new tokens per call S_new.")
 @click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress report on rank 0 (the calls, their ring steps, "
+              "the time left).")
 @attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel",
                  causal=dict(help="Causal mask."), softcap=dict(help="Logit softcap C > 0 (ring only)."),
                  window=dict(help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side; ring only)."),
@@ -63,8 +65,8 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                  head_parallel=dict(help="Time the head x ring schedule with U ranks per group "
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new, sinks, causal, window, softcap, dropout_p, head_parallel,
-          **modifiers):
+          sweep, json_path, plot_path, decode, cache, new, sinks, quiet, causal, window, softcap, dropout_p,
+          head_parallel, **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -103,11 +105,15 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
     cfg.update({name: [float(x) for x in values] for name, values in modifiers.items() if values is not None})
     if dropout:
         cfg["dropout"] = float(dropout)
-    if sweep == "head-parallel":
-        from .head_parallel import run as run_head_parallel
-        return run_head_parallel(comm, be, cfg, n, json_path, plot_path)
-    from .ring import run as run_ring
-    run_ring(comm, be, cfg, n, sweep, json_path, plot_path)
+    from ..cli.progress import Progress
+    from ..parallel.ring_schedule import observe_steps
+
+    with observe_steps(Progress(comm.Get_rank(), quiet=quiet)) as progress:
+        if sweep == "head-parallel":
+            from .head_parallel import run as run_head_parallel
+            return run_head_parallel(comm, be, cfg, n, json_path, plot_path, progress)
+        from .ring import run as run_ring
+        run_ring(comm, be, cfg, n, sweep, json_path, plot_path, progress)
 
 
 def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep, window=None,
