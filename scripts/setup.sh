@@ -112,7 +112,7 @@ if ! have mpi4py; then
 fi
 if ! "$vpy" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' 2>/dev/null; then
     say "building h5py against parallel HDF5 in $HDF5_DIR"
-    pipq --upgrade 'setuptools>=61' 'Cython>=3' pkgconfig numpy
+    pipq --upgrade 'setuptools>=61' packaging 'Cython>=3' pkgconfig numpy
     "$vpy" -m pip uninstall -y -q h5py 2>/dev/null || true
     CC=mpicc HDF5_MPI=ON HDF5_DIR="$HDF5_DIR" \
         "$vpy" -m pip install -q --disable-pip-version-check --no-binary=h5py \

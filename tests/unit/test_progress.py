@@ -43,7 +43,10 @@ def test_batch_log_lines_say_the_unit_the_step_the_share_the_rate_and_the_time_l
     p.start(4e12, units=2)  # two units: 1e12 and 3e12 FLOPs
     p.begin("forward batch 0:1 kv heads 0:1", 1e12)
     p.tick("fwd", 0, 4)  # the first step: nothing known of its length yet
-    clock.now += 10
+    clock.now += 4
+    p.tick("fwd", 0, 4, 0.3)  # throttled, but a block op's share counts: 0.3 of step 1 of 4
+    assert p.fraction() == pytest.approx(0.3 / 4 / 4)
+    clock.now += 6
     p.step_done("fwd", 0, 4)  # 10 s a step
     clock.now += 5
     p.tick("fwd", 1, 4)  # half of step 2 by the step before's length
@@ -132,10 +135,11 @@ def test_units():
 
 class Recorder:
     def __init__(self):
-        self.events = []
+        self.events, self.shares = [], []
 
-    def tick(self, phase, step, steps):
+    def tick(self, phase, step, steps, done=None):
         self.events.append(("tick", phase, step, steps))
+        self.shares.append((phase, done))
 
     def step_done(self, phase, step, steps):
         self.events.append(("done", phase, step, steps))
@@ -155,7 +159,24 @@ def test_ring_schedule_reports_its_steps_to_observers_only_while_observed():
     assert {e[1:] for e in ticks} == {("fwd", 0, 1), ("bwd", 0, 1)} and len(ticks) >= 4
     fwd_ticks = [i for i, e in enumerate(recorder.events) if e[:2] == ("tick", "fwd")]
     assert max(fwd_ticks) < recorder.events.index(("done", "fwd", 0, 1))
+    for phase in ("fwd", "bwd"):  # the NumPy block ops say how far they are
+        shares = [d for ph, d in recorder.shares if ph == phase]
+        assert shares == sorted(shares) and 0 < shares[0] and shares[-1] == 1.0, shares
     # unobserved, the same calls give the same bits
     o2, lse2 = ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, causal=True)
     assert o.tobytes() == o2.tobytes() and lse.tobytes() == lse2.tobytes()
     assert len(recorder.events) == len(done) + len(ticks)
+
+
+def test_the_first_step_counts_the_block_ops_share_and_later_ones_too():
+    p, clock = progress()
+    p.start(8.0)
+    p.begin("unit", 8.0)
+    p.tick("fwd", 0, 2, 0.5)
+    assert p.fraction() == pytest.approx(0.25)
+    clock.now += 10
+    p.step_done("fwd", 0, 2)
+    assert p.fraction() == pytest.approx(0.5)
+    clock.now += 1  # 1 s of a 10 s step by time, but the op says 0.75: its word counts
+    p.tick("fwd", 1, 2, 0.75)
+    assert p.fraction() == pytest.approx(0.875)

@@ -15,9 +15,10 @@ redrawn in place on a terminal (at most every ``TTY_INTERVAL_S``), else printed 
 a plain line at most every ``RINGMPI_PROGRESS_S`` seconds (default
 ``LOG_INTERVAL_S``) and once when a unit's last step ends, for a batch log.  The share
 done counts the finished units, the current unit's finished steps and, of the step
-under way the share of the time the step before took (capped below 1; the first
-step of the first ring counts as not begun): rank 0's own steps stand for the job's,
-which the layout balances.  ``quiet``, or any rank but 0, prints no progress.
+under way the share of its tiles the block op has reached when it says so (the NumPy
+backend), else the share of the time the step before took (capped below 1; none yet:
+not begun): rank 0's own steps stand for the job's, which the layout balances.
+``quiet``, or any rank but 0, prints no progress.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Progress:
         self.units = self.finished = 0  # units of advance()
         self.steps, self.steps_done = 1, 0
         self.step_started, self.step_seconds = 0.0, 0.0  # the step under way; the step before
+        self.step_share: Optional[float] = None  # of the step under way, as its block op says
         self.shown = -float("inf")
         self.open_line = 0  # width of the line being redrawn on a terminal (0: none)
 
@@ -106,7 +108,7 @@ class Progress:
         if self.label is not None:
             self.end()
         self.label, self.work = label, float(flops)
-        self.steps, self.steps_done, self.step_started = 1, 0, self.clock()
+        self.steps, self.steps_done, self.step_started, self.step_share = 1, 0, self.clock(), None
 
     def end(self) -> None:
         """The unit under way is done (also when it ran no ring step)."""
@@ -129,9 +131,9 @@ class Progress:
             self.open_line = 0
 
     # ------------------------------------------------------- the ring schedule's calls
-    def tick(self, phase: str, step: int, steps: int) -> None:
-        """Between two tiles of ``step`` (of ``steps``)."""
-        self.steps, self.steps_done = steps, step
+    def tick(self, phase: str, step: int, steps: int, done: Optional[float] = None) -> None:
+        """Between two tiles of ``step`` (of ``steps``), ``done`` of its tiles reached (or None)."""
+        self.steps, self.steps_done, self.step_share = steps, step, done
         if self.active and self.clock() - self.shown >= self.interval:
             self._show(step, steps)
 
@@ -139,7 +141,7 @@ class Progress:
         """``step`` (of ``steps``) has ended, its next block received."""
         now = self.clock()
         self.step_seconds, self.step_started = now - self.step_started, now
-        self.steps, self.steps_done = steps, step + 1
+        self.steps, self.steps_done, self.step_share = steps, step + 1, None
         if self.active and self.clock() - self.shown >= self.interval:
             self._show(step + 1, steps)
 
@@ -150,7 +152,10 @@ class Progress:
             return 0.0
         within = 0.0
         if self.label is not None and self.steps > 0:
-            part = min((self.clock() - self.step_started) / self.step_seconds, 0.99) if self.step_seconds else 0.0
+            if self.step_share is not None:
+                part = min(self.step_share, 0.99)
+            else:
+                part = min((self.clock() - self.step_started) / self.step_seconds, 0.99) if self.step_seconds else 0.0
             within = self.work * min((self.steps_done + part) / self.steps, 1.0)
         return min((self.done + within) / self.total, 1.0)
 

@@ -56,7 +56,8 @@ _OBSERVERS: list = []  # observe_steps: this process's observers of its ring ste
 @contextmanager
 def observe_steps(observer):
     """Within the block every ring schedule of this process reports its steps to ``observer``:
-    ``observer.tick(phase, step, steps)`` between the tiles of a step's compute and
+    ``observer.tick(phase, step, steps, done)`` between the tiles of a step's compute (``done``:
+    the share of the step's tiles reached, when the block op says it, else None) and
     ``observer.step_done(phase, step, steps)`` once the step's next block has arrived
     (``phase`` ``"fwd"`` or ``"bwd"``).  In-process calls only (no message, no collective):
     the progress report of rank 0 (:mod:`ringmpi.cli.progress`) observes its own steps."""
@@ -188,10 +189,10 @@ class RingSchedule:
             return timed_compute(self.backend, self.ring, fn, *args, **kwargs)
         ring, phase, observers = self.ring, self.phase, tuple(_OBSERVERS)
 
-        def tick():
+        def tick(done=None):
             ring.tick()
             for observer in observers:
-                observer.tick(phase, ring.step, ring.size)
+                observer.tick(phase, ring.step, ring.size, done)
 
         return timed_compute(self.backend, ring, fn, *args, tick=tick, **kwargs)
 
