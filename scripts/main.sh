@@ -4,7 +4,8 @@
 #
 #   scripts/main.sh
 #
-# Sets up the environment (scripts/setup.sh, idempotent), runs
+# Sets up what the main job needs (scripts/setup.sh, idempotent: MPI, parallel HDF5, mpi4py,
+# h5py, NumPy, click, ml_dtypes, the compiled pass; the tests' stack is scripts/test.sh's), runs
 #   ringmpi run data/sample.h5 -o out/sample_out.h5 --causal --backward --overwrite
 # under mpirun (jobs/local.sh), verifies the result, and prints where it is.
 set -euo pipefail

@@ -2,21 +2,27 @@
 # Idempotent setup for a Debian/Ubuntu machine (or a cluster with its own MPI):
 #   1. system Open MPI + parallel HDF5 from the distribution (only when missing;
 #      skipped when MPICC / HDF5_DIR point at an existing installation),
-#   2. .venv with mpi4py built from source against that MPI and h5py built
+#   2. .venv with mpi4py using that MPI (mpi4py's binary wheel when it provably loads
+#      the libmpi that MPICC links, else built from source against it) and h5py built
 #      against the parallel HDF5 (checked: h5py.get_config().mpi must be true),
-#   3. ringmpi installed editable with its test extras.
-# Takes seconds when everything is already there.
+#   3. ringmpi installed editable: what the main job needs (NumPy, click, ml_dtypes,
+#      the compiled tile pass), plus the extras RINGMPI_EXTRAS names.
+# Takes seconds when everything is already there; says how long each step took.
 #
-#   scripts/setup.sh            # runtime + test extras
+#   scripts/setup.sh                       # the main job (scripts/main.sh)
+#   RINGMPI_EXTRAS=test scripts/setup.sh   # and the test stack (scripts/test.sh)
 #   RINGMPI_EXTRAS=test,gpu scripts/setup.sh
+#   RINGMPI_MPI4PY=source scripts/setup.sh # always build mpi4py from source
 #   RINGMPI_TORCH_SPEC='torch==2.13.0' (default) chooses the torch build the tests get
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 venv=${RINGMPI_VENV:-$here/.venv}
-extras=${RINGMPI_EXTRAS:-test}
+extras=${RINGMPI_EXTRAS:-}
 say() { printf '[setup] %s\n' "$*" >&2; }
+step_start=$SECONDS
+took() { say "$* ($((SECONDS - step_start)) s)"; step_start=$SECONDS; }  # the step that just ended
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 # ---- 1. system MPI and parallel HDF5 ------------------------------------
@@ -48,6 +54,7 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+    took "installed ${need_pkgs[*]}"
 fi
 export MPICC=${MPICC:-$(command -v mpicc)}
 if [ -z "${HDF5_DIR:-}" ]; then
@@ -77,18 +84,40 @@ sys.exit(0 if ok else 1)
 PY
 }
 
+# the libmpi that MPICC links, and the one the installed mpi4py loads (real paths)
+mpicc_libmpi() {
+    local dirs d
+    dirs=$("$MPICC" --showme:libdirs 2>/dev/null || "$MPICC" -show 2>/dev/null | tr ' ' '\n' | sed -n 's/^-L//p')
+    for d in $dirs; do [ -e "$d/libmpi.so" ] && { readlink -f "$d/libmpi.so"; return; }; done
+}
+loaded_libmpi() { "$vpy" - <<'PY' 2>/dev/null
+import os
+from mpi4py import MPI  # noqa: F401 (loads libmpi)
+print(next(os.path.realpath(line.split()[-1]) for line in open("/proc/self/maps") if "/libmpi.so" in line))
+PY
+}
 if ! have mpi4py; then
-    say "building mpi4py against $MPICC"
-    pipq --upgrade pip setuptools wheel
-    pipq --no-binary=mpi4py --no-cache-dir 'mpi4py>=4.0'
+    want_libmpi=$(mpicc_libmpi || true)
+    if [ "${RINGMPI_MPI4PY:-wheel}" = wheel ] && [ -n "$want_libmpi" ] \
+            && pipq --only-binary=mpi4py 'mpi4py>=4.1' 2>/dev/null \
+            && [ "$(loaded_libmpi)" = "$want_libmpi" ]; then
+        took "mpi4py: binary wheel, loading $want_libmpi (the libmpi of $MPICC)"
+    else
+        "$vpy" -m pip uninstall -y -q mpi4py 2>/dev/null || true
+        say "building mpi4py against $MPICC"
+        pipq --upgrade pip setuptools wheel
+        pipq --no-binary=mpi4py --no-cache-dir 'mpi4py>=4.0'
+        took "built mpi4py from source"
+    fi
 fi
 if ! "$vpy" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' 2>/dev/null; then
     say "building h5py against parallel HDF5 in $HDF5_DIR"
-    pipq --upgrade 'setuptools>=61' 'Cython>=3' pkgconfig numpy
+    pipq --upgrade 'setuptools>=61' packaging 'Cython>=3' pkgconfig numpy
     "$vpy" -m pip uninstall -y -q h5py 2>/dev/null || true
     CC=mpicc HDF5_MPI=ON HDF5_DIR="$HDF5_DIR" \
         "$vpy" -m pip install -q --disable-pip-version-check --no-binary=h5py \
         --no-build-isolation --no-cache-dir 'h5py>=3.10'
+    took "built h5py against $HDF5_DIR"
 fi
 "$vpy" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' \
     || die "h5py in $venv is not built with MPI (h5py.get_config().mpi is False)"
@@ -101,15 +130,22 @@ case ",$extras," in
         if ! have torch; then
             say "installing ${RINGMPI_TORCH_SPEC:-torch==2.13.0}"
             pipq "${RINGMPI_TORCH_SPEC:-torch==2.13.0}"
+            took "installed torch"
         fi ;;
 esac
 stamp=$venv/.ringmpi-installed
-# the extension is rebuilt when its source or build script changes
-want="$(cat pyproject.toml setup.py src/ringmpi/_ext/fused.c | sha1sum | cut -c1-12) $extras"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! have ringmpi; then
-    say "installing ringmpi (editable, extras: $extras)"
-    pipq --no-build-isolation -e ".[${extras}]" 2>/dev/null || pipq -e ".[${extras}]"
-    echo "$want" > "$stamp"
+# the extension is rebuilt when its source or build script changes; extras installed before
+# (the stamp's) are kept, so scripts/main.sh after scripts/test.sh installs nothing
+digest=$(cat pyproject.toml setup.py src/ringmpi/_ext/fused.c | sha1sum | cut -c1-12)
+read -r had_digest had_extras < "$stamp" 2>/dev/null || true
+sorted_extras() { printf '%s\n' ${*//,/ } | sort -u | paste -sd, -; }
+all_extras=$(sorted_extras "$extras" "${had_extras:-}")
+if [ "${had_digest:-}" != "$digest" ] || [ "$all_extras" != "$(sorted_extras "${had_extras:-}")" ] || ! have ringmpi; then
+    say "installing ringmpi (editable${all_extras:+, extras: $all_extras})"
+    target=.${all_extras:+[$all_extras]}
+    pipq --no-build-isolation -e "$target" 2>/dev/null || pipq -e "$target"
+    echo "$digest $all_extras" > "$stamp"
+    took "installed ringmpi"
 fi
 # the extras (transformers) must not have replaced the pinned torch build
 case ",$extras," in

@@ -6,7 +6,8 @@ For each case every rank calls the real click commands (``make_data``, then
 ``run``) in process, exactly as ``ringmpi`` would, writing
 ``OUTDIR/<id>.in.h5`` and ``OUTDIR/<id>.out.h5``.  The checks against the
 float64 reference happen in pytest (``test_file_io.py``), reading the files.
-Environment overrides of a case (``env``) are set on every rank around it.
+Environment overrides of a case (``env``) are set on every rank around it.  Rank 0
+marks where each case's messages begin on stderr: ``[case <id>]``.
 """
 
 import json
@@ -19,6 +20,8 @@ from ringmpi.cli.run import run
 
 
 def main():
+    from mpi4py import MPI
+
     cases = json.load(open(sys.argv[1]))
     outdir = sys.argv[2]
     for case in cases:
@@ -26,6 +29,8 @@ def main():
         os.environ.update({k: str(v) for k, v in case.get("env", {}).items()})
         src = os.path.join(outdir, f"{case['id']}.in.h5")
         dst = os.path.join(outdir, f"{case['id']}.out.h5")
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"[case {case['id']}]", file=sys.stderr, flush=True)
         with abort_on_error(abort_config=True):  # a broken case ends the job instead of hanging it
             make_data.main(args=[src, "--overwrite"] + case["data"], standalone_mode=False)
             run.main(args=[src, "-o", dst] + case["run"], standalone_mode=False)

@@ -8,6 +8,7 @@ independent, the bundled sample and ``jobs/local.sh`` work end to end, and
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def cases():
         dict(id="float64", data=BASE + ["--dtype", "float64"], run=["--causal", "--backward", "--scale", "0.3"]),
         dict(id="bfloat16", data=BASE + ["--dtype", "bfloat16", "--batch", "2"],
              run=["--causal", "--backward", "--layout", "striped"]),
+        dict(id="progress", data=BASE, run=["--causal", "--backward"], env={"RINGMPI_PROGRESS_S": 0}),
+        dict(id="quiet", data=BASE, run=["--causal", "--backward", "--quiet"], env={"RINGMPI_PROGRESS_S": 0}),
         dict(id="alibi", data=["--n", "37", "--n-kv", "50", "--heads", "4", "--kv-heads", "2", "--dim", "8",
                                "--with-do", "--batch", "2"],
              run=["--causal", "--backward", "--alibi-slopes", "0.5,0.25,0.3,0.0625", "--heads-per-pass", "2"]),
@@ -118,6 +121,58 @@ def test_passes_were_used(launch):
     summary = [line for line in out.splitlines() if line.startswith("ringmpi run: N=40 B=3 ")]
     assert len(summary) == 1 and summary[0].endswith(", 6 pass(es)"), out[-3000:]
     assert "[ringmpi] 12/12 backward batch 2:3 kv heads 1:2" in err, err[-3000:]
+
+
+PROGRESS = re.compile(r"^\[ringmpi\] (forward|backward) batch 0:1 kv heads 0:2, step (\d)/(\d): (\d+\.\d)% done"
+                      r"(, \S+ [MGT]?FLOP/s)?, \S+ elapsed(, ~\S+ left)?$")
+
+
+def case_messages(err, case_id):
+    """The stderr lines of one case of a file_cases launch (after its ``[case <id>]`` mark)."""
+    lines = err.splitlines()
+    start = lines.index(f"[case {case_id}]") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("[case ")), len(lines))
+    return lines[start:end]
+
+
+@pytest.mark.mpi
+def test_run_reports_progress_on_rank_0_and_quiet_silences_it(launch):
+    """With RINGMPI_PROGRESS_S=0 every ring step's progress line appears (batch log: stderr is a
+    pipe), once (rank 0 only), with the pass, the step of P, a share done that never goes back,
+    and a rate and time left once a step has ended; ``--quiet`` prints no progress and no pass lines."""
+    launch(3)
+    _, _, err, _ = _LAUNCHES[3]
+    lines = case_messages(err, "progress")
+    matched = [PROGRESS.match(x) for x in lines if PROGRESS.match(x)]
+    assert matched, lines
+    assert {m[1] for m in matched} == {"forward", "backward"} and {m[3] for m in matched} == {"3"}
+    assert {m[2] for m in matched} >= {"1", "2", "3"}, lines
+    shares = [float(m[4]) for m in matched]
+    assert shares == sorted(shares) and 0 <= shares[0] and shares[-1] <= 100, shares
+    assert any(m[5] and m[6] for m in matched), lines  # after a step: rate and time left
+    assert "[ringmpi] 2/2 backward batch 0:1 kv heads 0:2" in "\n".join(lines)
+    assert all(x.startswith("[ringmpi] ") for x in lines), lines  # nothing from the other ranks
+    assert case_messages(err, "quiet") == [], err[-3000:]
+
+
+@pytest.mark.mpi
+def test_sampled_verify_passes_every_case(launch):
+    """``verify --sample`` on every case's files (P = 3), its rows dealt to 2 ranks in one launch:
+    batches, 3-D files, N_q != N_kv, segments and windows, passes, N = 2 (every row), float16,
+    float64, bfloat16, ALiBi -- each within tolerance, o/lse (and dq/dk/dv) reported."""
+    where = launch(3)
+    rc, out, err, _ = mpirun(2, [sys.executable, DRIVERS / "verify_files.py", where / "cases.json", where,
+                                 "--sample", "16", "--seed", "4"], 240)
+    assert rc == 0, err[-3000:]
+    results = {r["id"]: r for r in map(json.loads, out.splitlines())}
+    assert sorted(results) == sorted(c["id"] for c in CASES)
+    for case in CASES:
+        r = results[case["id"]]
+        assert r["status"] == 0 and "PASS: every sampled row within tolerance" in r["report"], r
+        assert ", seed 4 (--sample 16 --seed 4" in r["report"], r["report"]
+        names = ("o", "lse") + (("dq", "dk", "dv") if "--backward" in case["run"] else ())
+        for name in names:
+            assert re.search(rf"\n  {name} +\S+ +\S+ +\S+ +\S+  yes  ", r["report"]), (name, r["report"])
 
 
 @pytest.mark.mpi

@@ -258,13 +258,16 @@ def file_case(comm, case):
         import contextlib
         import io
         from ringmpi.cli.verify import verify
-        text = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(text):
-                verify.main(args=[src, dst], standalone_mode=False)
-            verified = (0, text.getvalue())
-        except SystemExit as exc:
-            verified = (exc.code, text.getvalue())
+        verified = []
+        for extra in ([], ["--sample", "7", "--seed", "2"]):  # whole, then sampled rows dealt to the ranks
+            text = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(text):
+                    verify.main(args=[src, dst] + extra, standalone_mode=False)
+                verified.append((0, text.getvalue()))
+            except SystemExit as exc:
+                verified.append((exc.code, text.getvalue()))
+        verified, sampled = verified
     if rank != 0:
         return None
     if case.get("expect_error"):
@@ -285,8 +288,10 @@ def file_case(comm, case):
     refm, naivem = (reference.dense_max_logit(q, k, vis, scale, dt, softcap) for dt in (np.float64, q.dtype))
     ok = np.array_equal(out["sinks"], sinks) and attrs["softcap"] == softcap and attrs["max_logit"]
     ok &= verified[0] in (0, None) and "dsinks" in verified[1] and "max_logit" in verified[1]
+    ok &= sampled[0] in (0, None) and "PASS: every sampled row" in sampled[1] \
+        and "max_logit not checked" in sampled[1] and "dsinks   not checked" in sampled[1]
     messages = [f"sinks stored {np.array_equal(out['sinks'], sinks)}, attrs softcap {attrs['softcap']}",
-                f"verify exit {verified[0]}: {verified[1]}"]
+                f"verify exit {verified[0]}: {verified[1]}", f"verify --sample exit {sampled[0]}: {sampled[1]}"]
     for name, r, nv, grad in (("o", ref[0], naive[0], False), ("lse", ref[1], naive[1], False),
                               ("max_logit", refm, naivem, False), ("dq", refg[0], naiveg[0], True),
                               ("dk", refg[1], naiveg[1], True), ("dv", refg[2], naiveg[2], True),

@@ -37,7 +37,7 @@ CALLED_IN_A_PHASE = {
     ("ringmpi.filejob.hdf5", "ShardIO._write"): "called by ShardIO.write inside its phase",
 }
 NOT_WATCHED = {
-    ("ringmpi.cli.verify", "verify"): "the ranks wait in this bcast for as long as rank 0's dense reference "
+    ("ringmpi.cli.verify", "_check_whole_on_rank_0"): "the ranks wait in this bcast for as long as rank 0's dense reference "
                                       "takes: a deadline would bound that compute, not a collective",
     ("ringmpi.bench", None): "idle ranks wait in bench's barriers while the others measure, for as long "
                              "as that takes; the measured calls themselves run under the watchdog",

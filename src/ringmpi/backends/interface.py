@@ -86,7 +86,8 @@ class Backend(Protocol):
         D_v)``, ``m, l (B, H, Sq)`` compute dtype; ``mask`` a :class:`ringmpi.core.masks.BlockMask`
         (the one object carrying positions, segment ids, the mask rules and the score
         modifiers to the kernel); ``tick()`` is called between tiles so that MPI can progress
-        the pending ring transfers.  ``resident``: None, or one dict the caller passes to
+        the pending ring transfers (a backend that knows how far it is passes the share of the
+        block's tiles reached, ``tick(done)``, for the progress report).  ``resident``: None, or one dict the caller passes to
         every block op of one call (the resident operands unchanged between them), where a
         backend keeps what it derives from the resident operands (conversions, NaN/Inf
         scans, scratch) so that it is made once per call, not once per ring step."""

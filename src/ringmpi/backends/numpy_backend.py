@@ -92,7 +92,8 @@ class _TilePlan:
     depend on the batch entry (no segment ids).  A partly hidden tile comes as
     row bands cut to their visible columns (:func:`_bands`); ``kv_tile`` is the
     whole key tile of what was yielded last.  ``computed`` and ``skipped``
-    count the tiles iterated so far, one per (query tile, key tile, batch entry).
+    count the tiles iterated so far, one per (query tile, key tile, batch entry);
+    :meth:`share` is the share of (query tile, key tile) pairs reached (a progress report's).
     """
 
     def __init__(self, mask: BlockMask, sq: int, skv: int, batch: int, dtype, kv_major: bool = False):
@@ -101,9 +102,13 @@ class _TilePlan:
         self.kv_major = kv_major  # key tiles outermost: a key tile is finished before the next starts
         self.kv_tile = None
         self.computed = self.skipped = 0
+        self.reached = 0
 
     def counts(self):
         return self.computed, self.skipped
+
+    def share(self) -> float:
+        return self.reached / max(1, len(self.q_tiles) * len(self.kv_tiles))
 
     def __iter__(self):
         mask, spec = self.mask, self.mask.spec
@@ -115,6 +120,7 @@ class _TilePlan:
         else:
             pairs = ((rows, cols) for rows in self.q_tiles for cols in self.kv_tiles)
         for rows, cols in pairs:
+            self.reached += 1
             qp, kp = mask.q_pos[rows], mask.kv_pos[cols]
             for b in batches:
                 sq = mask.seg_q[b, rows] if per_batch else None
@@ -604,7 +610,7 @@ class NumpyBackend:
                         _exact_tile(q_t, k_t, v_t, s, pv, sums, full, scale, m_rows, l_rows, o_rows,
                                     softcap=softcap, drop=drop)
                     if tick is not None:  # every ~ms: an MPI without a progress thread moves data only here
-                        tick()
+                        tick(tiles.share())
         return tiles.counts()
 
     @staticmethod
@@ -682,6 +688,6 @@ class NumpyBackend:
                     else:
                         _backward_tile(*args, drop=drop)
                     if tick is not None:
-                        tick()
+                        tick(tiles.share())
         sums.end(skv)
         return tiles.counts()

@@ -60,6 +60,8 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--documents", default=None, metavar="lognormal:MEAN:SIGMA|FILE",
               help="A pack of documents (lengths drawn log-normal with that mean, or read from FILE, summing "
                    "to --n): zigzag + ring against balanced + routed, per rank visible pairs, bytes, time.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress report on rank 0 (the calls, their ring steps, "
+              "the time left).")
 @attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel",
                  causal=dict(help="Causal mask."), softcap=dict(help="Logit softcap C > 0 (ring only)."),
                  window=dict(help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side; ring only)."),
@@ -68,7 +70,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                  head_parallel=dict(help="Time the head x ring schedule with U ranks per group "
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new, sinks, documents, causal, window, softcap, dropout_p,
+          sweep, json_path, plot_path, decode, cache, new, sinks, documents, quiet, causal, window, softcap, dropout_p,
           head_parallel, **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
@@ -125,11 +127,15 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
                                                             "backward", "repeat", "warmup", "seed")
                                         + (("window",) if window is not None else ())},
                              n, documents, json_path)
-    if sweep == "head-parallel":
-        from .head_parallel import run as run_head_parallel
-        return run_head_parallel(comm, be, cfg, n, json_path, plot_path)
-    from .ring import run as run_ring
-    run_ring(comm, be, cfg, n, sweep, json_path, plot_path)
+    from ..cli.progress import Progress
+    from ..parallel.ring_schedule import observe_steps
+
+    with observe_steps(Progress(comm.Get_rank(), quiet=quiet)) as progress:
+        if sweep == "head-parallel":
+            from .head_parallel import run as run_head_parallel
+            return run_head_parallel(comm, be, cfg, n, json_path, plot_path, progress)
+        from .ring import run as run_ring
+        run_ring(comm, be, cfg, n, sweep, json_path, plot_path, progress)
 
 
 def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep, window=None,

@@ -23,7 +23,7 @@ import statistics
 import click
 
 from .machine import environment, gemm_rate, rank_environment
-from .measure import idle_barrier, measure
+from .measure import idle_barrier, measure, measure_flops
 from .summary import describe, phase_flops, phase_summary, write_json
 
 
@@ -52,18 +52,20 @@ def _a2a_seconds(per_rank_phase):
             for raw in per_rank_phase]
 
 
-def sweep(comm, be, cfg, n, nodes):
-    """Measure every candidate ``U`` on ``comm`` (collective); rank 0 gets the points, others None."""
+def sweep(comm, be, cfg, n, nodes, progress):
+    """Measure every candidate ``U`` on ``comm`` (collective); rank 0 gets the points, others None.
+    ``progress``: rank 0's report (:class:`ringmpi.cli.progress.Progress`)."""
     from ..parallel.topology import auto_head_parallel
 
     size, rank = comm.Get_size(), comm.Get_rank()
     us = candidates(size, cfg["heads"])
+    progress.start(len(us) * measure_flops(cfg, n))
     mine = []
     for u in us:
-        mine.append(measure(comm, be, dict(cfg, head_parallel=u), n))
-        if rank == 0:
-            click.echo(f"  measured head_parallel={u}", err=True)
+        mine.append(measure(comm, be, dict(cfg, head_parallel=u), n, progress))
+        progress.note(f"measured head_parallel={u}")
         idle_barrier(comm)
+    progress.close()
     gathered = comm.gather(mine, root=0)
     if rank != 0:
         return None
@@ -141,7 +143,7 @@ def plot(report, path) -> None:
     plt.close(fig)
 
 
-def run(comm, be, cfg, n, json_path, plot_path) -> None:
+def run(comm, be, cfg, n, json_path, plot_path, progress) -> None:
     """The sweep as a command: measure (collective), then rank 0 prints, writes JSON and the plot."""
     from ..parallel.topology import node_ids
 
@@ -149,7 +151,7 @@ def run(comm, be, cfg, n, json_path, plot_path) -> None:
     load_before = os.getloadavg()
     gemm = gemm_rate(be, cfg["dtype"]) if comm.Get_rank() == 0 else None
     idle_barrier(comm)
-    measured = sweep(comm, be, cfg, n, nodes)
+    measured = sweep(comm, be, cfg, n, nodes, progress)
     every = comm.gather(rank_environment(), root=0)
     if measured is None:
         return

@@ -35,8 +35,23 @@ def idle_barrier(comm) -> None:
         nap = min(2 * nap + 1e-4, 5e-3)
 
 
-def measure(comm, be, cfg, n):
-    """This rank's raw timings for one configuration on ``comm`` (collective)."""
+def measure_flops(cfg, n) -> float:
+    """FlashAttention's FLOP count of every call :func:`measure` makes (the progress report's work)."""
+    phases = ("forward", "backward") if cfg["backward"] else ("forward",)
+    calls = cfg["warmup"] + cfg["repeat"] + 1  # and the traced one
+    return calls * sum(_call_flops(cfg, n, ph) for ph in phases)
+
+
+def _call_flops(cfg, n, phase) -> float:
+    from ..core.flops import attention_flops
+
+    return attention_flops(cfg["batch"], cfg["heads"], n, n, cfg["dim"], cfg["causal"], phase,
+                           dim_v=cfg.get("dim_v"))
+
+
+def measure(comm, be, cfg, n, progress=None):
+    """This rank's raw timings for one configuration on ``comm`` (collective); ``progress``
+    (:class:`ringmpi.cli.progress.Progress`, or None) hears of each call as it begins."""
     import numpy as np
 
     from ..attention import ring_attention, ring_attention_backward
@@ -71,8 +86,10 @@ def measure(comm, be, cfg, n):
     def forward(stats):
         return ring_attention(q, k, v, stats=stats, **kw)
 
-    o, lse = timed_calls(comm, be, forward, cfg, out, "forward")
+    announce = _announcer(progress, cfg, n, p)
+    o, lse = timed_calls(comm, be, forward, cfg, out, "forward", announce)
     out["forward"]["peak_memory_bytes"], out["forward"]["peak_rss_bytes"] = memory.peak()
+    announce("forward", "memory trace")
     out["forward"]["peak_alloc_bytes"] = _traced_peak(comm, be, forward)
     if cfg["backward"]:
         do = randn(h, dv)
@@ -80,9 +97,12 @@ def measure(comm, be, cfg, n):
         def backward_call(stats):
             return ring_attention_backward(do, q, k, v, o, lse, stats=stats, **kw)
 
-        timed_calls(comm, be, backward_call, cfg, out, "backward")
+        timed_calls(comm, be, backward_call, cfg, out, "backward", announce)
         out["backward"]["peak_memory_bytes"], out["backward"]["peak_rss_bytes"] = memory.peak()
+        announce("backward", "memory trace")
         out["backward"]["peak_alloc_bytes"] = _traced_peak(comm, be, backward_call)
+    if progress is not None:
+        progress.end()
     if p == 1:
         threads = int(os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or 1)
         out["torch_sdpa"] = measure_sdpa(cfg["batch"], cfg["heads"], cfg["kv_heads"], n, cfg["dim"], cfg["dtype"],
@@ -91,12 +111,23 @@ def measure(comm, be, cfg, n):
     return out
 
 
-def timed_calls(comm, be, call, cfg, out, phase):
+def _announcer(progress, cfg, n, p):
+    """``announce(phase, what)``: tell ``progress`` (if any) that a call of ``phase`` begins."""
+    def announce(phase, what):
+        if progress is not None:
+            progress.begin(f"bench P={p} N={n} {phase} {what}", _call_flops(cfg, n, phase))
+    return announce
+
+
+def timed_calls(comm, be, call, cfg, out, phase, announce=None):
     """``cfg["warmup"]`` untimed then ``cfg["repeat"]`` timed calls of ``call(stats)``, each after a
     barrier: ``out[phase] = {"walls": [s, ...], "records": [[record dicts], ...]}``; returns the
-    last call's result."""
+    last call's result; ``announce(phase, what)`` (if given) hears each call begin."""
     walls, records, result = [], [], None
-    for i in range(cfg["warmup"] + cfg["repeat"]):
+    calls = cfg["warmup"] + cfg["repeat"]
+    for i in range(calls):
+        if announce is not None:
+            announce(phase, f"call {i + 1}/{calls}" + (" (warm-up)" if i < cfg["warmup"] else ""))
         stats, result = [], None  # the previous outputs are not part of this call's memory peak
         comm.Barrier()
         start = time.perf_counter()

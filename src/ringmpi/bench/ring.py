@@ -19,16 +19,17 @@ import click
 
 from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from .machine import environment, gemm_rate, instrumentation_unit_costs, rank_environment
-from .measure import idle_barrier, measure, sweep_sizes
+from .measure import idle_barrier, measure, measure_flops, sweep_sizes
 from .summary import chosen_head_parallel, describe, point, write_json
 
 
-def run(comm, be, cfg, n, sweep, json_path, plot_path) -> None:
+def run(comm, be, cfg, n, sweep, json_path, plot_path, progress) -> None:
     """Measure every configuration (collective); rank 0 prints the report, writes JSON and the plot.
 
     ``cfg``: the problem and repeats (batch, heads, kv_heads, dim, dtype, causal, layout,
     backward, repeat, warmup, seed, and dim_v, head_parallel, softcap, sinks, dropout when
-    used); ``sweep``: None, ``"strong"`` or ``"weak"``.
+    used); ``sweep``: None, ``"strong"`` or ``"weak"``; ``progress``: rank 0's report
+    (:class:`ringmpi.cli.progress.Progress`).
     """
     from mpi4py import MPI
 
@@ -37,6 +38,7 @@ def run(comm, be, cfg, n, sweep, json_path, plot_path) -> None:
     load_before = os.getloadavg()
     gemm = gemm_rate(be, cfg["dtype"]) if rank == 0 else None
     idle_barrier(comm)
+    progress.start(sum(measure_flops(cfg, n * p if sweep == "weak" else n) for p in sizes))
     mine = []
     for p in sizes:
         sub = comm.Split(0 if rank < p else MPI.UNDEFINED, rank)
@@ -44,11 +46,12 @@ def run(comm, be, cfg, n, sweep, json_path, plot_path) -> None:
             mine.append(None)  # not in this configuration: wait without taking a core
         else:
             n_global = n * p if sweep == "weak" else n
-            mine.append(measure(sub, be, cfg, n_global))
-            if rank == 0 and sweep:
-                click.echo(f"  measured P={p} N={n_global}", err=True)
+            mine.append(measure(sub, be, cfg, n_global, progress))
+            if sweep:
+                progress.note(f"measured P={p} N={n_global}")
             sub.Free()
         idle_barrier(comm)
+    progress.close()
     instrument = instrumentation_unit_costs(be) if rank == 0 else None
     gathered = comm.gather((rank_environment(), mine), root=0)
     if rank != 0:

@@ -1,13 +1,11 @@
 """``ringmpi run``: attention over an HDF5 file (the job itself is :mod:`ringmpi.filejob`).
 
 This module parses the options into a :class:`ringmpi.filejob.JobOptions` and
-reports: progress on rank 0 (click's bar on a terminal, plain lines
-otherwise) and the summary of times and rates.
+reports: progress on rank 0 (:mod:`ringmpi.cli.progress`: the pass, the ring step,
+the rate and the time left; ``--quiet`` silences it) and the summary of times and rates.
 """
 
 from __future__ import annotations
-
-import sys
 
 import click
 
@@ -16,36 +14,6 @@ from ..core.layout import BALANCED, KINDS
 from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from ..options import SCHEDULES
 from .flags import attention_flags
-
-
-class _Progress:
-    """click's progress bar on rank 0 when stderr is a terminal, plain lines otherwise."""
-
-    def __init__(self, rank: int):
-        self.rank, self.total, self.done, self.bar = rank, 0, 0, None
-
-    def note(self, text: str) -> None:
-        if self.rank == 0:
-            click.echo(f"[ringmpi] {text}", err=True)
-
-    def start(self, total: int) -> None:
-        self.total = total
-        if self.rank == 0 and sys.stderr.isatty():
-            self.bar = click.progressbar(length=total, label="ring passes", file=sys.stderr)
-            self.bar.__enter__()
-
-    def advance(self, what: str, units: int = 1) -> None:
-        """Count ``units`` done (or, after ``--resume``, found done before)."""
-        self.done += units
-        if self.bar is not None:
-            self.bar.update(units)
-        else:
-            self.note(f"{self.done}/{self.total} {what}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
 
 
 # the attention options ringmpi run offers as flags (their flags and help: options.py)
@@ -67,13 +35,14 @@ ATTENTION_FLAGS = ("causal", "window", "softmax_scale", "check_finite", "timeout
               help="Continue an interrupted job from its partial output (same input and options).")
 @click.option("--heads-per-pass", type=int, default=None, metavar="K",
               help="Query heads per pass (a multiple of H/H_kv) to bound memory [default: all].")
+@click.option("--quiet", "-q", is_flag=True, help="No progress report on rank 0 (the summary stays).")
 @click.option("--sinks-dataset", default=None, metavar="NAME",
               help="Attention sinks: the (H,) float32/float64 dataset NAME of the input (one logit per "
                    "query head); writes sinks and, with --backward, dsinks.")
 @attention_flags(*ATTENTION_FLAGS, check_finite=dict(default=True, show_default=True),
                  timeout=dict(default=600.0, show_default=True), dropout_p=dict(show_default=True),
                  schedule=dict(type=click.Choice(SCHEDULES)))
-def run(input_path, output_path, layout, backward, backend, overwrite, resume, heads_per_pass, sinks_dataset,
+def run(input_path, output_path, layout, backward, backend, overwrite, resume, heads_per_pass, quiet, sinks_dataset,
         **attention):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
@@ -90,11 +59,13 @@ def run(input_path, output_path, layout, backward, backend, overwrite, resume, h
     from mpi4py import MPI
 
     from ..filejob.job import JobOptions, run_job
+    from ..parallel.ring_schedule import observe_steps
+    from .progress import Progress
 
     options = JobOptions.of_flags(layout=layout, backward=backward, backend=backend, heads_per_pass=heads_per_pass,
                                   sinks_dataset=sinks_dataset, **attention)
-    result = run_job(input_path, output_path, options, _Progress(MPI.COMM_WORLD.Get_rank()),
-                     overwrite=overwrite, resume=resume)
+    with observe_steps(Progress(MPI.COMM_WORLD.Get_rank(), quiet=quiet)) as progress:
+        result = run_job(input_path, output_path, options, progress, overwrite=overwrite, resume=resume)
     if result.every is not None:  # rank 0
         click.echo(_summary(result))
 

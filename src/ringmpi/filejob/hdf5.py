@@ -70,7 +70,14 @@ def create_float_dataset(f, name: str, shape, dtype, **kwargs):
 
 def read_float_dataset(dset) -> np.ndarray:
     """A whole dataset in the dtype it holds (bfloat16 for the marked uint16 patterns)."""
-    return from_hdf5_storage(dset[()], hdf5_logical_dtype(dset))
+    return read_selection(dset, ())
+
+
+def read_selection(dset, selection) -> np.ndarray:
+    """``dset[selection]`` (h5py's indexing: integers, slices, one ascending list of indices) in
+    the dtype it holds (bfloat16 for the marked uint16 patterns).  Under the ``mpio`` driver an
+    independent read: each rank reads only what it alone needs (``ringmpi verify --sample``)."""
+    return from_hdf5_storage(dset[selection], hdf5_logical_dtype(dset))
 
 
 def piece_bytes() -> int:

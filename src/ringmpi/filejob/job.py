@@ -157,9 +157,10 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
             resume: bool = False) -> JobResult:
     """Run the file job (collective over ``COMM_WORLD``) and return its :class:`JobResult`.
 
-    ``progress`` reports: ``note(text)`` (rank 0's messages), ``start(total)``,
-    ``advance(what, units=1)`` (a pass's forward or backward done, or skipped
-    after ``resume``) and ``close()``.  Bad input or options raise the same
+    ``progress`` reports (:class:`ringmpi.cli.progress.Progress`): ``note(text)`` (rank 0's
+    messages), ``start(flops, units)`` (the work of the passes to run, their forwards and
+    backwards), ``begin(what, flops)`` (a ring call starts), ``advance(what, units=1)`` (a
+    pass's forward or backward done, or skipped after ``resume``) and ``close()``.  Bad input or options raise the same
     ConfigError on every rank, leaving no file at ``output_path``.
     """
     from ..parallel.comm import dup_world
@@ -184,7 +185,9 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     head_parallel = _head_parallel(comm, options.attention.head_parallel, spec, passes)
     layouts = _layouts(comm, options, spec)
     job = _Job(comm, input_path, options, spec, passes, backend, head_parallel, layouts)
-    progress.start(len(passes) * (2 if options.backward else 1))
+    phases = ("forward", "backward") if options.backward else ("forward",)
+    progress.start(sum(pass_flops(spec, p, options.attention.causal, ph) for i, p in enumerate(passes)
+                       for ph in phases if done is None or not done[i]), len(passes) * len(phases))
     job.run(out, done, record, OutputAttributes.of_job(options, spec, input_path, comm.Get_size(), backend),
             progress)
     mine = (time.perf_counter() - t_start, job.timers.ring_s, job.timers.compute_s, job.timers.wait_s,
@@ -308,6 +311,8 @@ class _Job:
         stats: list = []
         t0 = time.perf_counter()
         qd, kd, vd = self.to_device(q), self.to_device(k), self.to_device(v)
+        progress.begin(f"forward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1}",
+                       pass_flops(spec, p, o.attention.causal, "forward"))
         out, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, options=options, **self.ring_kw, **segments)
         head_datasets.write_pass(fout, p, spec.group, max_logit=pass_max[0] if max_logit else None)
         self.timers.ring_s += time.perf_counter() - t0
@@ -317,6 +322,8 @@ class _Job:
         if o.backward:
             do = read("do", self.io_q, "o")
             t0 = time.perf_counter()
+            progress.begin(f"backward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1}",
+                           pass_flops(spec, p, o.attention.causal, "backward"))
             dq, dk, dv, *dsinks = ring_attention_backward(self.to_device(do), qd, kd, vd, out, lse, stats=stats,
                                                           options=replace(options, return_max_logit=False),
                                                           **self.ring_kw, **segments)
@@ -338,6 +345,14 @@ class _Job:
             return {}
         return dict(segment_ids_q=_read_segments(fin, self.spec.seg_q, self.io_q, p),
                     segment_ids_kv=_read_segments(fin, self.spec.seg_kv, self.io_kv, p))
+
+
+def pass_flops(spec, p: Pass, causal: bool, phase: str) -> float:
+    """FlashAttention's FLOP count of pass ``p``'s ``phase`` (``"forward"``, ``"backward"``)."""
+    from ..core.flops import attention_flops
+
+    return attention_flops(p.b1 - p.b0, (p.g1 - p.g0) * spec.group, spec.n_q, spec.n_kv, spec.dim, causal, phase,
+                           dim_v=spec.dim_v)
 
 
 def _resolve_backend(name: str, comm) -> str:

@@ -181,11 +181,13 @@ class Ring:
             self._pending[channel] = transfers
             self._all_requests = None
 
-    def tick(self) -> None:
+    def tick(self, done: Optional[float] = None) -> None:
         """Let MPI progress every pending transfer (cheap; call between tiles).
 
         One ``Testall`` over every channel: each MPI test runs the whole progress
-        engine (TCP polling included), so one call per channel would repeat it."""
+        engine (TCP polling included), so one call per channel would repeat it.
+        ``done``: the share of the block op's tiles reached, when the op knows it (for a
+        progress report, :func:`ringmpi.parallel.ring_schedule.observe_steps`; unused here)."""
         from mpi4py import MPI
 
         if not self._pending:

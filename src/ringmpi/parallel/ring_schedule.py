@@ -34,6 +34,7 @@ the gradient channels and :func:`timed_compute`.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -48,6 +49,23 @@ from .ring import Ring
 # host memory: dK/dV partial sums received into, added to and sent from two buffers
 # (HostGradChannel); False: as device memory, three buffers of whole messages (GradChannel)
 HOST_GRADS_IN_PLACE = True
+
+_OBSERVERS: list = []  # observe_steps: this process's observers of its ring steps
+
+
+@contextmanager
+def observe_steps(observer):
+    """Within the block every ring schedule of this process reports its steps to ``observer``:
+    ``observer.tick(phase, step, steps, done)`` between the tiles of a step's compute (``done``:
+    the share of the step's tiles reached, when the block op says it, else None) and
+    ``observer.step_done(phase, step, steps)`` once the step's next block has arrived
+    (``phase`` ``"fwd"`` or ``"bwd"``).  In-process calls only (no message, no collective):
+    the progress report of rank 0 (:mod:`ringmpi.cli.progress`) observes its own steps."""
+    _OBSERVERS.append(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVERS.remove(observer)
 
 
 @dataclass
@@ -76,15 +94,39 @@ class Block:
     rows: dict = field(default_factory=dict)
 
 
-def timed_compute(backend, ring: Ring, fn, *args, **kwargs):
-    """Run the block op ``fn(*args, tick=ring.tick, **kwargs)`` as the compute of the ring's
+def observed_compute(backend, ring: Ring, phase: str, fn, *args, **kwargs):
+    """:func:`timed_compute` of a schedule's step whose ticks also reach the observers of
+    :func:`observe_steps` (``phase`` ``"fwd"``/``"bwd"``; the ring's step and size, and the share
+    of the tiles the block op says it has reached)."""
+    if not _OBSERVERS:
+        return timed_compute(backend, ring, fn, *args, **kwargs)
+    observers = tuple(_OBSERVERS)
+
+    def tick(done=None):
+        ring.tick()
+        for observer in observers:
+            observer.tick(phase, ring.step, ring.size, done)
+
+    return timed_compute(backend, ring, fn, *args, tick=tick, **kwargs)
+
+
+def steps_done(phase: str, step: int, steps: int) -> None:
+    """Tell the observers of :func:`observe_steps` that ``step`` (of ``steps``) has ended."""
+    for observer in _OBSERVERS:
+        observer.step_done(phase, step, steps)
+
+
+def timed_compute(backend, ring: Ring, fn, *args, tick=None, **kwargs):
+    """Run the block op ``fn(*args, tick=tick, **kwargs)`` as the compute of the ring's
     current step: NVTX range, synchronised wall time and tile counts go into
-    ``ring.record(ring.step)``.  ``fn`` returns ``(tiles computed, tiles skipped)``."""
+    ``ring.record(ring.step)``.  ``fn`` returns ``(tiles computed, tiles skipped)``;
+    ``tick`` (called between tiles) is ``ring.tick`` unless given."""
     step = ring.step
+    tick = ring.tick if tick is None else tick
     start = time.perf_counter()
     with backend.annotate(f"ring step {step} compute"):
-        tiles = fn(*args, tick=ring.tick, **kwargs)
-        backend.synchronize(tick=ring.tick)
+        tiles = fn(*args, tick=tick, **kwargs)
+        backend.synchronize(tick=tick)
     record = ring.record(step)
     record.compute_s += time.perf_counter() - start
     record.tiles_computed += tiles[0]
@@ -156,13 +198,15 @@ class RingSchedule:
                 self.grads.end_step(step, src, block.dk, block.dv)
             with be.annotate(f"ring step {step} wait"):
                 ring.wait("kv")
+            steps_done(self.phase, step, ring.size)
         if self.grads is not None:
             ring.next_step()  # the finished dK/dV of our own block arrive from prev
             self._home_grads = self.grads.receive_home()
 
     def compute(self, fn, *args, **kwargs):
-        """Run the block op ``fn(*args, tick=..., **kwargs)`` as this step's timed compute."""
-        return timed_compute(self.backend, self.ring, fn, *args, **kwargs)
+        """Run the block op ``fn(*args, tick=..., **kwargs)`` as this step's timed compute
+        (its ticks also reach the observers of :func:`observe_steps`)."""
+        return observed_compute(self.backend, self.ring, self.phase, fn, *args, **kwargs)
 
     def finished_grads(self):
         """``(dk (B, H_kv, S_local, D), dv (B, H_kv, S_local, D_v))`` compute dtype: this rank's finished, unscaled

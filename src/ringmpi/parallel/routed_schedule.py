@@ -37,7 +37,7 @@ import numpy as np
 from ..core.masks import BlockMask, ScoreSpec
 from ..runtime.faults import fault_point
 from .ring import Ring
-from .ring_schedule import Block, timed_compute
+from .ring_schedule import Block, observed_compute, steps_done
 from .route_plan import RoutePlan
 
 
@@ -123,8 +123,9 @@ class RoutedSchedule:
         return self.ring.records
 
     def compute(self, fn, *args, **kwargs):
-        """Run the block op ``fn(*args, tick=..., **kwargs)`` as this step's timed compute."""
-        return timed_compute(self.backend, self.ring, fn, *args, **kwargs)
+        """Run the block op ``fn(*args, tick=..., **kwargs)`` as this step's timed compute
+        (its ticks also reach the observers of ``ring_schedule.observe_steps``)."""
+        return observed_compute(self.backend, self.ring, self.phase, fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ transfers
     def _outgoing(self, step: int):
@@ -210,6 +211,7 @@ class RoutedSchedule:
         if backward:
             block.dk, block.dv = self._home
         yield block
+        steps_done(self.phase, 0, plan.size)
         for k in range(1, len(plan.rounds)):
             for i, t in enumerate(plan.rounds[k]):
                 while ring.step < t:
@@ -236,6 +238,7 @@ class RoutedSchedule:
                 if backward:
                     self.grad_out.msgs[t].ready_to_send(dirty=True)
                     ring.post(f"grad_out{t}", send=self.grad_out.mpi(t, rows), stream="routed_grad", dest=src)
+                steps_done(self.phase, t, plan.size)
         while ring.step < plan.size - 1:
             ring.next_step()
         if backward:
