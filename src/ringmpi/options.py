@@ -163,6 +163,17 @@ class AttentionOptions:
         ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
         ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
         global positions (after scale and softcap, before the mask).  NumPy backend.
+    invariant : bool
+        The same bits for every number of ranks, layout and ``head_parallel``
+        (on one machine and backend, for every dtype): ``o``, ``lse``, ``max_logit``
+        and the gradients ``dq, dk, dv`` and ``dsinks`` (summed over the ranks,
+        ``reduce_dsinks=True``).  Every shard must be made of whole 64-token
+        tiles of global positions (``[64 t, 64 t + 64)``; the last tile of a
+        sequence may be short), a ConfigError on every rank otherwise.  Sums
+        over key tiles are exact integer sums in fixed point
+        (:mod:`ringmpi.core.fixed_point`), the forward makes two passes over
+        the ring (row maxima first), and a row reached by NaN/Inf is NaN.
+        NumPy backend.
     """
 
     causal: bool = False
@@ -179,6 +190,7 @@ class AttentionOptions:
     check_finite: bool = False
     dtype: Optional[str] = None
     return_max_logit: bool = False
+    invariant: bool = False
 
     def given_once(self, options: Optional["AttentionOptions"],
                    defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
@@ -292,6 +304,8 @@ class AttentionOptions:
                    None if self.softmax_scale is None else float(self.softmax_scale),
                    None if self.softcap is None else float(self.softcap),
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))
+        if self.invariant:  # a separate term: the digests of calls without it are unchanged
+            scalars += ("invariant",)
         crc = zlib.crc32(repr(scalars).encode())
         for name in PER_HEAD:
             per_head = getattr(self, name)

@@ -67,24 +67,29 @@ class SoftmaxState:
 
     def max_logit(self, comm, heads=None) -> np.ndarray:
         """``(H,)`` host array: each head's largest visible score over the batch, the rows
-        and all ranks of ``comm`` (``MPI.MAX``); ``-inf`` for a head with no visible score.
-        ``heads=(part, H)``: these rows hold only the heads ``part`` (a slice) of ``H``
-        (the head x ring schedule); the other heads' maxima come from other ranks.
-        A NaN on any rank gives NaN (``MPI.MAX`` alone may drop it: it compares with ``>``)."""
-        from mpi4py import MPI
-
-        m = self.m
-        part, total = (slice(None), m.shape[1]) if heads is None else heads
-        local = np.full(total, -np.inf, dtype=m.dtype)
-        if m.shape[0] and m.shape[2]:
-            local[part] = _host(m.max(axis=(0, 2)))
-        nan = np.isnan(local)
-        both = np.concatenate([np.where(nan, -np.inf, local), nan]).astype(m.dtype)
-        out = np.empty_like(both)
-        with phase("the max logit reduction (Allreduce)"):
-            comm.Allreduce(both, out, op=MPI.MAX)
-        return np.where(out[total:] > 0, np.nan, out[:total]).astype(m.dtype)
+        and all ranks of ``comm`` (:func:`reduce_max_logit` of ``m``)."""
+        return reduce_max_logit(self.m, comm, heads)
 
     def finalize(self, out_dtype):
         """``(o (B, S, H, D_v) out_dtype, lse (B, H, S))``: the backend's ``finalize``."""
         return self.backend.finalize(self.o_acc, self.m, self.l, out_dtype)
+
+
+def reduce_max_logit(m, comm, heads=None) -> np.ndarray:
+    """``(H,)`` host array: each head's largest value of ``m (B, H, S)`` (this backend's array)
+    over the batch, the rows and all ranks of ``comm`` (``MPI.MAX``); ``-inf`` for a head with
+    none.  ``heads=(part, H)``: ``m`` holds only the heads ``part`` (a slice) of ``H`` (the head
+    x ring schedule); the other heads' maxima come from other ranks.  A NaN on any rank gives
+    NaN (``MPI.MAX`` alone may drop it: it compares with ``>``)."""
+    from mpi4py import MPI
+
+    part, total = (slice(None), m.shape[1]) if heads is None else heads
+    local = np.full(total, -np.inf, dtype=m.dtype)
+    if m.shape[0] and m.shape[2]:
+        local[part] = _host(m.max(axis=(0, 2)))
+    nan = np.isnan(local)
+    both = np.concatenate([np.where(nan, -np.inf, local), nan]).astype(m.dtype)
+    out = np.empty_like(both)
+    with phase("the max logit reduction (Allreduce)"):
+        comm.Allreduce(both, out, op=MPI.MAX)
+    return np.where(out[total:] > 0, np.nan, out[:total]).astype(m.dtype)

@@ -64,15 +64,16 @@ class LocalProblem:
     timeout: Optional[float] = None
     order: Optional[Sequence[int]] = None
 
-    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd") -> RingSchedule:
-        """The ring schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``."""
+    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd", grad_dims=None) -> RingSchedule:
+        """The ring schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``
+        (``grad_dtype``, ``grad_dims``: the partial sums' words, see :class:`RingSchedule`)."""
         be = self.backend
         # head-major views: the schedule copies them straight into its first K/V buffer
         # (no (B, H_kv, S, D) temporaries beside the buffers)
         return RingSchedule(
             self.comm, be, _heads_view(k), _heads_view(v), kv_counts=self.kv_counts,
             q_pos=self.q_pos, kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
-            grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order)
+            grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order, grad_dims=grad_dims)
 
 
 @dataclass(frozen=True)
@@ -113,14 +114,19 @@ class AgreedCall:
                             timeout=self.timeout, order=ring_order(self.comm))
 
 
-def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
+def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None, invariant=None):
     """``(o (B, S_q, H, D_v) q.dtype, lse (B, H, S_q), max_logit (H,) or None, records)``.
 
     ``q (B, S_q, H, D)``, ``k, v`` this backend's arrays, sequence-major.  ``sinks
     (H,)``: this problem's heads' sinks (this backend's array, compute dtype).
     ``max_logit``: ``(comm, heads)`` to reduce the max logit over (``heads`` as
     :meth:`~ringmpi.core.online_softmax.SoftmaxState.max_logit`), or None for none.
+    ``invariant``: the call's :class:`~ringmpi.parallel.invariant_passes.Maxima` to run
+    :func:`ringmpi.parallel.invariant_passes.forward` instead (``invariant=True``), or None.
     """
+    if invariant is not None:
+        from .invariant_passes import forward
+        return forward(problem, q, k, v, invariant, sinks=sinks, max_logit=max_logit)
     be, ct = problem.backend, problem.compute_dtype
     qh = be.heads_view(q, ct)
     state = SoftmaxState(be, qh.shape[:3], v.shape[3], ct)
@@ -138,7 +144,8 @@ def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
     return o, lse, top, records
 
 
-def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, sinks=None, sink_comm=None):
+def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, sinks=None, sink_comm=None,
+                  invariant=None, raw: bool = False):
     """``(dq (B, H, S_q, D), dk (B, H_kv, S_kv, D), dv (B, H_kv, S_kv, D_v), dsinks, records)``.
 
     Head-major compute-dtype gradients, scaled, of this rank's rows.  ``q, do``
@@ -146,7 +153,13 @@ def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, si
     * o)`` head-major, or None to compute it from ``o`` (sequence-major).  With
     ``sinks`` (compute dtype) ``dsinks (H,)`` is summed over ``sink_comm`` (this rank's
     own share when it is None: the framework bridges' convention); else None.
+    ``invariant``: the call's :class:`~ringmpi.parallel.invariant_passes.Maxima` to run
+    :func:`ringmpi.parallel.invariant_passes.backward` instead (``raw`` as there), or None.
     """
+    if invariant is not None:
+        from .invariant_passes import backward
+        return backward(problem, q, do, k, v, lse, invariant, o=o, dvec=dvec, sinks=sinks, sink_comm=sink_comm,
+                        raw=raw)
     be, ct = problem.backend, problem.compute_dtype
     qh, doh = be.heads_view(q, ct), be.heads_view(do, ct)
     if dvec is None:

@@ -1,0 +1,337 @@
+"""The passes of ``invariant=True``: results whose bits do not depend on P, the layout or head x ring.
+
+The flat ring and the head x ring schedule run these instead of
+:func:`~ringmpi.parallel.ring_passes.forward_pass` / ``backward_pass`` when the call asks
+for invariance (``LocalProblem`` and ``RingSchedule`` as there).  The arithmetic is the
+backend's invariant block ops (:mod:`ringmpi.backends.invariant_tiles`): fixed 64-token
+tile pairs in global positions, float partial sums added in integer fixed point
+(:mod:`ringmpi.core.fixed_point`).  What depends on the whole sequence comes from exact
+collectives before any sum: :class:`Maxima` (``MPI.MAX`` of ``|x|`` per batch entry and
+head, the same on every rank for every P), and in the forward each row's largest visible
+score, from a first ring pass over the keys alone (max is exact in any order).
+
+* forward: pass 1 (K only) -> row maxima ``M``; pass 2 (K, V) -> ``l = sum exp(s - M)`` and
+  the ``o`` numerator in fixed point; ``o = num / l``, ``lse = M + log l`` (sinks folded in
+  float64 from these exact values).
+* backward: one pass; ``dq`` accumulates at home, the ``dK, dV`` partial sums travel as int64
+  words (a poison count per key row beside them), then are scaled once.
+* ``dsinks``: each row's term on a grid from the global largest term, an int64 ``MPI.SUM``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..core import dtypes as _dtypes
+from ..core import fixed_point as fx
+from ..core.global_tiles import TILE
+from ..core.online_softmax import reduce_max_logit
+from ..runtime.watchdog import phase
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def _abs_max(x, axes) -> np.ndarray:
+    """``max |x|`` over ``axes`` in float64, NaN/Inf counted as 0 (their rows are poisoned)."""
+    x = np.abs(np.asarray(x, dtype=np.float64))
+    x[~np.isfinite(x)] = 0
+    if x.size == 0:
+        shape = [n for a, n in enumerate(x.shape) if a not in axes]
+        return np.zeros(shape)
+    return x.max(axis=axes)
+
+
+@dataclass(frozen=True)
+class Maxima:
+    """The exact global quantities an invariant call's fixed-point grids are built from.
+
+    n_q, n_kv : global lengths; group : query heads per K/V head of the whole call;
+    rescale : dropout's ``1 / (1 - p)`` (1 without); vmax_cols : (B, H_kv, D_v) largest
+    ``|v|`` per batch entry, K/V head and column over every rank.  Backward only (else None):
+    kmax (B, H_kv, D); dk_exp (B, H_kv, D), dv_exp (B, H_kv, D_v): the ``dK, dV`` bound
+    exponents of :func:`~ringmpi.core.fixed_point.gradient_exponents` over all of a K/V head's
+    query heads.  :meth:`for_kv_heads` keeps a head x ring member's K/V heads.
+    """
+
+    n_q: int
+    n_kv: int
+    group: int
+    rescale: float
+    vmax_cols: np.ndarray
+    kmax: Optional[np.ndarray] = None
+    dk_exp: Optional[np.ndarray] = None
+    dv_exp: Optional[np.ndarray] = None
+
+    def for_kv_heads(self, kv_heads: Sequence[int]) -> "Maxima":
+        """These maxima for a call over the K/V heads ``kv_heads`` (global indices, in local order)."""
+        pick = list(kv_heads)
+        return replace(self, **{name: getattr(self, name)[:, pick]
+                                for name in ("vmax_cols", "kmax", "dk_exp", "dv_exp")
+                                if getattr(self, name) is not None})
+
+
+def _rescale(spec, ct) -> float:
+    return 1.0 if spec.dropout is None else float(spec.dropout.rescale(ct))
+
+
+def _allreduce_max(comm, parts, timeout):
+    """Elementwise ``MPI.MAX`` of the float64 arrays ``parts`` over ``comm`` (one collective)."""
+    from mpi4py import MPI
+
+    flat = np.concatenate([np.ravel(p) for p in parts]).astype(np.float64)
+    out = np.empty_like(flat)
+    with phase("invariant: the global maxima (Allreduce)", timeout):
+        comm.Allreduce(flat, out, op=MPI.MAX)
+    got, at = [], 0
+    for p in parts:
+        got.append(out[at:at + np.size(p)].reshape(np.shape(p)))
+        at += np.size(p)
+    return got
+
+
+def forward_maxima(call, v) -> Maxima:
+    """Collective over ``call.comm``: the forward's :class:`Maxima` from this rank's ``v (B, S, H_kv, D_v)``."""
+    ct = call.compute_dtype
+    (vmax,) = _allreduce_max(call.comm, [_abs_max(_host(v), (1,))], call.timeout)
+    heads, kv_heads = call.heads, v.shape[2]
+    return Maxima(call.place_q.n, call.place_kv.n, heads // kv_heads, _rescale(call.spec, ct), vmax)
+
+
+def backward_maxima(call, q, k, v, do, dvec) -> Maxima:
+    """Collective over ``call.comm``: the backward's :class:`Maxima` from this rank's shards
+    (sequence-major ``q, k, v, do``; ``dvec (B, H, S_q)`` head-major)."""
+    ct = call.compute_dtype
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group = heads // kv_heads
+    parts = [_abs_max(_host(v), (1,)), _abs_max(_host(k), (1,)), _abs_max(_host(q), (1,)),
+             _abs_max(_host(do), (1,)), _abs_max(_host(dvec), (2,))]
+    vmax_cols, kmax, qmax, domax, dvecmax = _allreduce_max(call.comm, parts, call.timeout)
+    batch = q.shape[0]
+    rescale = _rescale(call.spec, ct)
+    # per K/V head, over its query heads: the largest row weight exponent, |q| and |do| per column
+    vmax_h = np.repeat(vmax_cols.max(axis=2), group, axis=1)
+    w = fx.row_weight_exponents(v.shape[3], rescale, vmax_h, domax.max(axis=2), dvecmax)
+    w_kv = w.reshape(batch, kv_heads, group).max(axis=2)
+    qmax_kv = qmax.reshape(batch, kv_heads, group, -1).max(axis=2)
+    domax_kv = domax.reshape(batch, kv_heads, group, -1).max(axis=2)
+    dk_exp, dv_exp = fx.kv_exponents(call.place_q.n, group, rescale, w_kv, qmax_kv, domax_kv)
+    return Maxima(call.place_q.n, call.place_kv.n, group, rescale, vmax_cols, kmax=kmax, dk_exp=dk_exp,
+                  dv_exp=dv_exp)
+
+
+def _renumber(records, first: int):
+    for r in records:
+        r.step += first
+    return records
+
+
+def forward(problem, q, k, v, maxima: Maxima, sinks=None, max_logit=None):
+    """``(o (B, S_q, H, D_v) q.dtype, lse (B, H, S_q), max_logit (H,) or None, records)`` of one
+    local problem, invariantly: as :func:`~ringmpi.parallel.ring_passes.forward_pass`.  The records
+    are pass 1's ring steps then pass 2's (steps ``P .. 2P-1``)."""
+    be, ct = problem.backend, problem.compute_dtype
+    limbs = fx.limbs_for(ct)
+    batch, rows, heads, _ = q.shape
+    dim_v = v.shape[3]
+    res = be.invariant_resident(be.heads_view(q, ct), problem.q_pos, problem.seg_q, k.dtype, ct, problem.spec)
+    tiles = res.tiling.count
+    shape = (batch, heads, tiles, TILE)
+    m = np.full(shape, -np.inf, dtype=ct)
+    poison = np.zeros(shape, dtype=np.uint8)
+    schedule = problem.schedule(k, v[..., :0])  # pass 1: the keys alone
+    for block in schedule:
+        schedule.compute(be.invariant_max_block, res, block.k, m, poison, problem.scale, block.mask)
+    records = schedule.records
+    del schedule, block
+    m += 0  # one zero: -0.0 and +0.0 maxima, which the order could pick, become +0.0
+    shift = np.where(np.isfinite(m), m, 0).astype(ct)
+    e_l, e_o = fx.forward_exponents(maxima.n_kv, maxima.vmax_cols, maxima.rescale)
+    grid_l, grid_o = fx.grid(np.array([e_l]), limbs), fx.grid(e_o, limbs)
+    acc_l = fx.zeros(shape + (1,), limbs)
+    acc_o = fx.zeros(shape + (dim_v,), limbs)
+    schedule = problem.schedule(k, v)
+    for block in schedule:
+        schedule.compute(be.invariant_forward_block, res, block.k, block.v, shift, acc_l, acc_o, poison,
+                         grid_l, grid_o, limbs, problem.scale, block.mask)
+    records = records + _renumber(schedule.records, len(records))
+    del schedule, block, res
+    group = heads // v.shape[2]
+    l = fx.value(acc_l, limbs)[..., 0] / grid_l[0]
+    num = fx.value(acc_o, limbs) / np.repeat(grid_o, group, axis=1)[:, :, None, None, :]
+    bad = poison.astype(bool)
+    top = None
+    if max_logit is not None:
+        tiling_valid = np.broadcast_to(_valid(problem.q_pos), shape)
+        logits = np.where(bad, np.nan, np.where(tiling_valid, m, -np.inf)).astype(ct)
+        top = reduce_max_logit(logits.reshape(batch, heads, tiles * TILE), *max_logit)
+    o, lse = _finish_forward(m.astype(np.float64), l, num, bad, sinks)
+    tiling = _tiling(problem.q_pos)
+    o = tiling.scatter(o, axis=2).transpose(0, 2, 1, 3)   # (B, S_q, H, D_v)
+    lse = tiling.scatter(lse, axis=2).astype(ct)
+    return _dtypes.to_dtype(np.ascontiguousarray(o), q.dtype), lse, top, records
+
+
+def _tiling(positions):
+    from ..core.global_tiles import Tiling
+
+    return Tiling.of(positions)
+
+
+def _valid(positions):
+    return _tiling(positions).valid
+
+
+def _finish_forward(m, l, num, bad, sinks):
+    """``(o (B, H, nq, TILE, D_v), lse (B, H, nq, TILE))`` float64 from the exact maxima ``m``, sums
+    ``l`` and numerators ``num``; sinks ``(H,)`` folded in; poisoned rows NaN."""
+    seen = l > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
+        o = np.where(seen[..., None], num / np.where(seen, l, 1)[..., None], 0.0)
+        if sinks is not None:
+            sink = _host(sinks).astype(np.float64)[None, :, None, None]
+            total = np.logaddexp(lse, sink)
+            o = o * np.exp(np.where(seen, lse - total, 0))[..., None]
+            lse = total
+    lse = np.where(bad, np.nan, lse)
+    o = np.where(bad[..., None], np.nan, o)
+    return o, lse
+
+
+@dataclass(frozen=True)
+class BackwardGrids:
+    """A backward call's fixed-point grids (float64 powers of two): ``dq_rows (B, H, nq, TILE)``
+    per row, ``dq_cols (B, H_kv, D)`` (so ``dq``'s grid is their product), ``dk_cols (B, H_kv, D)``,
+    ``dv_cols (B, H_kv, D_v)``."""
+
+    dq_rows: np.ndarray
+    dq_cols: np.ndarray
+    dk_cols: np.ndarray
+    dv_cols: np.ndarray
+
+
+def backward(problem, q, do, k, v, lse, maxima: Maxima, o=None, dvec=None, sinks=None, sink_comm=None,
+             raw: bool = False):
+    """``(dq (B, H, S_q, D), dk (B, H_kv, S_kv, D), dv (B, H_kv, S_kv, D_v), dsinks, records)``
+    of one local problem, invariantly: as :func:`~ringmpi.parallel.ring_passes.backward_pass`
+    (head-major, compute dtype, scaled).  ``raw``: ``dk, dv`` stay the int64 sums (with the
+    poison column), for a caller that adds several members' sums before
+    :meth:`GradFinish.__call__` (head x ring with shared K/V heads); ``dk`` is then that
+    :class:`GradFinish`, ``dv`` the pair ``(dk_acc, dv_acc)``."""
+    be, ct = problem.backend, problem.compute_dtype
+    limbs = fx.limbs_for(ct)
+    qh, doh = be.heads_view(q, ct), be.heads_view(do, ct)
+    if dvec is None:
+        dvec = be.row_dot(doh, be.heads_view(o, ct))
+    lse = lse.astype(ct, copy=False)
+    batch, heads, _, dim = qh.shape
+    kv_heads, dim_v = k.shape[2], v.shape[3]
+    group = heads // kv_heads
+    res = be.invariant_resident(qh, problem.q_pos, problem.seg_q, k.dtype, ct, problem.spec, do=doh, lse=lse,
+                                dvec=dvec)
+    del qh, doh
+    vmax_h = np.repeat(maxima.vmax_cols.max(axis=2), group, axis=1)[:, :, None, None]
+    dorow = np.abs(res.do).max(axis=4) if dim_v else np.zeros(res.dvec.shape)
+    w_rows = fx.row_weight_exponents(dim_v, maxima.rescale, vmax_h, dorow, res.dvec)
+    e_rows, e_cols = fx.dq_exponents(maxima.n_kv, w_rows, maxima.kmax)
+    grids = BackwardGrids(fx.grid(e_rows, limbs), fx.inverse_power(e_cols), fx.grid(maxima.dk_exp, limbs),
+                          fx.grid(maxima.dv_exp, limbs))
+    shape = (batch, heads, res.tiling.count, TILE)
+    dq_acc = fx.zeros(shape + (dim,), limbs)
+    q_poison = np.zeros(shape, dtype=np.uint8)
+    schedule = problem.schedule(k, v, grad_dtype=np.int64, phase="bwd",
+                                grad_dims=(limbs * dim, limbs * dim_v + 1))
+    for block in schedule:
+        schedule.compute(be.invariant_backward_block, res, block.k, block.v, dq_acc, q_poison, block.dk, block.dv,
+                         grids, limbs, problem.scale, block.mask, **block.rows)
+    dk_acc, dv_acc = schedule.finished_grads()
+    records = schedule.records
+    tiling = res.tiling
+    dsinks = None if sinks is None else sink_grads(lse, dvec, sinks, sink_comm, problem.timeout)
+    del schedule, block, res
+    scale = float(problem.scale)
+    cols = np.repeat(grids.dq_cols, group, axis=1)[:, :, None, None, :]
+    dq = fx.value(dq_acc, limbs) / grids.dq_rows[..., None] / cols * scale
+    dq[q_poison.astype(bool)] = np.nan
+    dq = tiling.scatter(dq, axis=2).astype(ct)
+    finish = GradFinish(grids.dk_cols, grids.dv_cols, limbs, scale, ct)
+    if raw:
+        return dq, finish, (dk_acc, dv_acc), dsinks, records
+    dk, dv = finish(dk_acc, dv_acc)
+    return dq, dk, dv, dsinks, records
+
+
+@dataclass(frozen=True)
+class GradFinish:
+    """Turns the int64 ``dK, dV`` sums ``(B, H_kv, S, limbs * D)``, ``(..., limbs * D_v + 1)`` (last
+    column: poison counts) into head-major compute-dtype gradients, ``dk`` scaled."""
+
+    dk_cols: np.ndarray
+    dv_cols: np.ndarray
+    limbs: int
+    scale: float
+    dtype: np.dtype
+
+    def __call__(self, dk_acc, dv_acc):
+        limbs = self.limbs
+        bad = dv_acc[..., -1] > 0
+        dk = fx.value(dk_acc, limbs) / self.dk_cols[:, :, None, :] * self.scale
+        dv = fx.value(np.ascontiguousarray(dv_acc[..., :-1]), limbs) / self.dv_cols[:, :, None, :]
+        dk[bad] = np.nan
+        dv[bad] = np.nan
+        return dk.astype(self.dtype), dv.astype(self.dtype)
+
+    def for_kv_heads(self, kv_heads: Sequence[int]) -> "GradFinish":
+        pick = list(kv_heads)
+        return replace(self, dk_cols=self.dk_cols[:, pick], dv_cols=self.dv_cols[:, pick])
+
+
+def grad_finish(maxima: Maxima, ct, scale: float) -> GradFinish:
+    """The :class:`GradFinish` of every K/V head of ``maxima``."""
+    limbs = fx.limbs_for(ct)
+    return GradFinish(fx.grid(maxima.dk_exp, limbs), fx.grid(maxima.dv_exp, limbs), limbs, float(scale),
+                      np.dtype(ct))
+
+
+def sink_grads(lse, dvec, sinks, comm, timeout=None) -> np.ndarray:
+    """``dsinks (H,)`` compute dtype: ``-sum exp(sink - lse) dvec`` over the batch, this rank's rows
+    and (``MPI.SUM`` of int64 words) the ranks of ``comm``, the same bits for every P: each row's
+    term (one float per row, the same on any rank) is added on a grid from the largest term over
+    all ranks (``MPI.MAX``).  A head with a NaN/Inf term gives NaN.  ``comm`` None: this rank's
+    own rows only (the framework bridges' share; their sum over ranks is the framework's)."""
+    ct = lse.dtype
+    limbs = fx.limbs_for(ct)
+    heads = lse.shape[1]
+    if lse.shape[0] and lse.shape[2]:
+        terms = np.exp(_host(sinks).astype(ct)[None, :, None] - _host(lse)) * _host(dvec)
+    else:
+        terms = np.zeros((0, heads, 0), dtype=ct)
+    terms = -terms.transpose(1, 0, 2).reshape(heads, -1)     # (H, rows)
+    finite = np.isfinite(terms)
+    local = np.concatenate([_abs_max(terms, (1,)), (~finite).any(axis=1).astype(np.float64)])
+    rows = terms.shape[1]
+    if comm is not None:
+        from mpi4py import MPI
+        (local,) = _allreduce_max(comm, [local], timeout)
+        with phase("invariant: the sinks' row count (Allreduce)", timeout):
+            rows = comm.allreduce(rows, op=MPI.SUM)
+    tmax, nan = local[:heads], local[heads:] > 0
+    grid = fx.grid(fx.exponent(tmax) + fx.count_exponent(rows) + 1, limbs)
+    acc = fx.zeros((heads, 1, 1), limbs)
+    x = np.where(finite, terms, 0).astype(ct)[:, :, None, None]        # (H, rows, 1, 1)
+    for h in range(heads):
+        fx.add(acc[h][None], x[h], cols=grid[h:h + 1], limbs=limbs)
+    if comm is not None:
+        from mpi4py import MPI
+        total = np.empty_like(acc)
+        with phase("invariant: the sinks' gradient (Allreduce)", timeout):
+            comm.Allreduce(acc, total, op=MPI.SUM)
+        acc = total
+    out = fx.value(acc, limbs).reshape(heads) / grid
+    out[nan] = np.nan
+    return out.astype(ct)
