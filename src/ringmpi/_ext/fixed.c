@@ -11,7 +11,7 @@
  *       else every x[n] to acc[0] (A == 1: a sum over n);
  * bad   uint8 (A, R), or None: set to 1 for a row with an element that was NaN/Inf or out of
  *       range (that element adds nothing); without it such an element raises ValueError;
- * limbs 1: y = (x * rows) * cols rounded toward zero to int64 (|y| < 2^62);
+ * limbs 1: y = (x * rows) * cols rounded toward zero to int64 (|y| < 2^62; a missing factor is 1);
  *       2: hi = trunc(y * 2^-30), lo = trunc(y - hi * 2^30) added to columns c and C + c
  *          (|y| < 2^92): two int64 words, 92 bits, for float64.
  * Each step is one IEEE double operation (exact: x widens exactly, powers of two scale
@@ -41,6 +41,53 @@ static char fmt(const Py_buffer *v)
 {
     const char *f = v->format;
     return (f[0] == '<' || f[0] == '=' || f[0] == '@') ? f[1] : f[0];
+}
+
+/* trunc(y) as int64 for |y| < 2^62 in two int32 halves (hi = trunc(y 2^-31), lo = trunc(y -
+ * hi 2^31): the same integer as (int64_t)y, in operations a compiler vectorises without
+ * AVX-512 (double -> int32 conversions) */
+#define ROW_LOOP(NAME, T)                                                                               \
+    static int NAME(int64_t *restrict out, const T *restrict x, Py_ssize_t C, double rs,              \
+                    const double *restrict cols)                                                      \
+    {                                                                                                   \
+        int64_t bad = 0;                                                                                \
+        for (Py_ssize_t c = 0; c < C; c++) {                                                            \
+            double y = ((double)x[c] * rs) * cols[c];                                                   \
+            int in = fabs(y) < 0x1p62; /* false for NaN */                                              \
+            bad |= ~-(int64_t)in;                                                                       \
+            y = in ? y : 0.0;                                                                           \
+            double hi = trunc(y * 0x1p-31);                                                             \
+            int32_t h = (int32_t)hi, l = (int32_t)(y - hi * 0x1p31);                                    \
+            out[c] += (int64_t)h * ((int64_t)1 << 31) + (int64_t)l;                                     \
+        }                                                                                               \
+        return bad != 0;                                                                                \
+    }
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+CLONES ROW_LOOP(row_float, float)
+CLONES ROW_LOOP(row_double, double)
+
+/* two words: hi = trunc(y 2^-30) (|hi| < 2^62), lo = trunc(y - hi 2^30) */
+static int row_two(int64_t *out, const void *xv, int wide, Py_ssize_t at, Py_ssize_t C, double rs,
+                   const double *cols)
+{
+    int bad = 0;
+    for (Py_ssize_t c = 0; c < C; c++) {
+        double y = wide ? ((const double *)xv)[at + c] : (double)((const float *)xv)[at + c];
+        y = (y * rs) * cols[c];
+        if (!(fabs(y) < 0x1p92)) {
+            bad = 1;
+            continue;
+        }
+        double hi = trunc(y * 0x1p-30);
+        out[c] += (int64_t)hi;
+        out[C + c] += (int64_t)(y - hi * 0x1p30);
+    }
+    return bad;
 }
 
 static PyObject *py_add(PyObject *self, PyObject *args)
@@ -114,8 +161,14 @@ static PyObject *py_add(PyObject *self, PyObject *args)
         const double *cols = has_c ? (const double *)cv.buf : NULL;
         const int64_t *index = has_i ? (const int64_t *)iv.buf : NULL;
         unsigned char *bad = has_b ? (unsigned char *)bv.buf : NULL;
-        const double limit = limbs == 1 ? 0x1p62 : 0x1p92;
         Py_ssize_t flagged = 0;
+        /* a missing factor is 1: multiplying by 1 is exact, so every path multiplies */
+        double *ones = NULL;
+        if (!cols) {
+            ones = (double *)PyMem_RawMalloc((size_t)(C > 0 ? C : 1) * sizeof(double));
+            if (!ones) { PyErr_NoMemory(); goto done; }
+            for (Py_ssize_t c = 0; c < C; c++) ones[c] = 1.0;
+        }
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t n = 0; n < N; n++) {
             Py_ssize_t slot = index ? (Py_ssize_t)index[n] : (A == N ? n : 0);
@@ -123,23 +176,13 @@ static PyObject *py_add(PyObject *self, PyObject *args)
                 const Py_ssize_t at = (n * R + r) * C;
                 const double rs = rows ? rows[slot * R + r] : 1.0;
                 int64_t *out = acc + (slot * R + r) * limbs * C;
-                int row_bad = 0;
-                for (Py_ssize_t c = 0; c < C; c++) {
-                    double y = wide ? ((const double *)xv.buf)[at + c] : (double)((const float *)xv.buf)[at + c];
-                    if (rows) y = y * rs;
-                    if (cols) y = y * cols[c];
-                    if (!(fabs(y) < limit)) {
-                        row_bad = 1;
-                        continue;
-                    }
-                    if (limbs == 1) {
-                        out[c] += (int64_t)y;
-                    } else {
-                        double hi = trunc(y * 0x1p-30);
-                        out[c] += (int64_t)hi;
-                        out[C + c] += (int64_t)(y - hi * 0x1p30);
-                    }
-                }
+                int row_bad;
+                if (limbs == 2)
+                    row_bad = row_two(out, xv.buf, wide, at, C, rs, ones ? ones : cols);
+                else if (wide)
+                    row_bad = row_double(out, (const double *)xv.buf + at, C, rs, ones ? ones : cols);
+                else
+                    row_bad = row_float(out, (const float *)xv.buf + at, C, rs, ones ? ones : cols);
                 if (row_bad) {
                     flagged++;
                     if (bad) bad[slot * R + r] = 1;
@@ -147,6 +190,7 @@ static PyObject *py_add(PyObject *self, PyObject *args)
             }
         }
         Py_END_ALLOW_THREADS
+        PyMem_RawFree(ones);
         if (flagged && !bad) {
             PyErr_Format(PyExc_ValueError, "%zd row(s) held NaN/Inf or values beyond the fixed-point range", flagged);
             goto done;
