@@ -15,7 +15,7 @@ from test_passes import spec
 @pytest.mark.parametrize("options,message", [
     (dict(window=(2, -2)), "--window sides must be >= 0 (or -1 for unbounded), got 2 -2"),
     (dict(timeout=0.0), "--timeout must be positive, got 0.0"),
-    (dict(scale=float("nan")), "--scale must be a positive finite number, got nan"),
+    (dict(softmax_scale=float("nan")), "--scale must be a positive finite number, got nan"),
     (dict(softcap=-1.0), "--softcap: softcap must be finite and > 0"),
     (dict(dropout_p=0.5), "--seed"),
 ])
@@ -36,8 +36,8 @@ def test_alibi_slopes_are_checked_against_the_input_heads():
 
 @pytest.mark.parametrize("flags", [
     dict(),
-    dict(causal=True, window=(3, -1), layout="striped", backward=True, scale=0.25, heads_per_pass=4,
-         sinks_dataset="sinks", softcap=30.0, max_logit=True, dropout_p=0.125, dropout_seed=2 ** 64 - 1,
+    dict(causal=True, window=(3, None), layout="striped", backward=True, softmax_scale=0.25, heads_per_pass=4,
+         sinks_dataset="sinks", softcap=30.0, return_max_logit=True, dropout_p=0.125, dropout_seed=2 ** 64 - 1,
          alibi_slopes=np.array([1 / 3] + [2.0 ** -i for i in range(1, 8)], dtype=np.float32)),
 ])
 def test_output_attributes_read_back_what_was_written(tmp_path, flags):
@@ -62,8 +62,8 @@ def test_output_attributes_read_back_what_was_written(tmp_path, flags):
     window = flags.get("window")
     assert (mask.causal, mask.window, mask.softcap) == (
         flags.get("causal", False), None if window is None else (3, None), flags.get("softcap"))
-    assert theirs.softmax_scale == (0.25 if "scale" in flags else 1 / np.sqrt(s.dim))
-    assert theirs.return_max_logit == flags.get("max_logit", False)
+    assert theirs.softmax_scale == (0.25 if "softmax_scale" in flags else 1 / np.sqrt(s.dim))
+    assert theirs.return_max_logit == flags.get("return_max_logit", False)
 
 
 def test_attributes_missing_from_a_foreign_file_are_named(tmp_path):

@@ -4,7 +4,8 @@ file-attributes round trip; the ALiBi modifier's own pieces.  In process, no MPI
 import numpy as np
 import pytest
 
-from ringmpi.core.modifiers import Alibi, alibi_problem
+from ringmpi.core.modifiers import Alibi
+from ringmpi.filejob.attributes import attention_attrs, attention_of_attrs
 from ringmpi.options import AttentionOptions
 
 
@@ -52,26 +53,26 @@ def test_mask_spec_and_scale():
                             return_max_logit=True)
     spec = opts.mask_spec(2, offset=5)
     assert spec.causal and spec.window == (3, None) and spec.offset == 5 and spec.softcap == 2.5
-    assert spec.exact_max and spec.alibi == Alibi((0.5, 0.25))
+    assert spec.exact_max and spec.modifiers == (Alibi((0.5, 0.25)),)
     assert (spec.dropout.p, spec.dropout.seed, spec.dropout.heads) == (0.5, 9, 8)
     assert (spec.dropout.batch_offset, spec.dropout.head_offset) == (1, 2)
     part = spec.for_heads(1, 1)
-    assert part.alibi == Alibi((0.25,)) and part.dropout.head_offset == 3
-    assert AttentionOptions().mask_spec(4).dropout is None and AttentionOptions().mask_spec(4).alibi is None
+    assert part.modifiers == (Alibi((0.25,)),) and part.dropout.head_offset == 3
+    assert AttentionOptions().mask_spec(4).dropout is None and AttentionOptions().mask_spec(4).modifiers == ()
     assert AttentionOptions().scale(16) == 0.25 and AttentionOptions(softmax_scale=0.7).scale(16) == 0.7
 
 
 def test_file_attributes_round_trip():
     for opts in (AttentionOptions(), AttentionOptions(causal=True, window=(7, None), softcap=3.0),
                  AttentionOptions(window=(None, 2), softmax_scale=0.3, dropout_p=0.25, dropout_seed=2 ** 63 + 5)):
-        attrs = opts.to_attrs(dim=16)
-        back = AttentionOptions.from_attrs(attrs)
-        assert back.to_attrs(dim=16).keys() == attrs.keys()
+        attrs = attention_attrs(opts, dim=16)
+        back = attention_of_attrs(attrs)
+        assert attention_attrs(back, dim=16).keys() == attrs.keys()
         for key, value in attrs.items():
-            assert np.array_equal(back.to_attrs(dim=16)[key], value), key
+            assert np.array_equal(attention_attrs(back, dim=16)[key], value), key
         assert back.mask_spec(4) == opts.mask_spec(4)
         assert back.scale(16) == opts.scale(16)
-    assert AttentionOptions().to_attrs(dim=16)["window"].dtype == np.int64
+    assert attention_attrs(AttentionOptions(), dim=16)["window"].dtype == np.int64
 
 
 def test_options_object_or_keywords_not_both():
@@ -85,13 +86,13 @@ def test_options_object_or_keywords_not_both():
 
 
 def test_alibi_terms():
-    assert alibi_problem(None, 3) is None and alibi_problem(np.zeros(3, np.float32), 3) is None
+    assert Alibi.problem(None, 3) is None and Alibi.problem(np.zeros(3, np.float32), 3) is None
     alibi = Alibi.of(np.array([0.5, 0.125], np.float32))
-    dist = alibi.distances(np.array([0, 4]), np.array([1, 2, 9]), offset=3, dtype=np.float32)
-    assert dist.tolist() == [[2, 1, 6], [6, 5, 2]]
-    assert alibi.bias(1, dist).tolist() == [[-0.25, -0.125, -0.75], [-0.75, -0.625, -0.25]]
+    terms = alibi.terms(np.array([0, 4]), np.array([1, 2, 9]), offset=3, dtype=np.float32)
+    assert terms(0).tolist() == [[-1.0, -0.5, -3.0], [-3.0, -2.5, -1.0]]  # -0.5 * |i + 3 - j|
+    assert terms(1).tolist() == [[-0.25, -0.125, -0.75], [-0.75, -0.625, -0.25]]
     assert alibi.for_heads(slice(1, 2)).slopes == (0.125,)
-    assert alibi.kernel_slopes().dtype == np.float32
+    assert alibi.kernel_values().dtype == np.float32
 
 
 def test_for_heads_slices_the_per_head_arrays():

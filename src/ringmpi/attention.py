@@ -300,12 +300,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         whole sequence, the same on every rank; ``-inf`` for a head whose
         queries see no key.
     """
-    options = AttentionOptions(
-        causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
-        dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
-        check_finite=check_finite, dtype=dtype, return_max_logit=return_max_logit,
-        invariant=invariant).given_once(options)
+    options = AttentionOptions.of_call(locals())
     return _forward(q, k, v, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats,
                    positions_q=positions_q, positions_kv=positions_kv)
@@ -384,11 +379,7 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
         the gradient w.r.t. the sinks, summed over the batch and all ranks (the
         same on every rank), or this rank's share with ``reduce_dsinks=False``.
     """
-    options = AttentionOptions(
-        causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
-        dropout_offsets=dropout_offsets, head_parallel=head_parallel, timeout=timeout,
-        check_finite=check_finite, dtype=dtype, invariant=invariant).given_once(options)
+    options = AttentionOptions.of_call(locals())
     return _backward(do, q, k, v, o, lse, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
                     segment_ids_kv=segment_ids_kv, backend=backend, stats=stats, reduce_dsinks=reduce_dsinks,
                     positions_q=positions_q, positions_kv=positions_kv)

@@ -240,8 +240,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         ``o = 0`` for a query that sees no key (and no sink).
     Identical bits on every rank.
     """
-    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, sinks=sinks,
-                               softcap=softcap, alibi_slopes=alibi_slopes).given_once(options, AttentionOptions(causal=True))
+    options = AttentionOptions.of_call(locals(), AttentionOptions(causal=True))
     return decode(q, k_cache, v_cache, options, comm=comm, cache_lengths=cache_lengths, layout=layout,
                   root=root, backend=backend, stats=stats, positions_kv=positions_kv)
 

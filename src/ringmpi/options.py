@@ -10,9 +10,9 @@ object travels and nothing else checks what it checks:
 * :meth:`AttentionOptions.digest` -- a CRC of everything the ranks must pass
   alike (the call's own arrays may be added), compared with one collective;
 * :meth:`AttentionOptions.mask_spec` -- the :class:`~ringmpi.core.masks.MaskSpec` the
-  options imply for a call with global lengths ``N_q``, ``N_kv``;
-* :meth:`AttentionOptions.to_attrs` / :meth:`AttentionOptions.from_attrs` -- the
-  HDF5 output attributes of the file job and their inverse (``ringmpi verify``).
+  options imply for a call with global lengths ``N_q``, ``N_kv``.
+
+The file job writes them as HDF5 attributes (:mod:`ringmpi.filejob.attributes`).
 
 Per-device data (``sinks`` as this backend's array) stays as the caller gave it;
 the object never copies it.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Tuple, Union
 
 import numpy as np
@@ -30,16 +30,13 @@ import numpy as np
 from .core import dtypes as _dtypes
 from .core.dropout import MAX_POSITION, Dropout
 from .core.dropout import validate as _dropout_validate
+from .core import modifiers as _modifiers
+from .core.host import to_host
 from .core.masks import MaskSpec
-from .core.modifiers import Alibi, alibi_problem
 
 SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
-PER_HEAD = ("sinks", "alibi_slopes")  # the (H,) array fields, one value per query head
+PER_HEAD = ("sinks",) + _modifiers.FIELDS  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def window_problem(window) -> Optional[str]:
@@ -77,7 +74,7 @@ def sinks_problem(sinks, heads: int) -> Optional[str]:
         return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
     if str(sinks.dtype) not in SINK_DTYPES:
         return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
-    host = _host(sinks).astype(np.float64)
+    host = to_host(sinks).astype(np.float64)
     if not np.isfinite(host).all():
         return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
     return None
@@ -101,6 +98,33 @@ def _timeout_problem(timeout) -> Optional[str]:
     except (TypeError, ValueError):
         ok = False
     return None if ok else f"timeout must be a number of seconds > 0, got {timeout!r}"
+
+
+def _option(default, *, op: Optional[str] = None, flag: Optional[str] = None, kind: Optional[str] = None,
+            metavar: Optional[str] = None, help: Optional[str] = None):
+    """A field of :class:`AttentionOptions` and how it crosses the package's edges, stated once:
+
+    ``op``: its kind among the typed arguments of the torch op (:mod:`ringmpi.torch` builds its
+    schema, packing and unpacking from these): ``"bool"``, ``"float"``, ``"float?"``,
+    ``"uint64?"`` (a signed 64-bit int on the op), ``"window"``, ``"head_parallel"`` (text),
+    ``"ints?"``, ``"per_head"`` (one of the op's list of per-head tensors); None: not carried
+    (the arrays' dtype travels with the tensors).  ``flag``: its command-line flag where a
+    command maps it one to one (:func:`ringmpi.cli.flags.attention_flags` builds the click
+    options of ``ringmpi run`` and ``ringmpi bench`` from these), with its ``kind`` (``"switch"``,
+    ``"float"``, ``"uint64"``, ``"text"``, ``"floats"``: comma-separated, ``"window"``: two ints,
+    -1 unbounded), ``metavar`` and ``help``."""
+    return field(default=default, metadata=dict(op=op, flag=flag, kind=kind, metavar=metavar, help=help))
+
+
+def option_fields(key: str) -> Tuple[str, ...]:
+    """The names of :class:`AttentionOptions`' fields whose ``key`` (``"op"``, ``"flag"``) is set,
+    in field order."""
+    return tuple(f.name for f in fields(AttentionOptions) if f.metadata.get(key) is not None)
+
+
+def option_edge(name: str) -> dict:
+    """How field ``name`` crosses the edges: its ``op``, ``flag``, ``kind``, ``metavar``, ``help``."""
+    return dict(AttentionOptions.__dataclass_fields__[name].metadata)
 
 
 @dataclass(frozen=True)
@@ -176,21 +200,52 @@ class AttentionOptions:
         NumPy backend.
     """
 
-    causal: bool = False
-    window: Window = None
-    softmax_scale: Optional[float] = None
-    softcap: Optional[float] = None
-    sinks: Optional[object] = None
-    alibi_slopes: Optional[object] = None
-    dropout_p: float = 0.0
-    dropout_seed: Optional[int] = None
-    dropout_offsets: Optional[Tuple[int, int, int]] = None
-    head_parallel: Union[int, str, None] = None
-    timeout: Optional[float] = None
-    check_finite: bool = False
-    dtype: Optional[str] = None
-    return_max_logit: bool = False
-    invariant: bool = False
+    causal: bool = _option(False, op="bool", flag="--causal", kind="switch",
+                           help="Causal mask (bottom-right aligned when N_q != N_kv).")
+    window: Window = _option(None, op="window", flag="--window", kind="window", metavar="L R",
+                             help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side).")
+    softmax_scale: Optional[float] = _option(None, op="float?", flag="--scale", kind="float",
+                                             help="Softmax scale [default: 1/sqrt(D)].")
+    softcap: Optional[float] = _option(None, op="float?", flag="--softcap", kind="float", metavar="C",
+                                       help="Logit softcap: scores become C * tanh(score / C) (C > 0).")
+    sinks: Optional[object] = _option(None, op="per_head")
+    alibi_slopes: Optional[object] = _option(
+        None, op="per_head", flag="--alibi-slopes", kind="floats", metavar="S1,S2,...",
+        help="ALiBi: H comma-separated slopes (float32, one per query head); the score of query i "
+             "and key j of head h gains -S_h * |i + N_kv - N_q - j|.")
+    dropout_p: float = _option(0.0, op="float", flag="--dropout", kind="float", metavar="P",
+                               help="Dropout on the attention weights, 0 <= P < 1: the same mask for any "
+                                    "number of ranks, layout, pass plan or backend (needs --seed).")
+    dropout_seed: Optional[int] = _option(None, op="uint64?", flag="--seed", kind="uint64", metavar="S",
+                                          help="Dropout seed (0 <= S < 2^64).")
+    dropout_offsets: Optional[Tuple[int, int, int]] = _option(None, op="ints?")
+    head_parallel: Union[int, str, None] = _option(
+        None, op="head_parallel", flag="--head-parallel", kind="text", metavar="U|auto",
+        help="Two-level head x ring schedule: all-to-all over heads in groups of U ranks, ring across "
+             "groups; auto = the ranks of a node [default: RINGMPI_HEAD_PARALLEL, else 1].")
+    timeout: Optional[float] = _option(None, op="float?", flag="--timeout", kind="float",
+                                       help="Deadline in seconds for each blocking phase (ring wait, HDF5 "
+                                            "open/write/close, agreement between ranks); a peer that never "
+                                            "answers ends the job, naming the phase.")
+    check_finite: bool = _option(False, op="bool", flag="--check-finite/--no-check-finite", kind="switch",
+                                 help="Reject NaN/Inf inputs (exit 2), naming dataset and global index; "
+                                      "without the check they propagate as documented.")
+    dtype: Optional[str] = _option(None)  # the arrays' dtype travels with them (tensors, files)
+    return_max_logit: bool = _option(False, flag="--max-logit", kind="switch",
+                                     help="Also write max_logit (H,): each head's largest score over the "
+                                          "whole input.")
+    invariant: bool = _option(False, op="bool", flag="--invariant", kind="switch",
+                              help="The same bits for any number of ranks, layout and head-parallel U "
+                                   "(every rank's shard whole 64-token tiles of global positions; a "
+                                   "forward makes two passes over the ring).")
+
+    @classmethod
+    def of_call(cls, keywords: dict, defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
+        """The options of a public call from its keywords (``locals()`` at its start: every field
+        it takes is a keyword named as the field, with the field's default), or its ``options=``
+        object when that is given (then no option keyword may differ from ``defaults``)."""
+        mine = cls(**{name: keywords[name] for name in FIELD_NAMES if name in keywords})
+        return mine.given_once(keywords.get("options"), defaults)
 
     def given_once(self, options: Optional["AttentionOptions"],
                    defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
@@ -229,9 +284,10 @@ class AttentionOptions:
         checks = (("window", lambda: window_problem(self.window)),
                   ("softmax_scale", lambda: _scale_problem(self.softmax_scale)),
                   ("softcap", lambda: softcap_problem(self.softcap)),
-                  ("sinks", lambda: sinks_problem(self.sinks, heads) if per_head else None),
-                  ("alibi_slopes", lambda: alibi_problem(self.alibi_slopes, heads) if per_head else None),
-                  ("dropout", lambda: self._dropout_problem(heads)),
+                  ("sinks", lambda: sinks_problem(self.sinks, heads) if per_head else None))
+        checks += tuple((m.field, lambda m=m: m.problem(getattr(self, m.field), heads) if per_head else None)
+                        for m in _modifiers.MODIFIERS)
+        checks += (("dropout", lambda: self._dropout_problem(heads)),
                   ("timeout", lambda: _timeout_problem(self.timeout)))
         for name, check in checks:
             message = check()
@@ -240,8 +296,9 @@ class AttentionOptions:
         return None
 
     def modifier_names(self) -> Tuple[str, ...]:
-        """The score modifiers with per-head data these options use (``ringmpi.core.modifiers``)."""
-        return ("alibi",) if self.alibi_slopes is not None else ()
+        """The fields of the score modifiers with per-head data these options use
+        (:mod:`ringmpi.core.modifiers`)."""
+        return tuple(f for f in _modifiers.FIELDS if getattr(self, f) is not None)
 
     def dtype_problem(self) -> Optional[str]:
         """The problem with ``dtype`` (None when fine): one of the four names, or None."""
@@ -294,7 +351,7 @@ class AttentionOptions:
         return MaskSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
                         softcap=None if self.softcap is None else float(self.softcap),
                         exact_max=bool(self.return_max_logit), dropout=dropout,
-                        alibi=Alibi.of(self.alibi_slopes))
+                        modifiers=_modifiers.of_fields({f: getattr(self, f) for f in _modifiers.FIELDS}))
 
     # ------------------------------------------------------------------ agreement
     def digest(self, *arrays, extra=()) -> int:
@@ -311,43 +368,11 @@ class AttentionOptions:
             per_head = getattr(self, name)
             if per_head is not None:
                 crc = zlib.crc32(name.encode(), crc)
-                crc = zlib.crc32(np.ascontiguousarray(_host(per_head), dtype=np.float64).view(np.uint8), crc)
+                crc = zlib.crc32(np.ascontiguousarray(to_host(per_head), dtype=np.float64).view(np.uint8), crc)
         for x in arrays:
             if x is not None:
-                crc = zlib.crc32(np.ascontiguousarray(_host(x)).view(np.uint8), crc)
+                crc = zlib.crc32(np.ascontiguousarray(to_host(x)).view(np.uint8), crc)
         return crc
 
-    # ------------------------------------------------------------------ file attributes
-    def to_attrs(self, dim: int) -> dict:
-        """The output attributes of a file job with head dim ``dim`` (see docs/file-format.md):
-        ``causal``, ``window`` (int64 ``[left, right]``, -1 unbounded; empty without a window),
-        ``softmax_scale`` (resolved), ``softcap`` (0: none), ``max_logit``, with dropout
-        ``dropout_p``, ``dropout_seed`` and with ALiBi ``alibi_slopes`` (float32 ``(H,)``).
-        Sinks are a dataset, not an attribute (they have a gradient)."""
-        sides = self.window_sides()
-        attrs = {"causal": bool(self.causal),
-                 "window": np.array([] if sides is None else [-1 if w is None else w for w in sides],
-                                    dtype=np.int64),
-                 "softmax_scale": float(self.scale(dim)),
-                 "softcap": 0.0 if self.softcap is None else float(self.softcap),
-                 "max_logit": bool(self.return_max_logit)}
-        if float(self.dropout_p) > 0:
-            attrs.update(dropout_p=float(self.dropout_p), dropout_seed=np.uint64(self.dropout_seed))
-        if self.alibi_slopes is not None:
-            attrs["alibi_slopes"] = np.asarray(_host(self.alibi_slopes), dtype=np.float32)
-        return attrs
 
-    @classmethod
-    def from_attrs(cls, attrs, sinks=None) -> "AttentionOptions":
-        """The options :meth:`to_attrs` wrote (``softmax_scale`` resolved), with ``sinks``;
-        attributes added in later versions default to "not used"."""
-        window = np.asarray(attrs.get("window", [])).ravel()
-        dropout_p = float(attrs.get("dropout_p", 0.0))
-        alibi = attrs.get("alibi_slopes")
-        return cls(causal=bool(attrs["causal"]),
-                   window=tuple(None if int(w) < 0 else int(w) for w in window) if window.size else None,
-                   softmax_scale=float(attrs["softmax_scale"]),
-                   softcap=float(attrs.get("softcap", 0.0)) or None, sinks=sinks,
-                   alibi_slopes=None if alibi is None else np.asarray(alibi, dtype=np.float32).ravel(),
-                   dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None,
-                   return_max_logit=bool(attrs.get("max_logit", False)))
+FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(AttentionOptions))  # (a constant: torch.compile traces of_call)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import ml_dtypes
 import numpy as np
@@ -45,9 +45,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
 import ringmpi
-from .runtime.errors import ConfigError, agree
+from .core.host import to_host
 from .core.layout import Layout
-from .options import AttentionOptions
+from .core.modifiers import FIELDS as MODIFIER_FIELDS
+from .options import AttentionOptions, option_edge, option_fields
+from .runtime.errors import ConfigError, agree
 from .parallel.ring import resolve_comm
 from .parallel.topology import head_parallel_setting
 
@@ -173,41 +175,75 @@ def _where(comm, layout, backend, stats) -> _Where:
                   stats=0 if stats is None else id(stats))
 
 
-# AttentionOptions' scalar fields as the ops' typed arguments (the window as its two sides
-# and a flag, dropout_seed as a signed 64-bit int); sinks and alibi_slopes are tensor arguments.
-_OPTION_SCHEMA = ("bool causal, int? window_left, int? window_right, bool has_window, float? softmax_scale, "
-                  "float? softcap, float dropout_p, int? dropout_seed, str? head_parallel, float? timeout, "
-                  "bool check_finite")
+# ------------------------------------------------------------ options as the ops' typed arguments
+# Built from AttentionOptions' fields (options.py states each field's kind, `op`): a new option
+# needs no line here.  Each kind is carried as typed schema entries (names from the field's), a
+# packing into those values (ValueError/TypeError when they cannot hold it exactly: the caller then
+# asks the options what is wrong) and the unpacking; per-head arrays are one tensor list.
+def _window_args(w) -> tuple:
+    return (None, None, False) if w is None else (_exact_int(w[0]), _exact_int(w[1]), True)
+
+
+_KINDS = {  # kind -> (schema types, pack value -> tuple, unpack tuple -> value)
+    "bool": (("bool",), lambda x: (bool(x),), lambda a: a[0]),
+    "float": (("float",), lambda x: (float(x),), lambda a: a[0]),
+    "float?": (("float?",), lambda x: (_float(x),), lambda a: a[0]),
+    "uint64?": (("int?",), lambda x: (_signed64(x),), lambda a: None if a[0] is None else a[0] % (1 << 64)),
+    "head_parallel": (("str?",), lambda x: (_head_parallel_text(x),), lambda a: a[0]),
+    "ints?": (("int[]?",), lambda x: (None if x is None else [_exact_int(i) for i in x],),
+              lambda a: None if a[0] is None else tuple(a[0])),
+    "window": (("int?", "int?", "bool"), _window_args, lambda a: (a[0], a[1]) if a[2] else None),
+}
+_SUFFIXES = {"window": ("_left", "_right", "_given")}
+_PER_HEAD = tuple(n for n in option_fields("op") if option_edge(n)["op"] == "per_head")  # options.PER_HEAD
+_SCALARS = tuple((n, _KINDS[option_edge(n)["op"]]) for n in option_fields("op") if n not in _PER_HEAD)
+_OPTION_SCHEMA = ", ".join(
+    f"{t} {n}{_SUFFIXES.get(option_edge(n)['op'], ('',) * len(types))[i]}"
+    for n, (types, _, _) in _SCALARS for i, t in enumerate(types))
+_OPTION_COUNT = sum(len(types) for _, (types, _, _) in _SCALARS)
 
 
 def _option_args(options: AttentionOptions) -> tuple:
-    """``options``' scalar fields as the ops' arguments; ValueError or TypeError for a value
-    those types cannot hold exactly (the caller then asks ``options`` what is wrong)."""
-    left, right = (None, None) if options.window is None else (_exact_int(w) for w in options.window)
-    return (bool(options.causal), left, right, options.window is not None, _float(options.softmax_scale),
-            _float(options.softcap), float(options.dropout_p), _signed64(options.dropout_seed),
-            _head_parallel_text(options.head_parallel), _float(options.timeout), bool(options.check_finite))
+    """``options``' scalar fields as the ops' arguments (ValueError or TypeError for a value those
+    types cannot hold exactly)."""
+    return tuple(x for n, (_, pack, _) in _SCALARS for x in pack(getattr(options, n)))
 
 
-def _options_of(args, sinks, alibi_slopes) -> AttentionOptions:
-    """The inverse of :func:`_option_args`, with the ops' ``sinks`` and ``alibi_slopes`` tensors."""
-    causal, left, right, has_window, scale, softcap, p, seed, hp, timeout, check_finite = args
-    return AttentionOptions(causal=causal, window=(left, right) if has_window else None, softmax_scale=scale,
-                            softcap=softcap, sinks=None if sinks is None else to_array(sinks),
-                            alibi_slopes=_host_numpy(alibi_slopes), dropout_p=p,
-                            dropout_seed=None if seed is None else seed % (1 << 64), head_parallel=hp,
-                            timeout=timeout, check_finite=check_finite)
+def _per_head_args(options: AttentionOptions) -> tuple:
+    """``(tensors, present)``: the per-head arrays given and the bits of :data:`_PER_HEAD` they are.
+    A score modifier's values are options, read on the host (host tensors); ``sinks`` stays where it
+    is (a parameter, with a gradient)."""
+    tensors, present = [], 0
+    for i, name in enumerate(_PER_HEAD):
+        x = getattr(options, name)
+        if x is not None:
+            tensors.append(_host_tensor(x) if name in MODIFIER_FIELDS else x.contiguous())
+            present |= 1 << i
+    return tensors, present
 
 
-def _op_arguments(options: AttentionOptions, alibi_slopes, q) -> tuple:
-    """``(options' typed arguments, alibi_slopes as a host tensor, None)``, or ``(None, None,
-    this rank's problem)`` when they cannot be carried (named by ``options``' own checks)."""
+def _options_of(args, per_head, present) -> AttentionOptions:
+    """The inverse of :func:`_option_args` and :func:`_per_head_args`."""
+    values, it = {}, iter(args)
+    for n, (types, _, unpack) in _SCALARS:
+        values[n] = unpack(tuple(next(it) for _ in types))
+    tensors = iter(per_head)
+    for i, n in enumerate(_PER_HEAD):
+        if present >> i & 1:
+            values[n] = to_array(next(tensors))
+    return AttentionOptions(**values)
+
+
+def _op_arguments(options: AttentionOptions, q) -> tuple:
+    """``(options' typed arguments, per-head tensors, their bits, None)``, or ``(None, None, 0, this
+    rank's problem)`` when they cannot be carried (named by ``options``' own checks)."""
     try:
-        return _option_args(options), _host_tensor(alibi_slopes), None
-    except (TypeError, ValueError, OverflowError) as exc:
+        return (_option_args(options),) + _per_head_args(options) + (None,)
+    except (TypeError, ValueError, OverflowError, AttributeError) as exc:
         heads = q.shape[2] if getattr(q, "ndim", 0) == 4 else 0
-        problem = replace(options, alibi_slopes=alibi_slopes).problem(heads)
-        return None, None, problem or str(exc)
+        arrays = {n: to_array(x.contiguous()) for n in _PER_HEAD
+                  if isinstance(x := getattr(options, n), torch.Tensor)}  # as the library sees them
+        return None, None, 0, replace(options, **arrays).problem(heads) or str(exc)
 
 
 def _exact_int(x) -> Optional[int]:
@@ -238,12 +274,12 @@ def _head_parallel_text(x) -> Optional[str]:
 
 
 def _host_tensor(x):
-    """An optional array or tensor (any device) as a host tensor (segment ids, ALiBi slopes)."""
+    """An optional array or tensor (any device) as a host tensor (segment ids, positions, per-head values)."""
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
-    return torch.from_numpy(np.asarray(x.get() if hasattr(x, "get") else x))
+    return torch.from_numpy(np.asarray(to_host(x)))
 
 
 def _host_numpy(t):
@@ -251,84 +287,110 @@ def _host_numpy(t):
 
 
 # ------------------------------------------------------------ the custom ops
+class _Args(NamedTuple):
+    """The ops' arguments after their leading tensors, in the schema's order (:data:`_ARGUMENTS`)."""
+
+    per_head: list     # the per-head tensors given (sinks first when given)
+    present: int       # which of _PER_HEAD they are (bits)
+    seg_q: Optional[torch.Tensor]
+    seg_kv: Optional[torch.Tensor]
+    pos_q: Optional[torch.Tensor]
+    pos_kv: Optional[torch.Tensor]
+    where: tuple       # _Where's fields
+    options: tuple     # _option_args
+
+    @classmethod
+    def of(cls, args) -> "_Args":
+        head, where, options = args[:6], args[6:6 + _WHERE_COUNT], args[6 + _WHERE_COUNT:]
+        return cls(*head, tuple(where), tuple(options))
+
+    def flat(self) -> tuple:
+        return tuple(self[:6]) + self.where + self.options
+
+    def sinks(self) -> Optional[torch.Tensor]:
+        return self.per_head[0] if self.present & 1 else None
+
+    def library_call(self, q, k, v) -> dict:
+        """The library's keywords (``options=`` included) for these arguments."""
+        return dict(options=_options_of(self.options, self.per_head, self.present),
+                    **_Where(*self.where).library_kwargs(q, k, v, self.seg_q, self.seg_kv, self.pos_q, self.pos_kv))
+
+
+assert _PER_HEAD[0] == "sinks"  # _Args.sinks: the one per-head tensor with a gradient
+
+
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_ARGUMENTS = _WHERE_SCHEMA + ", " + _OPTION_SCHEMA
-torch.library.define("ringmpi::ring_attention",
-                     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? alibi_slopes, Tensor? seg_q, "
-                     "Tensor? seg_kv, Tensor? pos_q, Tensor? pos_kv, " + _ARGUMENTS + ") -> (Tensor, Tensor)")
+_ARGUMENTS = ("Tensor[] per_head, int per_head_present, Tensor? seg_q, Tensor? seg_kv, Tensor? pos_q, "
+              "Tensor? pos_kv, " + _WHERE_SCHEMA + ", " + _OPTION_SCHEMA)
+torch.library.define("ringmpi::ring_attention", "(Tensor q, Tensor k, Tensor v, " + _ARGUMENTS + ") -> (Tensor, Tensor)")
 torch.library.define("ringmpi::ring_attention_backward",
-                     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? sinks, "
-                     "Tensor? alibi_slopes, Tensor? seg_q, Tensor? seg_kv, Tensor? pos_q, Tensor? pos_kv, "
-                     + _ARGUMENTS
+                     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, " + _ARGUMENTS
                      + ") -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, args) -> dict:
-    """The library's keywords (``options=`` included) for the ops' arguments."""
-    where = _Where(*args[:_WHERE_COUNT])
-    return dict(options=_options_of(args[_WHERE_COUNT:], sinks, alibi_slopes),
-                **where.library_kwargs(q, k, v, seg_q, seg_kv, pos_q, pos_kv))
-
-
 @torch.library.impl("ringmpi::ring_attention", "CompositeExplicitAutograd")
-def _forward_op(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
+def _forward_op(q, k, v, *args):
     with _on_torch_stream(q.device):
-        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v),
-                                        **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv,
-                                                        args))
+        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **_Args.of(args).library_call(q, k, v))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
 @torch.library.register_fake("ringmpi::ring_attention")
-def _forward_fake(q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
+def _forward_fake(q, k, v, *args):
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[3])), q.new_empty((b, h, s), dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.impl("ringmpi::ring_attention_backward", "CompositeExplicitAutograd")
-def _backward_op(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
+def _backward_op(do, q, k, v, o, lse, *args):
     """dq, dk, dv and dsinks (this rank's share; ``(0,)`` without sinks)."""
+    a = _Args.of(args)
     with _on_torch_stream(q.device):
         grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do, q, k, v, o, lse)),
-                                                **_library_call(q, k, v, sinks, alibi_slopes, seg_q, seg_kv,
-                                                                pos_q, pos_kv, args),
-                                                reduce_dsinks=False)
+                                                **a.library_call(q, k, v), reduce_dsinks=False)
         dq, dk, dv = (to_tensor(g, q.device) for g in grads[:3])
-        dsinks = (q.new_empty((0,)) if sinks is None
-                  else to_tensor(np.ascontiguousarray(grads[3]), sinks.device))
+        sinks = a.sinks()
+        dsinks = q.new_empty((0,)) if sinks is None else to_tensor(np.ascontiguousarray(grads[3]), sinks.device)
         return dq, dk, dv, dsinks
 
 
 @torch.library.register_fake("ringmpi::ring_attention_backward")
-def _backward_fake(do, q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args):
+def _backward_fake(do, q, k, v, o, lse, *args):
+    sinks = _Args.of(args).sinks()
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((0,)) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *args = inputs
+    q, k, v, *args = inputs
+    a = _Args.of(args)
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv)
-    ctx.args = args
+    ctx.save_for_backward(q, k, v, o, lse, a.seg_q, a.seg_kv, a.pos_q, a.pos_kv, *a.per_head)
+    ctx.rest = (a.present, a.where, a.options)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv = ctx.saved_tensors
+    q, k, v, o, lse, seg_q, seg_kv, pos_q, pos_kv, *per_head = ctx.saved_tensors
+    present, where, options = ctx.rest
+    a = _Args(per_head, present, seg_q, seg_kv, pos_q, pos_kv, where, options)
     with torch.no_grad():
-        dq, dk, dv, dsinks = torch.ops.ringmpi.ring_attention_backward(
-            do.contiguous(), q, k, v, o, lse, sinks, alibi_slopes, seg_q, seg_kv, pos_q, pos_kv, *ctx.args)
-    _STATS.pop(_Where(*ctx.args[:_WHERE_COUNT]).stats, None)
-    grads = [g if want else None for g, want in zip((dq, dk, dv, None if sinks is None else dsinks),
-                                                     ctx.needs_input_grad[:4])]
+        dq, dk, dv, dsinks = torch.ops.ringmpi.ring_attention_backward(do.contiguous(), q, k, v, o, lse, *a.flat())
+    _STATS.pop(_Where(*where).stats, None)
+    wanted = ctx.needs_input_grad
+    grads = [g if want else None for g, want in zip((dq, dk, dv), wanted[:3])]
+    head_grads = [None] * len(per_head)
+    if a.sinks() is not None and wanted[3][0]:
+        head_grads[0] = dsinks
     if torch.is_grad_enabled():  # create_graph=True: these gradients must not be differentiated
-        wanted = [g for g in grads if g is not None]
-        refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in wanted)))
+        given = [g for g in grads + head_grads if g is not None]
+        refused = iter(_NotDifferentiable.apply(*(g.detach().requires_grad_(True) for g in given)))
         grads = [None if g is None else next(refused) for g in grads]
-    return tuple(grads) + (None,) * (len(ctx.needs_input_grad) - 4)
+        head_grads = [None if g is None else next(refused) for g in head_grads]
+    return tuple(grads) + (head_grads,) + (None,) * (len(wanted) - 4)
 
 
 torch.library.register_autograd("ringmpi::ring_attention", _backward, setup_context=_setup_context)
@@ -356,7 +418,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    check_finite: bool = False, stats: Optional[list] = None,
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
                    softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                   alibi_slopes=None, positions_q=None, positions_kv=None):
+                   dropout_offsets=None, alibi_slopes=None, positions_q=None, positions_kv=None):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -368,7 +430,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D), (B, S_kv_local, H_kv, D_v) tensors, same dtype and
         device; ``H % H_kv == 0``; ``D_v`` may differ from ``D`` (as in torch's SDPA).
-    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel, dropout_p, dropout_seed
+    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel, dropout_p, dropout_seed,
+    dropout_offsets
         As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
         duplicate of ``COMM_WORLD``); the backward regenerates the dropout mask
         from the seed.
@@ -404,21 +467,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
 
     The custom op, its copies (none), stream and gradients: the module docstring.
     """
+    options = AttentionOptions.of_call(locals())
     comm = resolve_comm(comm)
-    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
-                               dropout_p=dropout_p, dropout_seed=dropout_seed, head_parallel=head_parallel,
-                               timeout=timeout, check_finite=check_finite)  # sinks, alibi: the op's tensors
-    args, alibi, problem = _op_arguments(options, alibi_slopes, q)
+    args, per_head, present, problem = _op_arguments(options, q)
     if not torch.compiler.is_compiling():  # MPI cannot be traced: compiled code checks inside the op
         agree(comm, _backend_problem(backend, q, k, v)[1] or problem)
     elif problem:
         raise ConfigError(problem)
     where = _where(comm, layout, backend, stats)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    sinks = None if sinks is None else sinks.contiguous()
-    o, lse = torch.ops.ringmpi.ring_attention(q, k, v, sinks, alibi, _host_tensor(segment_ids_q),
-                                              _host_tensor(segment_ids_kv), _host_tensor(positions_q),
-                                              _host_tensor(positions_kv), *where.args(), *args)
+    op_args = _Args(per_head, present, _host_tensor(segment_ids_q), _host_tensor(segment_ids_kv),
+                    _host_tensor(positions_q), _host_tensor(positions_kv), where.args(), args)
+    o, lse = torch.ops.ringmpi.ring_attention(q, k, v, *op_args.flat())
     if stats is not None and not o.requires_grad:  # no backward will append to stats
         _STATS.pop(where.stats, None)
     return (o, lse) if return_lse else o

@@ -36,6 +36,8 @@ from ..core.dtypes import resolve as resolve_dtype
 from ..core.masks import SKIP, BlockMask, classify_tiles, tile_bounds
 from ..core.masks import kernel_scalars as mask_scalars
 from ..core.masks import modifier_scalars
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
+from ..core.modifiers import MAX_KERNEL_MODIFIERS, kernel_index
 
 _THREADS_1D = 256
 
@@ -104,7 +106,7 @@ class CupyBackend:
     """
 
     name = "cupy"
-    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.core.modifiers)
+    MODIFIERS = MODIFIER_FIELDS  # the score modifiers with per-head data it applies: all of them
     _instances: dict = {}
 
     @classmethod
@@ -300,18 +302,24 @@ class CupyBackend:
         counts = (classes.size * per_class - skipped, skipped)
         has_lo, lo_delta, has_hi, hi_delta = mask_scalars(mask.spec)
         return (q_pos, kv_pos, dseg_q, dseg_kv, dq_bounds, dkv_bounds,
-                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta) + modifier_scalars(mask.spec) + self._alibi_args(mask.spec, q_pos), counts
+                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta) + modifier_scalars(mask.spec) + self._modifier_args(mask.spec, q_pos), counts
 
-    def _alibi_args(self, spec, dummy):
-        """ALiBi's ``MOD_PARAMS`` values after the softcap: flag, slopes (device float32; the
-        device array ``dummy`` when off, never read) and ``N_kv - N_q``."""
-        if spec.alibi is None:
+    def _modifier_args(self, spec, dummy):
+        """The per-head modifiers' ``MOD_PARAMS`` values after the softcap: the bits of the modifiers
+        on, their ``(H, MAX_HEAD_MODS)`` float32 values (device; the device array ``dummy`` when none
+        is on, never read) and ``N_kv - N_q``."""
+        if not spec.modifiers:
             return np.int32(0), dummy, np.int64(0)
-        key = ("alibi", spec.alibi.slopes)
+        key = ("head_values",) + tuple((kernel_index(m), m.values) for m in spec.modifiers)
         if key not in self._uploads:
+            heads = len(spec.modifiers[0].values)
+            values = np.zeros((heads, MAX_KERNEL_MODIFIERS), dtype=np.float32)
+            for m in spec.modifiers:
+                values[:, kernel_index(m)] = m.kernel_values()
             with self.device:
-                self._uploads[key] = (None, self.xp.asarray(spec.alibi.kernel_slopes()))
-        return np.int32(1), self._uploads[key][1], np.int64(spec.offset)
+                self._uploads[key] = (None, self.xp.asarray(values))
+        bits = sum(1 << kernel_index(m) for m in spec.modifiers)
+        return np.int32(bits), self._uploads[key][1], np.int64(spec.offset)
 
     def _kv_operand(self, x, ct):
         """K/V as a contiguous array the kernels for compute dtype ``ct`` read."""

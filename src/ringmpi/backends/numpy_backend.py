@@ -18,6 +18,7 @@ import numpy as np
 from ..core.dtypes import compute_dtype, is_16bit
 from ..runtime.env import positive_int
 from ..core.masks import FULL, SKIP, BlockMask
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from . import HostMessage
 
 TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
@@ -533,7 +534,7 @@ class NumpyBackend:
 
     name = "numpy"
     xp = np
-    MODIFIERS = ("alibi",)  # score modifiers with per-head data it applies (ringmpi.core.modifiers)
+    MODIFIERS = MODIFIER_FIELDS  # the score modifiers with per-head data it applies: all of them
 
     @staticmethod
     def compute_dtype(dtype) -> np.dtype:

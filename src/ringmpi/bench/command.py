@@ -15,6 +15,8 @@ from __future__ import annotations
 import click
 
 from ..core.layout import KINDS
+from ..cli.flags import attention_flags
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 
 INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 
@@ -31,7 +33,6 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Batch size B.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]), default="float32",
               show_default=True)
-@click.option("--causal", is_flag=True, help="Causal mask.")
 @click.option("--layout", type=click.Choice(KINDS), default="contiguous", show_default=True,
               help="Token layout over ranks (zigzag/striped balance causal work).")
 @click.option("--backward", is_flag=True, help="Also time ring_attention_backward.")
@@ -40,9 +41,6 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="Untimed calls before the timed ones.")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic inputs.")
-@click.option("--dropout", type=float, default=0.0, show_default=True, metavar="P",
-              help="Dropout on the attention weights (0 <= P < 1), seeded by --seed; "
-                   "the torch SDPA column runs without dropout.")
 @click.option("--sweep", type=click.Choice(["strong", "weak", "head-parallel"]), default=None,
               help="Scaling sweep over P = 1, 2, 4, ... ranks of the job; head-parallel: every U "
                    "dividing P and H on all ranks (ringmpi.bench.head_parallel).")
@@ -56,12 +54,17 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
               help="With --decode: cache length N.")
 @click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --decode: new tokens per call S_new.")
-@click.option("--head-parallel", "head_parallel", default=None, metavar="U|auto",
-              help="Time the head x ring schedule with U ranks per group [default: RINGMPI_HEAD_PARALLEL, else 1].")
-@click.option("--softcap", type=float, default=None, metavar="C", help="Logit softcap C > 0 (ring only).")
 @click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
-def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward, repeat, warmup, backend, seed,
-          dropout, sweep, json_path, plot_path, decode, cache, new, head_parallel, softcap, sinks):
+@attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel",
+                 causal=dict(help="Causal mask."), softcap=dict(help="Logit softcap C > 0 (ring only)."),
+                 window=dict(help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side; ring only)."),
+                 dropout_p=dict(show_default=True, help="Dropout on the attention weights (0 <= P < 1), seeded "
+                                "by --seed; the torch SDPA column runs without dropout."),
+                 head_parallel=dict(help="Time the head x ring schedule with U ranks per group "
+                                         "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
+def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
+          sweep, json_path, plot_path, decode, cache, new, sinks, causal, window, softcap, dropout_p, head_parallel,
+          **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -79,7 +82,9 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
                         layout=layout, repeat=repeat, warmup=warmup, backend=backend, seed=seed,
                         **({"dim_v": dim_v} if dim_v != dim else {})), json_path)
     comm = resolve_comm(None)
-    head_parallel, problem = _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep)
+    dropout = dropout_p
+    head_parallel, problem = _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep,
+                                      window=window, modifiers=modifiers)
     agree(comm, problem)
     if backend == "cupy":
         from ..runtime.device import require_gpu
@@ -93,6 +98,9 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
         cfg["head_parallel"] = head_parallel
     if softcap is not None or sinks:  # only then: the report of a plain run keeps its keys
         cfg.update(softcap=softcap, sinks=bool(sinks))
+    if window is not None:
+        cfg["window"] = list(window)
+    cfg.update({name: [float(x) for x in values] for name, values in modifiers.items() if values is not None})
     if dropout:
         cfg["dropout"] = float(dropout)
     if sweep == "head-parallel":
@@ -102,19 +110,22 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, causal, layout, backward
     run_ring(comm, be, cfg, n, sweep, json_path, plot_path)
 
 
-def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep):
+def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep, window=None,
+             modifiers=None):
     """``(U or "auto", the first problem of the options or None)``; the attention options'
     rules are :class:`ringmpi.options.AttentionOptions`'s."""
-    from ..options import AttentionOptions
+    from ..options import AttentionOptions, option_edge
 
-    options = AttentionOptions(softcap=softcap, dropout_p=dropout,
+    options = AttentionOptions(softcap=softcap, dropout_p=dropout, window=window, **(modifiers or {}),
                                dropout_seed=(seed if seed >= 0 else None) if dropout else None)
-    found = options.field_problem()
+    found = options.field_problem(heads)
     problem = None
+    flags = dict(softcap="--softcap", dropout="--dropout/--seed", window="--window",
+                 **{name: option_edge(name)["flag"] for name in MODIFIER_FIELDS})
     if heads % kv_heads:
         problem = f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})"
-    elif found is not None:  # the only options given: softcap, dropout
-        problem = f"{dict(softcap='--softcap', dropout='--dropout/--seed')[found[0]]}: {found[1]}"
+    elif found is not None:  # the only options given: softcap, dropout, window, ALiBi
+        problem = f"{flags[found[0]]}: {found[1]}"
     elif plot_path and not _have_matplotlib():
         problem = f"--plot needs matplotlib: {INSTALL_PLOT}"
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from .machine import reset_rss_peak, status_bytes
 from .sdpa import measure_sdpa
 
@@ -62,6 +63,9 @@ def measure(comm, be, cfg, n):
         kw["sinks"] = be.asarray(np.random.default_rng(cfg["seed"]).standard_normal(h).astype(np.float32))
     if cfg.get("dropout"):
         kw.update(dropout_p=cfg["dropout"], dropout_seed=cfg["seed"])
+    if cfg.get("window") is not None:
+        kw["window"] = tuple(cfg["window"])
+    kw.update({name: np.asarray(cfg[name], dtype=np.float32) for name in MODIFIER_FIELDS if cfg.get(name) is not None})
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):

@@ -17,6 +17,7 @@ import os
 
 import click
 
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from .machine import environment, gemm_rate, instrumentation_unit_costs, rank_environment
 from .measure import idle_barrier, measure, sweep_sizes
 from .summary import chosen_head_parallel, describe, point, write_json
@@ -122,6 +123,9 @@ def _format_single(r):
                                             (", sinks", r.get("sinks"))) if used)
     if r.get("dropout"):
         head += f", dropout {r['dropout']}"
+    if r.get("window") is not None:
+        head += f", window {tuple(r['window'])}"
+    head += "".join(f", {name}" for name in MODIFIER_FIELDS if r.get(name) is not None)
     if "head_parallel" in r:
         chosen = f" (U={r['head_parallel_chosen']})" if "head_parallel_chosen" in r else ""
         head += f", head_parallel {r['head_parallel']}{chosen}"

@@ -13,6 +13,8 @@ import click
 
 from ..core.flops import attention_flops
 from ..core.layout import KINDS
+from ..core.modifiers import FIELDS as MODIFIER_FIELDS
+from .flags import attention_flags
 
 
 class _Progress:
@@ -45,62 +47,31 @@ class _Progress:
             self.bar = None
 
 
-def _slopes(ctx, param, value):
-    """``--alibi-slopes``' float32 array (its length and values are the options object's to check)."""
-    import numpy as np
-
-    if value is None:
-        return None
-    try:
-        return np.array([float(x) for x in value.split(",")], dtype=np.float32)
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+# the attention options ringmpi run offers as flags (their flags and help: options.py)
+ATTENTION_FLAGS = ("causal", "window", "softmax_scale", "check_finite", "timeout", "head_parallel", "softcap",
+                   *MODIFIER_FIELDS, "return_max_logit", "dropout_p", "dropout_seed")
 
 
 @click.command("run")
 @click.argument("input_path", metavar="IN.h5", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False),
               help="Output HDF5 file (written atomically).")
-@click.option("--causal", is_flag=True, help="Causal mask (bottom-right aligned when N_q != N_kv).")
-@click.option("--window", nargs=2, type=int, default=None, metavar="L R",
-              help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side).")
 @click.option("--layout", type=click.Choice(KINDS), default=None,
               help="Token layout over ranks [default: zigzag when --causal, else contiguous].")
 @click.option("--backward", is_flag=True, help="Also compute dq, dk, dv from dataset 'do'.")
-@click.option("--scale", type=float, default=None, help="Softmax scale [default: 1/sqrt(D)].")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
-@click.option("--check-finite/--no-check-finite", default=True, show_default=True,
-              help="Reject NaN/Inf inputs (exit 2), naming dataset and global index; "
-                   "without the check they propagate as documented.")
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted job from its partial output (same input and options).")
-@click.option("--timeout", type=float, default=600.0, show_default=True,
-              help="Deadline in seconds for each blocking phase (ring wait, HDF5 open/write/close, agreement "
-                   "between ranks); a peer that never answers ends the job, naming the phase.")
 @click.option("--heads-per-pass", type=int, default=None, metavar="K",
               help="Query heads per pass (a multiple of H/H_kv) to bound memory [default: all].")
-@click.option("--head-parallel", "head_parallel", default=None, metavar="U|auto",
-              help="Two-level head x ring schedule: all-to-all over heads in groups of U ranks, ring "
-                   "across groups; auto = the ranks of a node [default: RINGMPI_HEAD_PARALLEL, else 1].")
 @click.option("--sinks-dataset", default=None, metavar="NAME",
               help="Attention sinks: the (H,) float32/float64 dataset NAME of the input (one logit per "
                    "query head); writes sinks and, with --backward, dsinks.")
-@click.option("--softcap", type=float, default=None, metavar="C",
-              help="Logit softcap: scores become C * tanh(score / C) (C > 0).")
-@click.option("--alibi-slopes", "alibi_slopes", default=None, metavar="S1,S2,...", callback=_slopes,
-              help="ALiBi: H comma-separated slopes (float32, one per query head); the score of query i "
-                   "and key j of head h gains -S_h * |i + N_kv - N_q - j|.")
-@click.option("--max-logit", "max_logit", is_flag=True,
-              help="Also write max_logit (H,): each head's largest score over the whole input.")
-@click.option("--dropout", "dropout_p", type=float, default=0.0, show_default=True, metavar="P",
-              help="Dropout on the attention weights, 0 <= P < 1: the same mask for any number of "
-                   "ranks, layout, pass plan or backend (needs --seed).")
-@click.option("--seed", "dropout_seed", type=click.IntRange(0, 2 ** 64 - 1), default=None, metavar="S",
-              help="Dropout seed (0 <= S < 2^64).")
-def run(input_path, output_path, causal, window, layout, backward, scale, backend, overwrite,
-        check_finite, resume, timeout, heads_per_pass, head_parallel, sinks_dataset, softcap, alibi_slopes,
-        max_logit, dropout_p, dropout_seed):
+@attention_flags(*ATTENTION_FLAGS, check_finite=dict(default=True, show_default=True),
+                 timeout=dict(default=600.0, show_default=True), dropout_p=dict(show_default=True))
+def run(input_path, output_path, layout, backward, backend, overwrite, resume, heads_per_pass, sinks_dataset,
+        **attention):
     """Attention over an HDF5 file: each rank reads its shard, runs the ring, writes its outputs.
 
     \b
@@ -116,11 +87,8 @@ def run(input_path, output_path, causal, window, layout, backward, scale, backen
 
     from ..filejob.job import JobOptions, run_job
 
-    options = JobOptions.of_flags(causal=causal, window=window, scale=scale, softcap=softcap, max_logit=max_logit,
-                                  dropout_p=dropout_p, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes,
-                                  head_parallel=head_parallel,
-                                  timeout=timeout, check_finite=check_finite, layout=layout, backward=backward,
-                                  backend=backend, heads_per_pass=heads_per_pass, sinks_dataset=sinks_dataset)
+    options = JobOptions.of_flags(layout=layout, backward=backward, backend=backend, heads_per_pass=heads_per_pass,
+                                  sinks_dataset=sinks_dataset, **attention)
     result = run_job(input_path, output_path, options, _Progress(MPI.COMM_WORLD.Get_rank()),
                      overwrite=overwrite, resume=resume)
     if result.every is not None:  # rank 0

@@ -39,7 +39,7 @@ def _check(in_path: str, out_path: str, max_n: int):
                 into[name].append(result[name])
     softcap, dropout, window = mask.softcap, mask.dropout, attrs.attention.window
     extras = (f", softcap {softcap:g}" if softcap else "") + (", sinks" if sinks is not None else "") \
-        + (", alibi" if mask.alibi is not None else "")
+        + "".join(f", {type(m).__name__.lower()}" for m in mask.modifiers)
     lines = [f"verify {out_path} against a float64 dense reference of {in_path} "
              f"({'causal' if mask.causal else 'full'}{f', window {window}' if window else ''}, "
              f"scale {scale:.6g}{extras}{f', dropout {dropout.p} seed {dropout.seed}' if dropout else ''})",

@@ -37,7 +37,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .dropout import Dropout
-    from .modifiers import Alibi
+    from .modifiers import HeadModifier
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
@@ -65,9 +65,10 @@ class MaskSpec:
     dropout : ringmpi.core.dropout.Dropout or None
         Dropout on the visible weights (a function of global positions too);
         it never changes visibility, tile classes or the softmax denominator.
-    alibi : ringmpi.core.modifiers.Alibi or None
-        ALiBi: a visible score gains ``-slope_h * |i + offset - j|`` after the
-        softcap (a score modifier with per-head data, :mod:`ringmpi.core.modifiers`).
+    modifiers : tuple of ringmpi.core.modifiers.HeadModifier
+        Score modifiers with per-head data (ALiBi: a visible score gains
+        ``-slope_h * |i + offset - j|``), applied after the softcap, in
+        :data:`ringmpi.core.modifiers.MODIFIERS`' order.
     """
 
     causal: bool = False
@@ -76,28 +77,32 @@ class MaskSpec:
     softcap: Optional[float] = None
     exact_max: bool = False
     dropout: Optional["Dropout"] = None
-    alibi: Optional["Alibi"] = None
+    modifiers: Tuple["HeadModifier", ...] = ()
 
     def for_heads(self, first: int, count: int) -> "MaskSpec":
         """This spec for a call over the query heads ``[first, first + count)`` of this one:
-        dropout draws those heads' masks, ALiBi takes their slopes."""
+        dropout draws those heads' masks, the modifiers take their values."""
         from dataclasses import replace
 
         spec = self
         if spec.dropout is not None:
             spec = replace(spec, dropout=replace(spec.dropout, head_offset=spec.dropout.head_offset + first))
-        if spec.alibi is not None:
-            spec = replace(spec, alibi=spec.alibi.for_heads(slice(first, first + count)))
+        if spec.modifiers:
+            part = slice(first, first + count)
+            spec = replace(spec, modifiers=tuple(m.for_heads(part) for m in spec.modifiers))
         return spec
 
     def modifier_terms(self, q_pos, kv_pos, dtype):
         """Per-head additive score terms of the score modifiers over global positions
         ``q_pos`` x ``kv_pos``: a function ``h -> (len(q_pos), len(kv_pos))`` array in
-        ``dtype``, or None without any (ALiBi: :meth:`ringmpi.core.modifiers.Alibi.bias`)."""
-        if self.alibi is None:
+        ``dtype``, or None without any (each modifier's
+        :meth:`~ringmpi.core.modifiers.HeadModifier.terms`, added in their order)."""
+        parts = [m.terms(q_pos, kv_pos, self.offset, dtype) for m in self.modifiers]
+        if not parts:
             return None
-        dist = self.alibi.distances(q_pos, kv_pos, self.offset, dtype)
-        return lambda h: self.alibi.bias(h, dist)
+        if len(parts) == 1:
+            return parts[0]
+        return lambda h: sum((term(h) for term in parts[1:]), parts[0](h))
 
     def __post_init__(self):
         if self.window is not None:

@@ -28,6 +28,7 @@ import numpy as np
 from .. import __version__
 from ..runtime.errors import ConfigError, agree
 from ..options import AttentionOptions
+from .attributes import OutputAttributes
 from .pass_plan import DEFAULT_PASS_BYTES, Pass, pass_boxes, plan_passes
 
 
@@ -52,8 +53,8 @@ class JobOptions:
     :class:`~ringmpi.options.AttentionOptions`, which checks them) and the job's own;
     :meth:`check` raises the ConfigError (exit 2) of a bad value.
 
-    ``attention.window`` has None for an unbounded side (``--window`` gives -1:
-    :meth:`of_flags`); ``attention.softmax_scale`` None means ``1/sqrt(D)``;
+    ``attention.window`` has None for an unbounded side (``--window`` gives -1);
+    ``attention.softmax_scale`` None means ``1/sqrt(D)``;
     ``attention.head_parallel`` is ``U``, ``"auto"`` or None
     (``RINGMPI_HEAD_PARALLEL``, else 1); ``attention.check_finite`` checks the
     input file pass by pass before any compute (the ring calls then skip it);
@@ -69,16 +70,12 @@ class JobOptions:
     sinks_dataset: Optional[str] = None
 
     @classmethod
-    def of_flags(cls, *, window=None, scale=None, max_logit=False, timeout=600.0, check_finite=True,
-                 layout=None, backward=False, backend="auto", heads_per_pass=None, sinks_dataset=None,
-                 **attention) -> "JobOptions":
-        """The options of ``ringmpi run``'s flags: those named differently from their
-        :class:`AttentionOptions` field (``window`` with -1 for an unbounded side), the job's
-        own, and ``attention``: fields of the options object as they are (``causal``,
-        ``softcap``, ``dropout_p``, ``alibi_slopes`` ...: a new one needs no line here)."""
-        window = None if window is None else tuple(None if w == -1 else w for w in window)
-        options = AttentionOptions(window=window, softmax_scale=scale, return_max_logit=bool(max_logit),
-                                   timeout=timeout, check_finite=check_finite, **attention)
+    def of_flags(cls, *, layout=None, backward=False, backend="auto", heads_per_pass=None, sinks_dataset=None,
+                 timeout=600.0, check_finite=True, **attention) -> "JobOptions":
+        """The options of ``ringmpi run``'s flags: the job's own and ``attention``, fields of the
+        options object under their names, as the flags give them (``ringmpi.cli.flags``: a new
+        option needs no line here); the file job's defaults: ``timeout`` 600 s, ``check_finite``."""
+        options = AttentionOptions(timeout=timeout, check_finite=check_finite, **attention)
         return cls(attention=options, layout=layout, backward=backward, backend=backend,
                    heads_per_pass=heads_per_pass, sinks_dataset=sinks_dataset)
 
@@ -98,12 +95,13 @@ class JobOptions:
 
     def record_options(self, backend: str) -> dict:
         """The options of the job record (what changes the numbers); sinks, softcap, max logit,
-        dropout and ALiBi only when used, so the record of a job without them is unchanged."""
+        dropout and the score modifiers only when used, so the record of a job without them is
+        unchanged."""
         a = self.attention
         win = a.window_sides()
         variants = dict(sinks_dataset=self.sinks_dataset, softcap=a.softcap,
                         max_logit=bool(a.return_max_logit) or None,
-                        alibi_slopes=None if a.alibi_slopes is None else [float(x) for x in a.alibi_slopes])
+                        **{name: [float(x) for x in getattr(a, name)] for name in a.modifier_names()})
         key = a.dropout_key(1)
         dropout = {} if key is None else dict(dropout_p=key[0], dropout_seed=key[1])
         return dict(layout=self.layout_name, causal=bool(a.causal),
@@ -119,68 +117,6 @@ class JobOptions:
         return replace(a.for_heads(heads.start, heads.stop - heads.start), softmax_scale=a.scale(spec.dim), head_parallel=head_parallel,
                        check_finite=False, sinks=sinks,
                        dropout_offsets=(p.b0, heads.start, spec.heads) if a.dropout_key(1) else None)
-
-
-@dataclass(frozen=True)
-class OutputAttributes:
-    """The root attributes of an output file (docs/file-format.md): written by the job,
-    read back by ``ringmpi verify`` -- the one place that knows their names and encodings.
-    ``attention``'s are :meth:`AttentionOptions.to_attrs` / :meth:`~AttentionOptions.from_attrs`
-    (``softmax_scale`` resolved)."""
-
-    ringmpi_version: str
-    world_size: int
-    layout: str
-    segments: bool
-    backend: str
-    dtype: str
-    backward: bool
-    input_path: str
-    input_shapes: dict  # dataset name -> shape (list)
-    heads_per_pass: Optional[int]
-    sinks_dataset: Optional[str]
-    attention: AttentionOptions
-
-    @classmethod
-    def of_job(cls, options: JobOptions, spec, input_path: str, world_size: int, backend: str):
-        return cls(ringmpi_version=__version__, world_size=world_size, layout=options.layout_name,
-                   segments=bool(spec.seg_q), backend=backend, dtype=spec.dtype, backward=bool(options.backward),
-                   input_path=os.path.abspath(input_path),
-                   input_shapes={k: list(v) for k, v in spec.shapes.items()},
-                   heads_per_pass=options.heads_per_pass, sinks_dataset=options.sinks_dataset,
-                   attention=AttentionOptions.from_attrs(options.attention.to_attrs(spec.dim)))
-
-    def write(self, fout) -> None:
-        """Set the attributes on an open output file (collective: the same values on every rank)."""
-        attrs = dict(ringmpi_version=self.ringmpi_version, world_size=self.world_size, layout=self.layout,
-                     segments=self.segments, backend=self.backend, dtype=self.dtype, backward=self.backward,
-                     input_path=self.input_path, input_shapes=json.dumps(self.input_shapes, sort_keys=True),
-                     heads_per_pass=-1 if self.heads_per_pass is None else int(self.heads_per_pass),
-                     sinks_dataset=self.sinks_dataset or "", **self.attention.to_attrs(dim=1))
-        for key, value in attrs.items():
-            fout.attrs[key] = value
-
-    @classmethod
-    def read(cls, fo, path: str) -> "OutputAttributes":
-        """The attributes of the open output file ``fo`` at ``path``; ConfigError when it was not
-        written by ``ringmpi run``.  Attributes added in later versions default to "not used"."""
-        a = fo.attrs
-        for key in ("causal", "softmax_scale", "input_shapes"):
-            if key not in a:
-                raise ConfigError(f"{path}: attribute '{key}' missing: not written by ringmpi run")
-        heads_per_pass = int(a.get("heads_per_pass", -1))
-        return cls(ringmpi_version=str(a.get("ringmpi_version", "")), world_size=int(a.get("world_size", 0)),
-                   layout=str(a.get("layout", "")), segments=bool(a.get("segments", False)),
-                   backend=str(a.get("backend", "")), dtype=str(a.get("dtype", "")),
-                   backward=bool(a.get("backward", False)), input_path=str(a.get("input_path", "")),
-                   input_shapes=json.loads(a["input_shapes"]),
-                   heads_per_pass=None if heads_per_pass < 0 else heads_per_pass,
-                   sinks_dataset=str(a.get("sinks_dataset", "")) or None,
-                   attention=AttentionOptions.from_attrs(a))
-
-    def mask_spec(self, spec):
-        """The :class:`ringmpi.core.masks.MaskSpec` the job computed with, for the input ``spec``."""
-        return self.attention.mask_spec(spec.heads, offset=spec.n_kv - spec.n_q)
 
 
 @dataclass

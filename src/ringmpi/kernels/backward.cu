@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     bool touched = false;
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
-        const float slope_h = alibi_slope<float>(mk, h);
+        const HeadValues<float> hv = head_values<float>(mk, h);
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
         const long long obase = bh * a.Sq * a.Dv;
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     const int ql = nt * 8 + 2 * c + (e & 1);
                     const int key = e < 2 ? key0 : key1;
                     float s = p[nt][e] * scale, slope = 1.f;
-                    if (score_modified(cap, slope_h)) s = modify_score(mk, cap, slope_h, q0 + ql, key, a.Sq, a.Skv, s, &slope);
+                    if (score_modified(cap, hv)) s = modify_score(mk, cap, hv, q0 + ql, key, a.Sq, a.Skv, s, &slope);
                     const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                     if (hidden) s = neg_inf<float>();
                     // careful: a hidden pair is 0 even for a NaN lse, a NaN do v^T or a NaN slope
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     bool touched = false;
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
-        const T slope_h = alibi_slope<T>(mk, h);
+        const HeadValues<T> hv = head_values<T>(mk, h);
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
         const long long obase = bh * a.Sq * a.Dv;
@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                 for (int d = dmin; d < a.Dv; ++d) dp += dOs[ql * VRS + d] * Vs[cr * VRS + d];
                 s *= scale;
                 T slope = T(1);
-                if (score_modified(cap, slope_h)) s = modify_score(mk, cap, slope_h, q0 + ql, key, a.Sq, a.Skv, s, &slope);
+                if (score_modified(cap, hv)) s = modify_score(mk, cap, hv, q0 + ql, key, a.Sq, a.Skv, s, &slope);
                 const bool hidden = need_mask && !elem_visible(mk, b, q0 + ql, key, a.Sq, a.Skv);
                 if (hidden) s = neg_inf<T>();
                 const T pe = (careful && hidden) ? T(0) : exp_acc(s - lse_s[ql]);  // even for a NaN lse

@@ -144,8 +144,9 @@ struct MaskArgs {
     long long lo_delta, hi_delta;
     int has_lo, has_hi;
     double softcap;             // score modifiers (MOD_PARAMS): the cap, 0: none
-    const float* alibi;         // ALiBi slopes (H,) of the call's query heads, or null
-    long long alibi_offset;     // N_kv - N_q
+    int head_mods;              // bit m: modifier m of ringmpi.core.modifiers.MODIFIERS is on
+    const float* head_values;   // (H, MAX_HEAD_MODS) their per-head values, or null
+    long long mod_offset;       // N_kv - N_q
 };
 
 // Kernel parameters for the mask (scalars typed on the host: np.int32 flags,
@@ -167,41 +168,76 @@ struct MaskArgs {
 // in this order (modify_score, the one place the kernels apply them):
 //  * logit softcap (MaskSpec.softcap, a float64 launch scalar; c = 0: none):
 //    c * tanh(s / c), slope 1 - tanh(s / c)^2;
-//  * ALiBi (MaskSpec.alibi, ringmpi.modifiers; has_alibi = 0: none):
-//    s - slope_h * |i + alibi_offset - j| with i = q_pos[row], j = kv_pos[col]
-//    (global positions), slope 1.
+//  * the modifiers with per-head data (ringmpi.core.modifiers.MODIFIERS, bit m
+//    of head_mods), in their order: s + term_m(value_h, i, j), i = q_pos[row],
+//    j = kv_pos[col] (global positions), slope 1; modifier_term below states
+//    each one's term.  A value of 0 leaves the score as it is (the term is skipped).
 // The slope is d(modified) / d(s): the backward multiplies dS by it.  Kernels
-// test the flags once (score_modified), so a call without modifiers runs the
-// same operations as before.  `alibi` is a dummy pointer when has_alibi is 0.
-#define MOD_PARAMS double softcap, int has_alibi, const float* __restrict__ alibi, long long alibi_offset
-#define MOD_INIT(mk) mk.softcap = softcap; mk.alibi = has_alibi ? alibi : 0; mk.alibi_offset = alibi_offset
+// fetch a head's values once (head_values) and test them once (score_modified),
+// so a call without modifiers runs the same operations as before.  The values
+// pointer is a dummy when head_mods is 0.
+#define MAX_HEAD_MODS 4  /* ringmpi.core.modifiers.MAX_KERNEL_MODIFIERS */
+#define MOD_PARAMS double softcap, int head_mods, const float* __restrict__ head_vals, long long mod_offset
+#define MOD_INIT(mk) mk.softcap = softcap; mk.head_mods = head_mods; mk.head_values = head_mods ? head_vals : 0; \
+    mk.mod_offset = mod_offset
 
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
-// Query head h's ALiBi slope (0 without ALiBi).
+// One query head's values of the per-head modifiers (0 for a modifier that is off).
 template <typename T>
-__device__ __forceinline__ T alibi_slope(const MaskArgs& mk, int h) { return mk.alibi ? (T)mk.alibi[h] : T(0); }
+struct HeadValues {
+    T v[MAX_HEAD_MODS];
+};
 
-// Whether any modifier changes scores (cap c, ALiBi slope of this head).
 template <typename T>
-__device__ __forceinline__ bool score_modified(T cap, T slope_h) { return cap != T(0) || slope_h != T(0); }
+__device__ __forceinline__ HeadValues<T> head_values(const MaskArgs& mk, int h) {
+    HeadValues<T> hv;
+#pragma unroll
+    for (int m = 0; m < MAX_HEAD_MODS; ++m)
+        hv.v[m] = ((mk.head_mods >> m) & 1) ? (T)mk.head_values[h * MAX_HEAD_MODS + m] : T(0);
+    return hv;
+}
+
+// Whether any modifier changes this head's scores (cap c, the head's values).
+template <typename T>
+__device__ __forceinline__ bool score_modified(T cap, const HeadValues<T>& hv) {
+    bool any = cap != T(0);
+#pragma unroll
+    for (int m = 0; m < MAX_HEAD_MODS; ++m) any = any || hv.v[m] != T(0);
+    return any;
+}
+
+// Modifier m's score of query position qp, key position kp (offset = N_kv - N_q), from s
+// and the head's value; one case per entry of ringmpi.core.modifiers.MODIFIERS.
+template <typename T>
+__device__ __forceinline__ T modifier_term(int m, T value, long long qp, long long kp, long long offset, T s) {
+    switch (m) {
+    case 0: {  // ALiBi (modifiers.Alibi): s - slope_h * |i + offset - j|
+        long long dist = qp + offset - kp;
+        dist = dist < 0 ? -dist : dist;
+        return s - value * (T)dist;
+    }
+    default:
+        return s;
+    }
+}
 
 // The modified score of (row, col) and, in *slope, its derivative; rows and
-// columns past Sq / Skv get no ALiBi term (they are hidden or never stored).
+// columns past Sq / Skv get no per-head term (they are hidden or never stored).
 template <typename T>
-__device__ __forceinline__ T modify_score(const MaskArgs& mk, T cap, T slope_h, int row, int col, int Sq,
-                                          int Skv, T s, T* slope) {
+__device__ __forceinline__ T modify_score(const MaskArgs& mk, T cap, const HeadValues<T>& hv, int row, int col,
+                                          int Sq, int Skv, T s, T* slope) {
     T d = T(1);
     if (cap != T(0)) {
         const T t = tanh_acc(s / cap);
         s = cap * t;
         d = T(1) - t * t;
     }
-    if (slope_h != T(0) && row < Sq && col < Skv) {
-        long long dist = mk.q_pos[row] + mk.alibi_offset - mk.kv_pos[col];
-        dist = dist < 0 ? -dist : dist;
-        s -= slope_h * (T)dist;
+    if (row < Sq && col < Skv) {
+#pragma unroll
+        for (int m = 0; m < MAX_HEAD_MODS; ++m)
+            if (hv.v[m] != T(0)) s = modifier_term<T>(m, hv.v[m], mk.q_pos[row], mk.kv_pos[col], mk.mod_offset, s);
     }
     *slope = d;
     return s;

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
     const int qt = blockIdx.x, bh = cta_row();
     if (bh >= a.B * a.H) return;  // padding CTA of the last z slice
     const int b = bh / a.H, h = bh % a.H;
-    const float slope_h = alibi_slope<float>(mk, h);
+    const HeadValues<float> hv = head_values<float>(mk, h);
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM;
     const long long qbase = ((long long)bh * a.Sq) * a.D;
@@ -170,13 +170,13 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
-        if (score_modified(cap, slope_h)) {
+        if (score_modified(cap, hv)) {
             float unused;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    s[nt][e] = modify_score(mk, cap, slope_h, e < 2 ? row0 : row1, k0 + nt * 8 + 2 * c + (e & 1),
+                    s[nt][e] = modify_score(mk, cap, hv, e < 2 ? row0 : row1, k0 + nt * 8 + 2 * c + (e & 1),
                                             a.Sq, a.Skv, s[nt][e], &unused);
         }
         if (need_mask) {
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
     const int qt = blockIdx.x, bh = cta_row();
     if (bh >= a.B * a.H) return;  // padding CTA of the last z slice
     const int b = bh / a.H, h = bh % a.H;
-    const T slope_h = alibi_slope<T>(mk, h);
+    const HeadValues<T> hv = head_values<T>(mk, h);
     const int hk = h / (a.H / a.Hkv);
     const int q0 = qt * BM, row = q0 + r;
     const long long qbase = ((long long)bh * a.Sq) * a.D;
@@ -364,9 +364,9 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
 #pragma unroll
         for (int i = 0; i < NC; ++i) {
             s[i] *= scale;
-            if (score_modified(cap, slope_h)) {
+            if (score_modified(cap, hv)) {
                 T unused;
-                s[i] = modify_score(mk, cap, slope_h, row, k0 + j + TPR * i, a.Sq, a.Skv, s[i], &unused);
+                s[i] = modify_score(mk, cap, hv, row, k0 + j + TPR * i, a.Sq, a.Skv, s[i], &unused);
             }
             if (need_mask && !elem_visible(mk, b, row, k0 + j + TPR * i, a.Sq, a.Skv)) s[i] = neg_inf<T>();
             mx = max_acc(mx, s[i]);

@@ -1,0 +1,11 @@
+"""Host (NumPy) copies of any backend's arrays: the one to-host rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def to_host(x) -> np.ndarray:
+    """``x`` as a NumPy array: a CuPy array copied to the host (``.get()``), anything else as
+    ``np.asarray`` sees it (no copy for a NumPy array)."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)

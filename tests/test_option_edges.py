@@ -1,0 +1,96 @@
+"""Options stated once at every edge: every field of AttentionOptions reaches every public entry point
+(a keyword of each call that lists options by name, a typed argument of the torch op, a flag of the
+commands that map it one to one), unless the entry point says here why it cannot take it."""
+
+import inspect
+from dataclasses import fields
+
+import click
+import pytest
+
+import ringmpi
+from ringmpi.options import AttentionOptions, option_edge, option_fields
+
+FIELDS = {f.name: f.default for f in fields(AttentionOptions)}
+
+# what an entry point does not take, and why (anything else missing fails)
+NOT_TAKEN = {
+    "ring_attention": {},
+    "ring_attention_backward": {"return_max_logit": "the backward returns no max logit"},
+    "decode_attention": {
+        "dropout_p": "decode is inference: no dropout", "dropout_seed": "no dropout",
+        "dropout_offsets": "no dropout", "head_parallel": "no ring: one Allreduce merges the shards",
+        "timeout": "its one collective runs under the watchdog's default deadline",
+        "check_finite": "a cache is checked when it is filled", "dtype": "the cache's dtype",
+        "return_max_logit": "decode returns no max logit"},
+    "torch.ring_attention": {"dtype": "a tensor carries its dtype",
+                             "return_max_logit": "the op returns o and lse"},
+    "run": {"sinks": "--sinks-dataset names the input's dataset", "dtype": "the file's dtype",
+            "dropout_offsets": "the job draws each pass's slice itself"},
+    "bench": {"sinks": "--sinks draws random sinks", "dropout_seed": "--seed seeds inputs and dropout",
+              "dropout_offsets": "synthetic inputs: the whole mask", "dtype": "--dtype is the inputs' dtype",
+              "softmax_scale": "1/sqrt(D), as torch SDPA's column", "timeout": "RINGMPI_TIMEOUT",
+              "check_finite": "synthetic inputs are finite", "return_max_logit": "not timed"},
+}
+
+
+def _calls():
+    import ringmpi.torch as rt
+
+    return {"ring_attention": ringmpi.ring_attention, "ring_attention_backward": ringmpi.ring_attention_backward,
+            "decode_attention": ringmpi.decode_attention, "torch.ring_attention": rt.ring_attention}
+
+
+def _commands():
+    from ringmpi.bench.command import bench
+    from ringmpi.cli.run import run
+
+    return {"run": run, "bench": bench}
+
+
+@pytest.mark.parametrize("name", ["ring_attention", "ring_attention_backward", "decode_attention",
+                                  "torch.ring_attention"])
+def test_every_field_is_a_keyword_of_every_public_call(name):
+    pytest.importorskip("torch")
+    params = inspect.signature(_calls()[name]).parameters
+    missing = {f for f in FIELDS if f not in params}
+    assert missing == set(NOT_TAKEN[name]), f"{name}: give these a keyword (or a reason here): " \
+        f"{sorted(missing - set(NOT_TAKEN[name]))}; not missing: {sorted(set(NOT_TAKEN[name]) - missing)}"
+    for f in FIELDS.keys() & params.keys():
+        assert params[f].kind is inspect.Parameter.KEYWORD_ONLY, (name, f)
+        if not (name == "decode_attention" and f == "causal"):  # decode is causal by default
+            assert params[f].default == FIELDS[f] or params[f].default is FIELDS[f], (name, f)
+
+
+@pytest.mark.parametrize("name", ["run", "bench"])
+def test_every_field_with_a_flag_is_a_flag_of_the_commands(name):
+    command: click.Command = _commands()[name]
+    dests = {p.name: p for p in command.params}
+
+    def offered(f):  # the flag options.py states, under the field's name
+        flag = option_edge(f)["flag"]
+        return f in dests and flag is not None and flag.split("/")[0] in dests[f].opts
+
+    missing = {f for f in FIELDS if not offered(f)}
+    assert missing == set(NOT_TAKEN[name]), f"ringmpi {name}: missing {sorted(missing - set(NOT_TAKEN[name]))}, " \
+        f"not missing: {sorted(set(NOT_TAKEN[name]) - missing)}"
+
+
+def test_every_field_crosses_the_torch_op():
+    """Each field but those the torch call does not take is one of the op's typed arguments
+    (built from ``options.py``'s ``op`` kinds), and the op packs and unpacks it exactly."""
+    pytest.importorskip("torch")
+    import numpy as np
+    import ringmpi.torch as rt
+
+    carried = set(option_fields("op"))
+    assert carried == set(FIELDS) - set(NOT_TAKEN["torch.ring_attention"])
+    options = AttentionOptions(causal=True, window=(3, None), softmax_scale=0.25, softcap=2.0,
+                               alibi_slopes=np.array([0.5, 0.25], np.float32), dropout_p=0.5,
+                               dropout_seed=2 ** 64 - 1, dropout_offsets=(1, 2, 8), head_parallel="auto",
+                               timeout=9.0, check_finite=True)
+    scalars, per_head, present = rt._option_args(options), *rt._per_head_args(options)
+    back = rt._options_of(scalars, per_head, present)
+    for f in carried:
+        mine, theirs = getattr(options, f), getattr(back, f)
+        assert np.array_equal(mine, theirs) if f in ("sinks", "alibi_slopes") else mine == theirs, f
