@@ -61,7 +61,8 @@ class ShardContext:
     (``layout.indices(rank)``); ``segment_ids (B, S_local)`` int64 or None:
     documents (from restarting ``position_ids``) and padding (``PAD_SEGMENT``);
     ``dropout_seed``: the user's seed; ``step``: which batch this is (dropout
-    masks differ per step and per layer, :func:`dropout_seed`).
+    masks differ per step and per layer, :func:`dropout_seed`); ``invariant``: the attention
+    runs with ``invariant=True``.
     """
 
     comm: object
@@ -70,6 +71,7 @@ class ShardContext:
     segment_ids: Optional[torch.Tensor]
     dropout_seed: Optional[int] = None
     step: int = 0
+    invariant: bool = False
     _checked: set = field(default_factory=set, repr=False)
 
     def check_positions(self, position_ids: Optional[torch.Tensor]) -> None:
@@ -182,7 +184,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            positions_q=positions, positions_kv=positions, causal=causal,
                            window=_window(sliding_window, causal),
                            segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
-                           softcap=softcap, **drop)
+                           softcap=softcap, invariant=ctx.invariant, **drop)
     return o, None
 
 
@@ -213,7 +215,7 @@ def _segments(position_ids: Optional[torch.Tensor], attention_mask: Optional[tor
 
 
 def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag",
-                dropout_seed: Optional[int] = None, step: Optional[int] = None) -> dict:
+                dropout_seed: Optional[int] = None, step: Optional[int] = None, invariant: bool = False) -> dict:
     """This rank's part of a global batch, ready for ``model(**shard)``; call it on every rank.
 
     Parameters
@@ -230,6 +232,11 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
         Needed for attention dropout: masks are drawn from it, this ``step`` and the layer.
     step : int, optional
         Default: how many times this process called ``shard_batch`` before.
+    invariant : bool
+        Every attention call of the forward (and its backward) runs with
+        ``invariant=True``: the same bits for any number of ranks and layout
+        (each shard must be whole 64-token tiles: ``N / P``, or ``N / (2P)`` for
+        zigzag, a multiple of 64).
 
     Returns
     -------
@@ -270,7 +277,8 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     shard["use_cache"] = False
     shard[CONTEXT_KEY] = ShardContext(comm=comm, layout=lay, positions=lay.indices(rank),
                                       segment_ids=None if seg is None else lay.shard(seg, rank),
-                                      dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step))
+                                      dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step),
+                                      invariant=bool(invariant))
     return shard
 
 

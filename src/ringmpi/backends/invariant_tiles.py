@@ -392,12 +392,13 @@ def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs
     first = 0
     q_pos = res.tiling.pos
     for j in range(kt_tiling.count):
-        count = int(kt_tiling.valid[j].sum())
+        held = np.flatnonzero(kt_tiling.valid[j])
+        count = len(held)
         rows = order[first:first + count]
         kt[...] = 0
         vt[...] = 0
-        kt[:, :, :count] = kh[:, :, rows]
-        vt[:, :, :count] = vh[:, :, rows]
+        kt[:, :, held] = kh[:, :, rows]
+        vt[:, :, held] = vh[:, :, rows]
         bad_j = blk.bad[:, :, j]
         kt[bad_j] = 0
         vt[bad_j] = 0
@@ -459,9 +460,9 @@ def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs
                         tick()
         if kv_need is not None and kt_tiling.sorted:
             kv_need(first + count)
-        dk[:, :, rows] += tile_dk[:, :, :count]
-        dv[:, :, rows, :limbs * dim_v] += tile_dv[:, :, :count]
-        dv[:, :, rows, limbs * dim_v] += tile_pk[:, :, :count]
+        dk[:, :, rows] += tile_dk[:, :, held]
+        dv[:, :, rows, :limbs * dim_v] += tile_dv[:, :, held]
+        dv[:, :, rows, limbs * dim_v] += tile_pk[:, :, held]
         first += count
         if kv_done is not None and kt_tiling.sorted:
             kv_done(first)

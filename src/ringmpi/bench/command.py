@@ -55,7 +55,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--new", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --decode: new tokens per call S_new.")
 @click.option("--sinks", is_flag=True, help="Attention sinks: one random logit per query head (ring only).")
-@attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel",
+@attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel", "invariant",
                  causal=dict(help="Causal mask."), softcap=dict(help="Logit softcap C > 0 (ring only)."),
                  window=dict(help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side; ring only)."),
                  dropout_p=dict(show_default=True, help="Dropout on the attention weights (0 <= P < 1), seeded "
@@ -64,7 +64,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
           sweep, json_path, plot_path, decode, cache, new, sinks, causal, window, softcap, dropout_p, head_parallel,
-          **modifiers):
+          invariant, **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -103,6 +103,8 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
     cfg.update({name: [float(x) for x in values] for name, values in modifiers.items() if values is not None})
     if dropout:
         cfg["dropout"] = float(dropout)
+    if invariant:
+        cfg["invariant"] = True
     if sweep == "head-parallel":
         from .head_parallel import run as run_head_parallel
         return run_head_parallel(comm, be, cfg, n, json_path, plot_path)

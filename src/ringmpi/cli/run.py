@@ -49,7 +49,7 @@ class _Progress:
 
 # the attention options ringmpi run offers as flags (their flags and help: options.py)
 ATTENTION_FLAGS = ("causal", "window", "softmax_scale", "check_finite", "timeout", "head_parallel", "softcap",
-                   *MODIFIER_FIELDS, "return_max_logit", "dropout_p", "dropout_seed")
+                   *MODIFIER_FIELDS, "return_max_logit", "dropout_p", "dropout_seed", "invariant")
 
 
 @click.command("run")

@@ -60,10 +60,11 @@ def shard_problem(name: str, pos: np.ndarray, n: int) -> Optional[str]:
 class Tiling:
     """One shard's rows as whole global tiles (checked by :func:`shard_problem` first).
 
-    order : (S,) int64 the local rows sorted by global position (slot ``TILE*i + r`` of tile
-        ``i`` is local row ``order[TILE*i + r]``, for ``r`` below the tile's count).
+    order : (S,) int64 the local rows sorted by global position (the valid slots in order hold
+        local rows ``order[0], order[1], ...``).
     tiles : (nt,) int64 global tile index of each local tile, ascending.
-    pos : (nt, TILE) int64 global positions; a short tile's pad slots repeat its first one.
+    pos : (nt, TILE) int64 global positions; pad slots (positions this shard does not hold)
+        repeat the tile's first held one.
     valid : (nt, TILE) bool, False on pad slots.
     sorted : the local rows are already in tile order (``order`` is ``0 .. S-1``).
     """
@@ -76,15 +77,18 @@ class Tiling:
 
     @classmethod
     def of(cls, positions) -> "Tiling":
+        """The tiling of ``positions``: whole tiles (a shard), or any rows of some tiles (a decode
+        step's new tokens), each at its slot ``position mod 64`` of its tile."""
         positions = np.asarray(positions, dtype=np.int64)
         order = np.argsort(positions, kind="stable")
         by_pos = positions[order]
         tiles = np.unique(by_pos // TILE)
         nt = len(tiles)
-        pos = np.repeat(tiles * TILE, TILE).reshape(nt, TILE) + np.arange(TILE)
-        counts = np.bincount(np.searchsorted(tiles, by_pos // TILE), minlength=nt)
-        valid = np.arange(TILE)[None, :] < counts[:, None]
-        pos = np.where(valid, pos, pos[:, :1])
+        valid = np.zeros((nt, TILE), dtype=bool)
+        valid[np.searchsorted(tiles, by_pos // TILE), by_pos % TILE] = True
+        pos = tiles[:, None] * TILE + np.arange(TILE)
+        first = pos[np.arange(nt), np.argmax(valid, axis=1)] if nt else pos[:, 0]
+        pos = np.where(valid, pos, first[:, None])
         return cls(order=order, tiles=tiles, pos=pos, valid=valid,
                    sorted=bool(np.array_equal(order, np.arange(len(positions)))))
 

@@ -188,7 +188,9 @@ def _valid(positions):
 
 def _finish_forward(m, l, num, bad, sinks):
     """``(o (B, H, nq, TILE, D_v), lse (B, H, nq, TILE))`` float64 from the exact maxima ``m``, sums
-    ``l`` and numerators ``num``; sinks ``(H,)`` folded in; poisoned rows NaN."""
+    ``l`` and numerators ``num``; sinks ``(H,)`` folded in; poisoned rows, and rows whose maximum
+    is NaN or +inf (a NaN or overflowing visible score), NaN."""
+    bad = bad | np.isnan(m) | np.isposinf(m)
     seen = l > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
@@ -335,3 +337,85 @@ def sink_grads(lse, dvec, sinks, comm, timeout=None) -> np.ndarray:
     out = fx.value(acc, limbs).reshape(heads) / grid
     out[nan] = np.nan
     return out.astype(ct)
+
+
+def decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig: float, timeout=None):
+    """``invariant=True`` for :func:`ringmpi.decode_attention`: ``(o (B, S_new, H, D_v) q.dtype,
+    lse (B, H, S_new))`` on every rank, the bits :func:`forward` gives those rows in a ring over
+    the ``L_b`` tokens of each entry's cache (``cache_lengths``).
+
+    Each new token sits at its slot of its 64-token query tile (the tile's other rows zero: a
+    GEMM row depends on its own row alone) and meets this rank's cache tiles (``pos``, whole
+    tiles of global positions, ascending) through the ring forward's block ops; the row maxima
+    (with ``|v|``'s column maxima, the poison flags and ``sig``, the call's digest: ``MPI.MAX``)
+    then the integer sums (``MPI.SUM``) are reduced over ``comm``, exact in any order.  Costs a
+    whole tile's GEMMs per new token and two collectives.  ConfigError on every rank when the
+    ranks' digests differ."""
+    from ..runtime.errors import ConfigError
+    from ..core.masks import BlockMask
+
+    batch, s_new, heads, _ = q.shape
+    dim_v = v_cache.shape[3]
+    ct = be.compute_dtype(q.dtype)
+    limbs = fx.limbs_for(ct)
+    spec, scale = options.mask_spec(heads), options.scale(q.shape[3])
+    qh = be.heads_view(q, ct)
+    kh, vh = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
+    group = heads // k_cache.shape[2]
+    if lengths is None or (lengths == lengths[0]).all():
+        parts = [(slice(None), n_cache if lengths is None else int(lengths[0]))]
+    else:
+        parts = [(slice(b, b + 1), int(lengths[b])) for b in range(batch)]
+    o_out = np.zeros((batch, s_new, heads, dim_v), dtype=q.dtype)
+    lse_out = np.zeros((batch, heads, s_new), dtype=ct)
+    for rows, length in parts:
+        held = int(np.searchsorted(pos, length))  # this rank's rows of the entry's cache
+        q_pos = np.arange(length - s_new, length, dtype=np.int64)
+        res = be.invariant_resident(qh[rows], q_pos, None, k_cache.dtype, ct, spec)
+        entries = res.q.shape[0]
+        shape = (entries, heads, res.tiling.count, TILE)
+        m = np.full(shape, -np.inf, dtype=ct)
+        poison = np.zeros(shape, dtype=np.uint8)
+        mask = BlockMask(spec, q_pos, pos[:held])
+        kr, vr = kh[rows, :, :held], vh[rows, :, :held]
+        if held:
+            be.invariant_max_block(res, kr, m, poison, scale, mask)
+        vmax = _abs_max(_host(v_cache[rows, :held]), (1,))
+        nan = np.isnan(m)
+        got = _allreduce_max(comm, [np.where(nan, -np.inf, m), nan, poison, vmax, np.array([sig, -sig])], timeout)
+        m_all, nan_all, poison_all, vmax, sigs = got
+        if sigs[0] != -sigs[1]:
+            raise ConfigError("ranks disagree on decode_attention's arguments (q, sinks, cache_lengths, causal, "
+                              "window, softmax_scale, softcap, alibi_slopes, invariant or N_cache must be the same "
+                              "on every rank)")
+        m = np.where(nan_all > 0, np.nan, m_all).astype(ct)
+        m += 0
+        shift = np.where(np.isfinite(m), m, 0).astype(ct)
+        e_l, e_o = fx.forward_exponents(length, vmax, 1.0)
+        grid_l, grid_o = fx.grid(np.array([e_l]), limbs), fx.grid(e_o, limbs)
+        acc_l, acc_o = fx.zeros(shape + (1,), limbs), fx.zeros(shape + (dim_v,), limbs)
+        if held:
+            be.invariant_forward_block(res, kr, vr, shift, acc_l, acc_o, poison, grid_l, grid_o, limbs, scale, mask)
+        (sums,) = _allreduce_sum(comm, [np.concatenate([acc_l.ravel(), acc_o.ravel(), poison.ravel().astype(np.int64)])],
+                                 timeout)
+        acc_l = sums[:acc_l.size].reshape(acc_l.shape)
+        acc_o = sums[acc_l.size:acc_l.size + acc_o.size].reshape(acc_o.shape)
+        bad = (sums[acc_l.size + acc_o.size:].reshape(shape) > 0) | (poison_all.reshape(shape) > 0)
+        l = fx.value(acc_l, limbs)[..., 0] / grid_l[0]
+        num = fx.value(acc_o, limbs) / np.repeat(grid_o, group, axis=1)[:, :, None, None, :]
+        o, lse = _finish_forward(m.astype(np.float64), l, num, bad, options.sinks)
+        o = res.tiling.scatter(o, axis=2).transpose(0, 2, 1, 3)
+        o_out[rows] = _dtypes.to_dtype(np.ascontiguousarray(o), q.dtype)
+        lse_out[rows] = res.tiling.scatter(lse, axis=2)
+    return o_out, lse_out
+
+
+def _allreduce_sum(comm, parts, timeout):
+    """Elementwise ``MPI.SUM`` of the int64 arrays ``parts`` over ``comm`` (exact)."""
+    from mpi4py import MPI
+
+    flat = np.concatenate([np.ravel(p) for p in parts]).astype(np.int64)
+    out = np.empty_like(flat)
+    with phase("invariant: the integer sums (Allreduce)", timeout):
+        comm.Allreduce(flat, out, op=MPI.SUM)
+    return [out]
