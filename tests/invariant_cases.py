@@ -13,8 +13,12 @@ output array and placement as the case's message (JSON); the case fails when the
 of this launch disagree.  ``tests/test_invariant.py`` compares the hashes across launches
 (P = 1, 2, 3, 4, 6, 8).  With ``check`` rank 0 also holds the first placement's outputs to
 the float64 dense reference under the tolerance rule (and, with ``nonfinite``, checks which
-rows are NaN).  Kind ``errors``: a shard that is not whole tiles is one ConfigError on every
-rank.
+rows are NaN).  A case may add entry points that must give the same bits as the library
+calls of the same launch: ``decode`` (``decode_attention(invariant=True)`` for the last
+``decode`` tokens over the sharded cache: their ``o, lse`` rows), ``torch`` (``ringmpi.torch``
+with autograd: ``o, lse, dq, dk, dv``; where ``torch`` lists this P) and ``file`` (``ringmpi run
+--invariant --backward`` on an HDF5 file: ``o, lse, dq, dk, dv``).  Kind ``errors``: a shard
+that is not whole tiles is one ConfigError on every rank.
 """
 
 import hashlib
@@ -54,12 +58,15 @@ def tile_assignment(rng, n, size):
 
 
 def placements_at(case, size):
-    """``[(name, lay_q, lay_kv, head_parallel)]``: what applies at ``size`` ranks."""
+    """``[(name, lay_q, lay_kv, head_parallel)]``: what applies at ``size`` ranks (a layout that
+    places every token as one before it does, as all do at P = 1, is left out)."""
     n_q, n_kv = case["n_q"], case.get("n_kv", case["n_q"])
-    out = []
+    out, seen = [], set()
     for kind in case.get("layouts", ("contiguous", "zigzag", "striped")):
         lq, lkv = Layout(kind, n_q, size), Layout(kind, n_kv, size)
-        if whole_tiles(lq, size) and whole_tiles(lkv, size):
+        where = tuple(tuple(lay.indices(r)) for lay in (lq, lkv) for r in range(size))
+        if whole_tiles(lq, size) and whole_tiles(lkv, size) and where not in seen:
+            seen.add(where)
             out.append((kind, lq, lkv, 1))
     rng = np.random.default_rng(case["seed"] + 1000 * size)
     tiles = (tile_assignment(rng, n_q, size), tile_assignment(rng, n_kv, size))
@@ -170,18 +177,111 @@ def nonfinite_rows(case, data, got):
     return not problems, problems
 
 
+def decode_entry(comm, case, data, lay_kv):
+    """``decode_attention(invariant=True)`` of the last ``case["decode"]`` tokens over the cache
+    sharded as ``lay_kv`` (ascending rows): their ``o, lse`` in global order (rank 0)."""
+    rank = comm.Get_rank()
+    q, k, v, _, _, _, sinks, alibi = data
+    s_new = case["decode"]
+    rows = np.sort(lay_kv.indices(rank))
+    kw = dict(causal=case.get("causal", True), sinks=sinks, alibi_slopes=alibi, softcap=case.get("softcap"),
+              window=None if case.get("window") is None else tuple(case["window"]), softmax_scale=case.get("scale"))
+    o, lse = ringmpi.decode_attention(q[:, -s_new:], k[:, rows], v[:, rows], comm=comm, positions_kv=rows,
+                                      backend="numpy", invariant=True, **kw)
+    return dict(o_new=o, lse_new=lse) if rank == 0 else None
+
+
+def torch_entry(comm, case, data, lay_q, lay_kv):
+    """``ringmpi.torch.ring_attention(invariant=True, return_lse=True)``, autograd for ``dq, dk, dv``."""
+    import torch
+
+    import ringmpi.torch as rt
+
+    rank = comm.Get_rank()
+    q, k, v, do, seg_q, seg_kv, sinks, alibi = data
+    kw = call_kw(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks, alibi, 1)
+    kw = {n: torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) and n != "alibi_slopes" else x
+          for n, x in kw.items() if n != "backend"}
+    leaves = [torch.from_numpy(np.ascontiguousarray(lay.shard(x, rank))).requires_grad_(True)
+              for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
+    o, lse = rt.ring_attention(*leaves, return_lse=True, **kw)
+    (o * torch.from_numpy(np.ascontiguousarray(lay_q.shard(do, rank)))).sum().backward()
+    mine = dict(o=o.detach().numpy(), lse=lse.numpy(), dq=leaves[0].grad.numpy(), dk=leaves[1].grad.numpy(),
+                dv=leaves[2].grad.numpy())
+    return _unshard(comm, mine, lay_q, lay_kv)
+
+
+def file_entry(comm, case, data, layout):
+    """``ringmpi run --invariant --backward`` (in process, every rank) on the case's inputs in an
+    HDF5 file with ``layout``: the output datasets (rank 0)."""
+    import h5py
+    from ringmpi.cli.run import run
+
+    rank = comm.Get_rank()
+    q, k, v, do, sinks = data[0], data[1], data[2], data[3], data[6]
+    src, dst = (os.path.join(case["dir"], f"{case['id']}.P{comm.Get_size()}.{x}.h5") for x in ("in", "out"))
+    if rank == 0:
+        with h5py.File(src, "w") as f:
+            for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+                f[name] = x
+            if sinks is not None:
+                f["sinks"] = sinks
+    comm.Barrier()
+    argv = [src, "-o", dst, "--backend", "numpy", "--layout", layout, "--backward", "--overwrite", "--invariant"]
+    argv += (["--causal"] if case.get("causal") else []) + (["--sinks-dataset", "sinks"] if sinks is not None else [])
+    run.main(args=argv, standalone_mode=False)
+    comm.Barrier()
+    if rank != 0:
+        return None
+    with h5py.File(dst, "r") as f:
+        return {name: f[name][()] for name in ("o", "lse", "dq", "dk", "dv")}
+
+
+def _unshard(comm, mine, lay_q, lay_kv):
+    every = comm.gather(mine, root=0)
+    if comm.Get_rank() != 0:
+        return None
+    return {name: (lay_q if name in ("o", "lse", "dq") else lay_kv).unshard([e[name] for e in every],
+                                                                            axis=2 if name == "lse" else 1)
+            for name in mine}
+
+
+def entries(comm, case, data, placements):
+    """The other entry points' outputs: ``{name: {output: array}}`` (rank 0; None elsewhere)."""
+    size = comm.Get_size()
+    out = {}
+    first_lay = next((p for p in placements if p[3] == 1 and not isinstance(p[1], Assignment)), placements[0])
+    if case.get("decode"):
+        out["decode"] = decode_entry(comm, case, data, placements[0][2])
+    if size in case.get("torch", ()):
+        out["torch"] = torch_entry(comm, case, data, *placements[0][1:3])
+    if case.get("file") and not isinstance(first_lay[1], Assignment):
+        out["file"] = file_entry(comm, case, data, first_lay[0])
+    return out
+
+
 def run_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     data = inputs(case)
     hashes, first = {}, None
-    for name, lay_q, lay_kv, u in placements_at(case, size):
+    where = placements_at(case, size)
+    for name, lay_q, lay_kv, u in where:
         got = run_placement(comm, case, data, lay_q, lay_kv, u)
         if rank == 0:
             hashes[name] = {key: digest(got[key]) for key in OUTPUTS if key in got}
             first = first or got
+    others = entries(comm, case, data, where)
     if rank != 0:
         return None
     messages, ok = [], True
+    if "decode" in others:  # the ring's rows of the new tokens
+        s_new = case["decode"]
+        first = dict(first, o_new=first["o"][:, -s_new:], lse_new=first["lse"][..., -s_new:])
+    for name, got in others.items():
+        differ = [key for key in got if digest(got[key]) != digest(first[key])]
+        if differ:
+            ok = False
+            messages.append(f"{name} differs from the library's bits on {differ}")
     distinct = {json.dumps(h, sort_keys=True) for h in hashes.values()}
     if len(distinct) > 1:
         ok = False

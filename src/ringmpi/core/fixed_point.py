@@ -6,11 +6,10 @@ the invariant mode converts each fixed-shape tile's float partial sum (the same 
 every rank, :mod:`ringmpi.core.global_tiles`) to an integer on a grid ``2^-G`` and adds
 the integers, so the sum is the same whatever the order, the grouping and the ranks.
 
-The grid.  A sum whose exact value is below a bound ``B`` (in magnitude) is held as the
-integer ``trunc(x * 2^G)`` per partial ``x``, with ``G = TOP - e`` and ``B < 2^e``
-(:func:`exponent`), ``TOP = 61``: partials and their sum stay below ``2^61`` (float
-rounding of a partial above its exact bound is far inside the remaining factor of 4 to
-``2^63``).  Bounds are built from exact quantities only -- maxima (``MPI.MAX`` is exact in
+The grid.  A sum whose exact value is at most a bound ``B`` (in magnitude) is held as the
+integer ``trunc(x * 2^G)`` per partial ``x``, with ``G = TOP - e`` and ``B <= 2^e``
+(:func:`exponent`), ``TOP = 61``: partials and their sum stay within ``2^61`` (a float
+partial rounded above its exact bound is far inside the remaining factor of 4 to ``2^63``).  Bounds are built from exact quantities only -- maxima (``MPI.MAX`` is exact in
 any order), counts, integer exponents -- so ``G`` is the same on every rank and for every
 P.  ``float64`` sums use two int64 words (``limbs = 2``): ``hi = trunc(y 2^-30)``, ``lo =
 trunc(y - hi 2^30)`` for ``y = x 2^G`` with ``TOP = 91``.
@@ -19,7 +18,7 @@ Error.  Each partial loses less than ``2^-G`` to truncation, so a sum of ``T`` p
 off by less than ``T 2^-G = T B 2^-TOP`` (``2^-61`` or ``2^-91`` of the bound per
 partial).  In the forward (``o`` numerator, denominator ``l >= 1``), ``B = N V_max`` with
 ``T = N / 64`` partials per row: an absolute error below ``N^2 2^-67 V_max``, ``2^-27 V_max``
-at ``N = 2^20`` (float32's own rounding of one product is ``2^-24``), ``2^-57 V_max`` for
+at ``N = 2^20`` (float32's own rounding of one value is up to ``2^-24``), ``2^-57 V_max`` for
 float64.  The backward's bounds (:class:`GradBounds`) carry a few more powers of two of
 slack; the tests hold every result to the project's tolerance rule.
 
@@ -51,17 +50,18 @@ def top(limbs: int) -> int:
 
 
 def exponent(x) -> np.ndarray:
-    """Per element the least integer ``e`` with ``|x| < 2^e`` (int64), NaN/Inf counted as 0
+    """Per element the least integer ``e`` with ``|x| <= 2^e`` (int64), NaN/Inf counted as 0
     (their rows are made NaN elsewhere) and 0 counted as 1; never below ``MIN_EXPONENT``.
     Exact, so a bound built from exponents is the same bits on every rank."""
     x = np.abs(np.asarray(x, dtype=np.float64))
     x = np.where(np.isfinite(x) & (x > 0), x, 1.0)
-    return np.maximum(np.frexp(x)[1].astype(np.int64), MIN_EXPONENT)
+    mantissa, e = np.frexp(x)  # x = mantissa 2^e, 0.5 <= mantissa < 1
+    return np.maximum(e.astype(np.int64) - (mantissa == 0.5), MIN_EXPONENT)
 
 
 def count_exponent(n: int) -> int:
-    """``e`` with ``n < 2^e`` for a count ``n >= 0``."""
-    return int(n).bit_length()
+    """The least ``e >= 0`` with ``n <= 2^e`` for a count ``n >= 0``."""
+    return max(int(n) - 1, 0).bit_length()
 
 
 def grid(bound_exponent, limbs: int) -> np.ndarray:
@@ -157,17 +157,17 @@ def _add_numpy(acc, x, rows, cols, index, bad, limbs):
 
 # ---------------------------------------------------------------- the bounds of attention's sums
 # Every bound is a power of two built from exact quantities: counts, and maxima of |x| over
-# all ranks (per batch entry and head, MPI.MAX).  One extra power of two of margin each.
+# all ranks (per batch entry and head, MPI.MAX).
 def forward_exponents(n_kv: int, vmax, rescale: float):
-    """``(e_l, e_o)``: the forward's ``l = sum_j exp(s_j - M)`` (each term <= 1) is below
-    ``2^e_l``; its ``o`` numerator ``sum_j exp(s_j - M) z_j v_jd`` below ``2^e_o`` with ``vmax
+    """``(e_l, e_o)``: the forward's ``l = sum_j exp(s_j - M)`` (each term <= 1) is at most
+    ``2^e_l``; its ``o`` numerator ``sum_j exp(s_j - M) z_j v_jd`` at most ``2^e_o`` with ``vmax
     (..., D_v)`` the largest ``|v|`` per column and ``rescale`` dropout's ``1 / (1 - p)``."""
     e_n = count_exponent(n_kv)
-    return e_n + 1, e_n + int(exponent(rescale)) + exponent(vmax) + 1
+    return e_n, e_n + int(exponent(rescale)) + exponent(vmax)
 
 
 def row_weight_exponents(dim_v: int, rescale: float, vmax, dorow, dvec):
-    """``w`` with ``|dP_ij z_ij - Dv_i| < 2^w`` for every key: ``dP_ij = do_i . v_j`` is at most
+    """``w`` with ``|dP_ij z_ij - Dv_i| <= 2^w`` for every key: ``dP_ij = do_i . v_j`` is at most
     ``D_v max|do_i| max|v|``, ``Dv_i = rowsum(do_i * o_i)``.  ``vmax``, ``dorow``, ``dvec``
     broadcast together (per row, or per head with the rows' maxima)."""
     lead = count_exponent(dim_v) + int(exponent(rescale)) + exponent(dorow) + exponent(vmax)
@@ -180,7 +180,7 @@ def dq_exponents(n_kv: int, w_rows, kmax):
     2 over each of the ``T_kv = ceil(N_kv / 64)`` key tiles (a tile summing past 2 is poisoned
     instead), so ``|dq_id| <= 2 T_kv 2^w_i kmax_d``."""
     tiles_kv = -(-int(n_kv) // 64)
-    return count_exponent(2 * tiles_kv) + np.asarray(w_rows) + 1, exponent(kmax)
+    return count_exponent(2 * tiles_kv) + np.asarray(w_rows), exponent(kmax)
 
 
 def kv_exponents(n_q: int, group: int, rescale: float, w_heads, qmax, domax):
@@ -190,8 +190,8 @@ def kv_exponents(n_q: int, group: int, rescale: float, w_heads, qmax, domax):
     :func:`row_weight_exponents` over those rows; ``qmax (..., D)``, ``domax (..., D_v)``: the
     largest ``|q|``, ``|do|`` per column over those heads."""
     e_cnt = count_exponent(2 * int(n_q) * int(group))
-    dk = e_cnt + np.asarray(w_heads)[..., None] + exponent(qmax) + 1
-    dv = e_cnt + int(exponent(rescale)) + exponent(domax) + 1
+    dk = e_cnt + np.asarray(w_heads)[..., None] + exponent(qmax)
+    dv = e_cnt + int(exponent(rescale)) + exponent(domax)
     return dk, dv
 
 

@@ -323,7 +323,7 @@ def sink_grads(lse, dvec, sinks, comm, timeout=None) -> np.ndarray:
         with phase("invariant: the sinks' row count (Allreduce)", timeout):
             rows = comm.allreduce(rows, op=MPI.SUM)
     tmax, nan = local[:heads], local[heads:] > 0
-    grid = fx.grid(fx.exponent(tmax) + fx.count_exponent(rows) + 1, limbs)
+    grid = fx.grid(fx.exponent(tmax) + fx.count_exponent(rows), limbs)
     acc = fx.zeros((heads, 1, 1), limbs)
     x = np.where(finite, terms, 0).astype(ct)[:, :, None, None]        # (H, rows, 1, 1)
     for h in range(heads):
