@@ -43,24 +43,39 @@ static char fmt(const Py_buffer *v)
     return (f[0] == '<' || f[0] == '=' || f[0] == '@') ? f[1] : f[0];
 }
 
-/* trunc(y) as int64 for |y| < 2^62 in two int32 halves (hi = trunc(y 2^-31), lo = trunc(y -
- * hi 2^31): the same integer as (int64_t)y, in operations a compiler vectorises without
- * AVX-512 (double -> int32 conversions) */
-#define ROW_LOOP(NAME, T)                                                                               \
-    static int NAME(int64_t *restrict out, const T *restrict x, Py_ssize_t C, double rs,              \
-                    const double *restrict cols)                                                      \
-    {                                                                                                   \
-        int64_t bad = 0;                                                                                \
-        for (Py_ssize_t c = 0; c < C; c++) {                                                            \
-            double y = ((double)x[c] * rs) * cols[c];                                                   \
-            int in = fabs(y) < 0x1p62; /* false for NaN */                                              \
-            bad |= ~-(int64_t)in;                                                                       \
-            y = in ? y : 0.0;                                                                           \
-            double hi = trunc(y * 0x1p-31);                                                             \
-            int32_t h = (int32_t)hi, l = (int32_t)(y - hi * 0x1p31);                                    \
-            out[c] += (int64_t)h * ((int64_t)1 << 31) + (int64_t)l;                                     \
-        }                                                                                               \
-        return bad != 0;                                                                                \
+/* One word: acc[slot(n)][r][c] += trunc(y), y = (x * rs[slot][r]) * cols[c], |y| < 2^62; trunc(y)
+ * formed from two int32 halves (hi = trunc(y 2^-31), lo = trunc(y - hi 2^31)): the same integer as
+ * (int64_t)y, in operations a compiler vectorises without AVX-512 (double -> int32 conversions).
+ * Returns the rows flagged (a NaN/Inf or out-of-range element, which adds nothing). */
+#define ONE_WORD(NAME, T)                                                                                 \
+    static Py_ssize_t NAME(int64_t *acc, const T *x, Py_ssize_t N, Py_ssize_t R, Py_ssize_t C,           \
+                           Py_ssize_t A, const int64_t *index, const double *rows,                        \
+                           const double *restrict cols, unsigned char *bad)                               \
+    {                                                                                                     \
+        Py_ssize_t flagged = 0;                                                                           \
+        for (Py_ssize_t n = 0; n < N; n++) {                                                              \
+            const Py_ssize_t slot = index ? (Py_ssize_t)index[n] : (A == N ? n : 0);                      \
+            for (Py_ssize_t r = 0; r < R; r++) {                                                          \
+                const double rs = rows ? rows[slot * R + r] : 1.0;                                        \
+                const T *restrict xr = x + (n * R + r) * C;                                               \
+                int64_t *restrict out = acc + (slot * R + r) * C;                                         \
+                int64_t any = 0;                                                                          \
+                for (Py_ssize_t c = 0; c < C; c++) {                                                      \
+                    double y = ((double)xr[c] * rs) * cols[c];                                            \
+                    int in = fabs(y) < 0x1p62; /* false for NaN */                                        \
+                    any |= ~-(int64_t)in;                                                                 \
+                    y = in ? y : 0.0;                                                                     \
+                    double hi = trunc(y * 0x1p-31);                                                       \
+                    int32_t h = (int32_t)hi, l = (int32_t)(y - hi * 0x1p31);                              \
+                    out[c] += (int64_t)h * ((int64_t)1 << 31) + (int64_t)l;                               \
+                }                                                                                         \
+                if (any) {                                                                                \
+                    flagged++;                                                                            \
+                    if (bad) bad[slot * R + r] = 1;                                                       \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        return flagged;                                                                                   \
     }
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__clang__)
@@ -68,8 +83,8 @@ static char fmt(const Py_buffer *v)
 #else
 #define CLONES
 #endif
-CLONES ROW_LOOP(row_float, float)
-CLONES ROW_LOOP(row_double, double)
+CLONES ONE_WORD(one_word_float, float)
+CLONES ONE_WORD(one_word_double, double)
 
 /* two words: hi = trunc(y 2^-30) (|hi| < 2^62), lo = trunc(y - hi 2^30) */
 static int row_two(int64_t *out, const void *xv, int wide, Py_ssize_t at, Py_ssize_t C, double rs,
@@ -170,22 +185,21 @@ static PyObject *py_add(PyObject *self, PyObject *args)
             for (Py_ssize_t c = 0; c < C; c++) ones[c] = 1.0;
         }
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t n = 0; n < N; n++) {
-            Py_ssize_t slot = index ? (Py_ssize_t)index[n] : (A == N ? n : 0);
-            for (Py_ssize_t r = 0; r < R; r++) {
-                const Py_ssize_t at = (n * R + r) * C;
-                const double rs = rows ? rows[slot * R + r] : 1.0;
-                int64_t *out = acc + (slot * R + r) * limbs * C;
-                int row_bad;
-                if (limbs == 2)
-                    row_bad = row_two(out, xv.buf, wide, at, C, rs, ones ? ones : cols);
-                else if (wide)
-                    row_bad = row_double(out, (const double *)xv.buf + at, C, rs, ones ? ones : cols);
-                else
-                    row_bad = row_float(out, (const float *)xv.buf + at, C, rs, ones ? ones : cols);
-                if (row_bad) {
-                    flagged++;
-                    if (bad) bad[slot * R + r] = 1;
+        const double *c_or_one = ones ? ones : cols;
+        if (limbs == 1 && wide) {
+            flagged = one_word_double(acc, (const double *)xv.buf, N, R, C, A, index, rows, c_or_one, bad);
+        } else if (limbs == 1) {
+            flagged = one_word_float(acc, (const float *)xv.buf, N, R, C, A, index, rows, c_or_one, bad);
+        } else {
+            for (Py_ssize_t n = 0; n < N; n++) {
+                Py_ssize_t slot = index ? (Py_ssize_t)index[n] : (A == N ? n : 0);
+                for (Py_ssize_t r = 0; r < R; r++) {
+                    const double rs = rows ? rows[slot * R + r] : 1.0;
+                    int64_t *out = acc + (slot * R + r) * limbs * C;
+                    if (row_two(out, xv.buf, wide, (n * R + r) * C, C, rs, c_or_one)) {
+                        flagged++;
+                        if (bad) bad[slot * R + r] = 1;
+                    }
                 }
             }
         }

@@ -227,15 +227,16 @@ def _scores_for_pass(s, scale, softcap, full, t=None):
 def _row_max(s, scale, softcap, full) -> np.ndarray:
     """``(TILE,)`` the largest score of each query row over a query-major stack ``(n, TILE, TILE)``
     (scores exactly as the exp pass forms them: ``(s * scale) + full``)."""
+    # the stack's elementwise maximum first, then along the rows: one vector pass (max is exact)
     if softcap is None and full is None and scale > 0:
         # a positive scale commutes with the maximum (rounding is monotonic): bitwise the same
-        return s.max(axis=(0, 2)) * scale
+        return s.max(axis=0).max(axis=1) * scale
     pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, full)
     if pass_scale != 1:
         s *= pass_scale
     if pass_bias is not None:
         s += pass_bias
-    return s.max(axis=(0, 2))
+    return s.max(axis=0).max(axis=1)
 
 
 def _poison_pairs(vis: np.ndarray, bad_rows: np.ndarray, bad_keys: np.ndarray):
