@@ -4,7 +4,7 @@
  *
  *   add(acc, x, rows, cols, index, bad, limbs)
  *
- * acc   int64 (A, R, limbs * C), C-contiguous, added into;
+ * acc   int64 (A, R, limbs * C), added into: rows contiguous, any strides between them;
  * x     float32 or float64 (N, R, C), C-contiguous: N partials of R rows, C columns;
  * rows  float64 (A, R) powers of two, or None (1);  cols  float64 (C,) powers of two, or None;
  * index int64 (N,): x[n] goes to acc[index[n]] (distinct slots); None: to acc[n] when A == N,
@@ -23,18 +23,28 @@
 #include <stdint.h>
 #include <string.h>
 
-static int get(PyObject *obj, Py_buffer *view, int writable, int ndim, const char *formats, const char *name)
+/* a buffer of ndim dims and one of formats: C-contiguous, or (strided) with a contiguous last dim */
+static int get_view(PyObject *obj, Py_buffer *view, int writable, int ndim, const char *formats, const char *name,
+                    int strided)
 {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    int flags = (strided ? PyBUF_STRIDES : PyBUF_C_CONTIGUOUS) | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
     const char *f = view->format;
     if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
-    if (view->ndim != ndim || strlen(f) != 1 || !strchr(formats, f[0])) {
-        PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous %d-D array of format %s", name, ndim, formats);
+    if (view->ndim != ndim || strlen(f) != 1 || !strchr(formats, f[0])
+        || (strided && (view->strides[ndim - 1] != view->itemsize || view->strides[0] % view->itemsize
+                        || (ndim > 1 && view->strides[1] % view->itemsize)))) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a %d-D array of format %s with contiguous rows", name, ndim,
+                     formats);
         PyBuffer_Release(view);
         return -1;
     }
     return 0;
+}
+
+static int get(PyObject *obj, Py_buffer *view, int writable, int ndim, const char *formats, const char *name)
+{
+    return get_view(obj, view, writable, ndim, formats, name, 0);
 }
 
 static char fmt(const Py_buffer *v)
@@ -48,9 +58,9 @@ static char fmt(const Py_buffer *v)
  * (int64_t)y, in operations a compiler vectorises without AVX-512 (double -> int32 conversions).
  * Returns the rows flagged (a NaN/Inf or out-of-range element, which adds nothing). */
 #define ONE_WORD(NAME, T)                                                                                 \
-    static Py_ssize_t NAME(int64_t *acc, const T *x, Py_ssize_t N, Py_ssize_t R, Py_ssize_t C,           \
-                           Py_ssize_t A, const int64_t *index, const double *rows,                        \
-                           const double *restrict cols, unsigned char *bad)                               \
+    static Py_ssize_t NAME(int64_t *acc, Py_ssize_t sa, Py_ssize_t sr, const T *x, Py_ssize_t N,          \
+                           Py_ssize_t R, Py_ssize_t C, Py_ssize_t A, const int64_t *index,                \
+                           const double *rows, const double *restrict cols, unsigned char *bad)           \
     {                                                                                                     \
         Py_ssize_t flagged = 0;                                                                           \
         for (Py_ssize_t n = 0; n < N; n++) {                                                              \
@@ -58,7 +68,7 @@ static char fmt(const Py_buffer *v)
             for (Py_ssize_t r = 0; r < R; r++) {                                                          \
                 const double rs = rows ? rows[slot * R + r] : 1.0;                                        \
                 const T *restrict xr = x + (n * R + r) * C;                                               \
-                int64_t *restrict out = acc + (slot * R + r) * C;                                         \
+                int64_t *restrict out = acc + slot * sa + r * sr;                                         \
                 int64_t any = 0;                                                                          \
                 for (Py_ssize_t c = 0; c < C; c++) {                                                      \
                     double y = ((double)xr[c] * rs) * cols[c];                                            \
@@ -118,7 +128,7 @@ static PyObject *py_add(PyObject *self, PyObject *args)
     int has_r = ro != Py_None, has_c = co != Py_None, has_i = io != Py_None, has_b = bo != Py_None;
     int got_a = 0, got_x = 0, got_r = 0, got_c = 0, got_i = 0, got_b = 0;
     PyObject *result = NULL;
-    if (get(ao, &av, 1, 3, "lq", "acc") < 0) goto done;
+    if (get_view(ao, &av, 1, 3, "lq", "acc", 1) < 0) goto done;
     got_a = 1;
     if (get(xo, &xv, 0, 3, "fd", "x") < 0) goto done;
     got_x = 1;
@@ -171,6 +181,7 @@ static PyObject *py_add(PyObject *self, PyObject *args)
     }
     {
         int64_t *acc = (int64_t *)av.buf;
+        const Py_ssize_t sa = av.strides[0] / 8, sr = av.strides[1] / 8;  /* acc's slot and row strides */
         const int wide = fmt(&xv) == 'd';
         const double *rows = has_r ? (const double *)rv.buf : NULL;
         const double *cols = has_c ? (const double *)cv.buf : NULL;
@@ -187,15 +198,15 @@ static PyObject *py_add(PyObject *self, PyObject *args)
         Py_BEGIN_ALLOW_THREADS
         const double *c_or_one = ones ? ones : cols;
         if (limbs == 1 && wide) {
-            flagged = one_word_double(acc, (const double *)xv.buf, N, R, C, A, index, rows, c_or_one, bad);
+            flagged = one_word_double(acc, sa, sr, (const double *)xv.buf, N, R, C, A, index, rows, c_or_one, bad);
         } else if (limbs == 1) {
-            flagged = one_word_float(acc, (const float *)xv.buf, N, R, C, A, index, rows, c_or_one, bad);
+            flagged = one_word_float(acc, sa, sr, (const float *)xv.buf, N, R, C, A, index, rows, c_or_one, bad);
         } else {
             for (Py_ssize_t n = 0; n < N; n++) {
                 Py_ssize_t slot = index ? (Py_ssize_t)index[n] : (A == N ? n : 0);
                 for (Py_ssize_t r = 0; r < R; r++) {
                     const double rs = rows ? rows[slot * R + r] : 1.0;
-                    int64_t *out = acc + (slot * R + r) * limbs * C;
+                    int64_t *out = acc + slot * sa + r * sr;
                     if (row_two(out, xv.buf, wide, (n * R + r) * C, C, rs, c_or_one)) {
                         flagged++;
                         if (bad) bad[slot * R + r] = 1;

@@ -26,19 +26,21 @@ the keys it sees likewise: never a wrapped integer.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..core import fixed_point
 from ..core.global_tiles import TILE, Tiling, aligned
-from ..core.masks import FULL, PARTIAL, classify_tiles
+from ..core.masks import FULL, PARTIAL, SKIP, classify_tiles
 from .numpy_backend import _bad_rows, _cap, _exp_pass, _kv_precision
 
 
 def _scratch(store: dict, key, shape, dtype) -> np.ndarray:
     """An aligned scratch array of ``shape`` (a view of one grown as needed), reused per call."""
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     buf = store.get(key)
-    if buf is None or buf.size < count or buf.dtype != np.dtype(dtype):
+    if buf is None or buf.size < count or buf.dtype != dtype:
         buf = store[key] = aligned((max(count, 1),), dtype)
     return buf[:count].reshape(shape)
 
@@ -67,47 +69,67 @@ def _run(index: np.ndarray):
     return index
 
 
-def _stack(src: np.ndarray, index, out: np.ndarray) -> np.ndarray:
-    """``src[index]`` along axis 0: a view for a run, else a copy into the aligned ``out``."""
+def _stack(src: np.ndarray, index, store: dict, key) -> np.ndarray:
+    """``src[index]`` along axis 0: a view for a run, else a copy into the aligned scratch ``key``."""
     if isinstance(index, slice):
         return src[index]
-    return np.take(src, index, axis=0, out=out[:len(index)])
+    return np.take(src, index, axis=0, out=_scratch(store, key, (len(index),) + src.shape[1:], src.dtype))
+
+
+CHUNK = 32           # key tiles per stacked call in the forward, per chunk of the backward: bounds the scratch
+BACKWARD_CHUNK = 16  # query tiles per stacked call in the backward
+
+
+def _chunks(count: int, size: int = CHUNK):
+    return [(lo, min(lo + size, count)) for lo in range(0, count, size)]
 
 
 class Resident:
     """What one call derives from its resident query rows, once (the ``resident`` of these ops).
 
-    ``q`` (and in the backward ``do``) head-major ``(B, H, S, D)`` in the compute dtype
-    ``ct``, rounded to 16-bit K/V as the default ops do, become 64-byte aligned tile copies
-    ``(B, H, nq, TILE, D)``; ``lse``, ``dvec (B, H, S)`` become ``(B, H, nq, TILE)`` with
-    ``lse = -inf`` (a row that saw nothing) read as ``+inf`` (``P = 0``).  ``bad (B, H, nq,
-    TILE)`` flags rows with NaN/Inf (zeroed in the copies; ``lse`` ``+inf``, ``dvec`` 0).
+    ``q`` (and in the backward ``do``) head-major ``(B, H, S, D)`` views in the compute dtype
+    ``ct`` stay where they are; :meth:`tiles` copies one batch entry's heads into 64-byte
+    aligned tiles ``(heads, nq, TILE, D)`` when a block op needs them (rounded to 16-bit K/V as
+    the default ops do, flagged rows zeroed).  ``lse``, ``dvec (B, H, S)`` become ``(B, H, nq,
+    TILE)`` tiles, ``lse = -inf`` (a row that saw nothing) read as ``+inf`` (``P = 0``), pads
+    ``+inf``.  ``bad (B, H, nq, TILE)`` flags rows with NaN/Inf (``lse`` ``+inf``, ``dvec`` 0 there).
     """
 
     def __init__(self, positions, seg, q, kv_dtype, ct, spec, do=None, lse=None, dvec=None):
         self.tiling = Tiling.of(positions)
-        self.ct, self.spec = np.dtype(ct), spec
+        self.ct, self.spec, self.kv_dtype = np.dtype(ct), spec, np.dtype(kv_dtype)
         self.seg = _tiled_segments(self.tiling, seg)
-        self.q = self.tiling.gather(_kv_precision(q, kv_dtype), axis=2, dtype=ct)
-        bad = _bad_rows(self.q)
-        self.do = self.lse = self.dvec = None
+        self.q, self.do = q, do
+        self.shape = (q.shape[0], q.shape[1], self.tiling.count, TILE)
+        bad = self.tiling.gather(_bad_rows(q), axis=2)
+        self.lse = self.dvec = None
         if do is not None:
-            self.do = self.tiling.gather(_kv_precision(do, kv_dtype), axis=2, dtype=ct)
             lse = np.where(np.isneginf(lse), np.inf, lse)
             self.lse = self.tiling.gather(lse, axis=2, dtype=ct)
             self.dvec = self.tiling.gather(dvec, axis=2, dtype=ct)
-            bad |= _bad_rows(self.do) | np.isnan(self.lse) | ~np.isfinite(self.dvec)
+            bad |= self.tiling.gather(_bad_rows(do), axis=2) | np.isnan(self.lse) | ~np.isfinite(self.dvec)
             self.lse[..., ~self.tiling.valid] = np.inf  # pad rows: P = 0
         bad &= self.tiling.valid
-        if bad.any():
-            self.q[bad] = 0
-            if do is not None:
-                self.do[bad] = 0
-                self.lse[bad] = np.inf
-                self.dvec[bad] = 0
+        if do is not None and bad.any():
+            self.lse[bad] = np.inf
+            self.dvec[bad] = 0
         self.bad = bad
         self.any_bad = bad.any(axis=(2, 3))  # (B, H)
         self.scratch: dict = {}
+
+    def tiles(self, which: str, b: int, heads: slice, key: str) -> np.ndarray:
+        """``q`` or ``do`` (``which``) of batch entry ``b``, query heads ``heads``, as aligned tiles
+        ``(heads, nq, TILE, D)`` in a scratch named ``key``: rounded as the K/V, flagged rows zero."""
+        x = self.q if which == "q" else self.do
+        part = x[b, heads]
+        out = _scratch(self.scratch, key, (part.shape[0], self.tiling.count, TILE, part.shape[2]), self.ct)
+        self.tiling.gather(part, axis=1, out=out)
+        if self.kv_dtype.itemsize == 2:  # what the tensor-core kernels multiply (as the default ops)
+            out[...] = out.astype(self.kv_dtype)
+        bad = self.bad[b, heads]
+        if bad.any():
+            out[bad] = 0
+        return out
 
 
 class _Block:
@@ -128,12 +150,22 @@ class _Block:
         padded = ~q_t.valid.all(axis=1)[:, None] | ~k_t.valid.all(axis=1)[None, :]
         self.classes = np.where((classes == FULL) & padded[None], PARTIAL, classes)
 
+    def key_tiles(self, x, t0: int, t1: int, b: int, hkv: int, key: str) -> np.ndarray:
+        """This block's key tiles ``[t0, t1)`` of ``x (S_kv, D)`` (one batch entry and K/V head) as
+        aligned tiles ``(t1 - t0, TILE, D)`` in the compute dtype, flagged keys zero."""
+        out = _scratch(self.res.scratch, key, (t1 - t0, TILE, x.shape[1]), self.res.ct)
+        self.tiling.gather_tiles(x, t0, t1, out)
+        bad = self.bad[b, hkv, t0:t1]
+        if bad.any():
+            out[bad] = 0
+        return out
+
     def entry(self, b: int) -> int:
         """Row of :attr:`classes` for batch entry ``b``."""
         return b if self.res.seg is not None else 0
 
     def counts(self, batch: int):
-        nonskip = int((self.classes != 0).sum())
+        nonskip = int((self.classes != SKIP).sum())
         total = self.classes.size
         scale = 1 if self.res.seg is not None else batch
         return nonskip * scale, (total - nonskip) * scale
@@ -170,21 +202,33 @@ class _Terms:
     (contiguous, the shape of the stack's scores), or None where there are none."""
 
     def __init__(self, blk: _Block, b: int, q_tiles, k_tiles, n: int, partial: bool, q_major: bool, ct):
-        res, spec = blk.res, blk.spec
-        self.n, self.q_major, self.ct = n, q_major, ct
+        self.blk, self.b, self.q_tiles, self.k_tiles = blk, b, q_tiles, k_tiles
+        self.n, self.q_major, self.ct = n, q_major, np.dtype(ct)
         self.vis = None
         self.bias = None
         if partial:
             self.vis = _pair_stack(blk.visible(b, q_tiles, k_tiles), n, q_major)
-            self.bias = np.where(self.vis, ct.type(0), ct.type(-np.inf))
-        qi = np.atleast_1d(np.arange(res.tiling.count)[q_tiles])
-        kj = np.atleast_1d(np.arange(blk.tiling.count)[k_tiles])
-        self.terms = spec.modifier_terms(res.tiling.pos[qi].ravel(), blk.tiling.pos[kj].ravel(), ct)
-        self.blk, self.b, self.q_tiles, self.k_tiles = blk, b, q_tiles, k_tiles
+            self.bias = np.where(self.vis, self.ct.type(0), self.ct.type(-np.inf))
+        spec = blk.spec
+        self.terms = None
+        if spec.modifiers:  # score modifiers with per-head terms (MaskSpec.modifier_terms)
+            self.terms = spec.modifier_terms(self.q_pos, self.k_pos, self.ct)
 
-    def full(self, h: int, out: np.ndarray):
+    @property
+    def q_pos(self) -> np.ndarray:
+        """The stack's query slots' global positions."""
+        return self.blk.res.tiling.pos[self.q_tiles].ravel()
+
+    @property
+    def k_pos(self) -> np.ndarray:
+        """The stack's key slots' global positions."""
+        return self.blk.tiling.pos[self.k_tiles].ravel()
+
+    def full(self, h: int, store: dict):
+        """The stack's additive terms for head ``h`` (None without any), in the scratch ``"full"``."""
         if self.terms is None:
             return self.bias
+        out = _scratch(store, "full", (self.n, TILE, TILE), self.ct)
         extra = _pair_stack(self.terms(h), self.n, self.q_major)
         if self.bias is None:
             np.copyto(out, extra)
@@ -249,48 +293,75 @@ def _poison_pairs(vis: np.ndarray, bad_rows: np.ndarray, bad_keys: np.ndarray):
     return rows, keys
 
 
-def _key_tiles(x, tiling: Tiling, ct, store: dict, key) -> np.ndarray:
-    """One batch entry's ``x (H_kv, S, D)`` as aligned key tiles ``(H_kv, nk, TILE, D)`` in ``ct``."""
-    shape = (x.shape[0], tiling.count, TILE, x.shape[2])
-    return tiling.gather(x, axis=1, out=_scratch(store, key, shape, ct))
+def _shift_rows(out, shift_row, n: int):
+    """``shift_row (TILE,)`` repeated for the ``n`` pairs of a query-major stack: ``(n * TILE,)``."""
+    rows = out[:n * TILE]
+    rows.reshape(n, TILE)[...] = shift_row
+    return rows
 
 
-# ---------------------------------------------------------------------------- forward
+def _forward_tiles(res: Resident, kh, vh, mask, scale, tick, pair):
+    """The forward's loop over one block: per batch entry and K/V head, its query heads' tiles, then
+    per chunk of key tiles and per query tile, the FULL and the PARTIAL pairs as two stacks;
+    ``pair(b, h, hkv, i, q_tile, keys, n, terms, k_stack, v_stack)`` does the arithmetic.
+    Returns ``(tile counts, the block)``."""
+    batch, heads = res.shape[:2]
+    kv_heads = kh.shape[1]
+    if kh.shape[2] == 0 or res.tiling.rows == 0:
+        return (0, 0), None
+    ct, group = res.ct, heads // kv_heads
+    bad_keys = _bad_rows(kh) if vh is None else _bad_rows(kh) | _bad_rows(vh)
+    blk = _Block(res, mask, bad_keys)
+    st = res.scratch
+    for b in range(batch):
+        e = blk.entry(b)
+        for hkv in range(kv_heads):
+            hs = slice(hkv * group, (hkv + 1) * group)
+            qg = res.tiles("q", b, hs, "qg")
+            for t0, t1 in _chunks(blk.tiling.count):
+                kt = blk.key_tiles(kh[b, hkv], t0, t1, b, hkv, "kt")
+                vt = None if vh is None else blk.key_tiles(vh[b, hkv], t0, t1, b, hkv, "vt")
+                for i in range(res.tiling.count):
+                    for index, partial in blk.groups(blk.classes[e, i, t0:t1]):
+                        run, n = _run(index), len(index)
+                        keys = index + t0
+                        terms = _Terms(blk, b, i, _run(keys), n, partial, True, ct)
+                        k_stack = _stack(kt, run, st, "ks")
+                        v_stack = None if vt is None else _stack(vt, run, st, "vs")
+                        for g in range(group):
+                            h = hkv * group + g
+                            pair(b, h, hkv, i, qg[g, i], keys, n, terms, k_stack, v_stack)
+                            if tick is not None:
+                                tick()
+    return blk.counts(batch), blk
+
+
 def max_block(res: Resident, kh, m, poison, scale, mask, tick=None):
     """Pass 1: ``m (B, H, nq, TILE)`` becomes the elementwise maximum of itself and every visible
     score of this block (NaN propagates); rows seeing flagged keys are poisoned (``poison``
     uint8, same shape).  ``kh (B, H_kv, S_kv, D)`` the block's keys.  Returns tile counts."""
-    batch, heads = res.q.shape[:2]
-    kv_heads = kh.shape[1]
-    if kh.shape[2] == 0 or res.tiling.rows == 0:
-        return 0, 0
-    ct, group = res.ct, heads // kv_heads
+    ct = res.ct
     scale = ct.type(scale)
     softcap = None if res.spec.softcap is None else ct.type(res.spec.softcap)
-    blk = _Block(res, mask, _bad_rows(kh))
-    nk = blk.tiling.count
-    s_buf = _scratch(res.scratch, "s", (nk, TILE, TILE), ct)
-    full_buf = _scratch(res.scratch, "full", (nk, TILE, TILE), ct)
-    k_buf = _scratch(res.scratch, "k", (nk, TILE, kh.shape[3]), ct)
-    for b in range(batch):
-        kt = _key_tiles(kh[b], blk.tiling, ct, res.scratch, "kt")
-        kt[blk.bad[b]] = 0
-        for i in range(res.tiling.count):
-            for index, partial in blk.groups(blk.classes[blk.entry(b), i]):
-                run, n = _run(index), len(index)
-                terms = _Terms(blk, b, i, run, n, partial, True, ct)
-                for h in range(heads):
-                    hkv = h // group
-                    s = s_buf[:n]
-                    np.matmul(res.q[b, h, i][None], _stack(kt[hkv], run, k_buf).swapaxes(1, 2), out=s)
-                    row_max = _row_max(s, scale, softcap, terms.full(h, full_buf[:n]))
-                    np.maximum(m[b, h, i], row_max, out=m[b, h, i])
-                    if res.bad[b, h, i].any() or blk.bad[b, hkv, index].any():
-                        rows, _ = _poison_pairs(terms.visibility(), res.bad[b, h, i], blk.bad[b, hkv, index])
-                        poison[b, h, i] |= rows.any(axis=0)
-                    if tick is not None:
-                        tick()
-    return blk.counts(batch)
+    st = res.scratch
+
+    def pair(b, h, hkv, i, q_tile, keys, n, terms, k_stack, v_stack):
+        s = _scratch(st, "s", (n, TILE, TILE), ct)
+        np.matmul(q_tile[None], k_stack.swapaxes(1, 2), out=s)
+        row_max = _row_max(s, scale, softcap, terms.full(h, st))
+        np.maximum(m[b, h, i], row_max, out=m[b, h, i])
+        _poison_forward(res, terms, poison, b, h, hkv, i, keys)
+
+    counts, _ = _forward_tiles(res, kh, None, mask, scale, tick, pair)
+    return counts
+
+
+def _poison_forward(res, terms, poison, b, h, hkv, i, keys):
+    """Rows of query tile ``i`` that see a flagged key of ``keys``, or are flagged and see one."""
+    bad_keys = terms.blk.bad[b, hkv, keys]
+    if res.bad[b, h, i].any() or bad_keys.any():
+        rows, _ = _poison_pairs(terms.visibility(), res.bad[b, h, i], bad_keys)
+        poison[b, h, i] |= rows.any(axis=0)
 
 
 def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, grid_o, limbs: int, scale, mask,
@@ -299,70 +370,46 @@ def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, gr
     factors on the latter) into the integer ``acc_l (B, H, nq, TILE, limbs)`` and ``acc_o (..., limbs
     * D_v)`` on the grids ``grid_l (1,)`` and ``grid_o (B, H_kv, D_v)``.  ``shift (B, H, nq, TILE)``:
     pass 1's maxima (0 where not finite).  ``poison`` as :func:`max_block` (flagged values)."""
-    batch, heads = res.q.shape[:2]
-    kv_heads, dim_v = kh.shape[1], vh.shape[3]
-    if kh.shape[2] == 0 or res.tiling.rows == 0:
-        return 0, 0
-    ct, group, spec = res.ct, heads // kv_heads, res.spec
+    ct, spec = res.ct, res.spec
     scale = ct.type(scale)
     softcap = None if spec.softcap is None else ct.type(spec.softcap)
-    blk = _Block(res, mask, _bad_rows(kh) | _bad_rows(vh))
-    nk = blk.tiling.count
-    s_buf = _scratch(res.scratch, "s", (nk, TILE, TILE), ct)
-    full_buf = _scratch(res.scratch, "full", (nk, TILE, TILE), ct)
-    k_buf = _scratch(res.scratch, "k", (nk, TILE, kh.shape[3]), ct)
-    v_buf = _scratch(res.scratch, "v", (nk, TILE, dim_v), ct)
-    pv_buf = _scratch(res.scratch, "pv", (nk, TILE, dim_v), ct)
-    sums_buf = _scratch(res.scratch, "sums", (nk * TILE,), ct)
-    shift_buf = _scratch(res.scratch, "shift", (nk * TILE,), ct)
+    st = res.scratch
     q_pos = res.tiling.pos
-    for b in range(batch):
-        kt = _key_tiles(kh[b], blk.tiling, ct, res.scratch, "kt")
-        vt = _key_tiles(vh[b], blk.tiling, ct, res.scratch, "vt")
-        kt[blk.bad[b]] = 0
-        vt[blk.bad[b]] = 0
-        for i in range(res.tiling.count):
-            for index, partial in blk.groups(blk.classes[blk.entry(b), i]):
-                run, n = _run(index), len(index)
-                terms = _Terms(blk, b, i, run, n, partial, True, ct)
-                k_pos = blk.tiling.pos[run].ravel()
-                for h in range(heads):
-                    hkv = h // group
-                    s, sums, rows_shift = s_buf[:n], sums_buf[:n * TILE], shift_buf[:n * TILE]
-                    np.matmul(res.q[b, h, i][None], _stack(kt[hkv], run, k_buf).swapaxes(1, 2), out=s)
-                    pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, full_buf[:n]))
-                    rows_shift.reshape(n, TILE)[...] = shift[b, h, i]
-                    _exp_pass(s.reshape(n * TILE, TILE), pass_scale,
-                              None if pass_bias is None else pass_bias.reshape(n * TILE, TILE), rows_shift, sums)
-                    drop = _drop(spec, b, h, q_pos[i], k_pos, n, True, ct)
-                    if drop is not None:
-                        s *= drop
-                    pv = pv_buf[:n]
-                    np.matmul(s, _stack(vt[hkv], run, v_buf), out=pv)
-                    bad = poison[b, h, i][None]
-                    fixed_point.add(acc_o[b, h, i][None], pv, cols=grid_o[b, hkv], bad=bad, limbs=limbs)
-                    fixed_point.add(acc_l[b, h, i][None], sums.reshape(n, TILE, 1), cols=grid_l, bad=bad,
-                                    limbs=limbs)
-                    if res.bad[b, h, i].any() or blk.bad[b, hkv, index].any():
-                        rows, _ = _poison_pairs(terms.visibility(), res.bad[b, h, i], blk.bad[b, hkv, index])
-                        poison[b, h, i] |= rows.any(axis=0)
-                    if tick is not None:
-                        tick()
-    return blk.counts(batch)
+
+    def pair(b, h, hkv, i, q_tile, keys, n, terms, k_stack, v_stack):
+        s = _scratch(st, "s", (n, TILE, TILE), ct)
+        sums = _scratch(st, "sums", (n * TILE,), ct)
+        np.matmul(q_tile[None], k_stack.swapaxes(1, 2), out=s)
+        pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st))
+        _exp_pass(s.reshape(n * TILE, TILE), pass_scale,
+                  None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
+                  _shift_rows(_scratch(st, "shift", (n * TILE,), ct), shift[b, h, i], n), sums)
+        drop = _drop(spec, b, h, q_pos[i], terms.k_pos, n, True, ct)
+        if drop is not None:
+            s *= drop
+        pv = _scratch(st, "pv", (n, TILE, v_stack.shape[2]), ct)
+        np.matmul(s, v_stack, out=pv)
+        bad = poison[b, h, i][None]
+        fixed_point.add(acc_o[b, h, i][None], pv, cols=grid_o[b, hkv], bad=bad, limbs=limbs)
+        fixed_point.add(acc_l[b, h, i][None], sums.reshape(n, TILE, 1), cols=grid_l, bad=bad, limbs=limbs)
+        _poison_forward(res, terms, poison, b, h, hkv, i, keys)
+
+    counts, _ = _forward_tiles(res, kh, vh, mask, scale, tick, pair)
+    return counts
 
 
 # ---------------------------------------------------------------------------- backward
-def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs: int, scale,
-                   mask, tick=None, kv_need=None, kv_done=None):
+def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs: int, scale, mask, tick=None,
+                   kv_need=None, kv_done=None):
     """Add one block's gradient terms in fixed point: ``dq_acc (B, H, nq, TILE, limbs * D)``
     (resident, poison ``q_poison (B, H, nq, TILE)`` uint8) and the block's travelling
     ``dk (B, H_kv, S_kv, limbs * D)``, ``dv (B, H_kv, S_kv, limbs * D_v + 1)`` (the last column:
     a poison count per key row), on ``grids`` (float64 powers of two: ``dq_rows (B, H, nq, TILE)``,
     ``dq_cols, dk_cols (B, H_kv, D)``, ``dv_cols (B, H_kv, D_v)``).  Unscaled: the caller
-    multiplies by the softmax scale.  Key
-    tiles are the outer loop; each tile's terms are summed in scratch, then added to its rows
-    (``kv_need``/``kv_done`` as :meth:`ringmpi.backends.numpy_backend.NumpyBackend.backward_block`)."""
-    batch, heads = res.q.shape[:2]
+    multiplies by the softmax scale.  Chunks of key tiles are the outer loop; a chunk's terms are
+    summed in scratch, then added to its rows (``kv_need``/``kv_done`` as
+    :meth:`ringmpi.backends.numpy_backend.NumpyBackend.backward_block`)."""
+    batch, heads = res.shape[:2]
     kv_heads, skv, dim = kh.shape[1], kh.shape[2], kh.shape[3]
     dim_v = vh.shape[3]
     if skv == 0 or res.tiling.rows == 0:
@@ -373,103 +420,109 @@ def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs
     scale = ct.type(scale)
     softcap = None if spec.softcap is None else ct.type(spec.softcap)
     blk = _Block(res, mask, _bad_rows(kh) | _bad_rows(vh))
-    kt_tiling, nq = blk.tiling, res.tiling.count
-    st = res.scratch
-    s_buf, dp_buf = _scratch(st, "s", (nq, TILE, TILE), ct), _scratch(st, "dp", (nq, TILE, TILE), ct)
-    full_buf = _scratch(st, "full", (nq, TILE, TILE), ct)
-    t_buf = None if softcap is None else _scratch(st, "t", (nq, TILE, TILE), ct)
-    q_buf, do_buf = _scratch(st, "qs", (nq, TILE, dim), ct), _scratch(st, "dos", (nq, TILE, dim_v), ct)
-    out_d, out_v = _scratch(st, "outd", (nq, TILE, dim), ct), _scratch(st, "outv", (nq, TILE, dim_v), ct)
-    sums_buf = _scratch(st, "sums", (nq * TILE,), ct)
-    lse_buf, dvec_buf = _scratch(st, "lses", (nq, TILE), ct), _scratch(st, "dvecs", (nq, TILE), ct)
-    kt = _scratch(st, "kj", (batch, kv_heads, TILE, dim), ct)
-    vt = _scratch(st, "vj", (batch, kv_heads, TILE, dim_v), ct)
-    tile_dk = _scratch(st, "tdk", (batch, kv_heads, TILE, limbs * dim), np.int64)
-    tile_dv = _scratch(st, "tdv", (batch, kv_heads, TILE, limbs * dim_v), np.int64)
-    tile_pk = _scratch(st, "tpk", (batch, kv_heads, TILE), np.uint8)
-    order = kt_tiling.order
-    if kv_need is not None and not kt_tiling.sorted:
-        kv_need(skv)  # a tile's rows lie anywhere in the block
-    first = 0
-    q_pos = res.tiling.pos
-    for j in range(kt_tiling.count):
-        held = np.flatnonzero(kt_tiling.valid[j])
-        count = len(held)
-        rows = order[first:first + count]
-        kt[...] = 0
-        vt[...] = 0
-        kt[:, :, held] = kh[:, :, rows]
-        vt[:, :, held] = vh[:, :, rows]
-        bad_j = blk.bad[:, :, j]
-        kt[bad_j] = 0
-        vt[bad_j] = 0
-        tile_dk[...] = 0
-        tile_dv[...] = 0
+    k_tiling, st = blk.tiling, res.scratch
+    if kv_need is not None and not k_tiling.sorted:
+        kv_need(skv)  # a chunk's rows lie anywhere in the block
+    for t0, t1 in _chunks(k_tiling.count):
+        nc = t1 - t0
+        rows, slots = k_tiling.held(t0, t1)
+        direct = k_tiling.sorted and slots is None  # the chunk's rows are consecutive rows of the block
+        if direct:  # add straight into the partial sums, once they have arrived
+            if kv_need is not None:
+                kv_need(int(rows[-1]) + 1)
+            r0, r1 = int(rows[0]), int(rows[-1]) + 1
+            tile_dk = dk[:, :, r0:r1].reshape(batch, kv_heads, nc, TILE, limbs * dim)
+            tile_dv = dv[:, :, r0:r1, :limbs * dim_v].reshape(batch, kv_heads, nc, TILE, limbs * dim_v)
+        else:
+            tile_dk = _scratch(st, "tdk", (batch, kv_heads, nc, TILE, limbs * dim), np.int64)
+            tile_dv = _scratch(st, "tdv", (batch, kv_heads, nc, TILE, limbs * dim_v), np.int64)
+            tile_dk[...] = 0
+            tile_dv[...] = 0
+        tile_pk = _scratch(st, "tpk", (batch, kv_heads, nc, TILE), np.uint8)
         tile_pk[...] = 0
-        k_pos = kt_tiling.pos[j]
         for b in range(batch):
-            for index, partial in blk.groups(blk.classes[blk.entry(b), :, j]):
-                run, n = _run(index), len(index)
-                terms = _Terms(blk, b, run, j, n, partial, False, ct)
-                qp = q_pos[run].ravel()
-                for h in range(heads):
-                    hkv = h // group
-                    s, dp, sums = s_buf[:n], dp_buf[:n], sums_buf[:n * TILE]
-                    qs = _stack(res.q[b, h], run, q_buf)
-                    dos = _stack(res.do[b, h], run, do_buf)
-                    lse = _stack(res.lse[b, h], run, lse_buf)
-                    dvec = _stack(res.dvec[b, h], run, dvec_buf)
-                    np.matmul(qs, kt[b, hkv].T, out=s)
-                    t = None if softcap is None else t_buf[:n]
-                    pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, full_buf[:n]), t)
-                    _exp_pass(s.reshape(n * TILE, TILE), pass_scale,
-                              None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
-                              np.ascontiguousarray(lse).reshape(-1), sums)
-                    over = ~(sums <= 2)
-                    if over.any():  # lse does not bound these rows' scores: poison them, add nothing
-                        over = over.reshape(n, TILE)
-                        s[over] = 0
-                        rows_p, keys_p = _poison_pairs(terms.visibility(), over, np.zeros(TILE, bool))
-                        _poison_rows(q_poison[b, h], index, rows_p)
-                        tile_pk[b, hkv] |= keys_p.any(axis=0)
-                    drop = _drop(spec, b, h, qp, k_pos, n, False, ct)
-                    pd = s if drop is None else s * drop
-                    np.matmul(pd.swapaxes(1, 2), dos, out=out_v[:n])
-                    bad_k = tile_pk[b, hkv][None]
-                    fixed_point.add(tile_dv[b, hkv][None], out_v[:n], cols=grids.dv_cols[b, hkv], bad=bad_k,
-                                    limbs=limbs)
-                    np.matmul(dos, vt[b, hkv].T, out=dp)
-                    if drop is not None:
-                        dp *= drop
-                    dp -= dvec[..., None]
-                    dp *= s
-                    if t is not None:  # the cap's slope 1 - tanh^2
-                        np.square(t, out=t)
-                        np.subtract(1, t, out=t)
-                        dp *= t
-                    np.matmul(dp, kt[b, hkv], out=out_d[:n])
-                    fixed_point.add(dq_acc[b, h], out_d[:n], rows=grids.dq_rows[b, h], cols=grids.dq_cols[b, hkv],
-                                    index=index, bad=q_poison[b, h], limbs=limbs)
-                    np.matmul(dp.swapaxes(1, 2), qs, out=out_d[:n])
-                    fixed_point.add(tile_dk[b, hkv][None], out_d[:n], cols=grids.dk_cols[b, hkv], bad=bad_k,
-                                    limbs=limbs)
-                    if res.any_bad[b, h] or bad_j[b, hkv].any():
-                        rows_p, keys_p = _poison_pairs(terms.visibility(), res.bad[b, h, index], bad_j[b, hkv])
-                        _poison_rows(q_poison[b, h], index, rows_p)
-                        tile_pk[b, hkv] |= keys_p.any(axis=0)
-                    if tick is not None:
-                        tick()
-        if kv_need is not None and kt_tiling.sorted:
-            kv_need(first + count)
-        dk[:, :, rows] += tile_dk[:, :, held]
-        dv[:, :, rows, :limbs * dim_v] += tile_dv[:, :, held]
-        dv[:, :, rows, limbs * dim_v] += tile_pk[:, :, held]
-        first += count
-        if kv_done is not None and kt_tiling.sorted:
-            kv_done(first)
+            e = blk.entry(b)
+            for hkv in range(kv_heads):
+                kt = blk.key_tiles(kh[b, hkv], t0, t1, b, hkv, "kt")
+                vt = blk.key_tiles(vh[b, hkv], t0, t1, b, hkv, "vt")
+                for g in range(group):
+                    h = hkv * group + g
+                    qt = res.tiles("q", b, slice(h, h + 1), "qt")[0]
+                    dot = res.tiles("do", b, slice(h, h + 1), "dot")[0]
+                    for jj in range(nc):
+                        j = t0 + jj
+                        for q0, q1 in _chunks(res.tiling.count, BACKWARD_CHUNK):
+                            for index, partial in blk.groups(blk.classes[e, q0:q1, j]):
+                                index = index + q0
+                                _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, kt[jj], vt[jj],
+                                                dq_acc, q_poison, tile_dk[b, hkv, jj], tile_dv[b, hkv, jj],
+                                                tile_pk[b, hkv, jj], grids, limbs, scale, softcap)
+                                if tick is not None:
+                                    tick()
+        if direct:
+            dv[:, :, r0:r1, limbs * dim_v] += tile_pk.reshape(batch, kv_heads, nc * TILE)
+            if kv_done is not None:
+                kv_done(r1)
+            continue
+        flat = (lambda x: x.reshape(batch, kv_heads, nc * TILE, -1)) if slots is None else \
+            (lambda x: x.reshape(batch, kv_heads, nc * TILE, -1)[:, :, slots])
+        dk[:, :, rows] += flat(tile_dk)
+        dv[:, :, rows, :limbs * dim_v] += flat(tile_dv)
+        dv[:, :, rows, limbs * dim_v] += flat(tile_pk[..., None])[..., 0]
     if kv_done is not None:
         kv_done(skv)
     return blk.counts(batch)
+
+
+def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_tile, dq_acc, q_poison,
+                    tile_dk, tile_dv, tile_pk, grids, limbs, scale, softcap):
+    """The pairs (query tiles ``index``, key tile ``j``) of head ``h``: FlashAttention-2's terms,
+    ``dv`` and ``dk`` summed into the key tile's ``tile_dv``, ``tile_dk`` (``(TILE, limbs * D)``),
+    ``dq`` into ``dq_acc[b, h, index]``."""
+    ct, spec, st = res.ct, res.spec, res.scratch
+    run, n = _run(index), len(index)
+    terms = _Terms(blk, b, run, j, n, partial, False, ct)
+    s, dp = _scratch(st, "s", (n, TILE, TILE), ct), _scratch(st, "dp", (n, TILE, TILE), ct)
+    sums = _scratch(st, "sums", (n * TILE,), ct)
+    qs, dos = _stack(qt, run, st, "qs"), _stack(dot, run, st, "dos")
+    lse, dvec = _stack(res.lse[b, h], run, st, "lses"), _stack(res.dvec[b, h], run, st, "dvecs")
+    np.matmul(qs, k_tile.T, out=s)
+    t = None if softcap is None else _scratch(st, "t", (n, TILE, TILE), ct)
+    pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st), t)
+    _exp_pass(s.reshape(n * TILE, TILE), pass_scale, None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
+              np.ascontiguousarray(lse).reshape(-1), sums)
+    over = ~(sums <= 2)
+    if over.any():  # lse does not bound these rows' scores: poison them and the keys they see, add nothing
+        over = over.reshape(n, TILE)
+        s[over] = 0
+        rows_p, keys_p = _poison_pairs(terms.visibility(), over, np.zeros(TILE, bool))
+        _poison_rows(q_poison[b, h], index, rows_p)
+        tile_pk |= keys_p.any(axis=0)
+    drop = _drop(spec, b, h, terms.q_pos, terms.k_pos, n, False, ct)
+    pd = s if drop is None else s * drop
+    out_v = _scratch(st, "outv", (n, TILE, dos.shape[2]), ct)
+    np.matmul(pd.swapaxes(1, 2), dos, out=out_v)
+    fixed_point.add(tile_dv[None], out_v, cols=grids.dv_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
+    np.matmul(dos, v_tile.T, out=dp)
+    if drop is not None:
+        dp *= drop
+    dp -= dvec[..., None]
+    dp *= s
+    if t is not None:  # the cap's slope 1 - tanh^2
+        np.square(t, out=t)
+        np.subtract(1, t, out=t)
+        dp *= t
+    out_d = _scratch(st, "outd", (n, TILE, qs.shape[2]), ct)
+    np.matmul(dp, k_tile, out=out_d)
+    fixed_point.add(dq_acc[b, h], out_d, rows=grids.dq_rows[b, h], cols=grids.dq_cols[b, hkv], index=index,
+                    bad=q_poison[b, h], limbs=limbs)
+    np.matmul(dp.swapaxes(1, 2), qs, out=out_d)
+    fixed_point.add(tile_dk[None], out_d, cols=grids.dk_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
+    bad_j = blk.bad[b, hkv, j]
+    if res.any_bad[b, h] or bad_j.any():
+        rows_p, keys_p = _poison_pairs(terms.visibility(), res.bad[b, h, index], bad_j)
+        _poison_rows(q_poison[b, h], index, rows_p)
+        tile_pk |= keys_p.any(axis=0)
 
 
 def _poison_rows(poison: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:

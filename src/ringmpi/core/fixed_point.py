@@ -108,7 +108,8 @@ def implementation() -> str:
 def add(acc, x, rows=None, cols=None, index=None, bad=None, limbs: int = 1) -> None:
     """``acc[slot] += trunc((x * rows[slot]) * cols)`` on the integer grid, in place.
 
-    ``acc`` int64 ``(A, R, limbs * C)`` C-contiguous; ``x`` float32/float64 ``(N, R, C)``
+    ``acc`` int64 ``(A, R, limbs * C)`` (contiguous rows, any strides between them: a view of the
+    columns of a wider array will do); ``x`` float32/float64 ``(N, R, C)``
     C-contiguous (N partials); ``rows (A, R)``, ``cols (C,)``: float64 powers of two (the
     grid, :func:`grid`), or None; ``index (N,)`` int64 distinct slots of ``acc``, else slot
     ``n`` when ``A == N`` or slot 0 for every partial (``A == 1``: a sum over ``n``); ``bad``

@@ -136,6 +136,30 @@ class Tiling:
             flat[lead + (rows,)] = np.take(x, self.order, axis=axis)
         return out
 
+    def held(self, t0: int, t1: int):
+        """``(rows, slots)`` of the tiles ``[t0, t1)``: their local rows (tile order) and those
+        rows' slots ``TILE * (t - t0) + r`` (``slots`` None when they are every slot, in order)."""
+        counts = self.valid.sum(axis=1)
+        lo, hi = int(counts[:t0].sum()), int(counts[:t1].sum())
+        rows = self.order[lo:hi]
+        valid = self.valid[t0:t1].ravel()
+        return rows, (None if valid.all() else np.flatnonzero(valid))
+
+    def gather_tiles(self, x, t0: int, t1: int, out: np.ndarray) -> np.ndarray:
+        """The tiles ``[t0, t1)`` of ``x (S, ...)`` (rows on axis 0) into ``out (t1 - t0, TILE,
+        ...)``, pad rows zero (``out``'s dtype)."""
+        rows, slots = self.held(t0, t1)
+        flat = out.reshape((-1,) + out.shape[2:])
+        if slots is None:
+            if self.sorted:
+                flat[...] = x[rows[0]:rows[0] + len(rows)] if len(rows) else 0
+            else:
+                flat[...] = x[rows]
+        else:
+            flat[...] = 0
+            flat[slots] = x[rows]
+        return out
+
     def scatter(self, xt, axis: int) -> np.ndarray:
         """The inverse of :meth:`gather`: ``xt`` with axes ``(axis, axis + 1) = (nt, TILE)`` back
         to local row order along ``axis`` (a new array, pad rows dropped)."""

@@ -36,14 +36,17 @@ def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def _abs_max(x, axes) -> np.ndarray:
-    """``max |x|`` over ``axes`` in float64, NaN/Inf counted as 0 (their rows are poisoned)."""
-    x = np.abs(np.asarray(x, dtype=np.float64))
-    x[~np.isfinite(x)] = 0
-    if x.size == 0:
-        shape = [n for a, n in enumerate(x.shape) if a not in axes]
-        return np.zeros(shape)
-    return x.max(axis=axes)
+def _abs_max(x, axis: int) -> np.ndarray:
+    """``max |x|`` over ``axis`` (the rows) in float64, NaN/Inf counted as 0 (their rows are
+    poisoned), a few hundred rows at a time (no copy of ``x``)."""
+    x = _host(x)
+    shape = x.shape[:axis] + x.shape[axis + 1:]
+    out = np.zeros(shape)
+    for lo in range(0, x.shape[axis], 256):
+        part = np.abs(np.take(x, np.arange(lo, min(lo + 256, x.shape[axis])), axis=axis))
+        part[~np.isfinite(part)] = 0
+        np.maximum(out, part.max(axis=axis), out=out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def _allreduce_max(comm, parts, timeout):
 def forward_maxima(call, v) -> Maxima:
     """Collective over ``call.comm``: the forward's :class:`Maxima` from this rank's ``v (B, S, H_kv, D_v)``."""
     ct = call.compute_dtype
-    (vmax,) = _allreduce_max(call.comm, [_abs_max(_host(v), (1,))], call.timeout)
+    (vmax,) = _allreduce_max(call.comm, [_abs_max(v, 1)], call.timeout)
     heads, kv_heads = call.heads, v.shape[2]
     return Maxima(call.place_q.n, call.place_kv.n, heads // kv_heads, _rescale(call.spec, ct), vmax)
 
@@ -108,8 +111,7 @@ def backward_maxima(call, q, k, v, do, dvec) -> Maxima:
     ct = call.compute_dtype
     heads, kv_heads = q.shape[2], k.shape[2]
     group = heads // kv_heads
-    parts = [_abs_max(_host(v), (1,)), _abs_max(_host(k), (1,)), _abs_max(_host(q), (1,)),
-             _abs_max(_host(do), (1,)), _abs_max(_host(dvec), (2,))]
+    parts = [_abs_max(v, 1), _abs_max(k, 1), _abs_max(q, 1), _abs_max(do, 1), _abs_max(dvec, 2)]
     vmax_cols, kmax, qmax, domax, dvecmax = _allreduce_max(call.comm, parts, call.timeout)
     batch = q.shape[0]
     rescale = _rescale(call.spec, ct)
@@ -160,20 +162,35 @@ def forward(problem, q, k, v, maxima: Maxima, sinks=None, max_logit=None):
                          grid_l, grid_o, limbs, problem.scale, block.mask)
     records = records + _renumber(schedule.records, len(records))
     del schedule, block, res
-    group = heads // v.shape[2]
-    l = fx.value(acc_l, limbs)[..., 0] / grid_l[0]
-    num = fx.value(acc_o, limbs) / np.repeat(grid_o, group, axis=1)[:, :, None, None, :]
     bad = poison.astype(bool)
     top = None
-    if max_logit is not None:
-        tiling_valid = np.broadcast_to(_valid(problem.q_pos), shape)
-        logits = np.where(bad, np.nan, np.where(tiling_valid, m, -np.inf)).astype(ct)
-        top = reduce_max_logit(logits.reshape(batch, heads, tiles * TILE), *max_logit)
-    o, lse = _finish_forward(m.astype(np.float64), l, num, bad, sinks)
     tiling = _tiling(problem.q_pos)
-    o = tiling.scatter(o, axis=2).transpose(0, 2, 1, 3)   # (B, S_q, H, D_v)
-    lse = tiling.scatter(lse, axis=2).astype(ct)
-    return _dtypes.to_dtype(np.ascontiguousarray(o), q.dtype), lse, top, records
+    if max_logit is not None:
+        logits = np.where(bad, np.nan, np.where(tiling.valid, m, -np.inf)).astype(ct)
+        top = reduce_max_logit(logits.reshape(batch, heads, tiles * TILE), *max_logit)
+    o, lse = finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs, q.dtype, ct)
+    return o, lse, top, records
+
+
+def finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs: int, out_dtype, ct):
+    """``(o (B, S, H, D_v) out_dtype, lse (B, H, S) ct)`` in local row order from the exact maxima
+    ``m (B, H, nq, TILE)`` and the integer sums ``acc_l``, ``acc_o`` on ``grid_l (1,)``, ``grid_o (B,
+    H_kv, D_v)``: :func:`_finish_rows` one head at a time (float64 temporaries of one head)."""
+    batch, heads = m.shape[:2]
+    group = heads // grid_o.shape[1]
+    slots = tiling.slots()
+    dim_v = acc_o.shape[-1] // limbs
+    o = np.empty((batch, tiling.rows, heads, dim_v), dtype=out_dtype)
+    lse = np.empty((batch, heads, tiling.rows), dtype=ct)
+    sink = None if sinks is None else _host(sinks).astype(np.float64)
+    for b in range(batch):
+        for h in range(heads):
+            l = fx.value(acc_l[b, h], limbs)[..., 0] / grid_l[0]
+            num = fx.value(acc_o[b, h], limbs) / grid_o[b, h // group]
+            o_h, lse_h = _finish_rows(m[b, h].astype(np.float64), l, num, bad[b, h], None if sink is None else sink[h])
+            o[b, :, h] = _dtypes.to_dtype(o_h.reshape(-1, dim_v)[slots], out_dtype)
+            lse[b, h] = lse_h.ravel()[slots]
+    return o, lse
 
 
 def _tiling(positions):
@@ -182,21 +199,17 @@ def _tiling(positions):
     return Tiling.of(positions)
 
 
-def _valid(positions):
-    return _tiling(positions).valid
-
-
-def _finish_forward(m, l, num, bad, sinks):
-    """``(o (B, H, nq, TILE, D_v), lse (B, H, nq, TILE))`` float64 from the exact maxima ``m``, sums
-    ``l`` and numerators ``num``; sinks ``(H,)`` folded in; poisoned rows, and rows whose maximum
-    is NaN or +inf (a NaN or overflowing visible score), NaN."""
+def _finish_rows(m, l, num, bad, sink):
+    """``(o (..., D_v), lse (...))`` float64 of rows with exact maxima ``m``, sums ``l`` and
+    numerators ``num``: ``o = num / l``, ``lse = m + log l``; a ``sink`` logit folded in; a row that
+    saw nothing gets ``o = 0``, ``lse = -inf`` (or the sink); poisoned rows (``bad``) and rows whose
+    maximum is NaN or +inf (a NaN or overflowing visible score) NaN."""
     bad = bad | np.isnan(m) | np.isposinf(m)
     seen = l > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
         o = np.where(seen[..., None], num / np.where(seen, l, 1)[..., None], 0.0)
-        if sinks is not None:
-            sink = _host(sinks).astype(np.float64)[None, :, None, None]
+        if sink is not None:
             total = np.logaddexp(lse, sink)
             o = o * np.exp(np.where(seen, lse - total, 0))[..., None]
             lse = total
@@ -236,9 +249,9 @@ def backward(problem, q, do, k, v, lse, maxima: Maxima, o=None, dvec=None, sinks
     group = heads // kv_heads
     res = be.invariant_resident(qh, problem.q_pos, problem.seg_q, k.dtype, ct, problem.spec, do=doh, lse=lse,
                                 dvec=dvec)
-    del qh, doh
     vmax_h = np.repeat(maxima.vmax_cols.max(axis=2), group, axis=1)[:, :, None, None]
-    dorow = np.abs(res.do).max(axis=4) if dim_v else np.zeros(res.dvec.shape)
+    dorow = res.tiling.gather(_abs_max(doh, 3), axis=2)  # max |do| per row (flagged rows: 0)
+    del qh, doh
     w_rows = fx.row_weight_exponents(dim_v, maxima.rescale, vmax_h, dorow, res.dvec)
     e_rows, e_cols = fx.dq_exponents(maxima.n_kv, w_rows, maxima.kmax)
     grids = BackwardGrids(fx.grid(e_rows, limbs), fx.inverse_power(e_cols), fx.grid(maxima.dk_exp, limbs),
@@ -257,10 +270,14 @@ def backward(problem, q, do, k, v, lse, maxima: Maxima, o=None, dvec=None, sinks
     dsinks = None if sinks is None else sink_grads(lse, dvec, sinks, sink_comm, problem.timeout)
     del schedule, block, res
     scale = float(problem.scale)
-    cols = np.repeat(grids.dq_cols, group, axis=1)[:, :, None, None, :]
-    dq = fx.value(dq_acc, limbs) / grids.dq_rows[..., None] / cols * scale
-    dq[q_poison.astype(bool)] = np.nan
-    dq = tiling.scatter(dq, axis=2).astype(ct)
+    slots = tiling.slots()
+    dq = np.empty((batch, heads, tiling.rows, dim), dtype=ct)
+    for b in range(batch):
+        for h in range(heads):
+            part = fx.value(dq_acc[b, h], limbs) / grids.dq_rows[b, h][..., None] / grids.dq_cols[b, h // group] * scale
+            part[q_poison[b, h].astype(bool)] = np.nan
+            dq[b, h] = part.reshape(-1, dim)[slots]
+    del dq_acc
     finish = GradFinish(grids.dk_cols, grids.dv_cols, limbs, scale, ct)
     if raw:
         return dq, finish, (dk_acc, dv_acc), dsinks, records
@@ -281,12 +298,18 @@ class GradFinish:
 
     def __call__(self, dk_acc, dv_acc):
         limbs = self.limbs
-        bad = dv_acc[..., -1] > 0
-        dk = fx.value(dk_acc, limbs) / self.dk_cols[:, :, None, :] * self.scale
-        dv = fx.value(np.ascontiguousarray(dv_acc[..., :-1]), limbs) / self.dv_cols[:, :, None, :]
-        dk[bad] = np.nan
-        dv[bad] = np.nan
-        return dk.astype(self.dtype), dv.astype(self.dtype)
+        batch, kv_heads, rows = dk_acc.shape[:3]
+        dim, dim_v = dk_acc.shape[3] // limbs, (dv_acc.shape[3] - 1) // limbs
+        dk = np.empty((batch, kv_heads, rows, dim), dtype=self.dtype)
+        dv = np.empty((batch, kv_heads, rows, dim_v), dtype=self.dtype)
+        for b in range(batch):
+            for h in range(kv_heads):
+                bad = dv_acc[b, h, :, -1] > 0
+                dk[b, h] = fx.value(dk_acc[b, h], limbs) / self.dk_cols[b, h] * self.scale
+                dv[b, h] = fx.value(dv_acc[b, h, :, :-1], limbs) / self.dv_cols[b, h]
+                dk[b, h][bad] = np.nan
+                dv[b, h][bad] = np.nan
+        return dk, dv
 
     def for_kv_heads(self, kv_heads: Sequence[int]) -> "GradFinish":
         pick = list(kv_heads)
@@ -315,7 +338,7 @@ def sink_grads(lse, dvec, sinks, comm, timeout=None) -> np.ndarray:
         terms = np.zeros((0, heads, 0), dtype=ct)
     terms = -terms.transpose(1, 0, 2).reshape(heads, -1)     # (H, rows)
     finite = np.isfinite(terms)
-    local = np.concatenate([_abs_max(terms, (1,)), (~finite).any(axis=1).astype(np.float64)])
+    local = np.concatenate([_abs_max(terms, 1), (~finite).any(axis=1).astype(np.float64)])
     rows = terms.shape[1]
     if comm is not None:
         from mpi4py import MPI
@@ -361,7 +384,6 @@ def decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig: f
     spec, scale = options.mask_spec(heads), options.scale(q.shape[3])
     qh = be.heads_view(q, ct)
     kh, vh = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
-    group = heads // k_cache.shape[2]
     if lengths is None or (lengths == lengths[0]).all():
         parts = [(slice(None), n_cache if lengths is None else int(lengths[0]))]
     else:
@@ -380,7 +402,7 @@ def decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig: f
         kr, vr = kh[rows, :, :held], vh[rows, :, :held]
         if held:
             be.invariant_max_block(res, kr, m, poison, scale, mask)
-        vmax = _abs_max(_host(v_cache[rows, :held]), (1,))
+        vmax = _abs_max(v_cache[rows, :held], 1)
         nan = np.isnan(m)
         got = _allreduce_max(comm, [np.where(nan, -np.inf, m), nan, poison, vmax, np.array([sig, -sig])], timeout)
         m_all, nan_all, poison_all, vmax, sigs = got
@@ -401,12 +423,9 @@ def decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig: f
         acc_l = sums[:acc_l.size].reshape(acc_l.shape)
         acc_o = sums[acc_l.size:acc_l.size + acc_o.size].reshape(acc_o.shape)
         bad = (sums[acc_l.size + acc_o.size:].reshape(shape) > 0) | (poison_all.reshape(shape) > 0)
-        l = fx.value(acc_l, limbs)[..., 0] / grid_l[0]
-        num = fx.value(acc_o, limbs) / np.repeat(grid_o, group, axis=1)[:, :, None, None, :]
-        o, lse = _finish_forward(m.astype(np.float64), l, num, bad, options.sinks)
-        o = res.tiling.scatter(o, axis=2).transpose(0, 2, 1, 3)
-        o_out[rows] = _dtypes.to_dtype(np.ascontiguousarray(o), q.dtype)
-        lse_out[rows] = res.tiling.scatter(lse, axis=2)
+        o, lse = finish_forward(res.tiling, m, acc_l, acc_o, grid_l, grid_o, bad, options.sinks, limbs, q.dtype, ct)
+        o_out[rows] = o
+        lse_out[rows] = lse
     return o_out, lse_out
 
 
