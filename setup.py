@@ -25,6 +25,7 @@ setup(
     ext_modules=[Extension("ringmpi._ext._fused", ["src/ringmpi/_ext/fused.c"],
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]),
                  Extension("ringmpi._ext._fixed", ["src/ringmpi/_ext/fixed.c"],
-                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"])],
+                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+                                               "-fno-wrapv"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

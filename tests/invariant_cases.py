@@ -47,9 +47,11 @@ def whole_tiles(lay, size) -> bool:
 
 def tile_assignment(rng, n, size):
     """Whole tiles of ``n`` positions over ``size`` ranks: tiles shuffled, cut at random places
-    (a rank may hold none), each rank's rows shuffled."""
+    (a rank may hold none; from P = 3 the last holds none), each rank's rows shuffled."""
     tiles = rng.permutation(-(-n // TILE))
     cuts = np.sort(rng.integers(0, len(tiles) + 1, size=size - 1))
+    if size >= 3:
+        cuts[-1] = len(tiles)
     parts = []
     for chunk in np.split(tiles, cuts):
         rows = np.concatenate([np.arange(t * TILE, min(n, t * TILE + TILE)) for t in chunk] or [np.zeros(0, int)])

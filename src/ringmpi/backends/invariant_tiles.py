@@ -33,7 +33,7 @@ import numpy as np
 from ..core import fixed_point
 from ..core.global_tiles import TILE, Tiling, aligned
 from ..core.masks import FULL, PARTIAL, SKIP, classify_tiles
-from .numpy_backend import _bad_rows, _cap, _exp_pass, _kv_precision
+from .numpy_backend import _bad_rows, _cap, _exp_pass
 
 
 def _scratch(store: dict, key, shape, dtype) -> np.ndarray:
@@ -491,9 +491,8 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
     pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st), t)
     _exp_pass(s.reshape(n * TILE, TILE), pass_scale, None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
               np.ascontiguousarray(lse).reshape(-1), sums)
-    over = ~(sums <= 2)
-    if over.any():  # lse does not bound these rows' scores: poison them and the keys they see, add nothing
-        over = over.reshape(n, TILE)
+    if not sums.max() <= 2:  # lse does not bound some rows' scores: poison them and the keys they see
+        over = ~(sums <= 2).reshape(n, TILE)
         s[over] = 0
         rows_p, keys_p = _poison_pairs(terms.visibility(), over, np.zeros(TILE, bool))
         _poison_rows(q_poison[b, h], index, rows_p)
