@@ -104,8 +104,8 @@ def static_case(comm, case):
     lay = Layout(case["layout"], n, size)
     kw = kwargs(case, comm)
     if case.get("positions"):  # explicit cache positions: a random assignment, ascending on each rank
-        from ring_cases import Assignment, _split
-        lay = Assignment(np.sort(part) for part in _split(np.random.default_rng(case["seed"] + 5),
+        from ring_cases import Assignment, split_tokens
+        lay = Assignment(np.sort(part) for part in split_tokens(np.random.default_rng(case["seed"] + 5),
                                                           np.random.default_rng(case["seed"] + 6).permutation(n), size))
         kw["positions_kv"] = lay.indices(rank)
     if case.get("root") is not None and rank != case["root"]:

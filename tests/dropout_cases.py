@@ -25,7 +25,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import BACKEND, _converters, make_inputs  # noqa: E402
+from ring_cases import BACKEND, converters, make_inputs  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
@@ -45,7 +45,7 @@ def _setup(comm, case):
 def ref_case(comm, case):
     rank = comm.Get_rank()
     (q, k, v, do, seg_q, seg_kv), (lay_q, lay_kv), window, kw = _setup(comm, case)
-    to_backend, to_host = _converters()
+    to_backend, to_host = converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     o, lse = ringmpi.ring_attention(*args, **kw)
     grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, **kw)
@@ -85,7 +85,7 @@ def fd_case(comm, case):
     rank = comm.Get_rank()
     case = dict(case, dtype="float64")
     (q, k, v, do, _, _), (lay_q, lay_kv), _, kw = _setup(comm, case)
-    to_backend, to_host = _converters()
+    to_backend, to_host = converters()
 
     def shards(qg, kg, vg):
         return [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, qg), (lay_kv, kg), (lay_kv, vg))]
@@ -138,7 +138,7 @@ def errors_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, _, _, _ = make_inputs(case)
     lay = Layout(case["layout"], q.shape[1], size)
-    to_backend, _ = _converters()
+    to_backend, _ = converters()
     args = [to_backend(lay.shard(x, rank)) for x in (q, k, v)]
     attempts = {
         "p = 1": (dict(dropout_p=1.0, dropout_seed=1), "dropout_p must be in [0, 1)"),

@@ -50,7 +50,7 @@ def run_case(comm, case):
               softmax_scale=case.get("scale"), backend=ring_cases.BACKEND)
     if seg_q is not None:
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
-    to_backend, to_host = ring_cases._converters()
+    to_backend, to_host = ring_cases.converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     fwd_stats, bwd_stats = [], []
     o, lse = ringmpi.ring_attention(*args, stats=fwd_stats, **kw)
@@ -77,7 +77,7 @@ def errors_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, _, _ = make_inputs(case)
     lay = Layout(case["layout"], q.shape[1], size)
-    to_backend, _ = ring_cases._converters()
+    to_backend, _ = ring_cases.converters()
     qs, ks, vs, dos = (to_backend(lay.shard(x, rank)) for x in (q, k, v, do))
     kw = dict(comm=comm, layout=case["layout"], backend=ring_cases.BACKEND)
     o, lse = ringmpi.ring_attention(qs, ks, vs, **kw)

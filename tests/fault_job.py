@@ -1,6 +1,6 @@
 """Rank-side job for the failure tests: ring attention under abort_on_error.
 
-    mpirun -n P python tests/fault_job.py [--timeout S] [--backward] [--repeat K]
+    mpirun -n P python tests/fault_job.py [--timeout S | --default-timeout S] [--backward] [--repeat K]
 
 Faults come from ``RINGMPI_FAULT`` (see ``ringmpi.runtime.faults.fault_point``).  With
 ``--repeat K`` rank 0 checks that K runs give bitwise-identical results and
@@ -19,10 +19,15 @@ from ringmpi import Layout
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--default-timeout", type=float, default=None,
+                        help="watchdog.set_default (what ringmpi run --timeout sets) instead of timeout=")
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--n", type=int, default=301)
     args = parser.parse_args()
+    if args.default_timeout is not None:
+        from ringmpi.runtime import watchdog
+        watchdog.set_default(args.default_timeout)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(7)

@@ -73,7 +73,7 @@ def want_ring_bytes(comm, case, u, k, has_seg, itemsize, grad_itemsize, backward
 def run_case(comm, case):
     rank = comm.Get_rank()
     (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = ring_cases.shard_case(comm, case)
-    to_backend, to_host = ring_cases._converters(case.get("bits", False))
+    to_backend, to_host = ring_cases.converters(case.get("bits", False))
     if case.get("bits"):
         kw["dtype"] = "bfloat16"
     args = [to_backend(local[n]) for n in ("q", "k", "v")]

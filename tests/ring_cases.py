@@ -94,7 +94,7 @@ class Assignment:
         return out
 
 
-def _split(rng, order, size):
+def split_tokens(rng, order, size):
     """``order`` cut into ``size`` non-empty pieces at random places."""
     cuts = np.sort(rng.choice(np.arange(1, len(order)), size=size - 1, replace=False))
     return np.split(order, cuts)
@@ -121,8 +121,8 @@ def placements(case, n_q, n_kv, size, seg_q=None):
         parts = _documents(seg_q[0], size)
         lay = Assignment([parts[r] for r in rng.permutation(size)])
         return lay, lay
-    return (Assignment(_split(rng, rng.permutation(n_q), size)),
-            Assignment(_split(rng, rng.permutation(n_kv), size)))
+    return (Assignment(split_tokens(rng, rng.permutation(n_q), size)),
+            Assignment(split_tokens(rng, rng.permutation(n_kv), size)))
 
 
 def position_kw(lay_q, lay_kv, rank):
@@ -152,7 +152,7 @@ def shard_case(comm, case):
 def run_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = shard_case(comm, case)
-    to_backend, to_host = _converters(case.get("bits", False))
+    to_backend, to_host = converters(case.get("bits", False))
     if case.get("bits"):  # bfloat16 passed as uint16 bit patterns, declared with dtype=
         kw["dtype"] = "bfloat16"
     args = [to_backend(local[n]) for n in ("q", "k", "v")]
@@ -190,7 +190,7 @@ def run_case(comm, case):
     return check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window)
 
 
-def _converters(bits=False):
+def converters(bits=False):
     """(to backend, to host); with ``bits`` bfloat16 arrays travel as uint16 bit
     patterns and every uint16 result must come back that way."""
     if BACKEND == "cupy":
@@ -258,7 +258,7 @@ def fd_case(comm, case):
     q, k, v, do, _, _ = make_inputs(case)
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), backend=BACKEND)
-    to_backend, to_host = _converters()
+    to_backend, to_host = converters()
 
     def loss(qg, kg, vg):
         o, _ = ringmpi.ring_attention(*(to_backend(lay.shard(x, rank)) for lay, x in
@@ -297,7 +297,7 @@ def bf16_errors_case(comm, case):
     q_bad = q.copy()
     q_bad[0, case["nan_at"], 1, 2] = np.nan  # a bfloat16 NaN on whichever rank owns that token
     shards = lambda *xs: [lay.shard(x, rank) for x in xs]  # noqa: E731
-    to_backend, _ = _converters()
+    to_backend, _ = converters()
     bits = lambda x: to_backend(x.view(np.uint16))  # noqa: E731
     f32 = lambda x: to_backend(x.astype(np.float32))  # noqa: E731
     attempts = {
@@ -322,7 +322,7 @@ def positions_errors_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, _, _ = make_inputs(case)
     lay = Layout(case["layout"], q.shape[1], size)
-    args = [_converters()[0](lay.shard(x, rank)) for x in (q, k, v)]
+    args = [converters()[0](lay.shard(x, rank)) for x in (q, k, v)]
     mine = lay.indices(rank)
     n = q.shape[1]
     swapped = mine.copy()

@@ -29,6 +29,7 @@ from case_driver import run_all  # noqa: E402
 import reference  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
+from ringmpi.parallel import channels  # noqa: E402
 from ringmpi.parallel import ring_schedule as schedule_mod  # noqa: E402
 from ringmpi.backends import numpy_backend  # noqa: E402
 
@@ -68,7 +69,7 @@ def run_case(comm, case):
         return ringmpi.ring_attention_backward(do, q, k, v, o, lse, **kw)
 
     calls = {"kv_need": 0, "kv_done": 0}
-    originals = {name: getattr(schedule_mod.HostGradChannel, name) for name in calls}
+    originals = {name: getattr(channels.HostGradChannel, name) for name in calls}
 
     def counting(name):
         def hook(self, n):
@@ -83,12 +84,12 @@ def run_case(comm, case):
     finally:
         schedule_mod.HOST_GRADS_IN_PLACE = True
     for name in calls:
-        setattr(schedule_mod.HostGradChannel, name, counting(name))
+        setattr(channels.HostGradChannel, name, counting(name))
     try:
         in_place, peak_in_place = _backward_peak(backward)
     finally:
         for name, fn in originals.items():
-            setattr(schedule_mod.HostGradChannel, name, fn)
+            setattr(channels.HostGradChannel, name, fn)
     schedule_mod.HOST_GRADS_IN_PLACE = False
     try:
         whole, peak_whole = _backward_peak(backward)

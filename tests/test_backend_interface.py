@@ -1,17 +1,21 @@
 """The block-op interface of ringmpi.backends, checked on every backend that can run here.
 
-One body per backend: the documented names exist, the messages behave as
+One body per backend: the documented names exist, each backend satisfies the
+``typing.Protocol`` s of ringmpi.backends.interface (members and call
+signatures), the messages behave as
 the schedule expects, forward_block/backward_block return their tile counts
 and agree with a float64 dense reference (docs/design.md's tolerance rule).
 CuPy is skipped, with the reason shown, where no GPU is visible.
 """
 
+import inspect
+
 import numpy as np
 import pytest
 
 from reference import dense_backward, dense_forward, tolerance_check, visible
-from ringmpi.backends import INTERFACE, MESSAGE_INTERFACE, get_backend, gpu_available
-from ringmpi.core.masks import BlockMask, MaskSpec
+from ringmpi.backends import INTERFACE, MESSAGE_INTERFACE, Backend, Message, get_backend, gpu_available
+from ringmpi.core.masks import BlockMask, ScoreSpec
 
 BACKENDS = [
     "numpy",
@@ -47,6 +51,64 @@ def test_every_documented_name_exists(be):
     assert be.compute_dtype(np.float64) == np.float64 and be.compute_dtype(np.float16) == np.float32
 
 
+def protocol_problems(obj, protocol) -> list:
+    """How ``obj`` fails ``protocol``: a member it lacks, or a method that cannot be called as the
+    protocol declares it (the protocol's parameters by name and in order; any more need defaults)."""
+    problems = []
+    for name in [n for n in protocol.__annotations__] + [n for n, v in vars(protocol).items()
+                                                          if callable(v) and not n.startswith("_")]:
+        if not hasattr(obj, name):
+            problems.append(f"no {name}")
+            continue
+        declared = getattr(protocol, name, None)
+        if not callable(declared):
+            continue
+        if not callable(getattr(obj, name)):
+            problems.append(f"{name} is not callable")
+            continue
+        want = list(inspect.signature(declared).parameters.values())[1:]  # without self
+        have = list(inspect.signature(getattr(obj, name)).parameters.values())
+        names = [p.name for p in have[:len(want)]]
+        extra = [p.name for p in have[len(want):] if p.default is inspect.Parameter.empty
+                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if names != [p.name for p in want] or extra:
+            problems.append(f"{name}{inspect.signature(getattr(obj, name))} does not take "
+                            f"{name}{inspect.signature(declared)} (without self)")
+    return problems
+
+
+def test_the_backend_satisfies_the_protocols(be):
+    """Both backends are :class:`~ringmpi.backends.interface.Backend` s, their messages
+    :class:`~ringmpi.backends.interface.Message` s: every member, every call signature."""
+    assert isinstance(be, Backend) and protocol_problems(be, Backend) == []
+    msg = be.message(64)
+    assert isinstance(msg, Message) and protocol_problems(msg, Message) == []
+    assert INTERFACE[:3] == ("name", "xp", "MODIFIERS") and "backward_block" in INTERFACE
+    assert MESSAGE_INTERFACE == ("mpi_buffer", "view", "arrived", "ready_to_send")
+
+
+def test_the_protocol_check_finds_what_a_backend_gets_wrong():
+    """The check above fails on a backend that lacks a member or whose block op takes other arguments."""
+    from ringmpi.backends.numpy_backend import NumpyBackend
+
+    class Missing(NumpyBackend):
+        annotate = None
+
+    class Reordered(NumpyBackend):
+        def forward_block(self, qh, kh, vh, m, o_acc, l, scale, mask, tick=None, resident=None):
+            raise AssertionError("never called")
+
+    class Demanding(NumpyBackend):
+        def finalize(self, o_acc, m, l, out_dtype, stream):
+            raise AssertionError("never called")
+
+    assert protocol_problems(NumpyBackend(), Backend) == []
+    assert protocol_problems(Missing(), Backend) == ["annotate is not callable"]
+    assert [p.split("(")[0] for p in protocol_problems(Reordered(), Backend)] == ["forward_block"]
+    assert [p.split("(")[0] for p in protocol_problems(Demanding(), Backend)] == ["finalize"]
+    assert protocol_problems(object(), Message) == [f"no {n}" for n in MESSAGE_INTERFACE]
+
+
 def test_message_views_share_the_mpi_buffer(be):
     msg = be.message(32)
     view = msg.view(0, (8,), np.float32)
@@ -79,7 +141,7 @@ def _block_pass(be, q, k, v, spec, seg=None, split=3):
 def test_forward_block_matches_the_dense_reference_and_counts_tiles(be, causal, use_seg):
     q, k, v, _ = _problem(0)
     seg = np.sort(np.random.default_rng(1).integers(0, 3, q.shape[:2]), axis=1) if use_seg else None
-    spec = MaskSpec(causal=causal)
+    spec = ScoreSpec(causal=causal)
     o, lse, counts = _block_pass(be, q, k, v, spec, seg)
     vis = visible(70, 70, causal, None, seg, seg)
     o64, lse64 = dense_forward(q, k, v, vis, 1 / 4, np.float64)
@@ -103,7 +165,7 @@ def test_a_block_entirely_in_the_future_is_skipped(be):
     o_acc = be.xp.zeros(qh.shape, np.float32)
     m = be.xp.full(qh.shape[:3], -np.inf, dtype=np.float32)
     l = be.xp.zeros(qh.shape[:3], np.float32)
-    mask = BlockMask(MaskSpec(causal=True), np.arange(10), np.arange(20, 40))
+    mask = BlockMask(ScoreSpec(causal=True), np.arange(10), np.arange(20, 40))
     computed, skipped = be.forward_block(qh, kh, vh, o_acc, m, l, 0.25, mask)
     assert computed == 0 and skipped > 0
     assert not _host(l).any()
@@ -113,12 +175,12 @@ def test_a_block_entirely_in_the_future_is_skipped(be):
     assert computed == 0 and skipped > 0 and not _host(dk).any()
     empty = be.to_heads(be.asarray(k[:, :0]), np.float32)
     assert be.forward_block(qh, empty, empty, o_acc, m, l, 0.25,
-                            BlockMask(MaskSpec(), np.arange(10), np.arange(0))) == (0, 0)
+                            BlockMask(ScoreSpec(), np.arange(10), np.arange(0))) == (0, 0)
 
 
 def test_backward_block_matches_the_dense_reference(be):
     q, k, v, do = _problem(3)
-    spec = MaskSpec(causal=True)
+    spec = ScoreSpec(causal=True)
     o, lse, _ = _block_pass(be, q, k, v, spec)
     xp = be.xp
     qh, doh = be.to_heads(be.asarray(q), np.float32), be.to_heads(be.asarray(do), np.float32)

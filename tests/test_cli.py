@@ -5,6 +5,7 @@ file; failures while writing never damage an existing output; ``--help`` and
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,6 +191,22 @@ def test_failure_leaves_existing_output_intact(tmp_path, fault):
     rc, _, err, _ = mpirun(4, [RINGMPI, "run", src, "-o", fresh, "--backward"], 60,
                            env=mpirun_env(RINGMPI_FAULT=fault))
     assert rc != 0 and not fresh.exists() and not leftovers(tmp_path), err
+
+
+@pytest.mark.mpi
+def test_a_rank_late_to_a_file_job_collective_ends_the_job_naming_it(tmp_path):
+    """One rank pauses before the file job's allgather of its finiteness checks, far past
+    ``--timeout``: the others' watchdog ends the job within seconds, naming that collective,
+    and no file is left (tests/test_link_faults.py cuts a link there instead)."""
+    src = write_input(tmp_path / "in.h5", n=50)
+    out = tmp_path / "out.h5"
+    rc, _, err, _ = mpirun(4, [RINGMPI, "run", src, "-o", out, "--timeout", "3"], 60,
+                           env=mpirun_env(RINGMPI_FAULT="sleep:finite:2:120"))
+    assert rc != 0
+    named = re.findall(r"\[rank (\d)\] ringmpi: the ranks' finiteness check of \S+ \(allgather\) did not "
+                       r"finish within 3 s", err)
+    assert named and "2" not in named, err[-3000:]
+    assert not out.exists() and not leftovers(tmp_path), err[-3000:]
 
 
 def test_verify_refuses_large_n(tmp_path):

@@ -142,12 +142,12 @@ def test_same_mask_for_every_world_size_and_layout(launches):
 def test_nonfinite_row_leaves_the_others_bitwise():
     """The careful (NaN/Inf) path applies the same mask: other rows are bitwise a clean run's."""
     from ringmpi.backends.numpy_backend import NumpyBackend
-    from ringmpi.core.masks import BlockMask, MaskSpec
+    from ringmpi.core.masks import BlockMask, ScoreSpec
 
     be, rng = NumpyBackend(), np.random.default_rng(4)
     q = rng.standard_normal((1, 2, 40, 8))
     k, v, do = rng.standard_normal((1, 1, 30, 8)), rng.standard_normal((1, 1, 30, 8)), rng.standard_normal(q.shape)
-    mask = BlockMask(MaskSpec(causal=True, offset=-10, dropout=Dropout(p=0.3, seed=5, heads=2)),
+    mask = BlockMask(ScoreSpec(causal=True, offset=-10, dropout=Dropout(p=0.3, seed=5, heads=2)),
                      np.arange(40), np.arange(30))
     runs = []
     for bad in (False, True):

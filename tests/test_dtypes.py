@@ -7,7 +7,7 @@ import pytest
 import reference
 from ringmpi.core import dtypes
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.core.masks import BlockMask, MaskSpec
+from ringmpi.core.masks import BlockMask, ScoreSpec
 
 BF16 = reference.BFLOAT16
 
@@ -94,7 +94,7 @@ def test_numpy_backend_rounds_q_and_do_to_16bit_kv(kv):
     rounded = qh.astype(kvt).astype(np.float32)
     assert not np.array_equal(qh, rounded)
     kh, vh = (rng.standard_normal((b, h, skv, d)).astype(kvt) for _ in range(2))
-    mask = BlockMask(MaskSpec(causal=True, window=None, offset=skv - sq), np.arange(sq), np.arange(skv),
+    mask = BlockMask(ScoreSpec(causal=True, window=None, offset=skv - sq), np.arange(sq), np.arange(skv),
                      None, None)
     be = NumpyBackend()
 

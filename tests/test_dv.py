@@ -143,12 +143,12 @@ def test_cuda_value_dim_pairs_are_planned_and_listed():
 
 
 def test_gpu_refuses_unsupported_pairs_before_compute():
-    from ringmpi.attention import _value_dim_problem
+    from ringmpi.backends import value_dim_problem
 
-    assert _value_dim_problem("numpy", 24, 40) is None
-    assert _value_dim_problem("cupy", 192, 128) is None
-    assert _value_dim_problem("cupy", 64, 64) is None
-    msg = _value_dim_problem("cupy", 24, 40)
+    assert value_dim_problem("numpy", 24, 40) is None
+    assert value_dim_problem("cupy", 192, 128) is None
+    assert value_dim_problem("cupy", 64, 64) is None
+    msg = value_dim_problem("cupy", 24, 40)
     assert "D=24" in msg and "D_v=40" in msg and "numpy" in msg
 
 

@@ -49,6 +49,15 @@ def test_hung_rank_is_caught_by_the_deadline():
     assert match.group(1) == match.group(2) != "2"
 
 
+def test_the_ring_waits_take_the_watchdog_default():
+    """No ``timeout=`` on the call: the ring's waits take the one deadline rule's default
+    (``watchdog.set_default``, which ``ringmpi run --timeout`` sets), as every phase does."""
+    rc, out, err, _ = run_job("hang:2:1", "--default-timeout", "5")
+    assert rc != 0
+    assert re.search(r"\[rank (\d)\] ringmpi: RingTimeout: rank \1: ring step \d+ channel 'kv' "
+                     r"did not complete within 5 s", err), err[-3000:]
+
+
 def test_repeated_runs_are_bitwise_identical():
     rc, out, err, _ = run_job(None, "--backward", "--repeat", "20", nprocs=3, deadline=180)
     assert rc == 0, err[-3000:]

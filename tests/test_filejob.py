@@ -58,7 +58,7 @@ def test_output_attributes_read_back_what_was_written(tmp_path, flags):
     if "alibi_slopes" in flags:
         assert theirs.alibi_slopes.dtype == np.float32
         assert np.array_equal(theirs.alibi_slopes, np.array(flags["alibi_slopes"], dtype=np.float32))
-    mask = back.mask_spec(s)
+    mask = back.score_spec(s)
     window = flags.get("window")
     assert (mask.causal, mask.window, mask.softcap) == (
         flags.get("causal", False), None if window is None else (3, None), flags.get("softcap"))

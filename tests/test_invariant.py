@@ -97,17 +97,12 @@ def test_a_shard_of_partial_tiles_is_one_error_on_every_rank(launches, p):
 
 # ---------------------------------------------------------------- in process: the fixed-point sums
 def _both(fn):
-    """``fn()`` with the compiled loop and with the NumPy loop (the same integers expected)."""
+    """``fn(add)`` with the compiled loop (where built) and with the NumPy one: the same integers
+    expected."""
+    from ringmpi.backends import fixed_sums
     from ringmpi.core import fixed_point as fx
 
-    saved = fx._FIXED
-    try:
-        first = fn()
-        fx._FIXED = None
-        second = fn()
-    finally:
-        fx._FIXED = saved
-    return first, second
+    return fn(fixed_sums.add), fn(fx.add_numpy)
 
 
 @pytest.mark.parametrize("limbs,dtype", [(1, np.float32), (1, np.float64), (2, np.float32), (2, np.float64)])
@@ -120,19 +115,18 @@ def test_fixed_point_sums_are_exact_in_any_order_on_both_loops(limbs, dtype):
     grid = fx.grid(fx.exponent(np.abs(x.astype(np.float64)).max(axis=(0, 1))) + fx.count_exponent(n), limbs)
     row_grid = np.ldexp(1.0, rng.integers(-3, 3, (1, rows)))
 
-    def total(order):
+    def total(add, order):
         acc = fx.zeros((1, rows, cols), limbs)
         for i in order:
-            fx.add(acc, np.ascontiguousarray(x[i:i + 1]), rows=row_grid, cols=grid, limbs=limbs)
+            add(acc, np.ascontiguousarray(x[i:i + 1]), rows=row_grid, cols=grid, limbs=limbs)
         return acc
 
-    compiled, plain = _both(lambda: total(range(n)))
-    assert fx.implementation() in ("compiled", "numpy")
+    compiled, plain = _both(lambda add: total(add, range(n)))
     assert np.array_equal(compiled, plain)
     for order in (range(n)[::-1], rng.permutation(n)):
-        assert np.array_equal(total(order), compiled)
+        assert np.array_equal(total(fx.add_numpy, order), compiled)
     once = fx.zeros((1, rows, cols), limbs)
-    fx.add(once, x, rows=row_grid, cols=grid, limbs=limbs)  # all n partials in one call
+    fx.add_numpy(once, x, rows=row_grid, cols=grid, limbs=limbs)  # all n partials in one call
     assert np.array_equal(once, compiled)
     # exact: the integers are the truncated partials, summed as Python integers
     scaled = [[[int(float(x[i, r, c]) * row_grid[0, r] * grid[c]) for c in range(cols)] for r in range(rows)]
@@ -144,6 +138,7 @@ def test_fixed_point_sums_are_exact_in_any_order_on_both_loops(limbs, dtype):
 
 
 def test_fixed_point_rows_with_nan_or_beyond_the_grid_add_nothing_and_are_flagged():
+    from ringmpi.backends import fixed_sums
     from ringmpi.core import fixed_point as fx
 
     x = np.ones((3, 4, 2), dtype=np.float32)
@@ -151,18 +146,22 @@ def test_fixed_point_rows_with_nan_or_beyond_the_grid_add_nothing_and_are_flagge
     x[2, 3, 1] = 2.0 ** 70
     index = np.array([2, 0, 1], dtype=np.int64)
 
-    def run():
+    def run(add):
         acc = fx.zeros((3, 4, 2), 1)
         bad = np.zeros((3, 4), np.uint8)
-        fx.add(acc, x, index=index, bad=bad)
-        return acc, bad
+        add(acc, x, index=index, bad=bad)
+        wide = np.zeros((3, 4, 5), np.int64)  # into a view of some columns of a wider array
+        add(wide[:, :, 1:3], x, index=index, bad=bad)
+        return acc, bad, wide
 
-    (acc, bad), (acc2, bad2) = _both(run)
-    assert np.array_equal(acc, acc2) and np.array_equal(bad, bad2)
+    (acc, bad, wide), (acc2, bad2, wide2) = _both(run)
+    assert np.array_equal(acc, acc2) and np.array_equal(bad, bad2) and np.array_equal(wide, wide2)
     assert bad[0, 2] == 1 and bad[1, 3] == 1 and bad.sum() == 2
     assert acc[0, 2, 0] == 0 and acc[0, 2, 1] == 1 and acc[2].sum() == 8
-    with pytest.raises(ValueError):
-        fx.add(fx.zeros((1, 4, 2), 1), x)
+    assert np.array_equal(wide[..., 1:3], acc) and not wide[..., [0, 3, 4]].any()
+    for add in (fixed_sums.add, fx.add_numpy):
+        with pytest.raises(ValueError):
+            add(fx.zeros((1, 4, 2), 1), x)
 
 
 def test_the_forward_grid_bounds_float32_error_at_a_million_keys():
@@ -239,12 +238,9 @@ def test_invariant_runs_on_the_numpy_backend_only():
     from mpi4py import MPI
 
     import ringmpi
-    from ringmpi.attention import _invariant_problem
+    from ringmpi.backends.cupy_backend import CupyBackend
 
     q = np.zeros((1, 64, 2, 8), np.float32)
     o, lse = ringmpi.ring_attention(q, q, q, comm=MPI.COMM_SELF, invariant=True, backend="numpy")
     assert o.shape == q.shape and np.isfinite(lse).all()
-
-    class Device:
-        name = "cupy"
-    assert "runs on the numpy backend, not on cupy" in _invariant_problem(Device(), None, None)
+    assert not getattr(CupyBackend, "INVARIANT", False)  # attention._plan: a ConfigError on cupy

@@ -2,7 +2,7 @@
 
 ``ringmpi run --timeout T`` on 4 ranks over hosts h1 and h2; a rank on h2 is
 made to pause (``RINGMPI_FAULT=sleep:...``) at a chosen point — file creation,
-a planning collective, ring step 1 of the second pass — and while it sleeps
+a file-job or planning collective, ring step 1 of the second pass — and while it sleeps
 the test cuts h2's cable (its veth on the switch goes down).  Every rank must
 end within T + a few seconds (its process gone, watched on its host), each
 saying which peer or which phase it waited for; no file appears at the output
@@ -137,11 +137,13 @@ def test_cut_during_the_ring_passes_then_resume(netns, job):
 
 @pytest.mark.parametrize("point,phase", [
     ("create", "HDF5 create"),
+    ("finite", "the ranks' finiteness check of in.h5"),
     ("plan", "the ranks' agreement on the call's shapes"),
 ])
 def test_cut_during_a_collective(netns, job, point, phase):
-    """Cut while the other ranks wait in a collective (file creation, a planning agreement):
-    the watchdog ends every rank, naming the phase; nothing is left."""
+    """Cut while the other ranks wait in a collective (file creation, the file job's allgather
+    of its finiteness checks, a planning agreement): the watchdog ends every rank, naming the
+    phase; nothing is left."""
     output = f"{point}.h5"
     ended, stderr = cut_during(netns, job, f"sleep:{point}:2:{SLEEP:g}", output)
     assert ended < T + SLEEP + GRACE, f"last rank ended {ended:.1f} s after the cut"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from reference import visible as reference_visible
-from ringmpi.core.masks import (FULL, PARTIAL, SKIP, MaskSpec, classify_tiles, kernel_scalars,
+from ringmpi.core.masks import (FULL, PARTIAL, SKIP, ScoreSpec, classify_tiles, kernel_scalars,
                            tile_bounds)
 
 SPECS = [dict(), dict(causal=True), dict(window=(3, 5)), dict(window=(None, 2)), dict(window=(4, None)),
@@ -17,7 +17,7 @@ LENGTHS = [(13, 13), (9, 17), (17, 9)]
 
 
 def _spec(kw, n_q, n_kv):
-    return MaskSpec(offset=n_kv - n_q, **kw)
+    return ScoreSpec(offset=n_kv - n_q, **kw)
 
 
 @pytest.mark.parametrize("kw", SPECS)
@@ -107,4 +107,4 @@ def test_classify_tiles_is_conservative_and_counts_batch_entries(kw, has_seg):
 
 def test_window_sides_must_be_non_negative():
     with pytest.raises(ValueError):
-        MaskSpec(window=(-1, 2))
+        ScoreSpec(window=(-1, 2))

@@ -78,14 +78,14 @@ def test_careful_copies_keep_the_layout_blas_sees():
     line, so BLAS takes the same kernel on them as on the clean run's views (OpenBLAS's
     AVX-512 gemv orders a row's sum by the leading dimension: a compact copy of a strided
     ``q`` or ``do`` tile changed the last bits of rows no bad value reaches)."""
-    from ringmpi.backends.numpy_backend import _clean_copy
+    from ringmpi.backends.numpy_backend import clean_copy
 
     rng = np.random.default_rng(0)
     heads = rng.standard_normal((1, 7, 4, 8)).astype(np.float32)
     for x in (heads[0, 1:6, 2], heads[0, :, 1].T, heads[0, 3:4, 0], heads[0, 2:5, 3, 1:]):
         bad = np.zeros(x.shape[0], bool)
         bad[x.shape[0] // 2] = True
-        copy = _clean_copy(x, bad)
+        copy = clean_copy(x, bad)
         assert copy.strides == x.strides and copy.ctypes.data % 64 == x.ctypes.data % 64
         assert not np.shares_memory(copy, heads)
         assert (copy[bad] == 0).all() and (copy[~bad] == x[~bad]).all()

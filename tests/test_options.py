@@ -51,14 +51,14 @@ def test_mask_spec_and_scale():
     opts = AttentionOptions(causal=True, window=(3, None), softcap=2.5, dropout_p=0.5, dropout_seed=9,
                             dropout_offsets=(1, 2, 8), alibi_slopes=np.array([0.5, 0.25], np.float32),
                             return_max_logit=True)
-    spec = opts.mask_spec(2, offset=5)
+    spec = opts.score_spec(2, offset=5)
     assert spec.causal and spec.window == (3, None) and spec.offset == 5 and spec.softcap == 2.5
     assert spec.exact_max and spec.modifiers == (Alibi((0.5, 0.25)),)
     assert (spec.dropout.p, spec.dropout.seed, spec.dropout.heads) == (0.5, 9, 8)
     assert (spec.dropout.batch_offset, spec.dropout.head_offset) == (1, 2)
     part = spec.for_heads(1, 1)
     assert part.modifiers == (Alibi((0.25,)),) and part.dropout.head_offset == 3
-    assert AttentionOptions().mask_spec(4).dropout is None and AttentionOptions().mask_spec(4).modifiers == ()
+    assert AttentionOptions().score_spec(4).dropout is None and AttentionOptions().score_spec(4).modifiers == ()
     assert AttentionOptions().scale(16) == 0.25 and AttentionOptions(softmax_scale=0.7).scale(16) == 0.7
 
 
@@ -70,7 +70,7 @@ def test_file_attributes_round_trip():
         assert attention_attrs(back, dim=16).keys() == attrs.keys()
         for key, value in attrs.items():
             assert np.array_equal(attention_attrs(back, dim=16)[key], value), key
-        assert back.mask_spec(4) == opts.mask_spec(4)
+        assert back.score_spec(4) == opts.score_spec(4)
         assert back.scale(16) == opts.scale(16)
     assert attention_attrs(AttentionOptions(), dim=16)["window"].dtype == np.int64
 

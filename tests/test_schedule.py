@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import ringmpi
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.core.masks import MaskSpec
+from ringmpi.core.masks import ScoreSpec
 from ringmpi.parallel.ring_schedule import RingSchedule
 
 
@@ -26,7 +26,7 @@ def _schedule(k, v, seg, grad_dtype=None, **kw):
     s = k.shape[1]
     return RingSchedule(MPI.COMM_SELF, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype),
                         kv_counts=[s], q_pos=np.arange(s, dtype=np.int64) + 100,
-                        kv_pos=np.arange(s, dtype=np.int64) + 100, spec=MaskSpec(causal=True),
+                        kv_pos=np.arange(s, dtype=np.int64) + 100, spec=ScoreSpec(causal=True),
                         seg_q=seg, seg_kv=seg, grad_dtype=grad_dtype, **kw)
 
 
@@ -108,4 +108,4 @@ def test_refuses_counts_that_do_not_match_the_ring():
     be = NumpyBackend()
     with pytest.raises(ValueError, match="kv_counts"):
         RingSchedule(MPI.COMM_SELF, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype), kv_counts=[5, 6],
-                     q_pos=np.arange(11), kv_pos=np.arange(11), spec=MaskSpec())
+                     q_pos=np.arange(11), kv_pos=np.arange(11), spec=ScoreSpec())

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ringmpi.backends.numpy_backend import NumpyBackend
-from ringmpi.core.masks import BlockMask, MaskSpec
+from ringmpi.core.masks import BlockMask, ScoreSpec
 
 B, N, H, HKV, D = 2, 37, 4, 2, 8
 SPLITS = (0, 11, 25, 37)  # three visiting blocks of uneven length
@@ -74,7 +74,7 @@ def test_resident_state_is_bitwise_the_per_block_computation(monkeypatch, bad, t
     monkeypatch.setattr(nb, "TILE_KV", tiles[1])
     be = NumpyBackend()
     x = _inputs(1, bad)
-    spec = MaskSpec(causal=True)
+    spec = ScoreSpec(causal=True)
     resident = {}
     for got, want in zip(_forward(be, x, spec, resident), _forward(be, x, spec, None)):
         np.testing.assert_array_equal(got, want)
@@ -96,7 +96,7 @@ def test_backward_key_tile_order_is_bitwise_the_query_tile_order(monkeypatch, ba
     be = NumpyBackend()
     x = _inputs(2, bad)
     finished = []
-    spec = MaskSpec(causal=True, window=(20, None))
+    spec = ScoreSpec(causal=True, window=(20, None))
     qh, doh = be.to_heads(x["q"], np.float32), be.to_heads(x["do"], np.float32)
     kh, vh = be.to_heads(x["k"], np.float32), be.to_heads(x["v"], np.float32)
     rng = np.random.default_rng(0)
@@ -137,7 +137,7 @@ def test_a_lone_rank_allocates_no_message_buffers():
     x = _inputs(3)
     kh, vh = be.to_heads(x["k"], np.float32), be.to_heads(x["v"], np.float32)
     schedule = RingSchedule(MPI.COMM_SELF, be, kh, vh, kv_counts=[N], q_pos=np.arange(N),
-                            kv_pos=np.arange(N), spec=MaskSpec(), grad_dtype=np.float32)
+                            kv_pos=np.arange(N), spec=ScoreSpec(), grad_dtype=np.float32)
     blocks = list(schedule)
     assert len(schedule.kv.msgs) == len(schedule.kv.meta) == 1
     assert len(schedule.grads.bufs) == 1

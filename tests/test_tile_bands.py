@@ -149,7 +149,7 @@ def test_a_nan_under_bands_reaches_only_the_queries_that_see_it(banded, where):
 def test_kv_done_reports_only_rows_no_later_band_changes(monkeypatch, tiles):
     """``kv_done(n)`` lets the ring send ``dk, dv`` rows ``[0, n)`` home early: no band
     may add to them afterwards, even one cut to start past its key tile's start."""
-    from ringmpi.core.masks import BlockMask, MaskSpec
+    from ringmpi.core.masks import BlockMask, ScoreSpec
 
     monkeypatch.setattr(nb, "TILE_Q", tiles[0])
     monkeypatch.setattr(nb, "TILE_KV", tiles[1])
@@ -162,7 +162,7 @@ def test_kv_done_reports_only_rows_no_later_band_changes(monkeypatch, tiles):
     lse = rng.standard_normal((B, H, N)).astype(np.float32) + 3
     dvec = rng.standard_normal((B, H, N)).astype(np.float32)
     seg = np.sort(rng.integers(0, 6, (B, N)), axis=1).astype(np.int64)
-    mask = BlockMask(MaskSpec(), np.arange(N), np.arange(N), seg, seg)
+    mask = BlockMask(ScoreSpec(), np.arange(N), np.arange(N), seg, seg)
     dq, dk, dv = np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)
     reported = []
     be.backward_block(qh, doh, lse, dvec, kh, vh, dq, dk, dv, 0.3, mask,

@@ -125,13 +125,13 @@ def test_variant_case(results, p, case):
 
 
 def test_mask_spec_carries_softcap():
-    from ringmpi.core.masks import MaskSpec, kernel_scalars, modifier_scalars
+    from ringmpi.core.masks import ScoreSpec, kernel_scalars, modifier_scalars
 
-    spec = MaskSpec(causal=True, softcap=2.5)
+    spec = ScoreSpec(causal=True, softcap=2.5)
     assert modifier_scalars(spec) == (np.float64(2.5),)
-    assert modifier_scalars(MaskSpec()) == (np.float64(0.0),)
+    assert modifier_scalars(ScoreSpec()) == (np.float64(0.0),)
     # the cap changes scores, never visibility
-    assert kernel_scalars(spec) == kernel_scalars(MaskSpec(causal=True))
+    assert kernel_scalars(spec) == kernel_scalars(ScoreSpec(causal=True))
 
 
 def test_fold_sinks_rows_without_keys():

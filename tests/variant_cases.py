@@ -21,7 +21,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import BACKEND, _converters, fd_worst, make_inputs, placements, position_kw  # noqa: E402
+from ring_cases import BACKEND, converters, fd_worst, make_inputs, placements, position_kw  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 
@@ -57,7 +57,7 @@ def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
     if seg_q is not None:
         kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
     if sinks is not None:
-        kw["sinks"] = _converters()[0](sinks)
+        kw["sinks"] = converters()[0](sinks)
     if case.get("alibi"):
         kw["alibi_slopes"] = make_alibi(case, case["H"])
     return kw, window
@@ -68,7 +68,7 @@ def run_case(comm, case):
     q, k, v, do, seg_q, seg_kv, sinks = inputs(case)
     lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size, seg_q)
     kw, window = options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks)
-    to_backend, to_host = _converters()
+    to_backend, to_host = converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     o, lse, max_logit = ringmpi.ring_attention(*args, return_max_logit=True, **kw)
     o2, lse2 = ringmpi.ring_attention(*args, **kw)  # without the max logit: the same o, lse
@@ -173,7 +173,7 @@ def fd_case(comm, case):
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
     kw, _ = options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks)
     kw.pop("sinks", None)
-    to_backend, to_host = _converters()
+    to_backend, to_host = converters()
 
     def shards(qg, kg, vg):
         return [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, qg), (lay_kv, kg), (lay_kv, vg))]
@@ -198,7 +198,7 @@ def decode_case(comm, case):
     q, k, v, _, _, _, sinks = inputs(case)
     lay = Layout(case["layout"], k.shape[1], size)
     window = None if case.get("window") is None else tuple(case["window"])
-    to_backend, to_host = _converters()
+    to_backend, to_host = converters()
     o, lse = ringmpi.decode_attention(to_backend(q), to_backend(lay.shard(k, rank)), to_backend(lay.shard(v, rank)),
                                       comm=comm, layout=case["layout"], causal=True, window=window,
                                       softcap=case.get("softcap"), backend=BACKEND,
@@ -355,7 +355,7 @@ def errors_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, _, _, _, _ = inputs(dict(case, sinks=False))
     lay = Layout(case["layout"], q.shape[1], size)
-    to_backend, _ = _converters()
+    to_backend, _ = converters()
     args = [to_backend(lay.shard(x, rank)) for x in (q, k, v)]
     heads = q.shape[2]
     good = np.zeros(heads, dtype=np.float32)
@@ -391,10 +391,12 @@ def errors_case(comm, case):
 
 
 def nan_max_case(comm, case):
-    """``SoftmaxState.max_logit`` over the ranks: a NaN on any one rank gives NaN on every
-    rank (``MPI.MAX`` alone may drop it), a head of -inf everywhere gives -inf."""
+    """``SoftmaxState.local_max_logit`` reduced over the ranks (``ring_passes.reduce_max_logit``):
+    a NaN on any one rank gives NaN on every rank (``MPI.MAX`` alone may drop it), a head of
+    -inf everywhere gives -inf."""
     from ringmpi.backends.numpy_backend import NumpyBackend
     from ringmpi.core.online_softmax import SoftmaxState
+    from ringmpi.parallel.ring_passes import reduce_max_logit
 
     rank, size = comm.Get_rank(), comm.Get_size()
     problems = []
@@ -405,7 +407,7 @@ def nan_max_case(comm, case):
             m[1, 1, 3] = np.nan
         state = SoftmaxState(NumpyBackend(), m.shape, 1, m.dtype)
         state.m[...] = m
-        out = state.max_logit(comm)
+        out = reduce_max_logit(comm, state.local_max_logit())
         want0 = max(comm.allgather(float(m[:, 0].max())))
         if not (out[0] == np.float32(want0) and np.isnan(out[1]) and out[2] == -np.inf and out.dtype == m.dtype):
             problems.append(f"NaN on rank {nan_rank}: rank {rank} got {out}")

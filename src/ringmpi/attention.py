@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional, Union
 import numpy as np
 
 from .core import dtypes as _dtypes
+from .core.host import to_host
 from .backends import get_backend
 from .backends import device_problem, modifier_problem
 from .backends import value_dim_problem as _value_dim_problem
@@ -28,13 +29,12 @@ from .runtime.errors import agree
 from .runtime.faults import fault_point
 from .core import positions as _positions
 from .core.layout import KINDS, Layout
+from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
-from .parallel.ring import default_timeout, resolve_comm
+from .parallel.comm import resolve_comm
 from .parallel.topology import resolve_groups
-from .runtime.watchdog import phase
-
-FLOAT_DTYPES = _dtypes.NAMES
+from .runtime.watchdog import deadline, phase
 
 
 def _describe(x) -> str:
@@ -46,26 +46,16 @@ def _local_problem(q, k, v, seg_q, seg_kv, extra, declared=None) -> Optional[str
     for name, x in (("q", q), ("k", k), ("v", v)) + tuple(extra):
         if getattr(x, "ndim", None) != 4:
             return f"{name} must be 4-D (B, S_local, H, D), got {_describe(x) if hasattr(x, 'shape') else type(x).__name__}"
-        if str(x.dtype) not in FLOAT_DTYPES:
-            return (f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+        if str(x.dtype) not in _dtypes.NAMES:
+            return (f"{name} has unsupported dtype {x.dtype}; expected one of {', '.join(_dtypes.NAMES)}"
                     + (" (pass dtype='bfloat16' to read uint16 bfloat16 bit patterns)" if str(x.dtype) == "uint16" else ""))
         if declared is not None and str(x.dtype) != _dtypes.declared_name(declared):
             return f"{name} has dtype {x.dtype} but dtype={declared!r} was given"
-    if k.shape[:3] != v.shape[:3]:
-        return (f"k and v must agree on (B, S_kv_local, H_kv), got k {tuple(k.shape)} and v {tuple(v.shape)}"
-                " (only the last dim, D_v, may differ)")
-    if v.shape[3] == 0:
-        return "value head dim D_v must be >= 1"
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.shape[0] != k.shape[0]:
-        return f"q and k/v batch sizes differ: {q.shape[0]} vs {k.shape[0]}"
-    if q.shape[3] != k.shape[3]:
-        return f"q and k/v head dims differ: {q.shape[3]} vs {k.shape[3]}"
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        return f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})"
-    if q.shape[3] == 0:
-        return "head dim must be >= 1"
+    shapes = qkv_problem(q.shape, k.shape, v.shape)
+    if shapes is not None:
+        return shapes[1]
     for name, x in tuple(extra):
         want = _output_shape(q, v)
         if x.shape != want:
@@ -87,7 +77,7 @@ def _output_shape(q, v) -> tuple:
 
 
 def _first_nonfinite(name: str, x, layout_positions) -> Optional[str]:
-    xh = np.asarray(x.get() if hasattr(x, "get") else x)
+    xh = to_host(x)
     finite = _dtypes.isfinite(xh)
     if finite.all():
         return None
@@ -103,8 +93,8 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
     comm = resolve_comm(comm)
     be = get_backend(backend, (q, k, v))
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
-    seg_q = None if segment_ids_q is None else np.asarray(_host(segment_ids_q))
-    seg_kv = None if segment_ids_kv is None else np.asarray(_host(segment_ids_kv))
+    seg_q = None if segment_ids_q is None else to_host(segment_ids_q)
+    seg_kv = None if segment_ids_kv is None else to_host(segment_ids_kv)
     pos_q = _positions.as_positions(positions_q)
     pos_kv = pos_q if positions_kv is None else _positions.as_positions(positions_kv)
     agree(comm, options.dtype_problem() or _local_problem(q, k, v, seg_q, seg_kv, extra, options.dtype)
@@ -124,9 +114,9 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
     ct = be.compute_dtype(q.dtype)
     return AgreedCall(comm=comm, backend=be, batch=q.shape[0], heads=q.shape[2], compute_dtype=ct,
                       place_q=place_q, place_kv=place_kv,
-                      spec=options.mask_spec(q.shape[2], offset=place_kv.n - place_q.n),
+                      spec=options.score_spec(q.shape[2], offset=place_kv.n - place_q.n),
                       scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
-                      timeout=default_timeout() if options.timeout is None else options.timeout,
+                      timeout=deadline(options.timeout),
                       sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
 
 
@@ -227,10 +217,6 @@ def _agree_finite(comm, named) -> None:
         if problem:
             break
     agree(comm, problem)
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else x
 
 
 def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguous",

@@ -35,17 +35,19 @@ from typing import Optional
 
 import numpy as np
 
+from .core import dtypes as _dtypes
 from .core import positions as _placement
 from .backends import get_backend, modifier_problem, value_dim_problem
 from .runtime.errors import ConfigError, agree
+from .core.host import to_host
 from .core.layout import KINDS, Layout
 from .core.masks import BlockMask
 from .core.online_softmax import SoftmaxState
+from .core.shapes import qkv_problem
 from .options import AttentionOptions
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _EXTRA = 4  # lse, flag, sig, -sig after the D output columns
 
 
@@ -96,8 +98,8 @@ def _describe(x) -> str:
 def _q_problem(q) -> Optional[str]:
     if getattr(q, "ndim", None) != 4:
         return f"q must be 4-D (B, S_new, H, D), got {_describe(q)}"
-    if str(q.dtype) not in FLOAT_DTYPES:
-        return f"q has unsupported dtype {q.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+    if str(q.dtype) not in _dtypes.NAMES:
+        return f"q has unsupported dtype {q.dtype}; expected one of {', '.join(_dtypes.NAMES)}"
     if q.shape[1] < 1 or q.shape[3] < 1:
         return f"q needs S_new >= 1 and D >= 1, got shape {tuple(q.shape)}"
     return None
@@ -110,14 +112,18 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths) -> Optional[str]:
             return f"{name} must be 4-D (B, S_cache_local, H_kv, D), got {_describe(x)}"
         if x.dtype != q.dtype:
             return f"{name} dtype {x.dtype} differs from q's {q.dtype}"
-    if k.shape[:3] != v.shape[:3]:
+    shapes = qkv_problem(q.shape, k.shape, v.shape)
+    rule = None if shapes is None else shapes[0]
+    if rule == "kv":
         return (f"k_cache and v_cache must agree on (B, S_cache_local, H_kv), got {tuple(k.shape)} and "
                 f"{tuple(v.shape)} (only the last dim, D_v, may differ)")
-    b, _, h, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d:
+    if rule == "value_dim":
+        return f"v_cache's value head dim D_v must be >= 1, got shape {tuple(v.shape)}"
+    if rule in ("batch", "head_dim"):
         return f"k_cache {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim"
-    if k.shape[2] == 0 or h % k.shape[2]:
-        return f"q heads ({h}) must be a multiple of cache heads ({k.shape[2]})"
+    if rule == "heads":
+        return f"q heads ({q.shape[2]}) must be a multiple of cache heads ({k.shape[2]})"
+    b = q.shape[0]
     if k.shape[1] != n_local:
         return f"the cache shard holds {k.shape[1]} rows, the layout gives this rank {n_local}"
     if lengths is not None:
@@ -126,10 +132,6 @@ def _cache_problem(q, k, v, n_local, n_cache, lengths) -> Optional[str]:
         if lengths.min() < 0 or lengths.max() > n_cache:
             return f"cache_lengths must lie in [0, N_cache = {n_cache}], got {lengths.tolist()}"
     return None
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _given_positions(comm, positions_kv, n_local):
@@ -265,8 +267,7 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
         if not 0 <= int(root) < comm.Get_size():
             raise ConfigError(f"root {root} outside the communicator of size {comm.Get_size()}")
         with phase(f"decode: broadcasting q from rank {root}"):
-            with phase(f"decode: broadcasting q from rank {root}"):
-                q = comm.bcast(_host(q) if rank == root else None, root=root)
+            q = comm.bcast(to_host(q) if rank == root else None, root=root)
     be = get_backend(backend, (q, k_cache, v_cache))
     q, k_cache, v_cache = be.asarray(q), be.asarray(k_cache), be.asarray(v_cache)
     problem = _q_problem(q)
@@ -279,7 +280,7 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
     if problem:  # this rank still joins the collectives, with options that build a spec
         options = AttentionOptions(causal=options.causal, invariant=options.invariant)
     start = time.perf_counter()
-    lengths = None if cache_lengths is None else np.asarray(_host(cache_lengths)).astype(np.int64)
+    lengths = None if cache_lengths is None else to_host(cache_lengths).astype(np.int64)
     if problem is None:
         problem = _cache_problem(q, k_cache, v_cache, len(pos), n_cache, lengths)
     if problem is None:
@@ -327,7 +328,7 @@ def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, ru
     own cache rows (nothing seen when ``run`` is False: the rank only joins the merge)."""
     batch, s_new = q.shape[:2]
     ct = be.compute_dtype(q.dtype)
-    scale, spec = options.scale(q.shape[3]), options.mask_spec(q.shape[2])
+    scale, spec = options.scale(q.shape[3]), options.score_spec(q.shape[2])
     qh = be.heads_view(q, ct)
     state = SoftmaxState(be, qh.shape[:3], dim, ct)
     if run and len(pos):
@@ -352,9 +353,9 @@ def _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim) -
     batch, s_new, heads = q.shape[:3]
     ct = o_part.dtype
     packed = np.empty((batch, s_new, heads, dim + _EXTRA), dtype=ct)
-    packed[..., :dim] = _host(o_part)
-    packed[..., dim] = _host(lse_part).transpose(0, 2, 1)
-    host_q = _host(q)
+    packed[..., :dim] = to_host(o_part)
+    packed[..., dim] = to_host(lse_part).transpose(0, 2, 1)
+    host_q = to_host(q)
     sig = float(options.digest(host_q, lengths, extra=(tuple(q.shape), str(q.dtype), n_cache)) & 0xFFFFFF)
     packed[..., dim + 1] = 0.0 if problem is None else 1.0
     packed[..., dim + 2] = sig
@@ -370,6 +371,6 @@ def _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim) -
                           "causal, window, softmax_scale, softcap, alibi_slopes or N_cache must be the same on every rank)")
     if options.sinks is not None:  # the sink is one more partial result: o = 0, lse = sink
         sink_rows = np.zeros_like(merged)
-        sink_rows[..., dim] = np.asarray(_host(options.sinks), dtype=np.float64).astype(ct)[None, None, :]
+        sink_rows[..., dim] = np.asarray(to_host(options.sinks), dtype=np.float64).astype(ct)[None, None, :]
         merge_partials(sink_rows.reshape(-1, dim + _EXTRA), flat)
     return merged

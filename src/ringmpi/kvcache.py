@@ -27,7 +27,7 @@ import numpy as np
 
 from .runtime.errors import ConfigError
 from .core.layout import KINDS, Layout
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ object travels and nothing else checks what it checks:
   message, or None), for the caller to agree on across ranks (``errors.agree``);
 * :meth:`AttentionOptions.digest` -- a CRC of everything the ranks must pass
   alike (the call's own arrays may be added), compared with one collective;
-* :meth:`AttentionOptions.mask_spec` -- the :class:`~ringmpi.core.masks.MaskSpec` the
+* :meth:`AttentionOptions.score_spec` -- the :class:`~ringmpi.core.masks.ScoreSpec` the
   options imply for a call with global lengths ``N_q``, ``N_kv``.
 
 The file job writes them as HDF5 attributes (:mod:`ringmpi.filejob.attributes`).
@@ -32,9 +32,8 @@ from .core.dropout import MAX_POSITION, Dropout
 from .core.dropout import validate as _dropout_validate
 from .core import modifiers as _modifiers
 from .core.host import to_host
-from .core.masks import MaskSpec
+from .core.masks import ScoreSpec
 
-SINK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 PER_HEAD = ("sinks",) + _modifiers.FIELDS  # the (H,) array fields, one value per query head
 Window = Optional[Tuple[Optional[int], Optional[int]]]
 
@@ -72,8 +71,8 @@ def sinks_problem(sinks, heads: int) -> Optional[str]:
     shape = getattr(sinks, "shape", None)
     if shape is None or tuple(shape) != (heads,):
         return f"sinks must have shape (H,) = ({heads},), got {None if shape is None else tuple(shape)}"
-    if str(sinks.dtype) not in SINK_DTYPES:
-        return f"sinks must be one of {', '.join(SINK_DTYPES)}, got dtype {sinks.dtype}"
+    if str(sinks.dtype) not in _dtypes.NAMES:
+        return f"sinks must be one of {', '.join(_dtypes.NAMES)}, got dtype {sinks.dtype}"
     host = to_host(sinks).astype(np.float64)
     if not np.isfinite(host).all():
         return f"sinks must be finite, got {host[~np.isfinite(host)][0]} at head {int(np.argmin(np.isfinite(host)))}"
@@ -144,7 +143,9 @@ class AttentionOptions:
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
     timeout : float, optional
-        Deadline in seconds for each ring wait (default: ``RINGMPI_TIMEOUT`` or none).
+        Deadline in seconds for each ring wait (default: the one rule of
+        :func:`ringmpi.runtime.watchdog.deadline`: ``ringmpi run --timeout``, else
+        ``RINGMPI_TIMEOUT``, else none).
     check_finite : bool
         Reject NaN/Inf inputs, naming the global index of the first one.
         Without the check (the default) a NaN/Inf reaches exactly the queries
@@ -263,7 +264,7 @@ class AttentionOptions:
 
     def for_heads(self, first: int, count: int) -> "AttentionOptions":
         """These options for a call over the query heads ``[first, first + count)`` of this one
-        (as :meth:`MaskSpec.for_heads`): the per-head arrays (``sinks``, ``alibi_slopes``)
+        (as :meth:`ScoreSpec.for_heads`): the per-head arrays (``sinks``, ``alibi_slopes``)
         sliced; ``dropout_offsets`` stay the caller's to set."""
         return replace(self, **{name: getattr(self, name)[first:first + count] for name in PER_HEAD
                                 if getattr(self, name) is not None})
@@ -343,12 +344,12 @@ class AttentionOptions:
         b0, h0, total = (0, 0, heads) if self.dropout_offsets is None else self.dropout_offsets
         return float(self.dropout_p), int(self.dropout_seed), int(b0), int(h0), int(total)
 
-    def mask_spec(self, heads: int, offset: int = 0) -> MaskSpec:
+    def score_spec(self, heads: int, offset: int = 0) -> ScoreSpec:
         """The mask spec of a call with ``heads`` query heads and ``offset = N_kv - N_q``."""
         key = self.dropout_key(heads)
         dropout = None if key is None else Dropout(p=key[0], seed=key[1], heads=key[4],
                                                    batch_offset=key[2], head_offset=key[3])
-        return MaskSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
+        return ScoreSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
                         softcap=None if self.softcap is None else float(self.softcap),
                         exact_max=bool(self.return_max_logit), dropout=dropout,
                         modifiers=_modifiers.of_fields({f: getattr(self, f) for f in _modifiers.FIELDS}))

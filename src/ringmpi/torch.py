@@ -49,8 +49,8 @@ from .core.host import to_host
 from .core.layout import Layout
 from .core.modifiers import FIELDS as MODIFIER_FIELDS
 from .options import AttentionOptions, option_edge, option_fields
+from .parallel.comm import resolve_comm
 from .runtime.errors import ConfigError, agree
-from .parallel.ring import resolve_comm
 from .parallel.topology import head_parallel_setting
 
 __all__ = ["ring_attention", "scaled_dot_product_attention", "RingSelfAttention"]
@@ -279,7 +279,7 @@ def _host_tensor(x):
         return None
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
-    return torch.from_numpy(np.asarray(to_host(x)))
+    return torch.from_numpy(to_host(x))
 
 
 def _host_numpy(t):

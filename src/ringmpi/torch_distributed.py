@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
+from .runtime.watchdog import phase
 
 __all__ = ["init_process_group", "new_group"]
 
@@ -42,20 +43,24 @@ def init_process_group(comm=None, backend: str = "gloo", timeout: Optional[float
     address = None
     if comm.Get_rank() == 0:
         address = (socket.gethostbyname(socket.gethostname()), _free_port())
-    host, port = comm.bcast(address, root=0)
+    with phase("torch.distributed: rank 0's rendezvous address (bcast)"):
+        host, port = comm.bcast(address, root=0)
     kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size(), **kw)
+    with phase(f"torch.distributed: the {backend} rendezvous (init_process_group)", timeout):
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
+                                world_size=comm.Get_size(), **kw)
 
 
 def new_group(comm, color: int):
     """Collective over ``comm`` (the world of :func:`init_process_group`): the torch process
     group of the ranks with the same ``color`` (like ``comm.Split(color)``), ranks in ``comm``
     order.  Every group is made on every rank, as torch requires; returns this rank's."""
-    colors = comm.allgather(int(color))
+    with phase("torch.distributed: the ranks' group colors (allgather)"):
+        colors = comm.allgather(int(color))
     mine = None
-    for c in sorted(set(colors)):
-        group = dist.new_group([r for r, x in enumerate(colors) if x == c])
-        if c == color:
-            mine = group
+    with phase("torch.distributed: making the process groups (new_group)"):
+        for c in sorted(set(colors)):
+            group = dist.new_group([r for r, x in enumerate(colors) if x == c])
+            if c == color:
+                mine = group
     return mine

@@ -40,7 +40,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from . import torch as _rt
 from .runtime.errors import ConfigError, agree
 from .core.layout import Layout
-from .parallel.ring import resolve_comm
+from .parallel.comm import resolve_comm
+from .runtime.watchdog import phase
 
 __all__ = ["NAME", "CONTEXT_KEY", "IGNORE_INDEX", "ShardContext", "register", "attention_forward",
            "shard_batch", "gather", "dropout_seed"]
@@ -82,7 +83,8 @@ class ShardContext:
         if position_ids is None or id(position_ids) in self._checked:
             return
         problem, offsets = _position_offsets(position_ids, self.positions, self.segment_ids)
-        every = self.comm.allgather((problem, offsets))
+        with phase("transformers: the ranks' position_ids check (allgather)"):
+            every = self.comm.allgather((problem, offsets))
         problem = next((f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p), None)
         if problem is None:
             seen: dict = {}
@@ -286,7 +288,8 @@ def gather(x: torch.Tensor, *, comm=None, layout: Union[str, Layout] = "zigzag",
     """Every rank's ``(B, S_local, ...)`` shard of ``x`` in global token order ``(B, N, ...)``,
     on every rank, on ``x``'s device; collective over ``comm``.  Not differentiable."""
     comm = resolve_comm(comm)
-    parts = comm.allgather(x.detach().cpu())
+    with phase("transformers.gather: every rank's shard (allgather)"):
+        parts = comm.allgather(x.detach().cpu())
     kind = layout.kind if isinstance(layout, Layout) else layout
     lay = Layout(kind, sum(p.shape[axis] for p in parts), comm.Get_size())
     return lay.unshard(parts, axis=axis).to(x.device)

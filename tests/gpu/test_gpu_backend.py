@@ -17,7 +17,7 @@ from ringmpi.runtime.device import gpu_unavailable_reason
 from ringmpi.backends.cupy_backend import mask_scalars, tile_bounds
 from ringmpi.backends.numpy_backend import NumpyBackend
 from ringmpi.core.dtypes import BFLOAT16, float64_to_bfloat16
-from ringmpi.core.masks import FULL, SKIP, BlockMask, MaskSpec
+from ringmpi.core.masks import FULL, SKIP, BlockMask, ScoreSpec
 from ringmpi.core.dense_reference import DenseReference, tolerance
 
 NO_GPU = f"no usable CUDA GPU: {gpu_unavailable_reason()}"
@@ -110,13 +110,13 @@ CASES = {
 
 def make_case(name, d, dtype, seed=0):
     batch, sq, skv, heads, kv_heads, kw, with_seg = CASES[name]
-    spec = MaskSpec(**kw)
+    spec = ScoreSpec(**kw)
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, sq, heads, d))
     k = rng.standard_normal((batch, skv, kv_heads, d))
     v = rng.standard_normal((batch, skv, kv_heads, d))
     do = rng.standard_normal((batch, sq, heads, d))
-    # positions count from 0 on both sides; MaskSpec.offset aligns them
+    # positions count from 0 on both sides; ScoreSpec.offset aligns them
     q_pos = np.arange(sq, dtype=np.int64)
     kv_pos = np.arange(skv, dtype=np.int64)
     seg_q = seg_kv = None
@@ -309,12 +309,12 @@ def _classify_like_kernel(spec, qp, kp, sq, sk):
     return state
 
 
-@pytest.mark.parametrize("spec", [MaskSpec(), MaskSpec(causal=True), MaskSpec(causal=True, offset=37),
-                                  MaskSpec(window=(5, 9)), MaskSpec(window=(None, 3)),
-                                  MaskSpec(causal=True, window=(12, None), offset=-20)])
+@pytest.mark.parametrize("spec", [ScoreSpec(), ScoreSpec(causal=True), ScoreSpec(causal=True, offset=37),
+                                  ScoreSpec(window=(5, 9)), ScoreSpec(window=(None, 3)),
+                                  ScoreSpec(causal=True, window=(12, None), offset=-20)])
 def test_kernel_tile_classification_is_conservative(spec):
     """SKIP only when nothing is visible, FULL only when everything is
-    (host port of the in-kernel rule, against MaskSpec.visible)."""
+    (host port of the in-kernel rule, against ScoreSpec.visible)."""
     rng = np.random.default_rng(1)
     for _ in range(300):
         q0, k0 = rng.integers(0, 200, size=2)

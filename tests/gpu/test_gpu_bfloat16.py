@@ -148,7 +148,7 @@ def test_cupy_backend_rounds_q_and_do_like_numpy(kv, d):
 
     from ringmpi.backends.cupy_backend import CupyBackend
     from ringmpi.core.dtypes import resolve
-    from ringmpi.core.masks import BlockMask, MaskSpec
+    from ringmpi.core.masks import BlockMask, ScoreSpec
 
     kvt = resolve(kv)
     be = CupyBackend.instance()
@@ -157,7 +157,7 @@ def test_cupy_backend_rounds_q_and_do_like_numpy(kv, d):
     qh = rng.standard_normal((b, h, sq, d)).astype(np.float32)
     doh = rng.standard_normal((b, h, sq, d)).astype(np.float32)
     kh, vh = (cp.asarray(rng.standard_normal((b, h, skv, d)).astype(kvt)) for _ in range(2))
-    mask = BlockMask(MaskSpec(causal=True, offset=skv - sq), np.arange(sq), np.arange(skv), None, None)
+    mask = BlockMask(ScoreSpec(causal=True, offset=skv - sq), np.arange(sq), np.arange(skv), None, None)
     lse = cp.asarray(rng.standard_normal((b, h, sq)).astype(np.float32) + 5)
     dvec = cp.asarray(rng.standard_normal((b, h, sq)).astype(np.float32))
 

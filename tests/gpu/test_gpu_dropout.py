@@ -20,7 +20,7 @@ import pytest
 from ringmpi.backends import gpu_available
 from ringmpi.backends.numpy_backend import NumpyBackend
 from ringmpi.core.dropout import Dropout
-from ringmpi.core.masks import BlockMask, MaskSpec
+from ringmpi.core.masks import BlockMask, ScoreSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from mpi_util import mpirun_env, run_cases  # noqa: E402
@@ -39,7 +39,7 @@ def _mask(p, seed, heads, sq, skv, causal=False, high=0):
     rng = np.random.default_rng(seed)
     q_pos = np.sort(rng.choice(4 * sq, sq, replace=False)) + high
     kv_pos = np.sort(rng.choice(4 * skv, skv, replace=False)) + high
-    spec = MaskSpec(causal=causal, dropout=Dropout(p=p, seed=seed, heads=heads))
+    spec = ScoreSpec(causal=causal, dropout=Dropout(p=p, seed=seed, heads=heads))
     return BlockMask(spec, q_pos.astype(np.int64), kv_pos.astype(np.int64))
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from ringmpi import kernels as K
 from ringmpi.backends import gpu_available
-from ringmpi.core.masks import MaskSpec
+from ringmpi.core.masks import ScoreSpec
 from ringmpi.core.dense_reference import tolerance
 from test_gpu_backend import NO_GPU, check, max_err, naive, reference64, round_to, run_backend, visibility
 
@@ -49,7 +49,7 @@ def test_more_batch_heads_than_grid_y(dtype):
     pos = np.arange(s, dtype=np.int64)
     kind = K.F32 if dtype == "float32" else K.BF16
     assert K.forward_kernel(kind, d).grid(batch, heads, kv_heads, s, s)[2] == 2
-    _judge((MaskSpec(causal=True), q, k, v, do, pos, pos, None, None), d, dtype, f"B*H=66000 {dtype}")
+    _judge((ScoreSpec(causal=True), q, k, v, do, pos, pos, None, None), d, dtype, f"B*H=66000 {dtype}")
 
 
 # (compute capability, opt-in shared memory per block) whose plans run on a bigger GPU

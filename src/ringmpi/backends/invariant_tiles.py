@@ -30,10 +30,14 @@ import math
 
 import numpy as np
 
-from ..core import fixed_point
 from ..core.global_tiles import TILE, Tiling, aligned
 from ..core.masks import FULL, PARTIAL, SKIP, classify_tiles
-from .numpy_backend import _bad_rows, _cap, _exp_pass
+from .fixed_sums import add as fixed_add
+
+
+def _bad_rows(x) -> np.ndarray:
+    """``(..., S)`` bool: the rows of ``x (..., S, D)`` holding a NaN or Inf."""
+    return ~np.isfinite(x).all(axis=-1)
 
 
 def _scratch(store: dict, key, shape, dtype) -> np.ndarray:
@@ -93,9 +97,11 @@ class Resident:
     the default ops do, flagged rows zeroed).  ``lse``, ``dvec (B, H, S)`` become ``(B, H, nq,
     TILE)`` tiles, ``lse = -inf`` (a row that saw nothing) read as ``+inf`` (``P = 0``), pads
     ``+inf``.  ``bad (B, H, nq, TILE)`` flags rows with NaN/Inf (``lse`` ``+inf``, ``dvec`` 0 there).
+    ``exp_pass(s, scale, bias, shift, sums)``: the backend's elementwise tile pass.
     """
 
-    def __init__(self, positions, seg, q, kv_dtype, ct, spec, do=None, lse=None, dvec=None):
+    def __init__(self, positions, seg, q, kv_dtype, ct, spec, exp_pass, do=None, lse=None, dvec=None):
+        self.exp_pass = exp_pass  # the backend's tile pass: s = exp(s * scale + bias - shift), row sums
         self.tiling = Tiling.of(positions)
         self.ct, self.spec, self.kv_dtype = np.dtype(ct), spec, np.dtype(kv_dtype)
         self.seg = _tiled_segments(self.tiling, seg)
@@ -211,7 +217,7 @@ class _Terms:
             self.bias = np.where(self.vis, self.ct.type(0), self.ct.type(-np.inf))
         spec = blk.spec
         self.terms = None
-        if spec.modifiers:  # score modifiers with per-head terms (MaskSpec.modifier_terms)
+        if spec.modifiers:  # score modifiers with per-head terms (ScoreSpec.modifier_terms)
             self.terms = spec.modifier_terms(self.q_pos, self.k_pos, self.ct)
 
     @property
@@ -257,12 +263,10 @@ def _scores_for_pass(s, scale, softcap, full, t=None):
     if softcap is None:
         return scale, full
     np.multiply(s, scale, out=s)
-    if t is not None:
-        np.divide(s, softcap, out=t)
-        np.tanh(t, out=t)
-        np.multiply(t, softcap, out=s)
-    else:
-        _cap(s, softcap)
+    t = s if t is None else t  # the cap's tanh, kept for the backward's slope when t is given
+    np.divide(s, softcap, out=t)
+    np.tanh(t, out=t)
+    np.multiply(t, softcap, out=s)
     if full is not None:
         s += full
     return s.dtype.type(1), None
@@ -381,7 +385,7 @@ def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, gr
         sums = _scratch(st, "sums", (n * TILE,), ct)
         np.matmul(q_tile[None], k_stack.swapaxes(1, 2), out=s)
         pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st))
-        _exp_pass(s.reshape(n * TILE, TILE), pass_scale,
+        res.exp_pass(s.reshape(n * TILE, TILE), pass_scale,
                   None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
                   _shift_rows(_scratch(st, "shift", (n * TILE,), ct), shift[b, h, i], n), sums)
         drop = _drop(spec, b, h, q_pos[i], terms.k_pos, n, True, ct)
@@ -390,8 +394,8 @@ def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, gr
         pv = _scratch(st, "pv", (n, TILE, v_stack.shape[2]), ct)
         np.matmul(s, v_stack, out=pv)
         bad = poison[b, h, i][None]
-        fixed_point.add(acc_o[b, h, i][None], pv, cols=grid_o[b, hkv], bad=bad, limbs=limbs)
-        fixed_point.add(acc_l[b, h, i][None], sums.reshape(n, TILE, 1), cols=grid_l, bad=bad, limbs=limbs)
+        fixed_add(acc_o[b, h, i][None], pv, cols=grid_o[b, hkv], bad=bad, limbs=limbs)
+        fixed_add(acc_l[b, h, i][None], sums.reshape(n, TILE, 1), cols=grid_l, bad=bad, limbs=limbs)
         _poison_forward(res, terms, poison, b, h, hkv, i, keys)
 
     counts, _ = _forward_tiles(res, kh, vh, mask, scale, tick, pair)
@@ -489,7 +493,7 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
     np.matmul(qs, k_tile.T, out=s)
     t = None if softcap is None else _scratch(st, "t", (n, TILE, TILE), ct)
     pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st), t)
-    _exp_pass(s.reshape(n * TILE, TILE), pass_scale, None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
+    res.exp_pass(s.reshape(n * TILE, TILE), pass_scale, None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
               np.ascontiguousarray(lse).reshape(-1), sums)
     if not sums.max() <= 2:  # lse does not bound some rows' scores: poison them and the keys they see
         over = ~(sums <= 2).reshape(n, TILE)
@@ -501,7 +505,7 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
     pd = s if drop is None else s * drop
     out_v = _scratch(st, "outv", (n, TILE, dos.shape[2]), ct)
     np.matmul(pd.swapaxes(1, 2), dos, out=out_v)
-    fixed_point.add(tile_dv[None], out_v, cols=grids.dv_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
+    fixed_add(tile_dv[None], out_v, cols=grids.dv_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
     np.matmul(dos, v_tile.T, out=dp)
     if drop is not None:
         dp *= drop
@@ -513,10 +517,10 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
         dp *= t
     out_d = _scratch(st, "outd", (n, TILE, qs.shape[2]), ct)
     np.matmul(dp, k_tile, out=out_d)
-    fixed_point.add(dq_acc[b, h], out_d, rows=grids.dq_rows[b, h], cols=grids.dq_cols[b, hkv], index=index,
+    fixed_add(dq_acc[b, h], out_d, rows=grids.dq_rows[b, h], cols=grids.dq_cols[b, hkv], index=index,
                     bad=q_poison[b, h], limbs=limbs)
     np.matmul(dp.swapaxes(1, 2), qs, out=out_d)
-    fixed_point.add(tile_dk[None], out_d, cols=grids.dk_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
+    fixed_add(tile_dk[None], out_d, cols=grids.dk_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
     bad_j = blk.bad[b, hkv, j]
     if res.any_bad[b, h] or bad_j.any():
         rows_p, keys_p = _poison_pairs(terms.visibility(), res.bad[b, h, index], bad_j)

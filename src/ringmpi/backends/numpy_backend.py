@@ -19,7 +19,7 @@ from ..core.dtypes import compute_dtype, is_16bit
 from ..runtime.env import positive_int
 from ..core.masks import FULL, SKIP, BlockMask
 from ..core.modifiers import FIELDS as MODIFIER_FIELDS
-from . import HostMessage
+from .interface import HostMessage
 
 TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
 TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
@@ -303,7 +303,7 @@ def _visible_matmul(a, b, vis):
     return out
 
 
-def _clean_copy(x, bad):
+def clean_copy(x, bad):
     """A copy of ``x`` with the bad rows set to 0, laid out as ``x`` is: the same strides, at
     the same offset in a 64-byte line.  A BLAS call then takes on the copy the kernel it takes
     on ``x``, so every clean row is summed in the same order: OpenBLAS's AVX-512 gemv (used
@@ -344,7 +344,7 @@ def _careful_forward_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_row
     m_rows[redo] = np.where(fresh, -np.inf, 0)  # a clean run's path choice for this tile
     l_rows[redo] = 0
     o_rows[redo] = 0
-    q_clean, k_clean, v_clean = _clean_copy(q_t, bad_q), _clean_copy(k_t, bad_k), _clean_copy(v_t, bad_v)
+    q_clean, k_clean, v_clean = clean_copy(q_t, bad_q), clean_copy(k_t, bad_k), clean_copy(v_t, bad_v)
     fix_pv = None
     if bad_v.any():
         see_v = vis[:, bad_v] & ~redo[:, None]
@@ -394,8 +394,8 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     redo = bad_rows | vis[:, bad_cols].any(axis=1)
     lse_clean = np.where(redo, np.inf, lse_t).astype(lse_t.dtype, copy=False)  # P = 0 on those rows
     dvec_clean = np.where(redo, 0, dvec_t).astype(dvec_t.dtype, copy=False)
-    clean = (_clean_copy(q_t, bad_rows), _clean_copy(do_t, bad_rows), _clean_copy(k_t, bad_cols),
-             _clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, _plus(bias, extra), scale, dq_t, dk_t, dv_t)
+    clean = (clean_copy(q_t, bad_rows), clean_copy(do_t, bad_rows), clean_copy(k_t, bad_cols),
+             clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, _plus(bias, extra), scale, dq_t, dk_t, dv_t)
     if softcap is None:
         _backward_tile(*clean, drop=drop)
     else:
@@ -737,7 +737,7 @@ class NumpyBackend:
     def invariant_resident(qh, positions, seg, kv_dtype, ct, spec, do=None, lse=None, dvec=None):
         """The call's resident rows as global tiles (:class:`ringmpi.backends.invariant_tiles.Resident`)."""
         from .invariant_tiles import Resident
-        return Resident(positions, seg, qh, kv_dtype, ct, spec, do=do, lse=lse, dvec=dvec)
+        return Resident(positions, seg, qh, kv_dtype, ct, spec, _exp_pass, do=do, lse=lse, dvec=dvec)
 
     @staticmethod
     def invariant_max_block(*args, **kwargs):

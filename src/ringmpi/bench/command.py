@@ -72,7 +72,7 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
     """
     from ..backends import get_backend
     from ..runtime.errors import agree
-    from ..parallel.ring import resolve_comm
+    from ..parallel.comm import resolve_comm
 
     kv_heads = heads if kv_heads is None else kv_heads
     dim_v = dim if dim_v is None else dim_v

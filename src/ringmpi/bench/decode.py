@@ -117,7 +117,7 @@ def run(cfg, json_path=None):
 
     from ..backends import get_backend
     from ..runtime.errors import agree
-    from ..parallel.ring import resolve_comm
+    from ..parallel.comm import resolve_comm
 
     comm = resolve_comm(None)
     agree(comm, None if cfg["heads"] % cfg["kv_heads"] == 0 else

@@ -35,7 +35,7 @@ def _time(fn, stream, repeats):
 def bench_ours(batch, heads, seqlen, d, causal, repeats):
     import cupy as cp
     from ..backends.cupy_backend import CupyBackend
-    from ..core.masks import BlockMask, MaskSpec
+    from ..core.masks import BlockMask, ScoreSpec
 
     be = CupyBackend.instance()
     rng = cp.random.default_rng(0)
@@ -47,7 +47,7 @@ def bench_ours(batch, heads, seqlen, d, causal, repeats):
     m = cp.full(shape[:3], -cp.inf, cp.float32)
     l = cp.zeros(shape[:3], cp.float32)
     pos = np.arange(seqlen, dtype=np.int64)
-    mask = BlockMask(MaskSpec(causal=causal), pos, pos)
+    mask = BlockMask(ScoreSpec(causal=causal), pos, pos)
     scale = 1.0 / np.sqrt(d)
 
     def fwd():

@@ -87,7 +87,8 @@ def main(argv=None):
     """Console entry point: errors end the whole job, bad input exits 2 on every rank."""
     one_thread_per_rank()
     mpi_io_across_nodes()
-    from ..runtime.errors import ConfigError, abort_on_error, _rank_prefix
+    from ..runtime.abort import rank_prefix
+    from ..runtime.errors import ConfigError, abort_on_error
 
     try:
         with abort_on_error():
@@ -96,7 +97,7 @@ def main(argv=None):
             _usage_error(rc)
     except ConfigError as exc:
         # raised identically on every rank (after errors.agree): rank 0 speaks, all exit 2
-        prefix = _rank_prefix()
+        prefix = rank_prefix()
         if prefix in ("", "[rank 0] "):
             click.echo(f"ringmpi: error: {exc}", err=True)
         sys.exit(2)
@@ -146,7 +147,10 @@ def _usage_error(exc) -> None:
     if rank is not None:
         from mpi4py import MPI
 
-        MPI.COMM_WORLD.Barrier()
+        from ..runtime.watchdog import phase
+
+        with phase("the ranks' exit after a usage error (barrier)"):
+            MPI.COMM_WORLD.Barrier()
     sys.exit(exc.exit_code)
 
 

@@ -29,8 +29,11 @@ def info():
         gpus, aware_text = None, "unknown (ringmpi.runtime.device not available)"
     from ..backends import gpu_available
     auto = "cupy" if gpu_available() else "numpy"
-    gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
-    hosts = comm.gather(MPI.Get_processor_name(), root=0)
+    from ..runtime.watchdog import phase
+
+    with phase("ringmpi info: gathering the ranks' GPU counts and hosts (gather)"):
+        gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
+        hosts = comm.gather(MPI.Get_processor_name(), root=0)
     if rank != 0:
         return
     try:

@@ -61,12 +61,11 @@ def make_data(output_path, n, heads, kv_heads, dim, dim_v, batch, n_kv, dtype, s
     \b
       mpirun -n 4 ringmpi make-data in.h5 --n 65536 --heads 8 --dim 64 --with-do
     """
-    from mpi4py import MPI
-
     from ..runtime.errors import ConfigError
     from ..filejob.hdf5 import AtomicOutput, ShardIO, create_float_dataset
+    from ..parallel.comm import dup_world
 
-    comm = MPI.COMM_WORLD.Dup()
+    comm = dup_world()
     rank, size = comm.Get_rank(), comm.Get_size()
     kv_heads = kv_heads or heads
     n_kv = n_kv or n

@@ -27,7 +27,7 @@ PER_HEAD = ("max_logit", "dsinks")  # (H,) datasets of --max-logit and --sinks-d
 def _check(in_path: str, out_path: str, max_n: int):
     """Rank 0's work: ``(exit status, report text)``; raises ConfigError for unusable files."""
     spec, attrs, sinks, inputs, ours, segs = _read(in_path, out_path, max_n)
-    mask, scale = attrs.mask_spec(spec), attrs.attention.softmax_scale
+    mask, scale = attrs.score_spec(spec), attrs.attention.softmax_scale
     refs: Dict[str, list] = {name: [] for name in ours}
     naives: Dict[str, list] = {name: [] for name in ours}
     for b in range(spec.batch):
@@ -59,9 +59,9 @@ def _read(in_path: str, out_path: str, max_n: int):
     import h5py
 
     from ..runtime.errors import ConfigError
-    from ..filejob.hdf5 import _inspect_serial, _peek, read_float_dataset
+    from ..filejob.hdf5 import inspect_serial, open_serial, read_float_dataset
 
-    spec, problem = _inspect_serial(in_path, backward=False)
+    spec, problem = inspect_serial(in_path, backward=False)
     if problem:
         raise ConfigError(problem)
     if not h5py.is_hdf5(out_path):
@@ -70,7 +70,7 @@ def _read(in_path: str, out_path: str, max_n: int):
     if n > max_n:
         raise ConfigError(f"{in_path}: N={n} is above --max-n {max_n}; the dense reference needs "
                           f"O(N^2) time (raise --max-n if you mean it)")
-    with _peek(out_path) as fo, _peek(in_path) as fi:
+    with open_serial(out_path) as fo, open_serial(in_path) as fi:
         attrs = OutputAttributes.read(fo, out_path)
         shapes = attrs.input_shapes
         if {k: tuple(v) for k, v in shapes.items()} != spec.shapes:
@@ -137,6 +137,7 @@ def verify(input_path, output_path, max_n):
             status, text = _check(input_path, output_path, max_n)
         except ConfigError as exc:
             problem = str(exc)
+    # not under the watchdog: the other ranks wait here for as long as rank 0's dense reference takes
     problem, status = comm.bcast((problem, status), root=0)
     agree(comm, problem)
     if comm.Get_rank() == 0:

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from .dtypes import resolve as resolve_dtype
-from .masks import MaskSpec
+from .masks import ScoreSpec
 
 ROW_BLOCK = 1024
 GRADIENTS = ("dq", "dk", "dv")
@@ -34,7 +34,7 @@ class DenseReference:
 
     ``q (N_q, H, D)``, ``k (N_kv, H_kv, D)``, ``v (N_kv, H_kv, D_v)``, ``do`` like ``o`` ``(N_q, H, D_v)`` or None;
     ``seg_q (N_q,)``/``seg_kv (N_kv,)`` ints or None.  Which pairs are visible
-    is ``mask.visible`` (:class:`ringmpi.core.masks.MaskSpec`) over positions
+    is ``mask.visible`` (:class:`ringmpi.core.masks.ScoreSpec`) over positions
     ``0 .. N_q - 1`` and ``0 .. N_kv - 1``; ``mask.offset`` aligns them
     (``N_kv - N_q`` for bottom-right alignment, as ``ringmpi run`` uses).
     With ``mask.dropout`` the weights of batch entry ``batch_index`` are
@@ -42,10 +42,10 @@ class DenseReference:
     Memory ``O(ROW_BLOCK * N_kv)`` per call beyond inputs and outputs.
     ``mask.softcap`` caps the scores (``c * tanh(s / c)``); ``sinks (H,)``, when
     given, add one zero-value key of logit ``sinks[h]`` to every row; the mask's score
-    modifiers (ALiBi) add their terms after the softcap (:meth:`MaskSpec.modifier_terms`).
+    modifiers (ALiBi) add their terms after the softcap (:meth:`ScoreSpec.modifier_terms`).
     """
 
-    def __init__(self, mask: MaskSpec, scale: float, dtype, sinks=None):
+    def __init__(self, mask: ScoreSpec, scale: float, dtype, sinks=None):
         self.mask, self.scale = mask, scale
         self.dtype = resolve_dtype(dtype)
         self.sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)

@@ -19,19 +19,18 @@ off by less than ``T 2^-G = T B 2^-TOP`` (``2^-61`` or ``2^-91`` of the bound pe
 partial).  In the forward (``o`` numerator, denominator ``l >= 1``), ``B = N V_max`` with
 ``T = N / 64`` partials per row: an absolute error below ``N^2 2^-67 V_max``, ``2^-27 V_max``
 at ``N = 2^20`` (float32's own rounding of one value is up to ``2^-24``), ``2^-57 V_max`` for
-float64.  The backward's bounds (:class:`GradBounds`) carry a few more powers of two of
+float64.  The backward's bounds (:func:`dq_exponents`, :func:`kv_exponents`) carry a few more powers of two of
 slack; the tests hold every result to the project's tolerance rule.
 
 A row of ``x`` holding NaN/Inf or a value beyond the grid adds nothing and is reported in
 ``bad`` (the caller makes the row NaN): never a wrapped integer.
 
-:func:`add` runs the compiled loop (``ringmpi._ext._fixed``) or :func:`_add_numpy`, the
-same IEEE double operations in NumPy: the same integers either way.
+The loop is :func:`add_numpy` here, compiled in ``_ext/fixed.c`` (the same IEEE double
+operations: the same integers); :func:`ringmpi.backends.fixed_sums.add` runs either.
 """
 
 from __future__ import annotations
 
-import os
 import numpy as np
 
 TOP = 61          # one int64 word: partials and sums below 2^61
@@ -87,42 +86,20 @@ def value(acc: np.ndarray, limbs: int) -> np.ndarray:
     return acc[..., :c].astype(np.float64) * 2.0 ** LIMB_BITS + acc[..., c:].astype(np.float64)
 
 
-def _load():
-    if os.environ.get("RINGMPI_CPU_KERNEL", "compiled") == "numpy":
-        return None
-    try:
-        from .._ext import _fixed
-    except ImportError:
-        return None
-    return _fixed
-
-
-_FIXED = _load()
-
-
-def implementation() -> str:
-    """``"compiled"`` (``ringmpi._ext._fixed``) or ``"numpy"``: which loop :func:`add` runs."""
-    return "numpy" if _FIXED is None else "compiled"
-
-
-def add(acc, x, rows=None, cols=None, index=None, bad=None, limbs: int = 1) -> None:
-    """``acc[slot] += trunc((x * rows[slot]) * cols)`` on the integer grid, in place.
+def add_numpy(acc, x, rows=None, cols=None, index=None, bad=None, limbs: int = 1) -> None:
+    """``acc[slot] += trunc((x * rows[slot]) * cols)`` on the integer grid, in place: the definition
+    of the order-free sums' loop, in NumPy (the compiled loop, ``_ext/fixed.c``, does the same
+    IEEE double operations element by element: the same integers;
+    :func:`ringmpi.backends.fixed_sums.add` runs whichever is there).
 
     ``acc`` int64 ``(A, R, limbs * C)`` (contiguous rows, any strides between them: a view of the
-    columns of a wider array will do); ``x`` float32/float64 ``(N, R, C)``
-    C-contiguous (N partials); ``rows (A, R)``, ``cols (C,)``: float64 powers of two (the
-    grid, :func:`grid`), or None; ``index (N,)`` int64 distinct slots of ``acc``, else slot
-    ``n`` when ``A == N`` or slot 0 for every partial (``A == 1``: a sum over ``n``); ``bad``
-    uint8 ``(A, R)``: rows with NaN/Inf or an out-of-grid value (which adds nothing) set to
-    1 (None: ValueError instead)."""
-    if _FIXED is not None:
-        _FIXED.add(acc, x, rows, cols, index, bad, limbs)
-    else:
-        _add_numpy(acc, x, rows, cols, index, bad, limbs)
-
-
-def _add_numpy(acc, x, rows, cols, index, bad, limbs):
-    """:func:`add` in NumPy: the compiled loop's double operations, element by element."""
+    columns of a wider array will do); ``x`` float32/float64 ``(N, R, C)`` C-contiguous (N partials);
+    ``rows (A, R)``, ``cols (C,)``: float64 powers of two (the grid, :func:`grid`), or None (1);
+    ``index (N,)`` int64 distinct slots of ``acc``, else slot ``n`` when ``A == N`` or slot 0 for
+    every partial (``A == 1``: a sum over ``n``); ``bad`` uint8 ``(A, R)``: rows with NaN/Inf or an
+    out-of-grid value (which adds nothing) set to 1 (None: ValueError instead).  One word: ``y =
+    (x rows) cols`` truncated toward zero, ``|y| < 2^62``; two words (float64): ``hi = trunc(y
+    2^-30)``, ``lo = trunc(y - hi 2^30)`` in columns ``c`` and ``C + c``, ``|y| < 2^92``."""
     n, a = x.shape[0], acc.shape[0]
     if index is not None:
         slots = np.asarray(index, dtype=np.int64)

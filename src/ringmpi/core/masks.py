@@ -1,7 +1,9 @@
-"""Attention masks as functions of global token positions.
+"""Which scores survive, and how they are changed, as functions of global token positions.
 
-A :class:`MaskSpec` describes which keys a query may see; it never stores an
-``N x N`` matrix.  Positions are global token indices (from a
+A :class:`ScoreSpec` describes one call's scores: which keys a query may see
+(the mask rules below) and what changes a visible score (the logit softcap,
+the score modifiers of :mod:`ringmpi.core.modifiers`, dropout on the
+weights); it never stores an ``N x N`` matrix.  Positions are global token indices (from a
 :class:`~ringmpi.core.layout.Layout`), so the same spec works on every rank and for
 every layout.
 
@@ -17,15 +19,14 @@ All given rules must hold.  Tiles are classified as ``SKIP`` (nothing visible),
 ``FULL`` (everything visible, no elementwise mask needed) or ``PARTIAL``.
 
 This module is the one Python source of the rule: the NumPy tiles call
-:meth:`MaskSpec.classify` / :meth:`MaskSpec.visible`, and the CuPy backend
-builds its launch arguments with :meth:`MaskSpec.key_deltas`,
+:meth:`ScoreSpec.classify` / :meth:`ScoreSpec.visible`, and the CuPy backend
+builds its launch arguments with :meth:`ScoreSpec.key_deltas`,
 :func:`kernel_scalars`, :func:`tile_bounds` and counts its tiles with
 :func:`classify_tiles` -- the host twin of ``classify_tile`` in
 ``kernels/common.cuh``, the one place the CUDA code states the rule.
 
-A :class:`BlockMask` is the one object through which a block's mask (and,
-later, score modifiers such as softcap, sinks or dropout: a new field on
-:class:`MaskSpec`) reaches the block kernels.
+A :class:`BlockMask` is the one object through which a block's mask and its
+spec (with the modifiers and dropout) reach the block kernels.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ SKIP, PARTIAL, FULL = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class MaskSpec:
-    """Mask rules for one attention call.
+class ScoreSpec:
+    """The score rules of one attention call: its mask, modifiers and dropout.
 
     Parameters
     ----------
@@ -79,7 +80,7 @@ class MaskSpec:
     dropout: Optional["Dropout"] = None
     modifiers: Tuple["HeadModifier", ...] = ()
 
-    def for_heads(self, first: int, count: int) -> "MaskSpec":
+    def for_heads(self, first: int, count: int) -> "ScoreSpec":
         """This spec for a call over the query heads ``[first, first + count)`` of this one:
         dropout draws those heads' masks, the modifiers take their values."""
         from dataclasses import replace
@@ -192,7 +193,7 @@ class BlockMask:
     All host (NumPy) arrays; a GPU backend uploads them.
     """
 
-    spec: MaskSpec
+    spec: ScoreSpec
     q_pos: np.ndarray
     kv_pos: np.ndarray
     seg_q: Optional[np.ndarray] = None
@@ -200,15 +201,15 @@ class BlockMask:
 
 
 # ------------------------------------------------------------ the kernels' view of the rule
-def kernel_scalars(spec: MaskSpec):
+def kernel_scalars(spec: ScoreSpec):
     """``(has_lo int32, lo_delta int64, has_hi int32, hi_delta int64)``: the typed
-    launch scalars of :meth:`MaskSpec.key_deltas` (``MASK_PARAMS`` in common.cuh)."""
+    launch scalars of :meth:`ScoreSpec.key_deltas` (``MASK_PARAMS`` in common.cuh)."""
     lo, hi = spec.key_deltas()
     return (np.int32(lo is not None), np.int64(0 if lo is None else lo),
             np.int32(hi is not None), np.int64(0 if hi is None else hi))
 
 
-def modifier_scalars(spec: MaskSpec):
+def modifier_scalars(spec: ScoreSpec):
     """``(softcap float64,)``: the typed launch scalars of the score modifiers
     (``MOD_PARAMS`` in common.cuh); ``softcap = 0`` means no cap."""
     return (np.float64(0.0 if spec.softcap is None else spec.softcap),)
@@ -231,7 +232,7 @@ def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts))
 
 
-def classify_tiles(spec: MaskSpec, q_bounds: np.ndarray, kv_bounds: np.ndarray,
+def classify_tiles(spec: ScoreSpec, q_bounds: np.ndarray, kv_bounds: np.ndarray,
                    nqt: int, nkt: int, batch: int, has_seg: bool) -> np.ndarray:
     """Every tile's class as the kernels compute it (``classify_tile`` in common.cuh).
 

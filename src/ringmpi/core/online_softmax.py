@@ -15,9 +15,10 @@ here:
   is zero; the sink's own gradient is :func:`ringmpi.parallel.ring_passes.sink_grads`.)
 * **max logit** ``(H,)``: the largest score (after scale and score modifiers,
   masked keys excluded, the sink not counted) any query of head ``h`` saw, over
-  the whole sequence.  With ``MaskSpec.exact_max`` the running maximum ``m`` is
-  exact in every backend, so :meth:`SoftmaxState.max_logit` reads it before the
-  sinks are folded in and reduces it with ``MPI.MAX``; a head no query sees any
+  the whole sequence.  With ``ScoreSpec.exact_max`` the running maximum ``m`` is
+  exact in every backend, so :meth:`SoftmaxState.local_max_logit` reads this
+  rank's part before the sinks are folded in (the ranks' parts are reduced by
+  :func:`ringmpi.parallel.ring_passes.reduce_max_logit`); a head no query sees any
   key of gives ``-inf``.  Non-finite scores count as ``np.maximum`` counts them,
   on every backend: a head with a visible NaN score gives NaN, and a row whose
   visible scores are all ``-inf`` contributes ``-inf``.
@@ -27,11 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.watchdog import phase
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
+from .host import to_host
 
 
 class SoftmaxState:
@@ -65,31 +62,23 @@ class SoftmaxState:
         self.o_acc *= alpha[..., None]
         m[...] = m_new
 
-    def max_logit(self, comm, heads=None) -> np.ndarray:
-        """``(H,)`` host array: each head's largest visible score over the batch, the rows
-        and all ranks of ``comm`` (:func:`reduce_max_logit` of ``m``)."""
-        return reduce_max_logit(self.m, comm, heads)
+    def local_max_logit(self, heads=None) -> np.ndarray:
+        """``(H,)`` host array in the state's dtype: each head's largest visible score over the
+        batch and these rows (:func:`local_max_logit` of ``m``)."""
+        return local_max_logit(self.m, heads)
 
     def finalize(self, out_dtype):
         """``(o (B, S, H, D_v) out_dtype, lse (B, H, S))``: the backend's ``finalize``."""
         return self.backend.finalize(self.o_acc, self.m, self.l, out_dtype)
 
 
-def reduce_max_logit(m, comm, heads=None) -> np.ndarray:
-    """``(H,)`` host array: each head's largest value of ``m (B, H, S)`` (this backend's array)
-    over the batch, the rows and all ranks of ``comm`` (``MPI.MAX``); ``-inf`` for a head with
-    none.  ``heads=(part, H)``: ``m`` holds only the heads ``part`` (a slice) of ``H`` (the head
-    x ring schedule); the other heads' maxima come from other ranks.  A NaN on any rank gives
-    NaN (``MPI.MAX`` alone may drop it: it compares with ``>``)."""
-    from mpi4py import MPI
-
+def local_max_logit(m, heads=None) -> np.ndarray:
+    """``(H,)`` host array in ``m``'s dtype: each head's largest value of ``m (B, H, S)`` (this
+    backend's array: row maxima) over the batch and these rows; ``-inf`` for a head with none
+    here.  ``heads=(part, H)``: these rows hold only the heads ``part`` (a slice) of ``H`` (the
+    head x ring schedule); the other heads' maxima come from other ranks."""
     part, total = (slice(None), m.shape[1]) if heads is None else heads
     local = np.full(total, -np.inf, dtype=m.dtype)
     if m.shape[0] and m.shape[2]:
-        local[part] = _host(m.max(axis=(0, 2)))
-    nan = np.isnan(local)
-    both = np.concatenate([np.where(nan, -np.inf, local), nan]).astype(m.dtype)
-    out = np.empty_like(both)
-    with phase("the max logit reduction (Allreduce)"):
-        comm.Allreduce(both, out, op=MPI.MAX)
-    return np.where(out[total:] > 0, np.nan, out[:total]).astype(m.dtype)
+        local[part] = to_host(m.max(axis=(0, 2)))
+    return local

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .host import to_host
 from .layout import Layout
 
 _MOD = 1 << 64
@@ -57,11 +58,9 @@ def as_positions(x) -> Optional[np.ndarray]:
     """Host NumPy view of a given positions argument (NumPy, CuPy or torch; None stays None)."""
     if x is None:
         return None
-    if hasattr(x, "get"):
-        x = x.get()
-    elif type(x).__module__.split(".")[0] == "torch":
+    if type(x).__module__.split(".")[0] == "torch":
         x = x.detach().cpu().numpy()
-    return np.asarray(x)
+    return to_host(x)
 
 
 def local_problem(name: str, pos: Optional[np.ndarray], rows: int) -> Optional[str]:

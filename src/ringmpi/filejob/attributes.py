@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -21,9 +21,6 @@ from ..core import modifiers as _modifiers
 from ..core.host import to_host
 from ..options import AttentionOptions
 from ..runtime.errors import ConfigError
-
-if TYPE_CHECKING:
-    from .job import JobOptions
 
 
 def attention_attrs(options: AttentionOptions, dim: int) -> dict:
@@ -84,7 +81,9 @@ class OutputAttributes:
     attention: AttentionOptions
 
     @classmethod
-    def of_job(cls, options: "JobOptions", spec, input_path: str, world_size: int, backend: str):
+    def of_job(cls, options, spec, input_path: str, world_size: int, backend: str):
+        """The attributes of a job with :class:`~ringmpi.filejob.job.JobOptions` ``options`` over the
+        input ``spec``."""
         return cls(ringmpi_version=__version__, world_size=world_size, layout=options.layout_name,
                    segments=bool(spec.seg_q), backend=backend, dtype=spec.dtype, backward=bool(options.backward),
                    input_path=os.path.abspath(input_path),
@@ -120,6 +119,6 @@ class OutputAttributes:
                    sinks_dataset=str(a.get("sinks_dataset", "")) or None,
                    attention=attention_of_attrs(a))
 
-    def mask_spec(self, spec):
-        """The :class:`ringmpi.core.masks.MaskSpec` the job computed with, for the input ``spec``."""
-        return self.attention.mask_spec(spec.heads, offset=spec.n_kv - spec.n_q)
+    def score_spec(self, spec):
+        """The :class:`ringmpi.core.masks.ScoreSpec` the job computed with, for the input ``spec``."""
+        return self.attention.score_spec(spec.heads, offset=spec.n_kv - spec.n_q)

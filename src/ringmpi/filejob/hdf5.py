@@ -24,12 +24,11 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core.dtypes import BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
+from ..core.dtypes import NAMES, BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
+from ..core.shapes import qkv_problem
 from ..runtime.errors import agree
 from ..runtime import watchdog
 from ..runtime.watchdog import phase, sync
-
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def memory_dtype(stored) -> Optional[np.dtype]:
@@ -125,8 +124,8 @@ def flush_file(handle, comm) -> None:
         handle.flush()
 
 
-def _peek(path: str):
-    """A serial read-only handle for rank 0's metadata checks."""
+def open_serial(path: str):
+    """A serial (one process, no MPI) read-only handle: rank 0's metadata checks, ``ringmpi verify``."""
     import h5py
 
     try:
@@ -212,24 +211,26 @@ def _describe_input(f, path: str, backward: bool):
         dtypes[name] = memory_dtype_name(hdf5_logical_dtype(f[name]))
         if dtypes[name] is None:
             return None, (f"{where}: dataset '{name}' has unsupported dtype {f[name].dtype}; "
-                          f"expected floating point: one of {', '.join(SUPPORTED_DTYPES)} (any byte order)")
+                          f"expected floating point: one of {', '.join(NAMES)} (any byte order)")
     if len(set(dtypes.values())) > 1:
         return None, (f"{where}: datasets must share one dtype, got "
                       + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
     full = {n: ((1,) + s if ndim == 3 else s) for n, s in shapes.items() if n in ("q", "k", "v", "do")}
     b, n_q, h, d = full["q"]
     bk, n_kv, h_kv, dk = full["k"]
-    if full["v"][:3] != full["k"][:3] or full["v"][3] < 1:
+    found = qkv_problem(full["q"], full["k"], full["v"])
+    rule = None if found is None else found[0]
+    if rule in ("kv", "value_dim"):
         return None, (f"{where}: datasets 'k' {shapes['k']} and 'v' {shapes['v']} must have the same shape "
                       f"but for the last dim (the value head dim D_v may differ from D)")
     d_v = full["v"][3]
-    if bk != b:
+    if rule == "batch":
         return None, f"{where}: batch sizes differ: 'q' has B={b}, 'k' has B={bk}"
-    if dk != d:
+    if rule == "head_dim":
         return None, f"{where}: head dims differ: 'q' has D={d}, 'k'/'v' have D={dk}"
     if min(n_q, n_kv, h, h_kv, d, b) < 1:
         return None, f"{where}: empty dataset: q {shapes['q']}, k {shapes['k']}"
-    if h % h_kv != 0:
+    if rule == "heads":
         return None, (f"{where}: 'q' has H={h} heads, not a multiple of the H_kv={h_kv} heads of 'k'/'v' "
                       f"(H % H_kv must be 0)")
     if "do" in full and full["do"] != full["q"][:3] + (d_v,):
@@ -269,14 +270,16 @@ def inspect_input(path: str, comm, backward: bool = False) -> InputSpec:
     """
     spec, problem = None, None
     if comm.Get_rank() == 0:
-        spec, problem = _inspect_serial(path, backward)
+        spec, problem = inspect_serial(path, backward)
     with phase(f"sharing the description of {path} (bcast)"):
         spec, problem = comm.bcast((spec, problem), root=0)
     agree(comm, problem)
     return spec
 
 
-def _inspect_serial(path: str, backward: bool):
+def inspect_serial(path: str, backward: bool):
+    """``(InputSpec, None)`` or ``(None, problem)`` for the input file at ``path``, read by this
+    process alone (rank 0 of :func:`inspect_input`, ``ringmpi verify``)."""
     import h5py
 
     if not os.path.exists(path):
@@ -286,7 +289,7 @@ def _inspect_serial(path: str, backward: bool):
     if not h5py.is_hdf5(path):
         return None, f"{path}: not an HDF5 file"
     try:
-        with _peek(path) as f:
+        with open_serial(path) as f:
             return _describe_input(f, path, backward)
     except OSError as exc:
         return None, f"{path}: cannot open as HDF5: {exc}"

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..runtime.errors import agree
 from ..options import sinks_problem
+from .hdf5 import flush_file
 
 PARTIAL = "_partial"
 
@@ -76,14 +77,14 @@ def write_pass(fout, p, group: int, max_logit=None, dsinks=None) -> None:
         dset[p.b0:p.b1, h0:h1] = rows
 
 
-def finish(fout) -> None:
+def finish(fout, comm) -> None:
     """Reduce the partial datasets into ``max_logit``/``dsinks``, then remove the partials
-    (collective)."""
+    (collective over ``comm``; the flushes under the watchdog, as every collective flush)."""
     todo = [(name, reduce) for name, reduce in (("max_logit", np.max), ("dsinks", np.sum))
             if name + PARTIAL in fout]
     if todo:
-        fout.flush()
+        flush_file(fout, comm)
     for name, reduce in todo:
         fout[name][...] = reduce(fout[name + PARTIAL][()], axis=0)
-        fout.flush()
+        flush_file(fout, comm)
         del fout[name + PARTIAL]

@@ -153,13 +153,12 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     after ``resume``) and ``close()``.  Bad input or options raise the same
     ConfigError on every rank, leaving no file at ``output_path``.
     """
-    from mpi4py import MPI
-
+    from ..parallel.comm import dup_world
     from ..runtime import watchdog
     from .hdf5 import AtomicOutput, inspect_input
 
     t_start = time.perf_counter()
-    comm = MPI.COMM_WORLD.Dup()
+    comm = dup_world()
     options.check()
     watchdog.set_default(options.attention.timeout)  # every blocking phase of the job, not only the ring's waits
     spec = inspect_input(input_path, comm, backward=options.backward)
@@ -180,7 +179,8 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
             progress)
     mine = (time.perf_counter() - t_start, job.timers.ring_s, job.timers.compute_s, job.timers.wait_s,
             job.io_q.read_s + job.io_kv.read_s, job.io_q.write_s + job.io_kv.write_s)
-    every = comm.gather(mine, root=0)
+    with watchdog.phase("gathering the ranks' timings (gather)"):
+        every = comm.gather(mine, root=0)
     comm.Free()
     requested = options.attention.head_parallel or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
     return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
@@ -239,7 +239,7 @@ class _Job:
                 resume_log.mark_done(fout, index, self.comm)
                 out.keep_on_failure = True  # from now on a failure leaves a resumable partial file
             progress.close()
-            head_datasets.finish(fout)
+            head_datasets.finish(fout, self.comm)
             fault_point("write", self.rank)
             close_file(fin, self.comm)
             out.commit()
@@ -310,10 +310,12 @@ class _Job:
 def _resolve_backend(name: str, comm) -> str:
     """``numpy`` or ``cupy`` (``auto``: cupy when every rank sees a GPU); binds the GPU.  Collective."""
     from ..backends import gpu_available
+    from ..runtime.watchdog import phase
 
     if name == "auto":
         name = "cupy" if gpu_available() else "numpy"
-        names = comm.allgather(name)
+        with phase("the ranks' choice of backend (allgather)"):
+            names = comm.allgather(name)
         agree(comm, None if len(set(names)) == 1 else
               "backend auto: some ranks see a GPU and some do not; pass --backend numpy or cupy")
     if name == "cupy":
@@ -388,6 +390,7 @@ def _job_record(spec, input_path, world_size, passes, options: dict):
 def _resume_state(out, comm, job, resume: bool, progress):
     """``(passes, done marks)`` to run: the stored plan and marks with ``resume`` and a
     matching partial file, else this run's plan and None (start afresh).  Collective."""
+    from ..runtime.watchdog import phase
     from .resume import check_resume
 
     if not resume:
@@ -395,7 +398,8 @@ def _resume_state(out, comm, job, resume: bool, progress):
     stored = done = problem = None
     if comm.Get_rank() == 0:
         stored, done, problem = check_resume(out.tmp, job)
-    stored, done, problem = comm.bcast((stored, done, problem), root=0)
+    with phase(f"sharing the resume record of {out.tmp} (bcast)"):
+        stored, done, problem = comm.bcast((stored, done, problem), root=0)
     agree(comm, problem)
     if stored is None:
         progress.note(f"--resume: no partial output at {out.tmp}; starting from the beginning")
@@ -409,6 +413,8 @@ def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bo
     """Exit-2 error on every rank naming the first NaN/Inf (lowest global index) of q, k, v
     (and do), read pass by pass before any compute.  Collective: every rank reads every
     pass's shards, one pass at a time."""
+    from ..runtime.faults import fault_point
+    from ..runtime.watchdog import phase
     from .hdf5 import first_nonfinite
 
     names = ("q", "k", "v") + (("do",) if backward else ())
@@ -424,7 +430,9 @@ def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bo
             hit = first_nonfinite(data, shard_io.indices, box if spec.rank4 else [(0, 1)] + list(box))
             if hit is not None:
                 found = (name, hit)
-    every = [f for f in comm.allgather(found) if f is not None]
+    fault_point("finite", comm.Get_rank())
+    with phase(f"the ranks' finiteness check of {input_path} (allgather)"):
+        every = [f for f in comm.allgather(found) if f is not None]
     if not every:
         return
     order = {"q": 0, "k": 1, "v": 2, "do": 3}
@@ -436,7 +444,10 @@ def _check_finite(comm, input_path, fin, spec, passes, io_q, io_kv, backward: bo
 
 
 def _converters(backend: str):
+    """``(to the backend's device, to the host)`` for a pass's arrays."""
+    from ..core.host import to_host
+
     if backend == "cupy":
         import cupy
-        return cupy.asarray, cupy.asnumpy
-    return (lambda x: x), np.asarray
+        return cupy.asarray, to_host
+    return (lambda x: x), to_host

@@ -20,6 +20,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ..runtime.device import MIN_CC
+
 KERNEL_DIR = Path(__file__).resolve().parent
 PREAMBLE = "common.cuh"
 DROPOUT_PREAMBLE = "philox.cuh"  # Philox and the dropout rule, after common.cuh's MaskArgs
@@ -58,10 +60,10 @@ MAX_THREADS = 1024
 DEFAULT_SMEM = 48 * 1024     # dynamic shared memory per block without the opt-in attribute
 
 # Compute capabilities, as major * 10 + minor (75 for 7.5).  The kernels run
-# from sm_70 (Volta); the tensor-core kernels (mma.sync m16n8k16, f16 and bf16)
-# from sm_80 (Ampere).  On sm_70/75 the SIMT kernels run every dtype (bfloat16
-# as bits converted in registers: those GPUs have no bfloat16 instructions).
-MIN_CC = 70
+# from sm_70 (Volta: MIN_CC, the GPU binding's, which refuses older devices); the
+# tensor-core kernels (mma.sync m16n8k16, f16 and bf16) from sm_80 (Ampere).  On
+# sm_70/75 the SIMT kernels run every dtype (bfloat16 as bits converted in
+# registers: those GPUs have no bfloat16 instructions).
 TENSOR_CORE_CC = 80
 # The smallest opt-in shared memory per block of the GPUs of each kernel family:
 # sm_80 and newer (8.6/8.9 allow 101376 bytes; 8.0 166912; 9.0 232448), and

@@ -131,7 +131,7 @@ __device__ __forceinline__ T visible_add(T acc, bool visible, T w, T x) { return
 // from query i when (!has_lo || j >= i + lo_delta) && (!has_hi || j <= i + hi_delta)
 // and, with segment ids, seg_q == seg_kv.  The host folds causal, window and
 // the bottom-right offset into (has_lo, lo_delta, has_hi, hi_delta)
-// (MaskSpec.key_deltas / kernel_scalars).  This section is the one place the
+// (ScoreSpec.key_deltas / kernel_scalars).  This section is the one place the
 // CUDA code states the rule; masks.classify_tiles is classify_tile's host twin
 // (the CuPy backend counts tiles with it), so change the two together.
 struct MaskArgs {
@@ -166,7 +166,7 @@ struct MaskArgs {
 // ---------------------------------------------------------------- score modifiers
 // A visible score s = scale * q.k of query row `row`, key column `col` becomes,
 // in this order (modify_score, the one place the kernels apply them):
-//  * logit softcap (MaskSpec.softcap, a float64 launch scalar; c = 0: none):
+//  * logit softcap (ScoreSpec.softcap, a float64 launch scalar; c = 0: none):
 //    c * tanh(s / c), slope 1 - tanh(s / c)^2;
 //  * the modifiers with per-head data (ringmpi.core.modifiers.MODIFIERS, bit m
 //    of head_mods), in their order: s + term_m(value_h, i, j), i = q_pos[row],

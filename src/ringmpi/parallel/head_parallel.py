@@ -36,6 +36,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from ..core.host import to_host
 from .ring_passes import AgreedCall, LocalProblem, backward_pass, forward_pass, sink_grads
 from .ring import StepRecord, poll_until
 from ..runtime.watchdog import phase
@@ -77,10 +78,6 @@ class ExchangeRecord(StepRecord):
     head_parallel: int = 1
 
 
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
@@ -104,7 +101,7 @@ class GroupExchange:
 
         start = time.perf_counter()
         me = self.comm.Get_rank()
-        parts = [[np.ascontiguousarray(_host(a)) for a in dest] for dest in send]
+        parts = [[np.ascontiguousarray(to_host(a)) for a in dest] for dest in send]
         send_counts = [sum(a.nbytes for a in dest) for dest in parts]
         recv_counts = [sum(_nbytes(s, d) for s, d in src) for src in recv]
         sendbuf = np.empty(max(sum(send_counts), 1), dtype=np.uint8)
@@ -178,7 +175,7 @@ class _Split:
 
     def problem(self, call: AgreedCall, seg_q, seg_kv) -> LocalProblem:
         """The local problem of this rank's heads over its group's tokens, on the ring across
-        groups, with the mask spec of those heads (:meth:`~ringmpi.core.masks.MaskSpec.for_heads`)."""
+        groups, with the mask spec of those heads (:meth:`~ringmpi.core.masks.ScoreSpec.for_heads`)."""
         spec = call.spec.for_heads(self.heads(self.index).start, self.hu)
         return LocalProblem(self.groups.ring_comm, call.backend, call.compute_dtype, spec, call.scale,
                             kv_counts=self.ring_kv_counts, q_pos=self.q_pos, kv_pos=self.kv_pos,

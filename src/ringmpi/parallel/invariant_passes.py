@@ -25,10 +25,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..backends.fixed_sums import add as fixed_add
 from ..core import dtypes as _dtypes
 from ..core import fixed_point as fx
-from ..core.global_tiles import TILE
-from ..core.online_softmax import reduce_max_logit
+from ..core.global_tiles import TILE, Tiling
 from ..runtime.watchdog import phase
 
 
@@ -57,7 +57,7 @@ class Maxima:
     rescale : dropout's ``1 / (1 - p)`` (1 without); vmax_cols : (B, H_kv, D_v) largest
     ``|v|`` per batch entry, K/V head and column over every rank.  Backward only (else None):
     kmax (B, H_kv, D); dk_exp (B, H_kv, D), dv_exp (B, H_kv, D_v): the ``dK, dV`` bound
-    exponents of :func:`~ringmpi.core.fixed_point.gradient_exponents` over all of a K/V head's
+    exponents of :func:`~ringmpi.core.fixed_point.kv_exponents` over all of a K/V head's
     query heads.  :meth:`for_kv_heads` keeps a head x ring member's K/V heads.
     """
 
@@ -132,10 +132,11 @@ def _renumber(records, first: int):
     return records
 
 
-def forward(problem, q, k, v, maxima: Maxima, sinks=None, max_logit=None):
-    """``(o (B, S_q, H, D_v) q.dtype, lse (B, H, S_q), max_logit (H,) or None, records)`` of one
-    local problem, invariantly: as :func:`~ringmpi.parallel.ring_passes.forward_pass`.  The records
-    are pass 1's ring steps then pass 2's (steps ``P .. 2P-1``)."""
+def forward(problem, q, k, v, maxima: Maxima, sinks=None):
+    """``(o (B, S_q, H, D_v) q.dtype, lse (B, H, S_q), row maxima (B, H, S_q), records)`` of one
+    local problem, invariantly: as :func:`~ringmpi.parallel.ring_passes.forward_pass`, whose
+    max logit reduces the row maxima (each row's largest visible score before the sinks; NaN
+    for a poisoned row).  The records are pass 1's ring steps then pass 2's (steps ``P .. 2P-1``)."""
     be, ct = problem.backend, problem.compute_dtype
     limbs = fx.limbs_for(ct)
     batch, rows, heads, _ = q.shape
@@ -163,13 +164,11 @@ def forward(problem, q, k, v, maxima: Maxima, sinks=None, max_logit=None):
     records = records + _renumber(schedule.records, len(records))
     del schedule, block, res
     bad = poison.astype(bool)
-    top = None
-    tiling = _tiling(problem.q_pos)
-    if max_logit is not None:
-        logits = np.where(bad, np.nan, np.where(tiling.valid, m, -np.inf)).astype(ct)
-        top = reduce_max_logit(logits.reshape(batch, heads, tiles * TILE), *max_logit)
+    tiling = Tiling.of(problem.q_pos)
+    row_max = np.where(bad, np.nan, np.where(tiling.valid, m, -np.inf)).astype(ct)
+    row_max = tiling.scatter(row_max, axis=2)
     o, lse = finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs, q.dtype, ct)
-    return o, lse, top, records
+    return o, lse, row_max, records
 
 
 def finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs: int, out_dtype, ct):
@@ -191,12 +190,6 @@ def finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs: i
             o[b, :, h] = _dtypes.to_dtype(o_h.reshape(-1, dim_v)[slots], out_dtype)
             lse[b, h] = lse_h.ravel()[slots]
     return o, lse
-
-
-def _tiling(positions):
-    from ..core.global_tiles import Tiling
-
-    return Tiling.of(positions)
 
 
 def _finish_rows(m, l, num, bad, sink):
@@ -350,7 +343,7 @@ def sink_grads(lse, dvec, sinks, comm, timeout=None) -> np.ndarray:
     acc = fx.zeros((heads, 1, 1), limbs)
     x = np.where(finite, terms, 0).astype(ct)[:, :, None, None]        # (H, rows, 1, 1)
     for h in range(heads):
-        fx.add(acc[h][None], x[h], cols=grid[h:h + 1], limbs=limbs)
+        fixed_add(acc[h][None], x[h], cols=grid[h:h + 1], limbs=limbs)
     if comm is not None:
         from mpi4py import MPI
         total = np.empty_like(acc)
@@ -381,7 +374,7 @@ def decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig: f
     dim_v = v_cache.shape[3]
     ct = be.compute_dtype(q.dtype)
     limbs = fx.limbs_for(ct)
-    spec, scale = options.mask_spec(heads), options.scale(q.shape[3])
+    spec, scale = options.score_spec(heads), options.scale(q.shape[3])
     qh = be.heads_view(q, ct)
     kh, vh = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
     if lengths is None or (lengths == lengths[0]).all():

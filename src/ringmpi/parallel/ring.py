@@ -12,32 +12,13 @@ deadline.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from ..runtime.errors import RingTimeout
 
-_DEFAULT_COMM = None
 _TAGS = {"kv": 7101, "grad": 7102}  # further streams get the next free tags, in order of first use
-
-
-def resolve_comm(comm=None):
-    """``comm`` itself, or a library-owned duplicate of ``COMM_WORLD``."""
-    global _DEFAULT_COMM
-    if comm is not None:
-        return comm
-    if _DEFAULT_COMM is None:
-        from mpi4py import MPI
-        _DEFAULT_COMM = MPI.COMM_WORLD.Dup()
-    return _DEFAULT_COMM
-
-
-def default_timeout() -> Optional[float]:
-    """Deadline for ring waits from ``RINGMPI_TIMEOUT`` (seconds), else None."""
-    value = os.environ.get("RINGMPI_TIMEOUT")
-    return float(value) if value else None
 
 
 @dataclass

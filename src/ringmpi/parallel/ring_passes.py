@@ -20,15 +20,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.positions import Placement
-from ..core.masks import MaskSpec
-from ..core.online_softmax import SoftmaxState
+from ..core.masks import ScoreSpec
+from ..core.host import to_host
+from ..core.online_softmax import SoftmaxState, local_max_logit
 from .ring_schedule import RingSchedule
 from .topology import ring_order
 from ..runtime.watchdog import phase
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _heads_view(x):
@@ -54,7 +51,7 @@ class LocalProblem:
     comm: object
     backend: object
     compute_dtype: np.dtype
-    spec: MaskSpec
+    spec: ScoreSpec
     scale: float
     kv_counts: Sequence[int]
     q_pos: np.ndarray
@@ -94,7 +91,7 @@ class AgreedCall:
     heads: int
     place_q: Placement
     place_kv: Placement
-    spec: MaskSpec
+    spec: ScoreSpec
     scale: float
     seg_q: Optional[np.ndarray] = None
     seg_kv: Optional[np.ndarray] = None
@@ -120,13 +117,15 @@ def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None, inv
     ``q (B, S_q, H, D)``, ``k, v`` this backend's arrays, sequence-major.  ``sinks
     (H,)``: this problem's heads' sinks (this backend's array, compute dtype).
     ``max_logit``: ``(comm, heads)`` to reduce the max logit over (``heads`` as
-    :meth:`~ringmpi.core.online_softmax.SoftmaxState.max_logit`), or None for none.
+    :meth:`~ringmpi.core.online_softmax.SoftmaxState.local_max_logit`), or None for none.
     ``invariant``: the call's :class:`~ringmpi.parallel.invariant_passes.Maxima` to run
     :func:`ringmpi.parallel.invariant_passes.forward` instead (``invariant=True``), or None.
     """
     if invariant is not None:
         from .invariant_passes import forward
-        return forward(problem, q, k, v, invariant, sinks=sinks, max_logit=max_logit)
+        o, lse, row_max, records = forward(problem, q, k, v, invariant, sinks=sinks)
+        top = None if max_logit is None else reduce_max_logit(max_logit[0], local_max_logit(row_max, max_logit[1]))
+        return o, lse, top, records
     be, ct = problem.backend, problem.compute_dtype
     qh = be.heads_view(q, ct)
     state = SoftmaxState(be, qh.shape[:3], v.shape[3], ct)
@@ -137,7 +136,7 @@ def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None, inv
                          resident=resident)
     records = schedule.records
     del schedule, block, resident, qh  # the ring's buffers go before the outputs are made
-    top = None if max_logit is None else state.max_logit(*max_logit)
+    top = None if max_logit is None else reduce_max_logit(max_logit[0], state.local_max_logit(max_logit[1]))
     if sinks is not None:
         state.fold_sinks(sinks)
     o, lse = state.finalize(q.dtype)
@@ -181,6 +180,22 @@ def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, si
     return dq, dk, dv, dsinks, records
 
 
+def reduce_max_logit(comm, local: np.ndarray) -> np.ndarray:
+    """``(H,)`` host array: the ranks' ``local`` max logits (a state's
+    :meth:`~ringmpi.core.online_softmax.SoftmaxState.local_max_logit`) reduced over ``comm``
+    with ``MPI.MAX``, in ``local``'s dtype.  A NaN on any rank gives NaN (``MPI.MAX`` alone
+    may drop it: it compares with ``>``), so NaN flags travel beside the values."""
+    from mpi4py import MPI
+
+    total = len(local)
+    nan = np.isnan(local)
+    both = np.concatenate([np.where(nan, -np.inf, local), nan]).astype(local.dtype)
+    out = np.empty_like(both)
+    with phase("the max logit reduction (Allreduce)"):
+        comm.Allreduce(both, out, op=MPI.MAX)
+    return np.where(out[total:] > 0, np.nan, out[:total]).astype(local.dtype)
+
+
 def sink_grads(xp, lse, dvec, sinks, comm):
     """``dsinks (H,)`` host array in the compute dtype: ``-sum exp(sink - lse) * dvec``
     over the batch, this rank's rows and (``MPI.SUM``) all ranks of ``comm``.
@@ -196,7 +211,7 @@ def sink_grads(xp, lse, dvec, sinks, comm):
     local = np.zeros(lse.shape[1], dtype=ct)
     if lse.shape[0] and lse.shape[2]:
         p_sink = xp.exp(sinks.astype(ct)[None, :, None] - lse)
-        local = np.ascontiguousarray(_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
+        local = np.ascontiguousarray(to_host(-(p_sink * dvec).sum(axis=(0, 2))), dtype=ct)
     if comm is None:
         return local
     out = np.empty_like(local)

@@ -14,6 +14,10 @@ import ctypes
 import os
 from typing import Optional, Tuple
 
+# The oldest GPU ringmpi runs on, as major * 10 + minor: sm_70 (Volta), where the CUDA kernels'
+# SIMT code path starts (ringmpi.kernels); a visible device below it makes the GPU unusable.
+MIN_CC = 70
+
 
 def _cuda_version(code: Optional[int]) -> str:
     """CUDA's integer version (``12090``) as ``12.9``."""
@@ -52,11 +56,9 @@ def capability_reason(devices) -> Optional[str]:
 
     ``devices``: ``(id, name, major, minor)`` of every visible device.  The
     kernels need compute capability 7.0 (Volta) or newer
-    (:data:`ringmpi.kernels.MIN_CC`); a rank may be bound to any visible device
+    (:data:`MIN_CC`); a rank may be bound to any visible device
     (:func:`select_device`), so one older device makes the GPU unusable.
     """
-    from ..kernels import MIN_CC
-
     old = [(i, name, major, minor) for i, name, major, minor in devices if major * 10 + minor < MIN_CC]
     if not old:
         return None
@@ -132,7 +134,10 @@ def select_device(comm) -> int:
     from mpi4py import MPI
     import cupy
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    from .watchdog import phase
+
+    with phase("binding GPUs: the node's ranks (COMM_TYPE_SHARED split)"):
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         local_rank = local.Get_rank()
     finally:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .abort import abort_job
+from .watchdog import phase
+
 
 class RingmpiError(RuntimeError):
     """Base class of ringmpi's own errors."""
@@ -31,8 +34,6 @@ def agree(comm, problem: Optional[str]) -> None:
     The message raised is the lowest failing rank's; when ranks disagree, the
     count of failing ranks is added.
     """
-    from .watchdog import phase
-
     with phase("the ranks' agreement on the configuration (allgather)"):
         problems = comm.allgather(problem)
     failing = [(r, p) for r, p in enumerate(problems) if p is not None]
@@ -44,32 +45,6 @@ def agree(comm, problem: Optional[str]) -> None:
         if len(failing) > 1:
             message += f" (and {len(failing) - 1} more rank(s) failed their checks)"
     raise ConfigError(message)
-
-
-def _rank_prefix() -> str:
-    """``[rank r] `` when MPI is initialised, else empty (never initialises MPI)."""
-    try:
-        from mpi4py import MPI
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            return f"[rank {MPI.COMM_WORLD.Get_rank()}] "
-    except Exception:
-        pass
-    return ""
-
-
-def abort_job(message: str, code: int = 1) -> None:
-    """Print ``message`` for this rank, flush, and end the whole MPI job now."""
-    import sys
-
-    prefix = _rank_prefix()
-    text = "\n".join(prefix + line for line in message.rstrip().splitlines())
-    print(text, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    if prefix:
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(code)
-    import os
-    os._exit(code)
 
 
 class abort_on_error:

@@ -31,7 +31,8 @@ def fault_point(where: str, rank: int, step: Optional[int] = None) -> None:
       alone: on every rank);
     * ``sleep:<where>:<rank>:<seconds>[:<nth>]`` - the ``nth`` time (default 1)
       that rank reaches ``where`` (``create``: before the file job creates its
-      output; ``plan``: before a call's agreement on shapes; ``fwd``/``bwd``:
+      output; ``finite``: before the file job's ranks share their finiteness
+      checks; ``plan``: before a call's agreement on shapes; ``fwd``/``bwd``:
       ring step 1 of a pass), say so on stderr and sleep, while the other ranks
       wait in what follows (a test cuts a link meanwhile);
     * ``<action>:<rank>:<step>[:fwd|bwd|pass]`` at a ring step (both ring phases when

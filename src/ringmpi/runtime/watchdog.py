@@ -21,7 +21,8 @@ process ``ABORT_GRACE_S`` after the deadline, which ends the job too.
 
 The deadline of a phase is its ``timeout`` argument, else :func:`set_default`
 (``ringmpi run --timeout``), else ``RINGMPI_TIMEOUT``; none of these means no
-deadline (and no thread).
+deadline (and no thread).  :func:`deadline` is that rule, the one of ringmpi: the
+ring's waits take theirs from it too (a call's ``timeout``, else the same default).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Optional, Tuple
+
+from .abort import abort_job
 
 _default: Optional[float] = None
 _lock = threading.Condition()
@@ -136,8 +139,6 @@ def _watch() -> None:
 
 def _expire(name: str, limit: float) -> None:
     import socket
-
-    from .errors import abort_job
 
     timer = threading.Timer(ABORT_GRACE_S, os._exit, args=(1,))
     timer.daemon = True
