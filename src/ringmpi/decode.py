@@ -313,7 +313,7 @@ def _invariant(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, pr
     if problem is None:
         problem = shard_problem("cache", pos, n_cache)
     agree(comm, problem)
-    sig = float(options.digest(_host(q), lengths, extra=(tuple(q.shape), str(q.dtype), n_cache)) & 0xFFFFFF)
+    sig = float(options.digest(to_host(q), lengths, extra=(tuple(q.shape), str(q.dtype), n_cache)) & 0xFFFFFF)
     o, lse = invariant_passes.decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig)
     if stats is not None:
         stats["compute_s"] = time.perf_counter() - start

@@ -29,17 +29,14 @@ from ..backends.fixed_sums import add as fixed_add
 from ..core import dtypes as _dtypes
 from ..core import fixed_point as fx
 from ..core.global_tiles import TILE, Tiling
+from ..core.host import to_host
 from ..runtime.watchdog import phase
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _abs_max(x, axis: int) -> np.ndarray:
     """``max |x|`` over ``axis`` (the rows) in float64, NaN/Inf counted as 0 (their rows are
     poisoned), a few hundred rows at a time (no copy of ``x``)."""
-    x = _host(x)
+    x = to_host(x)
     shape = x.shape[:axis] + x.shape[axis + 1:]
     out = np.zeros(shape)
     for lo in range(0, x.shape[axis], 256):
@@ -181,7 +178,7 @@ def finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs: i
     dim_v = acc_o.shape[-1] // limbs
     o = np.empty((batch, tiling.rows, heads, dim_v), dtype=out_dtype)
     lse = np.empty((batch, heads, tiling.rows), dtype=ct)
-    sink = None if sinks is None else _host(sinks).astype(np.float64)
+    sink = None if sinks is None else to_host(sinks).astype(np.float64)
     for b in range(batch):
         for h in range(heads):
             l = fx.value(acc_l[b, h], limbs)[..., 0] / grid_l[0]
@@ -326,7 +323,7 @@ def sink_grads(lse, dvec, sinks, comm, timeout=None) -> np.ndarray:
     limbs = fx.limbs_for(ct)
     heads = lse.shape[1]
     if lse.shape[0] and lse.shape[2]:
-        terms = np.exp(_host(sinks).astype(ct)[None, :, None] - _host(lse)) * _host(dvec)
+        terms = np.exp(to_host(sinks).astype(ct)[None, :, None] - to_host(lse)) * to_host(dvec)
     else:
         terms = np.zeros((0, heads, 0), dtype=ct)
     terms = -terms.transpose(1, 0, 2).reshape(heads, -1)     # (H, rows)
