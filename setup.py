@@ -23,6 +23,7 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("ringmpi._ext._fused", ["src/ringmpi/_ext/fused.c"],
+                           depends=["src/ringmpi/_ext/exp_rows.h"],
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]),
                  Extension("ringmpi._ext._fixed", ["src/ringmpi/_ext/fixed.c"],
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",

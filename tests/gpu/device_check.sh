@@ -59,7 +59,7 @@ step plan 60 "$py" -c "$plan_kernels"
 # tests/gpu/*.py: block kernels vs float64 dense, launch limits (B*H > 65535, the plans of cc 8.6,
 # 7.5 and 7.0), bf16 through the public API (multi-rank on one GPU, CUDA-aware and staged), non-finite
 step tests 270 "$py" -m pytest tests/gpu -q -rfEs -p no:cacheprovider
-step torch 80 "$py" -m pytest tests/test_torch.py -k cuda -q -rfEs -p no:cacheprovider
+step torch 80 "$py" -m pytest tests/mpi/test_torch.py -k cuda -q -rfEs -p no:cacheprovider
 step bench 100 "$py" -m ringmpi.bench.gpu --quick
 
 echo

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from random_inputs import attention_inputs
 from ringmpi.backends import gpu_available
 from ringmpi.runtime.device import gpu_unavailable_reason
 from ringmpi.backends.cupy_backend import mask_scalars, tile_bounds
@@ -112,10 +113,7 @@ def make_case(name, d, dtype, seed=0):
     batch, sq, skv, heads, kv_heads, kw, with_seg = CASES[name]
     spec = ScoreSpec(**kw)
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, sq, heads, d))
-    k = rng.standard_normal((batch, skv, kv_heads, d))
-    v = rng.standard_normal((batch, skv, kv_heads, d))
-    do = rng.standard_normal((batch, sq, heads, d))
+    q, k, v, do = attention_inputs(rng, batch, sq, heads, kv_heads, d, n_kv=skv)
     # positions count from 0 on both sides; ScoreSpec.offset aligns them
     q_pos = np.arange(sq, dtype=np.int64)
     kv_pos = np.arange(skv, dtype=np.int64)

@@ -9,17 +9,12 @@ Skipped, with the reason shown, where no GPU is visible.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+import reference
+from mpi_util import mpirun_env, run_cases
 from ringmpi.backends import gpu_available
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import reference  # noqa: E402
-from mpi_util import mpirun_env, run_cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")]
 BF16 = reference.BFLOAT16

@@ -5,25 +5,20 @@ identity, so the forward's ``o_acc[i, j]`` is exactly weight ``(i, j)``'s
 dropout factor: the kernels' mask (Philox in ``kernels/philox.cuh``) must equal
 ``Dropout.keep`` (``ringmpi/core/philox.py``) everywhere, for every kernel kind, at
 positions past 2^32.  Then forward and backward with dropout against the NumPy
-backend, and the ring cases of ``tests/dropout_cases.py`` on the CuPy backend.
+backend, and the ring cases of ``tests/mpi/dropout_cases.py`` on the CuPy backend.
 Skipped, visibly, without a GPU.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+from mpi_util import mpirun_env, run_cases
 from ringmpi.backends import gpu_available
 from ringmpi.backends.numpy_backend import NumpyBackend
 from ringmpi.core.dropout import Dropout
 from ringmpi.core.masks import BlockMask, ScoreSpec
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from mpi_util import mpirun_env, run_cases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")
 
@@ -110,7 +105,7 @@ def test_ring_dropout_cases_on_cupy(tmp_path_factory):
     from test_dropout import cases_for
 
     tmp = tmp_path_factory.mktemp("gpu_dropout")
-    cases = [c for c in cases_for(2, tmp) if "-inv-" not in c["id"] and c.get("kind") != "torch"]
+    cases = [c for c in cases_for(2) if "-inv-" not in c["id"] and c.get("kind") != "torch"]
     results = run_cases(2, cases, tmp, timeout=300, env=mpirun_env(RINGMPI_TEST_BACKEND="cupy"),
                         driver="dropout_cases.py")
     failed = {k: msg for k, (ok, msg) in results.items() if not ok}

@@ -67,7 +67,7 @@ def test_kernels_chosen_for_smaller_gpus(monkeypatch, dtype, d, cc):
         pytest.skip(f"this GPU (compute capability {real_cc}, {real_limit} B per block) cannot run {cc}'s plan")
     kind = {"float16": K.F16, "bfloat16": K.BF16, "float32": K.F32, "float64": K.F64}[dtype]
     if (cc, kind) == ("7.5", K.F64) and d > 192:
-        pytest.skip("no float64 kernel for D > 192 fits 7.5 (tests/test_launch_planning.py checks the refusal)")
+        pytest.skip("no float64 kernel for D > 192 fits 7.5 (tests/unit/test_launch_planning.py checks the refusal)")
     monkeypatch.setattr(cupy_backend, "smem_optin_limit", lambda device_id: limit)
     monkeypatch.setattr(cupy_backend, "compute_capability", lambda device_id: arch)
     fwd, bwd = K.forward_kernel(kind, d, limit, cc=arch), K.backward_kernel(kind, d, limit, cc=arch)

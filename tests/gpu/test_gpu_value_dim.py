@@ -10,16 +10,12 @@ Skipped, with the reason shown, where no GPU is visible.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+import reference
+from random_inputs import attention_inputs
 from ringmpi.backends import gpu_available
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import reference  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")]
 MASKS = {"full": dict(), "causal": dict(causal=True), "window": dict(causal=True, window=(16, 0)),
@@ -42,12 +38,8 @@ def test_value_dim_cupy(mask, dtype, d, d_v):
     from ringmpi.core.dtypes import to_dtype
 
     dt = _dtype(dtype)
-    rng = np.random.default_rng(5)
     b, n, h, hkv = 2, 150, 4, 2
-    q = to_dtype(rng.standard_normal((b, n, h, d)), dt)
-    k = to_dtype(rng.standard_normal((b, n, hkv, d)), dt)
-    v = to_dtype(rng.standard_normal((b, n, hkv, d_v)), dt)
-    do = to_dtype(rng.standard_normal((b, n, h, d_v)), dt)
+    q, k, v, do = (to_dtype(x, dt) for x in attention_inputs(5, b, n, h, hkv, d, dv=d_v))
     kw = dict(MASKS[mask])
     seg = None
     if kw.pop("segments", False):

@@ -1,5 +1,5 @@
 """Sinks, softcap and max logit on the GPU backend (single rank), against the float64 dense
-reference of ``tests/reference.py`` under the tolerance rule.  Needs a CUDA GPU;
+reference of ``tests/support/reference.py`` under the tolerance rule.  Needs a CUDA GPU;
 skipped, with the reason shown, where none is visible.
 
 Covers the tensor-core (f16/bf16, D <= 128 backward) and SIMT kernels (f32,
@@ -8,17 +8,12 @@ f64, D = 200), with sinks, softcap, window, segments and GQA together.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+import reference
 from ringmpi.backends import gpu_available
 from ringmpi.runtime.device import gpu_unavailable_reason
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason=f"no usable CUDA GPU: {gpu_unavailable_reason()}")
 
@@ -120,7 +115,7 @@ def test_no_cap_is_bitwise_unchanged():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_max_logit_of_nan_and_all_minus_inf_rows(dtype):
-    """The NumPy test of tests/test_variants.py on CuPy: NaN propagates into the running
+    """The NumPy test of tests/mpi/test_variants.py on CuPy: NaN propagates into the running
     maximum (as np.maximum), a row whose visible scores are all -inf keeps m = -inf."""
     import cupy
 

@@ -1,40 +1,27 @@
-"""NaN/Inf semantics of the CUDA kernels: the cases of ``tests/test_nonfinite.py``
+"""NaN/Inf semantics of the CUDA kernels: the cases of ``tests/mpi/test_nonfinite.py``
 on the CuPy backend (float32: the SIMT kernels), one mpirun launch at P = 3;
-the cases of ``tests/test_nonfinite_dtypes.py`` (float16/bfloat16: the
+the cases of ``tests/mpi/test_nonfinite_dtypes.py`` (float16/bfloat16: the
 tensor-core kernels; a visible key whose weight underflows to 0 with a NaN/Inf
 ``v`` row, which must still reach its queries), a second launch.
 Needs a CUDA GPU; skipped, with the reason shown, where none is visible."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mpi_util import ROOT, mpirun, mpirun_env  # noqa: E402
-from ringmpi.backends import gpu_available  # noqa: E402
-from test_nonfinite import CASES  # noqa: E402
-from test_nonfinite_dtypes import CASES as DTYPE_CASES, results as dtype_results  # noqa: E402
+from ringmpi.backends import gpu_available
+from test_nonfinite import CASES, nonfinite_results
+from test_nonfinite_dtypes import CASES as DTYPE_CASES, results as dtype_results
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")
-_RESULTS = {}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_nonfinite_case_on_gpu(tmp_path_factory, case):
-    if "r" not in _RESULTS:
-        path = tmp_path_factory.mktemp("nonfinite_gpu") / "cases.json"
-        path.write_text(json.dumps(CASES))
-        rc, out, err, _ = mpirun(3, [sys.executable, ROOT / "tests" / "nonfinite_cases.py", path], 300,
-                                 env=mpirun_env(RINGMPI_TEST_BACKEND="cupy"))
-        found = {json.loads(l[5:])["id"]: json.loads(l[5:]) for l in out.splitlines() if l.startswith("CASE ")}
-        _RESULTS["r"] = (rc, found, err)
-    rc, found, err = _RESULTS["r"]
+    rc, found, err = nonfinite_results(tmp_path_factory, "cupy", 3, CASES, RINGMPI_TEST_BACKEND="cupy")
     assert case["id"] in found, f"no result (mpirun exit {rc})\n{err[-3000:]}"
-    assert found[case["id"]]["ok"], found[case["id"]]["msg"]
+    ok, msg = found[case["id"]]
+    assert ok, msg
 
 
 @pytest.mark.parametrize("case", DTYPE_CASES, ids=[c["id"] for c in DTYPE_CASES])

@@ -1,18 +1,23 @@
-/* ringmpi._fused: the CPU tile's elementwise pass in one sweep (float32).
+/* ringmpi._fused: the CPU tile's elementwise passes, each in one sweep (float32).
  *
- *   s[i, j] = exp(((s[i, j] * scale) + bias[i, j]) - shift[i]),   sums[i] = sum_j s[i, j]
+ *   exp_tile:  s[i, j] = exp(((s[i, j] * scale) + bias[i, j]) - shift[i]),   sums[i] = sum_j s[i, j]
+ *   ds_tile:   dp[i, j] = (dp[i, j] - dvec[i]) * p[i, j]                     (the backward's dS)
  *
  * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off),
  * bias, shift and sums optional.  A row's sum adds its elements into LANES partial
  * sums (element j into lane j % LANES, in column order), then the lanes in order
- * 0..LANES-1, then the tail's elements in column order: fixed for a row's length.
- * exp is a Cephes-style polynomial (max error ~2 ulp): exp(-inf) = 0, exp(+inf) = inf,
- * NaN stays NaN, overflow gives inf, so the NumPy path's finiteness checks see what they
- * saw with np.exp.  An element depends on that element alone, a sum on its row alone.
+ * 0..LANES-1, then the tail's elements in column order: fixed for a row's length (a NaN
+ * sum is the one quiet NaN: which NaN a sum of several would give depends on the compiler).
+ * exp is a polynomial (max error 1 ulp, see exp_rows.h): exp(-inf) = 0, exp(+inf) = inf,
+ * NaN stays NaN, overflow gives inf, subnormal results are kept, so the NumPy path's
+ * finiteness checks see what they saw with np.exp.  An element depends on that element
+ * alone, a sum on its row alone.
  *
- * The pass is compiled once per x86 vector extension (AVX-512, AVX2, the baseline: the
- * "paths"); import picks the best the CPU runs, use() pins one (RINGMPI_CPU_VECTOR).  Every
- * path does the same float32 operations in the same order: the same bits on each. */
+ * The pass is compiled once per vector path (AVX-512, AVX2, the baseline: SSE2 or NEON), from
+ * one source (exp_rows.h) with the vector width as its parameter; every path does the same
+ * float32 operations in the same order: the same bits on each.  paths() lists those this
+ * CPU runs, use() picks one (ringmpi.backends.tile_pass chooses the fastest at first use,
+ * or the one RINGMPI_CPU_VECTOR pins). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -21,117 +26,44 @@
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define X86_PATHS 1
-#define ISA_AVX512 __attribute__((target("avx512f")))
-#define ISA_AVX2 __attribute__((target("avx2")))
+#include <immintrin.h>
 #endif
-#define INLINE static inline __attribute__((always_inline))
+#define LANES 16 /* a row's sum adds into this many lanes, on every path */
 
-/* sixteen lanes in GCC/Clang vector extensions: one AVX-512 register, two AVX2, four
- * SSE2 or NEON; the lanes' arithmetic (and so every result) is the same on each */
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-#define LANES 16
-
-INLINE vf bc(float a) { return (vf){0} + a; }
-INLINE vi bci(int32_t a) { return (vi){0} + a; }
-INLINE vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-
-INLINE vf exp_poly(vf x)
-{
-    /* x = n ln2 + r, |r| <= ln2 / 2; exp(r) by a degree-6 polynomial; 2^n by exponent bits */
-    vf xc = sel(x > bc(88.72283905206835f), bc(88.72283905206835f), x);
-    xc = sel(xc < bc(-103.0f), bc(-103.0f), xc);
-    /* round to nearest by the 1.5 * 2^23 trick */
-    vf n = (xc * bc(1.44269504088896341f) + bc(12582912.0f)) - bc(12582912.0f);
-    vf r = xc - n * bc(0.693359375f);
-    r = r - n * bc(-2.12194440e-4f);
-    vf p = bc(1.9875691500e-4f);
-    p = p * r + bc(1.3981999507e-3f);
-    p = p * r + bc(8.3334519073e-3f);
-    p = p * r + bc(4.1665795894e-2f);
-    p = p * r + bc(1.6666665459e-1f);
-    p = p * r + bc(5.0000001201e-1f);
-    p = p * (r * r) + r + bc(1.0f);
-    /* 2^n in two factors: n in [-149, 128] reaches the subnormals without overflowing one */
-    vi ni = __builtin_convertvector(n, vi);
-    vi n1 = ni >> 1, n2 = ni - n1;
-    vf y = p * (vf)((n1 + bci(127)) << 23) * (vf)((n2 + bci(127)) << 23);
-    y = sel(x > bc(88.72283905206835f), bc(INFINITY), y);
-    y = sel(x < bc(-103.972077083991796f), bc(0.0f), y);
-    return sel(x != x, x, y);
-}
-
-/* one row: out = exp(((row * scale) + bias) - shift), LANES at a time; the tail through a
- * padded copy, so every element gets the same arithmetic; returns the row's sum */
-INLINE float exp_row(float *row, Py_ssize_t cols, float scale, const float *brow, float sh)
-{
-    Py_ssize_t j = 0;
-    const vf vscale = bc(scale), vsh = bc(sh);
-    vf acc = bc(0.0f);
-    float sum = 0.0f;
-    for (; j + LANES <= cols; j += LANES) {
-        vf v, b;
-        memcpy(&v, row + j, sizeof v);
-        v = v * vscale;
-        if (brow) { memcpy(&b, brow + j, sizeof b); v = v + b; }
-        v = exp_poly(v - vsh);
-        acc = acc + v;
-        memcpy(row + j, &v, sizeof v);
-    }
-    for (int lane = 0; lane < LANES; lane++) sum += acc[lane];
-    if (j < cols) {
-        float buf[LANES] = {0}, bb[LANES] = {0};
-        Py_ssize_t rest = cols - j;
-        memcpy(buf, row + j, rest * sizeof(float));
-        if (brow) memcpy(bb, brow + j, rest * sizeof(float));
-        vf v, b;
-        memcpy(&v, buf, sizeof v);
-        memcpy(&b, bb, sizeof b);
-        v = v * vscale;
-        if (brow) v = v + b;
-        v = exp_poly(v - vsh);
-        memcpy(buf, &v, sizeof v);
-        memcpy(row + j, buf, rest * sizeof(float));
-        for (Py_ssize_t t = 0; t < rest; t++) sum += buf[t];
-    }
-    return sum;
-}
-
-INLINE void exp_rows_body(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
-                          const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
-{
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        float sum = exp_row(s + i * ld, cols, scale, bias ? bias + i * ldb : NULL, shift ? shift[i] : 0.0f);
-        if (sums) sums[i] = sum;
-    }
-}
+#define PATH plain
+#define PATH_ISA
+#define VW 4
+#define NB 8
+#include "exp_rows.h"
+#ifdef X86_PATHS
+#define PATH avx2
+#define PATH_ISA __attribute__((target("avx2")))
+#define VW 8
+#define NB 8
+#include "exp_rows.h"
+#define PATH avx512
+#define PATH_ISA __attribute__((target("avx512f")))
+#define VW 16
+#define NB 4
+#include "exp_rows.h"
+#endif
 
 typedef void (*exp_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float, const float *, Py_ssize_t,
                             const float *, float *);
+typedef void (*ds_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, const float *,
+                           Py_ssize_t);
 
-#define EXP_ROWS(NAME, ISA)                                                                              \
-    ISA static void NAME(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,       \
-                         const float *bias, Py_ssize_t ldb, const float *shift, float *sums)           \
-    {                                                                                                   \
-        exp_rows_body(s, rows, cols, ld, scale, bias, ldb, shift, sums);                                \
-    }
-
-EXP_ROWS(exp_rows_plain, )
-#ifdef X86_PATHS
-EXP_ROWS(exp_rows_avx512, ISA_AVX512)
-EXP_ROWS(exp_rows_avx2, ISA_AVX2)
-#endif
-
-/* the paths, best first; a path runs where the CPU has its extension */
+/* the paths, widest first; a path runs where the CPU has its extension */
 static const struct {
     const char *name;
-    exp_rows_fn fn;
+    exp_rows_fn exp_rows;
+    ds_rows_fn ds_rows;
 } PATHS[] = {
 #ifdef X86_PATHS
-    {"avx512", exp_rows_avx512},
-    {"avx2", exp_rows_avx2},
+    {"avx512", exp_rows_avx512, ds_rows_avx512},
+    {"avx2", exp_rows_avx2, ds_rows_avx2},
 #endif
-    {"plain", exp_rows_plain},
+    {"plain", exp_rows_plain, ds_rows_plain},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -139,20 +71,14 @@ static int cpu_runs(int i)
 {
 #ifdef X86_PATHS
     __builtin_cpu_init();
-    if (PATHS[i].fn == exp_rows_avx512) return __builtin_cpu_supports("avx512f");
-    if (PATHS[i].fn == exp_rows_avx2) return __builtin_cpu_supports("avx2");
+    if (PATHS[i].exp_rows == exp_rows_avx512) return __builtin_cpu_supports("avx512f");
+    if (PATHS[i].exp_rows == exp_rows_avx2) return __builtin_cpu_supports("avx2");
 #endif
     (void)i;
     return 1; /* the baseline */
 }
 
 static int current = -1; /* index into PATHS, set at import */
-
-static void exp_rows(float *s, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t ld, float scale,
-                     const float *bias, Py_ssize_t ldb, const float *shift, float *sums)
-{
-    PATHS[current].fn(s, rows, cols, ld, scale, bias, ldb, shift, sums);
-}
 
 /* a writable (or, for inputs, readable) float32 2-D buffer with unit column stride */
 static int get2d(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t *rows, Py_ssize_t *cols,
@@ -207,7 +133,7 @@ static PyObject *py_exp_tile(PyObject *self, PyObject *args)
         sums = (float *)uv.buf;
     }
     Py_BEGIN_ALLOW_THREADS
-    exp_rows((float *)sv.buf, rows, cols, ld, scale, bias, ldb, shift, sums);
+    PATHS[current].exp_rows((float *)sv.buf, rows, cols, ld, scale, bias, ldb, shift, sums);
     Py_END_ALLOW_THREADS
     if (has_u) PyBuffer_Release(&uv);
     if (has_h) PyBuffer_Release(&hv);
@@ -219,6 +145,38 @@ fail_h:
 fail:
     if (has_b) PyBuffer_Release(&bv);
     PyBuffer_Release(&sv);
+    return NULL;
+}
+
+static PyObject *py_ds_tile(PyObject *self, PyObject *args)
+{
+    PyObject *dpo, *po, *vo;
+    if (!PyArg_ParseTuple(args, "OOO", &dpo, &po, &vo)) return NULL;
+    Py_buffer dv, pv, vv;
+    Py_ssize_t rows, cols, ld, pr, pc, ldp;
+    if (get2d(dpo, &dv, 1, &rows, &cols, &ld) < 0) return NULL;
+    if (get2d(po, &pv, 0, &pr, &pc, &ldp) < 0) { PyBuffer_Release(&dv); return NULL; }
+    if (pr != rows || pc != cols) {
+        PyErr_SetString(PyExc_ValueError, "p's shape differs from dp's");
+        goto fail;
+    }
+    if (PyObject_GetBuffer(vo, &vv, PyBUF_STRIDES | PyBUF_FORMAT) < 0) goto fail;
+    if (vv.ndim != 1 || strcmp(vv.format, "f") != 0 || vv.shape[0] != rows || vv.strides[0] % 4) {
+        PyErr_SetString(PyExc_ValueError, "dvec must be a (rows,) float32 array");
+        PyBuffer_Release(&vv);
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    PATHS[current].ds_rows((float *)dv.buf, rows, cols, ld, (const float *)pv.buf, ldp, (const float *)vv.buf,
+                           vv.strides[0] / 4);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vv);
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&dv);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&dv);
     return NULL;
 }
 
@@ -258,6 +216,8 @@ static PyMethodDef methods[] = {
      "exp_tile(s, scale, bias, shift, sums=None): s = exp(s * scale + bias - shift[:, None]) in place, "
      "float32 (bias a same-shape array or None, shift a (rows,) array or None); sums, a (rows,) "
      "array, receives the rows' sums of the result"},
+    {"ds_tile", py_ds_tile, METH_VARARGS,
+     "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
     {"path", py_path, METH_NOARGS, "path(): the vector path exp_tile runs"},
     {"use", py_use, METH_VARARGS, "use(name): exp_tile runs the vector path ``name`` (ValueError where this CPU cannot)"},

@@ -9,7 +9,7 @@ What every backend object provides is :class:`~ringmpi.backends.interface.Backen
 ``synchronize``, ``annotate``, each documented there; ``INTERFACE`` lists the
 names), its ring buffers :class:`~ringmpi.backends.interface.Message`
 (``MESSAGE_INTERFACE``; :class:`HostMessage` in host memory).  One test,
-``tests/test_backend_interface.py``, checks every backend that can run.
+``tests/unit/test_backend_interface.py``, checks every backend that can run.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ schedule (:mod:`ringmpi.parallel.ring_schedule`) is the same for every backend.
 :class:`Backend` is what every backend object provides, :class:`Message` what
 each of its ring buffers provides; :class:`HostMessage` is the message of
 host memory (the NumPy backend's, and the schedule's own metadata buffers).
-``tests/test_backend_interface.py`` checks every backend that can run against
+``tests/unit/test_backend_interface.py`` checks every backend that can run against
 both protocols (names and call signatures) and against a float64 reference.
 """
 

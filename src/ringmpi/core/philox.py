@@ -6,7 +6,7 @@ random decision can be tied to *what* it is about (a query/key pair) instead
 of *where* it is computed.  Vectorised over NumPy arrays of ``uint32``; the
 CUDA twin is ``kernels/philox.cuh`` (same rounds, same constants).
 
-Checked against the Random123 known-answer vectors (``tests/test_philox.py``).
+Checked against the Random123 known-answer vectors (``tests/unit/test_philox.py``).
 """
 
 from __future__ import annotations

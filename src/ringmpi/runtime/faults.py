@@ -1,7 +1,7 @@
 """Fault injection for tests: misbehave at named points when ``RINGMPI_FAULT`` asks.
 
 Unset in normal use; then each point costs one environment lookup.  The
-failure tests (tests/test_failures.py, tests/test_cli.py) use it to make a
+failure tests (tests/mpi/test_failures.py, tests/mpi/test_cli.py) use it to make a
 rank raise, die or hang at a chosen ring step, or fail between writing its
 outputs and closing the file.
 """

@@ -1,0 +1,267 @@
+"""Rank-side driver: Hugging Face models with ``attn_implementation="ringmpi"`` in one mpirun launch.
+
+    mpirun -n P python tests/mpi/transformers_cases.py CASES.json
+
+Every rank builds the same tiny random-weight model from a config made here
+(no hub downloads) and the same global batch; rank 0 also runs the same
+weights with HF's own attention (``sdpa``, or ``eager`` where HF's sdpa
+refuses softcap or sinks) on the whole batch in one process.  Then each rank
+runs ``model(**ringmpi.transformers.shard_batch(batch, ...))``, and the
+README's recipe: backward of this rank's share of the global mean loss,
+every parameter's gradient summed over the ranks.  Rank 0 prints one
+``CASE <json>`` line per case.
+
+Case kinds:
+
+``compare``  logits (gathered), HF's ``out.loss`` (summed over ranks) and every
+             parameter gradient against HF on one process: float64 <= 1e-10 and
+             float32 <= 1e-4 relative (max error / max magnitude per tensor);
+             bfloat16 under docs/design.md's gradient rule against a float64 HF run,
+             with a bfloat16 HF run as the naive error.
+``dropout``  attention dropout in training mode: logits and gradients at P ranks equal
+             a one-rank ringmpi run (COMM_SELF) for one seed, and differ for
+             another step.
+``errors``   one ConfigError on every rank: position_ids that do not match the
+             layout, no shard context, dropout without a seed.
+"""
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
+import reference  # noqa: E402
+from case_driver import agreed_error, run_file  # noqa: E402
+import ringmpi  # noqa: E402
+import ringmpi.transformers as rmt  # noqa: E402
+import transformers  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
+             attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def config_for(model: str):
+    """(config, HF's reference attention) of one tiny model family."""
+    if model in ("llama", "packed", "left-padding", "dropout"):
+        return transformers.LlamaConfig(**SMALL), "sdpa"
+    if model == "qwen2":
+        return transformers.Qwen2Config(**SMALL, attention_bias=True), "sdpa"
+    if model == "mistral":
+        return transformers.MistralConfig(**SMALL, sliding_window=13), "sdpa"
+    if model == "gemma2":
+        return transformers.Gemma2Config(**dict(SMALL, tie_word_embeddings=True), query_pre_attn_scalar=5,
+                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0,
+                                         sliding_window=11, layer_types=["sliding_attention", "full_attention"],
+                                         pad_token_id=0), "eager"
+    if model == "gpt-oss":  # the experts' loop: torch's grouped_mm has no float64
+        return transformers.GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=9,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         experts_implementation="eager"), "eager"
+    raise ValueError(model)
+
+
+def build(case, impl, dtype, dropout=0.0):
+    cfg, ref_impl = config_for(case["model"])
+    cfg.attention_dropout = dropout
+    torch.manual_seed(case["seed"])
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ref_impl if impl == "ref" else impl)
+    model = model.to(torch.float64)
+    if case["model"] == "gpt-oss":  # sinks well away from zero, so that a wrong gradient shows
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    return model.to(DTYPES[dtype])
+
+
+def make_batch(case):
+    """The global batch: input_ids (B, N), labels, and per model family position_ids/attention_mask."""
+    rng = np.random.default_rng(case["seed"])
+    b, n = case.get("B", 1), case["n"]
+    ids = torch.from_numpy(rng.integers(1, 64, size=(b, n)))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if case["model"] == "packed":  # three documents in one row: position_ids restart
+        cuts = [0, n // 3, n // 3 + n // 2, n]
+        batch["position_ids"] = torch.cat([torch.arange(cuts[i + 1] - cuts[i]) for i in range(3)])[None]
+    if case["model"] == "left-padding":
+        mask = torch.ones(b, n, dtype=torch.int64)
+        mask[1, :9] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = ids.masked_fill(mask == 0, rmt.IGNORE_INDEX)
+    return batch
+
+
+def shifted(batch):
+    """What shard_batch predicts: the globally shifted labels (padding predicts nothing)."""
+    full = rmt.shard_batch(batch, comm=MPI.COMM_SELF, layout="contiguous", step=0)
+    return full["shift_labels"], full["num_items_in_batch"]
+
+
+def mean_loss(logits, labels, count):
+    """This rank's share of the global mean cross-entropy, in the logits' dtype."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum",
+                                             ignore_index=rmt.IGNORE_INDEX) / count
+
+
+@contextlib.contextmanager
+def float64_softmax():
+    """HF's eager attention takes its softmax in float32 whatever the input dtype (Gemma 2:
+    ``softmax(..., dtype=torch.float32)``); a float64 reference must keep float64."""
+    real = torch.nn.functional.softmax
+
+    def softmax(x, dim=None, _stacklevel=3, dtype=None):
+        return real(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+    torch.nn.functional.softmax = softmax
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = real
+
+
+def keep_float64_norms():
+    """Gemma 2's RMSNorm computes in float32 whatever the dtype (``x.float()``); in float64 runs
+    (ours and HF's alike) it keeps float64, so that the comparison sees the attention, not that."""
+    from transformers.models.gemma2 import modeling_gemma2 as gemma2
+    real = gemma2.Gemma2RMSNorm.forward
+
+    def forward(self, x):
+        if x.dtype != torch.float64:
+            return real(self, x)
+        return self._norm(x) * (1.0 + self.weight)
+    gemma2.Gemma2RMSNorm.forward = forward
+
+
+def run_reference(case, dtype):
+    """HF's own attention on one process: logits, HF's out.loss, gradients of the mean loss."""
+    batch = make_batch(case)
+    labels, count = shifted(batch)
+    model = build(case, "ref", dtype)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with float64_softmax():
+        out = model(**inputs, labels=labels, shift_labels=labels, use_cache=False)
+        mean_loss(out.logits, labels, count).backward()
+    grads = {name: p.grad.double().numpy().copy() for name, p in model.named_parameters()}
+    return out.logits.detach().double().numpy(), out.loss.item(), grads
+
+
+def run_ringmpi(comm, case, dtype, layout="zigzag", dropout=0.0, seed=None, step=0, train=False):
+    """ringmpi on comm: gathered logits, out.loss summed over ranks, gradients summed over ranks."""
+    batch = make_batch(case)
+    model = build(case, "ringmpi", dtype, dropout)
+    model.train(train)
+    shard = rmt.shard_batch(batch, comm=comm, layout=layout, dropout_seed=seed, step=step)
+    out = model(**shard)
+    mean_loss(out.logits, shard["shift_labels"], shard["num_items_in_batch"]).backward()
+    grads = {}
+    for name, p in model.named_parameters():  # the README recipe: sum every gradient over the ranks
+        g = p.grad.double().numpy().copy()
+        comm.Allreduce(MPI.IN_PLACE, g)
+        grads[name] = g
+    logits = rmt.gather(out.logits, comm=comm, layout=layout).double().numpy()
+    return logits, comm.allreduce(out.loss.item()), grads
+
+
+def rel(ours, ref, real=None):
+    if real is not None:
+        ours, ref = ours[real], ref[real]
+    scale = np.abs(ref).max()
+    err = np.abs(ours - ref).max()
+    return err / scale if scale > 0 else err
+
+
+def compare_case(comm, case):
+    dtype = case["dtype"]
+    ours = run_ringmpi(comm, case, dtype)
+    if comm.Get_rank() != 0:
+        return None
+    batch = make_batch(case)
+    real = None if "attention_mask" not in batch else batch["attention_mask"].numpy().astype(bool)
+    if dtype == "bfloat16":
+        return bf16_check(case, ours, real)
+    ref = run_reference(case, dtype)
+    tol = {"float64": 1e-10, "float32": 1e-4}[dtype]
+    errs = {"logits": rel(ours[0], ref[0], real)}
+    errs.update({f"grad {n}": rel(ours[2][n], ref[2][n]) for n in ref[2]})
+    loss_err = abs(ours[1] - ref[1]) / abs(ref[1])  # HF's out.loss is float32 (logits.float()) in any dtype
+    worst = max(errs, key=errs.get)
+    ok = errs[worst] <= tol and loss_err <= 1e-5 and sorted(ours[2]) == sorted(ref[2])
+    return ok, (f"logits and {len(errs) - 1} gradients, worst {worst}: {errs[worst]:.2e} relative (limit {tol:g}); "
+                f"logits {errs['logits']:.2e}; out.loss summed over ranks {ours[1]:.7f} vs HF {ref[1]:.7f}")
+
+
+def bf16_check(case, ours, real):
+    """docs/design.md's gradient rule: error vs float64 <= 3x HF's own bfloat16 error + 1e-5."""
+    ref, naive = run_reference(case, "float64"), run_reference(case, "bfloat16")
+    problems, names = [], ["logits"] + sorted(ref[2])
+    for name in names:
+        a, r, nv = ((ours[0], ref[0], naive[0]) if name == "logits"
+                    else (ours[2][name], ref[2][name], naive[2][name]))
+        if real is not None and name == "logits":
+            a, r, nv = a[real], r[real], nv[real]
+        good, msg = reference.tolerance_check(name, a, r, nv, gradient=True)
+        if not good:
+            problems.append(msg)
+    return not problems, "; ".join(problems) or f"{len(names)} tensors within 3x HF bfloat16's error + 1e-5"
+
+
+def dropout_case(comm, case):
+    """Attention dropout: the same masks for every P (one seed), new ones for another step."""
+    args = dict(dtype="float64", dropout=0.25, seed=1234, train=True)
+    ours = run_ringmpi(comm, case, step=5, **args)
+    if comm.Get_rank() != 0:
+        return None
+    one = run_ringmpi(MPI.COMM_SELF, case, step=5, **args)
+    other_step = run_ringmpi(MPI.COMM_SELF, case, step=6, **args)
+    plain = run_ringmpi(MPI.COMM_SELF, case, dtype="float64")
+    errs = {"logits": rel(ours[0], one[0])}
+    errs.update({f"grad {n}": rel(ours[2][n], one[2][n]) for n in one[2]})
+    worst = max(errs, key=errs.get)
+    moved = {"no dropout": rel(one[0], plain[0]), "step 6": rel(one[0], other_step[0])}
+    ok = errs[worst] <= 1e-10 and min(moved.values()) > 1e-3
+    return ok, (f"P={comm.Get_size()} vs one rank: worst {worst} {errs[worst]:.2e}; "
+                f"logits differ from no dropout by {moved['no dropout']:.2e}, from step 6 by {moved['step 6']:.2e}")
+
+
+def errors_case(comm, case):
+    """Mistakes the adapter must catch, with one ConfigError on every rank."""
+    model = build(case, "ringmpi", "float64")
+    batch = make_batch(case)
+    size = comm.Get_size()
+    problems = []
+
+    def attempt(what, call, want):
+        problem = agreed_error(comm, call, want)
+        if problem:
+            problems.append(f"{what}: {problem}")
+
+    if size > 1:  # RoPE positions that are not the layout's (what HF makes without shard_batch's)
+        shard = rmt.shard_batch(batch, comm=comm, layout="zigzag", step=0)
+        shard["position_ids"] = torch.arange(shard["input_ids"].shape[1])[None]
+        attempt("local position_ids", lambda: model(**shard), "position_ids do not match the zigzag layout")
+        shard = rmt.shard_batch(batch, comm=comm, layout="zigzag", step=0)
+        shard[rmt.CONTEXT_KEY].layout = ringmpi.Layout("contiguous", case["n"], size)
+        shard[rmt.CONTEXT_KEY].positions = shard[rmt.CONTEXT_KEY].layout.indices(comm.Get_rank())
+        attempt("zigzag shards, contiguous attention", lambda: model(**shard), "do not match the contiguous")
+    attempt("no shard context", lambda: model(input_ids=batch["input_ids"]), "needs the sharded batch")
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    attempt("dropout without a seed", lambda: model(**rmt.shard_batch(batch, comm=comm, step=0)),
+            "needs shard_batch(..., dropout_seed=SEED)")
+    return not problems, "; ".join(problems) or "errors raised alike on every rank"
+
+
+def main():
+    rmt.register()
+    keep_float64_norms()
+    torch.set_num_threads(1)
+    run_file(MPI.COMM_WORLD, {"dropout": dropout_case, "errors": errors_case}, compare_case)
+
+
+if __name__ == "__main__":
+    main()

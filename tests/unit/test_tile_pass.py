@@ -1,0 +1,229 @@
+"""The CPU backend's float32 tile pass (:mod:`ringmpi.backends.tile_pass`) on every path:
+the compiled sweep (``ringmpi._ext._fused``, built by ``pip install``) on each vector path
+this CPU runs, and the NumPy passes it replaces.
+
+In-process, one rank: the pass itself (accuracy of its ``exp``, non-finite values),
+then forward and gradients of masks, windows, segments, GQA, ALiBi and dropout against
+the float64 dense reference under the tolerance rule, and the same bits on repeat,
+with the tiles small enough that every block spans several (shifted, exact and
+partly hidden tiles).  The multi-rank tests run the compiled path where it is built."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import reference
+from random_inputs import attention_inputs
+import ringmpi
+from ringmpi.backends import numpy_backend, tile_pass as tp
+
+
+def _compiled_paths():
+    """``compiled-<vector path>`` for each path of the built pass this CPU runs."""
+    try:
+        from ringmpi._ext import _fused
+    except ImportError:
+        return ("compiled",)  # skipped, visibly, by the fixture
+    return tuple(f"compiled-{path}" for path in _fused.paths())
+
+
+
+PATHS = _compiled_paths() + ("numpy",)
+
+
+@pytest.fixture(params=PATHS)
+def tile_pass(request, monkeypatch):
+    fused = tp.compiled
+    if request.param.startswith("compiled"):
+        if fused is None:
+            pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
+    else:
+        monkeypatch.setattr(tp, "compiled", None)
+    monkeypatch.setattr(numpy_backend, "TILE_Q", 16)
+    monkeypatch.setattr(numpy_backend, "TILE_KV", 24)
+    monkeypatch.setattr(numpy_backend, "BAND_Q", 8)
+    before = None if fused is None else fused.path()
+    if request.param.startswith("compiled-"):
+        fused.use(request.param.split("-", 1)[1])
+    assert tp.implementation() == request.param.split("-")[0]
+    yield request.param
+    if before is not None:
+        fused.use(before)
+
+
+def test_exp_pass_accuracy_and_nonfinite(tile_pass):
+    rng = np.random.default_rng(1)
+    s = (rng.standard_normal((64, 96)) * 30).astype(np.float32)
+    s[0, :7] = [np.inf, -np.inf, np.nan, 88.8, -104.0, -87.5, 0.0]
+    bias = np.where(rng.random(s.shape) < 0.2, -np.inf, 0).astype(np.float32)
+    shift = rng.standard_normal(64).astype(np.float32)
+    with np.errstate(all="ignore"):
+        x64 = (s * np.float32(0.7) + bias - shift[:, None]).astype(np.float64)  # float32 steps, as documented
+        want = np.exp(x64)
+        numpy_way = np.exp(x64.astype(np.float32))
+        got = s.copy()
+        tp.exp_pass(got, np.float32(0.7), bias, shift)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got == 0, numpy_way == 0)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(numpy_way))
+    normal = np.isfinite(want) & (want > 1.2e-38) & (want < 3e38)
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() <= 4 * np.finfo(np.float32).eps
+
+
+@pytest.mark.parametrize("cols", [5, 16, 37, 512])
+def test_exp_pass_row_sums(tile_pass, cols):
+    """The row sums the pass returns are those of its result (a tail of fewer than 16 columns
+    adds only its own elements), deterministic, with NaN/Inf as a sum gives them."""
+    rng = np.random.default_rng(cols)
+    s = rng.standard_normal((9, cols)).astype(np.float32)
+    s[3, 0] = np.nan
+    s[4, -1] = np.inf
+    bias = np.where(rng.random(s.shape) < 0.3, -np.inf, 0).astype(np.float32)
+    shift = rng.standard_normal(9).astype(np.float32)
+    runs = []
+    for _ in range(2):
+        got, sums = s.copy(), np.full(9, -1.0, dtype=np.float32)
+        with np.errstate(all="ignore"):
+            tp.exp_pass(got, np.float32(0.5), bias, shift, sums)
+        runs.append((got, sums))
+    got, sums = runs[0]
+    assert np.array_equal(runs[1][1], sums, equal_nan=True)
+    want = got.astype(np.float64).sum(axis=1)
+    np.testing.assert_array_equal(np.isnan(sums), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(sums), np.isinf(want))
+    fine = np.isfinite(want)
+    np.testing.assert_allclose(sums[fine], want[fine], rtol=cols * np.finfo(np.float32).eps)
+
+
+def test_ds_pass_gives_numpys_bits(tile_pass):
+    """The backward's dS pass is NumPy's two passes (subtract, multiply) bit for bit, strided
+    rows, tails and non-finite values included."""
+    rng = np.random.default_rng(2)
+    p = rng.random((9, 40)).astype(np.float32)
+    dp = rng.standard_normal((9, 40)).astype(np.float32)
+    dvec = rng.standard_normal(9).astype(np.float32)
+    dp[1, 3], p[2, 5], dvec[4], p[5, 0], dp[6, 7] = np.nan, np.inf, np.inf, 0.0, np.inf
+    for cols in (1, 7, 16, 33, 40):
+        wide = np.zeros((9, 64), np.float32)
+        wide[:, :cols] = dp[:, :cols]
+        got = wide[:, :cols]  # rows 64 floats apart
+        want = dp[:, :cols].copy()
+        with np.errstate(all="ignore"):
+            tp.ds_pass(got, p[:, :cols], dvec)
+            want -= dvec[:, None]
+            want *= p[:, :cols]
+        np.testing.assert_array_equal(got, want)
+
+
+CASES = {
+    "full": dict(),
+    "causal-gqa": dict(causal=True, hkv=2),
+    "window": dict(window=(9, 3)),
+    "segments": dict(segments=True, causal=True),
+    "alibi": dict(alibi=0.5, causal=True),
+    # steep slopes, no mask: a later key tile raises a row's maximum by far more than exp's range,
+    # so the speculative shifted tile overflows and is redone (its overflow must not warn)
+    "alibi-steep": dict(alibi=16.0),
+    "alibi-steep-dropout": dict(alibi=16.0, dropout=0.25),
+    "softcap": dict(softcap=5.0, window=(20, 4)),
+    "dropout": dict(dropout=0.25, hkv=2),
+}
+
+
+def _inputs(case, n=53, b=2, h=4, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    hkv = case.get("hkv", h)
+    q, k, v, do = (x.astype(np.float32) for x in attention_inputs(rng, b, n, h, hkv, d))
+    kw = dict(causal=case.get("causal", False), window=case.get("window"))
+    seg = None
+    if case.get("segments"):
+        seg = np.sort(rng.integers(0, 3, (b, n)), axis=1).astype(np.int32)
+        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
+    alibi = None
+    if case.get("alibi"):
+        alibi = (case["alibi"] * 0.5 ** np.arange(h)).astype(np.float32)
+        kw["alibi_slopes"] = alibi
+    if case.get("softcap"):
+        kw["softcap"] = case["softcap"]
+    drop = None
+    if case.get("dropout"):
+        kw.update(dropout_p=case["dropout"], dropout_seed=77)
+        drop = reference.dropout_factors(77, case["dropout"], b, h, n, n)
+    vis = reference.visible(n, n, kw["causal"], kw["window"], seg, seg)
+    return (q, k, v, do), kw, dict(vis=vis, alibi=alibi, drop=drop, softcap=case.get("softcap"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_against_float64_reference(tile_pass, name):
+    """Each case against the float64 reference, with warnings as errors: an overflow the
+    backend expects and handles (a shifted tile redone exactly) never reaches the user."""
+    (q, k, v, do), kw, ref = _inputs(CASES[name])
+    scale = 1 / np.sqrt(q.shape[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
+        grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)
+    dense = dict(vis=ref["vis"], scale=scale, drop=ref["drop"], alibi=ref["alibi"], softcap=ref["softcap"])
+    wide = [x.astype(np.float64) for x in (q, k, v, do)]
+    o64, lse64 = reference.dense_forward(*wide[:3], dtype=np.float64, **dense)
+    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, **dense)
+    g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, **dense)
+    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, **dense)
+    checks = [reference.tolerance_check("o", o, o64, o32), reference.tolerance_check("lse", lse, lse64, lse32)]
+    checks += [reference.tolerance_check(n, g, r, nv, gradient=True)
+               for n, g, r, nv in zip(("dq", "dk", "dv"), grads, g64, g32)]
+    assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+def test_same_bits_on_repeat(tile_pass):
+    (q, k, v, do), kw, _ = _inputs(CASES["causal-gqa"], seed=3)
+    runs = []
+    for _ in range(2):
+        o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
+        runs.append((o, lse) + tuple(ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_every_vector_path_gives_the_same_bits():
+    """The compiled passes' vector paths (AVX-512, AVX2, plain: as many as this CPU runs) do the
+    same arithmetic in the same order: the same results and row sums, bit for bit, tails of
+    every length under 16 columns, non-finite values and strided rows included (the exp pass
+    and the backward's dS pass)."""
+    fused = tp.compiled
+    if fused is None:
+        pytest.skip("ringmpi._ext._fused was not built (or RINGMPI_CPU_KERNEL=numpy)")
+    rng = np.random.default_rng(5)
+    wide = (rng.standard_normal((7, 80)) * 40).astype(np.float32)
+    wide[2, [0, 17, 33]] = [np.nan, np.inf, -np.inf]
+    # NaNs of both signs and other payloads, the clamps, the overflow and underflow edges
+    wide[3, :4] = np.array([0xFFC00000, 0x7FC01234, 0xFFC0ABCD, 0x7F812345], dtype=np.uint32).view(np.float32)
+    wide[4, :8] = [88.72283935546875, 88.72283172607422, 89.0, -104.0, -103.97207, -103.9721, -87.33655, -110.0]
+    wide[5, :] = np.linspace(-104.5, 89, 80, dtype=np.float32) / np.float32(0.3)
+    bias = np.where(rng.random(wide.shape) < 0.3, -np.inf, 0).astype(np.float32)
+    shift = rng.standard_normal(7).astype(np.float32)
+    before, results = fused.path(), {}
+    try:
+        for path in fused.paths():
+            fused.use(path)
+            got = []
+            for cols in range(1, 50):
+                s, sums = wide[:, :cols].copy(), np.empty(7, np.float32)
+                strided = np.zeros((7, 80), np.float32)
+                strided[:, :cols] = wide[:, :cols]
+                view = strided[:, :cols]  # rows 80 floats apart
+                with np.errstate(all="ignore"):
+                    ds = wide[:, :cols] * np.float32(0.01)
+                    fused.exp_tile(s, np.float32(0.3), bias[:, :cols].copy(), shift, sums)
+                    fused.exp_tile(view, np.float32(0.3), None, shift)
+                    fused.ds_tile(ds, s, shift)  # NaN in both operands where s has one
+                got.append(s.tobytes() + sums.tobytes() + view.tobytes() + ds.tobytes())
+            results[path] = got
+    finally:
+        fused.use(before)
+    first = next(iter(results))
+    for path, got in results.items():
+        differ = [cols for cols, (a, b) in enumerate(zip(got, results[first]), 1) if a != b]
+        assert not differ, f"the {path} path differs from the {first} path at {differ} columns"
