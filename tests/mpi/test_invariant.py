@@ -195,10 +195,10 @@ def test_whole_tiles_per_shard():
     tiling = Tiling.of(pos)
     assert tiling.tiles.tolist() == [0, 2, 15] and tiling.valid.sum() == len(pos) and not tiling.sorted
     x = rng.standard_normal((2, len(pos), 3))
-    tiled = tiling.gather(x, axis=1)
+    tiled = tiling.to_tiles(x, axis=1)
     assert tiled.shape == (2, 3, 64, 3) and tiled.ctypes.data % 64 == 0
     assert np.array_equal(tiled[:, 2, :40], x[:, np.argsort(pos)][:, 128:]) and not tiled[:, 2, 40:].any()
-    assert np.array_equal(tiling.scatter(tiled, axis=1), x)
+    assert np.array_equal(tiling.from_tiles(tiled, axis=1), x)
     decode = Tiling.of(np.array([1021, 1022, 1023, 1024]))  # a decode step's rows: their slots of their tiles
     assert decode.tiles.tolist() == [15, 16] and np.flatnonzero(decode.valid[0]).tolist() == [61, 62, 63]
     assert np.flatnonzero(decode.valid[1]).tolist() == [0]

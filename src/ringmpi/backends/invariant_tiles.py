@@ -62,7 +62,7 @@ def _tiled_segments(tiling: Tiling, seg):
     """Segment ids ``(B, S)`` as ``(B, nt, TILE)``, pad slots repeating the tile's first id."""
     if seg is None:
         return None
-    out = tiling.gather(np.asarray(seg, dtype=np.int64), axis=1)
+    out = tiling.to_tiles(np.asarray(seg, dtype=np.int64), axis=1)
     return np.where(tiling.valid[None], out, out[..., :1])
 
 
@@ -107,13 +107,13 @@ class Resident:
         self.seg = _tiled_segments(self.tiling, seg)
         self.q, self.do = q, do
         self.shape = (q.shape[0], q.shape[1], self.tiling.count, TILE)
-        bad = self.tiling.gather(_bad_rows(q), axis=2)
+        bad = self.tiling.to_tiles(_bad_rows(q), axis=2)
         self.lse = self.dvec = None
         if do is not None:
             lse = np.where(np.isneginf(lse), np.inf, lse)
-            self.lse = self.tiling.gather(lse, axis=2, dtype=ct)
-            self.dvec = self.tiling.gather(dvec, axis=2, dtype=ct)
-            bad |= self.tiling.gather(_bad_rows(do), axis=2) | np.isnan(self.lse) | ~np.isfinite(self.dvec)
+            self.lse = self.tiling.to_tiles(lse, axis=2, dtype=ct)
+            self.dvec = self.tiling.to_tiles(dvec, axis=2, dtype=ct)
+            bad |= self.tiling.to_tiles(_bad_rows(do), axis=2) | np.isnan(self.lse) | ~np.isfinite(self.dvec)
             self.lse[..., ~self.tiling.valid] = np.inf  # pad rows: P = 0
         bad &= self.tiling.valid
         if do is not None and bad.any():
@@ -129,7 +129,7 @@ class Resident:
         x = self.q if which == "q" else self.do
         part = x[b, heads]
         out = _scratch(self.scratch, key, (part.shape[0], self.tiling.count, TILE, part.shape[2]), self.ct)
-        self.tiling.gather(part, axis=1, out=out)
+        self.tiling.to_tiles(part, axis=1, out=out)
         if self.kv_dtype.itemsize == 2:  # what the tensor-core kernels multiply (as the default ops)
             out[...] = out.astype(self.kv_dtype)
         bad = self.bad[b, heads]
@@ -146,7 +146,7 @@ class _Block:
         self.res, self.spec = res, res.spec
         self.tiling = Tiling.of(mask.kv_pos)
         self.seg = _tiled_segments(self.tiling, mask.seg_kv)
-        self.bad = self.tiling.gather(bad_keys, axis=2) & self.tiling.valid  # (B, Hkv, nk, TILE)
+        self.bad = self.tiling.to_tiles(bad_keys, axis=2) & self.tiling.valid  # (B, Hkv, nk, TILE)
         self.any_bad = self.bad.any(axis=(2, 3))
         q_t, k_t = res.tiling, self.tiling
         batch = res.q.shape[0]

@@ -113,7 +113,7 @@ class Tiling:
         slot[self.order] = np.flatnonzero(self.valid.ravel())
         return slot
 
-    def gather(self, x, axis: int, dtype=None, out=None) -> np.ndarray:
+    def to_tiles(self, x, axis: int, dtype=None, out=None) -> np.ndarray:
         """``x``'s rows along ``axis`` in tile order, as a new 64-byte aligned C-contiguous
         array with that axis split into ``(nt, TILE)``, pad rows zero, in ``dtype`` (default
         ``x``'s); ``out``: such an array to fill instead (a reused scratch)."""
@@ -160,8 +160,8 @@ class Tiling:
             flat[slots] = x[rows]
         return out
 
-    def scatter(self, xt, axis: int) -> np.ndarray:
-        """The inverse of :meth:`gather`: ``xt`` with axes ``(axis, axis + 1) = (nt, TILE)`` back
+    def from_tiles(self, xt, axis: int) -> np.ndarray:
+        """The inverse of :meth:`to_tiles`: ``xt`` with axes ``(axis, axis + 1) = (nt, TILE)`` back
         to local row order along ``axis`` (a new array, pad rows dropped)."""
         axis = axis % (xt.ndim - 1)
         flat = xt.reshape(xt.shape[:axis] + (self.count * TILE,) + xt.shape[axis + 2:])

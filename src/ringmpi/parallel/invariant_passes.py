@@ -163,7 +163,7 @@ def forward(problem, q, k, v, maxima: Maxima, sinks=None):
     bad = poison.astype(bool)
     tiling = Tiling.of(problem.q_pos)
     row_max = np.where(bad, np.nan, np.where(tiling.valid, m, -np.inf)).astype(ct)
-    row_max = tiling.scatter(row_max, axis=2)
+    row_max = tiling.from_tiles(row_max, axis=2)
     o, lse = finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs, q.dtype, ct)
     return o, lse, row_max, records
 
@@ -240,7 +240,7 @@ def backward(problem, q, do, k, v, lse, maxima: Maxima, o=None, dvec=None, sinks
     res = be.invariant_resident(qh, problem.q_pos, problem.seg_q, k.dtype, ct, problem.spec, do=doh, lse=lse,
                                 dvec=dvec)
     vmax_h = np.repeat(maxima.vmax_cols.max(axis=2), group, axis=1)[:, :, None, None]
-    dorow = res.tiling.gather(_abs_max(doh, 3), axis=2)  # max |do| per row (flagged rows: 0)
+    dorow = res.tiling.to_tiles(_abs_max(doh, 3), axis=2)  # max |do| per row (flagged rows: 0)
     del qh, doh
     w_rows = fx.row_weight_exponents(dim_v, maxima.rescale, vmax_h, dorow, res.dvec)
     e_rows, e_cols = fx.dq_exponents(maxima.n_kv, w_rows, maxima.kmax)
