@@ -112,7 +112,7 @@ def digest(x) -> str:
 
 
 def run_placement(comm, case, data, lay_q, lay_kv, u):
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     q, k, v, do, seg_q, seg_kv, sinks, alibi = data
     kw = call_kw(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks, alibi, u)
     args = [lay.shard(x, rank) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
