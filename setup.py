@@ -1,6 +1,7 @@
-"""The compiled CPU tile pass (``ringmpi._ext._fused``), built by ``pip install`` of the
-checkout; the rest of the package is in pyproject.toml.  If no C compiler can build it,
-the install goes on and the NumPy backend uses its NumPy-only tile path."""
+"""The compiled CPU tile pass (``ringmpi._ext._fused``) and the fixed-point sums of
+``invariant=True`` (``ringmpi._ext._fixed``), built by ``pip install`` of the checkout; the
+rest of the package is in pyproject.toml.  If no C compiler can build them, the install
+goes on and the NumPy backend uses its NumPy-only paths (the same bits for the sums)."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -23,6 +24,9 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension("ringmpi._ext._fused", ["src/ringmpi/_ext/fused.c"],
                            depends=["src/ringmpi/_ext/exp_rows.h"],
-                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"])],
+                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]),
+                 Extension("ringmpi._ext._fixed", ["src/ringmpi/_ext/fixed.c"],
+                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+                                               "-fno-wrapv"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

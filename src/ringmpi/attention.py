@@ -103,6 +103,8 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
           or device_problem(be, k.dtype, q.shape[3], v.shape[3])
           or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names()))
     place_q, place_kv = _agree_placements(q, k, v, options, comm, layout, pos_q, pos_kv, seg_q is not None)
+    if options.invariant:
+        agree(comm, _invariant_problem(be, place_q, place_kv))
     if options.check_finite:
         _agree_finite(comm, (("q", q, place_q), ("k", k, place_kv), ("v", v, place_kv))
                       + tuple((n, x, place_q) for n, x in extra))
@@ -118,6 +120,17 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
                       scale=options.scale(q.shape[3]), seg_q=seg_q, seg_kv=seg_kv,
                       timeout=deadline(options.timeout),
                       sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
+
+
+def _invariant_problem(be, place_q, place_kv) -> Optional[str]:
+    """This rank's problem with ``invariant=True``: a backend without the mode, or a shard that is
+    not whole 64-token tiles of global positions (:mod:`ringmpi.core.global_tiles`); or None."""
+    if not getattr(be, "INVARIANT", False):
+        return f"invariant=True runs on the numpy backend, not on {be.name}"
+    from .core.global_tiles import shard_problem
+
+    return (shard_problem("query", place_q.mine, place_q.n)
+            or shard_problem("key/value", place_kv.mine, place_kv.n))
 
 
 def _positions_problem(pos_q, pos_kv, q, k) -> Optional[str]:
@@ -201,7 +214,7 @@ def _disagreement(shapes) -> Optional[str]:
     """The message when the ranks' :class:`_RankPlan` s differ in what must be the same."""
     if len({s.digest for s in shapes}) > 1:
         return ("ranks disagree on sinks or softcap (or alibi_slopes, causal, window, softmax_scale, "
-                "check_finite, return_max_logit): every rank must pass the same values")
+                "check_finite, return_max_logit, invariant): every rank must pass the same values")
     if len({s.dropout for s in shapes}) > 1:
         return ("ranks disagree on (dropout_p, dropout_seed, dropout_offsets): "
                 + "; ".join(f"rank {r}: {s.dropout}" for r, s in enumerate(shapes)))
@@ -230,6 +243,7 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
                    sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False,
                    dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None,
                    alibi_slopes=None, positions_q=None, positions_kv=None, schedule: Optional[str] = None,
+                   invariant: bool = False,
                    options: Optional[AttentionOptions] = None):
     """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
 
@@ -262,7 +276,8 @@ def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguo
         (with ``head_parallel`` U > 1, an :class:`ringmpi.parallel.head_parallel.ExchangeRecord`
         before and after them, whose ``head_parallel`` is the U this call ran with).
     causal, window, softmax_scale, timeout, check_finite, dtype, head_parallel, sinks, softcap,
-    return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes, schedule
+    return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes, schedule,
+    invariant
         The attention options, each documented in :class:`ringmpi.options.AttentionOptions`
         (the one place that defines and checks them).
     positions_q, positions_kv : (S_q_local,), (S_kv_local,) ints, optional
@@ -306,15 +321,20 @@ def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
                  positions_q=positions_q, positions_kv=positions_kv)
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
+    maxima = None
+    if options.invariant:
+        from .parallel.invariant_passes import forward_maxima
+        maxima = forward_maxima(plan, v)
     if groups is not None:
         from .parallel import head_parallel as _two_level
         o, lse, max_logit, records = _two_level.forward(plan, groups, q, k, v,
-                                                        return_max_logit=options.return_max_logit)
+                                                        return_max_logit=options.return_max_logit,
+                                                        invariant=maxima)
     else:
         be = plan.backend
         o, lse, max_logit, records = forward_pass(
             plan.flat_problem(), be.asarray(q), be.asarray(k), be.asarray(v), sinks=plan.sinks,
-            max_logit=(plan.comm, None) if options.return_max_logit else None)
+            max_logit=(plan.comm, None) if options.return_max_logit else None, invariant=maxima)
     if stats is not None:
         stats.extend(records)
     o = o.view(np.uint16) if bits else o
@@ -331,7 +351,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
                             sinks=None, softcap: Optional[float] = None,
                             dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                             dropout_offsets=None, alibi_slopes=None, positions_q=None, positions_kv=None,
-                            schedule: Optional[str] = None, options: Optional[AttentionOptions] = None,
+                            schedule: Optional[str] = None, invariant: bool = False,
+                            options: Optional[AttentionOptions] = None,
                             reduce_dsinks: bool = True):
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
@@ -343,7 +364,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
     q, k, v : as for :func:`ring_attention`.
     o : (B, S_q_local, H, D_v), the forward output.
     lse : (B, H, S_q_local), the forward's log-sum-exp.
-    dropout_p, dropout_seed, dropout_offsets, alibi_slopes, positions_q, positions_kv, schedule :
+    dropout_p, dropout_seed, dropout_offsets, alibi_slopes, positions_q, positions_kv, schedule,
+    invariant :
         the forward's values (the dropout mask is regenerated, never stored; the schedule
         may differ from the forward's: results agree to rounding).
     options : :class:`ringmpi.options.AttentionOptions`, optional
@@ -388,13 +410,20 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
           f"lse must have shape (B, H, S_q_local) = {want}, got {tuple(lse.shape)}")
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     sink_comm = plan.comm if reduce_dsinks else None  # None: this rank's own share of dsinks
+    maxima = dvec = None
+    if options.invariant:
+        from .parallel.invariant_passes import backward_maxima
+        ct = plan.compute_dtype
+        dvec = be.row_dot(be.heads_view(be.asarray(do), ct), be.heads_view(be.asarray(o), ct))
+        maxima = backward_maxima(plan, q, k, v, do, dvec)
     if groups is not None:
         from .parallel import head_parallel as _two_level
-        result, dsinks, records = _two_level.backward(plan, groups, do, q, k, v, o, lse, sink_comm=sink_comm)
+        result, dsinks, records = _two_level.backward(plan, groups, do, q, k, v, o, lse, sink_comm=sink_comm,
+                                                      invariant=maxima, dvec=dvec)
     else:
         dq, dk, dv, dsinks, records = backward_pass(
             plan.flat_problem(), be.asarray(q), be.asarray(do), be.asarray(k), be.asarray(v), lse,
-            o=be.asarray(o), sinks=plan.sinks, sink_comm=sink_comm)
+            o=be.asarray(o), dvec=dvec, sinks=plan.sinks, sink_comm=sink_comm, invariant=maxima)
         result = tuple(be.from_heads(g, q.dtype) for g in (dq, dk, dv))
     if bits:
         result = tuple(g.view(np.uint16) for g in result)

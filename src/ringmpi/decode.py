@@ -178,7 +178,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
                      causal: bool = True, window=None, softmax_scale: Optional[float] = None, sinks=None,
                      softcap: Optional[float] = None, root: Optional[int] = None, backend: str = "auto",
                      stats: Optional[dict] = None, alibi_slopes=None, positions_kv=None,
-                     options: Optional[AttentionOptions] = None):
+                     invariant: bool = False, options: Optional[AttentionOptions] = None):
     """Attention of ``S_new`` new tokens over a KV cache sharded across the ranks of ``comm``.
 
     Collective.  No K/V leaves its rank: each rank attends to its own shard and
@@ -225,6 +225,15 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
     alibi_slopes : (H,) float32, optional
         ALiBi: the score of query ``i`` and key ``j`` gains ``-alibi_slopes[h] * |i - j|``
         (global positions, as :func:`ringmpi.ring_attention`).
+    invariant : bool
+        The bits :func:`ringmpi.ring_attention` with ``invariant=True`` gives these rows in a
+        ring over the entry's ``L_b`` tokens (any P, layout, head x ring), so generation and
+        training agree exactly; every cache shard must be whole 64-token tiles of global
+        positions (``KVCache`` shards of a contiguous layout with ``N / P`` a multiple of 64).
+        It selects the collectives, so like ``q``'s shape it must be the same on every rank.
+        Each new token costs the GEMMs of a whole 64-row query tile, and the call two
+        collectives after the checks (:func:`ringmpi.parallel.invariant_passes.decode`).
+        NumPy backend.
     root : int, optional
         Return the result on ``root`` only (``(None, None)`` elsewhere).
     backend : "auto" | "numpy" | "cupy"
@@ -232,8 +241,8 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         Filled with ``compute_s`` (local attention) and ``merge_s`` (packing,
         the collective, unpacking; it includes waiting for the slowest rank).
     options : :class:`ringmpi.options.AttentionOptions`, optional
-        ``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes`` as one
-        object instead of their keywords (giving both is a TypeError).
+        ``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes``,
+        ``invariant`` as one object instead of their keywords (giving both is a TypeError).
 
     Returns
     -------
@@ -268,8 +277,8 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
     n_local = k_cache.shape[1] if getattr(k_cache, "ndim", 0) == 4 else -1
     n_cache, pos, problem = _positions(layout, comm, n_local, positions_kv)
     problem = problem or options.problem(q.shape[2]) or modifier_problem(be, options.modifier_names())
-    if problem:  # this rank still joins the collective, with options that build a spec
-        options = AttentionOptions(causal=options.causal)
+    if problem:  # this rank still joins the collectives, with options that build a spec
+        options = AttentionOptions(causal=options.causal, invariant=options.invariant)
     start = time.perf_counter()
     lengths = None if cache_lengths is None else to_host(cache_lengths).astype(np.int64)
     if problem is None:
@@ -277,6 +286,9 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
     if problem is None:
         problem = value_dim_problem(be.name, q.shape[3], v_cache.shape[3])
     dim = v_cache.shape[3] if getattr(v_cache, "ndim", 0) == 4 else q.shape[3]  # D_v: the packed output width
+    if options.invariant:
+        return _invariant(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, problem, root, stats,
+                          start)
     o_part, lse_part = _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim,
                                    run=problem is None)
     be.synchronize()
@@ -289,6 +301,26 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
         return None, None
     o = be.from_heads(be.asarray(merged[..., :dim]).transpose(0, 2, 1, 3), q.dtype)
     return o, be.asarray(np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1)))
+
+
+def _invariant(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, problem, root, stats, start):
+    """:func:`decode` with ``invariant=True`` (:func:`ringmpi.parallel.invariant_passes.decode`)."""
+    from .core.global_tiles import shard_problem
+    from .parallel import invariant_passes
+
+    if problem is None and not getattr(be, "INVARIANT", False):
+        problem = f"invariant=True runs on the numpy backend, not on {be.name}"
+    if problem is None:
+        problem = shard_problem("cache", pos, n_cache)
+    agree(comm, problem)
+    sig = float(options.digest(to_host(q), lengths, extra=(tuple(q.shape), str(q.dtype), n_cache)) & 0xFFFFFF)
+    o, lse = invariant_passes.decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig)
+    if stats is not None:
+        stats["compute_s"] = time.perf_counter() - start
+        stats["merge_s"] = 0.0
+    if root is not None and comm.Get_rank() != root:
+        return None, None
+    return be.asarray(o), be.asarray(lse)
 
 
 def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, run: bool):

@@ -211,6 +211,19 @@ class AttentionOptions:
         the results of every other call keep their bits).  The schedule that ran
         is in each ``stats`` record (``StepRecord.schedule``).  Results agree to
         rounding, not bitwise, between schedules; each is bitwise repeatable.
+        ``invariant=True`` runs on the ring (``"auto"`` resolves to it; ``"routed"``
+        is refused).
+    invariant : bool
+        The same bits for every number of ranks, layout and ``head_parallel``
+        (on one machine and backend, for every dtype): ``o``, ``lse``, ``max_logit``
+        and the gradients ``dq, dk, dv`` and ``dsinks`` (summed over the ranks,
+        ``reduce_dsinks=True``).  Every shard must be made of whole 64-token
+        tiles of global positions (``[64 t, 64 t + 64)``; the last tile of a
+        sequence may be short), a ConfigError on every rank otherwise.  Sums
+        over key tiles are exact integer sums in fixed point
+        (:mod:`ringmpi.core.fixed_point`), the forward makes two passes over
+        the ring (row maxima first), and a row reached by NaN/Inf is NaN.
+        NumPy backend.
     """
 
     causal: bool = _option(False, op="bool", flag="--causal", kind="switch",
@@ -252,6 +265,10 @@ class AttentionOptions:
         help="How K/V move: ring (every block visits every rank), routed (each rank receives only the rows "
              "its queries see), auto (routed where that moves fewer rows) [default: auto with --layout "
              "balanced, else ring].")
+    invariant: bool = _option(False, op="bool", flag="--invariant", kind="switch",
+                              help="The same bits for any number of ranks, layout and head-parallel U "
+                                   "(every rank's shard whole 64-token tiles of global positions; a "
+                                   "forward makes two passes over the ring).")
 
     @classmethod
     def of_call(cls, keywords: dict, defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
@@ -303,7 +320,9 @@ class AttentionOptions:
                         for m in _modifiers.MODIFIERS)
         checks += (("dropout", lambda: self._dropout_problem(heads)),
                   ("timeout", lambda: _timeout_problem(self.timeout)),
-                  ("schedule", lambda: schedule_problem(self.schedule)))
+                  ("schedule", lambda: schedule_problem(self.schedule)),
+                  ("schedule", lambda: "invariant=True runs on the ring schedule, not schedule='routed'"
+                   if self.invariant and self.schedule == "routed" else None))
         for name, check in checks:
             message = check()
             if message is not None:
@@ -349,7 +368,10 @@ class AttentionOptions:
 
     def kv_schedule(self, balanced: bool) -> str:
         """``schedule`` resolved for a call: its default is ``"auto"`` on a balanced layout
-        (``balanced``), else ``"ring"``."""
+        (``balanced``), else ``"ring"``; ``invariant`` always runs on the ring (its block ops
+        take whole tiles of global positions, its dK/dV integer sums travel the ring)."""
+        if self.invariant:
+            return "ring"
         if self.schedule is not None:
             return self.schedule
         return "auto" if balanced else "ring"
@@ -385,6 +407,8 @@ class AttentionOptions:
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))
         if self.schedule is not None:  # (so that digests without it keep their values)
             scalars += (("schedule", str(self.schedule)),)
+        if self.invariant:  # a separate term: the digests of calls without it are unchanged
+            scalars += ("invariant",)
         crc = zlib.crc32(repr(scalars).encode())
         for name in PER_HEAD:
             per_head = getattr(self, name)

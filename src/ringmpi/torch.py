@@ -420,7 +420,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
                    head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
                    softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                    dropout_offsets=None, alibi_slopes=None, positions_q=None, positions_kv=None,
-                   schedule: Optional[str] = None):
+                   schedule: Optional[str] = None, invariant: bool = False):
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
     Collective over ``comm``, in the forward and in the backward: every rank
@@ -433,12 +433,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     k, v : (B, S_kv_local, H_kv, D), (B, S_kv_local, H_kv, D_v) tensors, same dtype and
         device; ``H % H_kv == 0``; ``D_v`` may differ from ``D`` (as in torch's SDPA).
     comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel, dropout_p, dropout_seed,
-    dropout_offsets, schedule
+    dropout_offsets, schedule, invariant
         As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
         duplicate of ``COMM_WORLD``); the backward regenerates the dropout mask
         from the seed.  A ``"balanced"`` :class:`~ringmpi.Layout` reaches the op as
         the positions it gives this rank (``positions_q``), with its default
-        schedule (``"auto"``).
+        schedule (``"auto"``).  With ``invariant`` the forward and the gradients of ``q, k, v``
+        are the same bits for any P, layout and ``head_parallel``; ``sinks.grad`` is
+        this rank's share (exact on its own rows), so its sum over ranks is the
+        framework's (an Allreduce of floats).
     segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) integer tensors or arrays, optional
         Packed documents: a query sees only keys with the same id.
     return_lse : bool

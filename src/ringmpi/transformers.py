@@ -69,7 +69,8 @@ class ShardContext:
     documents (from restarting ``position_ids``) and padding (``PAD_SEGMENT``);
     ``dropout_seed``: the user's seed; ``step``: which batch this is (dropout
     masks differ per step and per layer, :func:`dropout_seed`); ``schedule``: the
-    attention's K/V schedule (``"auto"`` for the balanced layout, else None: the ring).
+    attention's K/V schedule (``"auto"`` for the balanced layout, else None: the ring); ``invariant``: the
+    attention runs with ``invariant=True``.
     """
 
     comm: object
@@ -79,6 +80,7 @@ class ShardContext:
     dropout_seed: Optional[int] = None
     step: int = 0
     schedule: Optional[str] = None
+    invariant: bool = False
     _checked: set = field(default_factory=set, repr=False)
 
     def check_positions(self, position_ids: Optional[torch.Tensor]) -> None:
@@ -192,7 +194,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            positions_q=positions, positions_kv=positions, causal=causal,
                            window=_window(sliding_window, causal),
                            segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
-                           softcap=softcap, schedule=ctx.schedule, **drop)
+                           softcap=softcap, schedule=ctx.schedule, invariant=ctx.invariant, **drop)
     return o, None
 
 
@@ -224,7 +226,8 @@ def _segments(position_ids: Optional[torch.Tensor], attention_mask: Optional[tor
 
 def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag",
                 dropout_seed: Optional[int] = None, step: Optional[int] = None, causal: bool = True,
-                window=None, schedule: Optional[str] = None) -> dict:
+                window=None, schedule: Optional[str] = None,
+                invariant: bool = False) -> dict:
     """This rank's part of a global batch, ready for ``model(**shard)``; call it on every rank.
 
     Parameters
@@ -250,6 +253,11 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     schedule : "auto" | "ring" | "routed", optional
         The attention's K/V schedule (``ring_attention(schedule=)``); default ``"auto"``
         with the balanced layout, else the ring.
+    invariant : bool
+        Every attention call of the forward (and its backward) runs with
+        ``invariant=True``: the same bits for any number of ranks and layout
+        (each shard must be whole 64-token tiles: ``N / P``, or ``N / (2P)`` for
+        zigzag, a multiple of 64).
 
     Returns
     -------
@@ -296,7 +304,7 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     shard[CONTEXT_KEY] = ShardContext(comm=comm, layout=lay, positions=lay.indices(rank),
                                       segment_ids=None if seg is None else lay.shard(seg, rank),
                                       dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step),
-                                      schedule=schedule)
+                                      schedule=schedule, invariant=bool(invariant))
     return shard
 
 

@@ -691,3 +691,32 @@ class NumpyBackend:
                         tick(tiles.share())
         sums.end(skv)
         return tiles.counts()
+
+    # ----------------------------------------------------------- invariant=True
+    # the block ops of the invariant mode (fixed global tile pairs, fixed-point sums):
+    # ringmpi.backends.invariant_tiles, driven by ringmpi.parallel.invariant_passes
+    INVARIANT = True
+
+    @staticmethod
+    def invariant_resident(qh, positions, seg, kv_dtype, ct, spec, do=None, lse=None, dvec=None):
+        """The call's resident rows as global tiles (:class:`ringmpi.backends.invariant_tiles.Resident`)."""
+        from .invariant_tiles import Resident
+        return Resident(positions, seg, qh, kv_dtype, ct, spec, exp_pass, do=do, lse=lse, dvec=dvec)
+
+    @staticmethod
+    def invariant_max_block(*args, **kwargs):
+        """:func:`ringmpi.backends.invariant_tiles.max_block`."""
+        from .invariant_tiles import max_block
+        return max_block(*args, **kwargs)
+
+    @staticmethod
+    def invariant_forward_block(*args, **kwargs):
+        """:func:`ringmpi.backends.invariant_tiles.forward_block`."""
+        from .invariant_tiles import forward_block
+        return forward_block(*args, **kwargs)
+
+    @staticmethod
+    def invariant_backward_block(*args, **kwargs):
+        """:func:`ringmpi.backends.invariant_tiles.backward_block`."""
+        from .invariant_tiles import backward_block
+        return backward_block(*args, **kwargs)

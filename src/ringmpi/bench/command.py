@@ -62,7 +62,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                    "to --n): zigzag + ring against balanced + routed, per rank visible pairs, bytes, time.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress report on rank 0 (the calls, their ring steps, "
               "the time left).")
-@attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel",
+@attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel", "invariant",
                  causal=dict(help="Causal mask."), softcap=dict(help="Logit softcap C > 0 (ring only)."),
                  window=dict(help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side; ring only)."),
                  dropout_p=dict(show_default=True, help="Dropout on the attention weights (0 <= P < 1), seeded "
@@ -71,7 +71,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
           sweep, json_path, plot_path, decode, cache, new, sinks, documents, quiet, causal, window, softcap, dropout_p,
-          head_parallel, **modifiers):
+          head_parallel, invariant, **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -110,6 +110,8 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
     cfg.update({name: [float(x) for x in values] for name, values in modifiers.items() if values is not None})
     if dropout:
         cfg["dropout"] = float(dropout)
+    if invariant:
+        cfg["invariant"] = True
     if documents is not None:
         from .documents import document_lengths, run as run_documents
         try:

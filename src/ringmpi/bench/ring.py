@@ -27,7 +27,7 @@ def run(comm, be, cfg, n, sweep, json_path, plot_path, progress) -> None:
     """Measure every configuration (collective); rank 0 prints the report, writes JSON and the plot.
 
     ``cfg``: the problem and repeats (batch, heads, kv_heads, dim, dtype, causal, layout,
-    backward, repeat, warmup, seed, and dim_v, head_parallel, softcap, sinks, dropout when
+    backward, repeat, warmup, seed, and dim_v, head_parallel, softcap, sinks, dropout, invariant when
     used); ``sweep``: None, ``"strong"`` or ``"weak"``; ``progress``: rank 0's report
     (:class:`ringmpi.cli.progress.Progress`).
     """
@@ -129,6 +129,8 @@ def _format_single(r):
     if r.get("window") is not None:
         head += f", window {tuple(r['window'])}"
     head += "".join(f", {name}" for name in MODIFIER_FIELDS if r.get(name) is not None)
+    if r.get("invariant"):
+        head += ", invariant"
     if "head_parallel" in r:
         chosen = f" (U={r['head_parallel_chosen']})" if "head_parallel_chosen" in r else ""
         head += f", head_parallel {r['head_parallel']}{chosen}"

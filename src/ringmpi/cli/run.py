@@ -18,7 +18,7 @@ from .flags import attention_flags
 
 # the attention options ringmpi run offers as flags (their flags and help: options.py)
 ATTENTION_FLAGS = ("causal", "window", "softmax_scale", "check_finite", "timeout", "head_parallel", "softcap",
-                   *MODIFIER_FIELDS, "return_max_logit", "dropout_p", "dropout_seed", "schedule")
+                   *MODIFIER_FIELDS, "return_max_logit", "dropout_p", "dropout_seed", "schedule", "invariant")
 
 
 @click.command("run")

@@ -64,16 +64,21 @@ class SoftmaxState:
 
     def local_max_logit(self, heads=None) -> np.ndarray:
         """``(H,)`` host array in the state's dtype: each head's largest visible score over the
-        batch and these rows; ``-inf`` for a head with no visible score here.  ``heads=(part,
-        H)``: these rows hold only the heads ``part`` (a slice) of ``H`` (the head x ring
-        schedule); the other heads' maxima come from other ranks."""
-        m = self.m
-        part, total = (slice(None), m.shape[1]) if heads is None else heads
-        local = np.full(total, -np.inf, dtype=m.dtype)
-        if m.shape[0] and m.shape[2]:
-            local[part] = to_host(m.max(axis=(0, 2)))
-        return local
+        batch and these rows (:func:`local_max_logit` of ``m``)."""
+        return local_max_logit(self.m, heads)
 
     def finalize(self, out_dtype):
         """``(o (B, S, H, D_v) out_dtype, lse (B, H, S))``: the backend's ``finalize``."""
         return self.backend.finalize(self.o_acc, self.m, self.l, out_dtype)
+
+
+def local_max_logit(m, heads=None) -> np.ndarray:
+    """``(H,)`` host array in ``m``'s dtype: each head's largest value of ``m (B, H, S)`` (this
+    backend's array: row maxima) over the batch and these rows; ``-inf`` for a head with none
+    here.  ``heads=(part, H)``: these rows hold only the heads ``part`` (a slice) of ``H`` (the
+    head x ring schedule); the other heads' maxima come from other ranks."""
+    part, total = (slice(None), m.shape[1]) if heads is None else heads
+    local = np.full(total, -np.inf, dtype=m.dtype)
+    if m.shape[0] and m.shape[2]:
+        local[part] = to_host(m.max(axis=(0, 2)))
+    return local

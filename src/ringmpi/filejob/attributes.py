@@ -26,9 +26,9 @@ from ..runtime.errors import ConfigError
 def attention_attrs(options: AttentionOptions, dim: int) -> dict:
     """The output attributes of ``options`` for head dim ``dim``: ``causal``, ``window`` (int64
     ``[left, right]``, -1 unbounded; empty without a window), ``softmax_scale`` (resolved),
-    ``softcap`` (0: none), ``max_logit``, with dropout ``dropout_p``, ``dropout_seed``, and each
-    score modifier in use as its field (``alibi_slopes``: float32 ``(H,)``).  Sinks are a
-    dataset, not an attribute (they have a gradient)."""
+    ``softcap`` (0: none), ``max_logit``, with dropout ``dropout_p``, ``dropout_seed``, each
+    score modifier in use as its field (``alibi_slopes``: float32 ``(H,)``), and ``invariant``
+    (True) when used.  Sinks are a dataset, not an attribute (they have a gradient)."""
     sides = options.window_sides()
     attrs = {"causal": bool(options.causal),
              "window": np.array([] if sides is None else [-1 if w is None else w for w in sides], dtype=np.int64),
@@ -39,6 +39,8 @@ def attention_attrs(options: AttentionOptions, dim: int) -> dict:
         attrs.update(dropout_p=float(options.dropout_p), dropout_seed=np.uint64(options.dropout_seed))
     for name in options.modifier_names():
         attrs[name] = np.asarray(to_host(getattr(options, name)), dtype=np.float32)
+    if options.invariant:
+        attrs["invariant"] = True
     return attrs
 
 
@@ -54,7 +56,8 @@ def attention_of_attrs(attrs, sinks=None) -> AttentionOptions:
                             softmax_scale=float(attrs["softmax_scale"]),
                             softcap=float(attrs.get("softcap", 0.0)) or None, sinks=sinks,
                             dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None,
-                            return_max_logit=bool(attrs.get("max_logit", False)), **modifiers)
+                            return_max_logit=bool(attrs.get("max_logit", False)),
+                            invariant=bool(attrs.get("invariant", False)), **modifiers)
 
 
 @dataclass(frozen=True)

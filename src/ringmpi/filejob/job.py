@@ -98,12 +98,12 @@ class JobOptions:
 
     def record_options(self, backend: str) -> dict:
         """The options of the job record (what changes the numbers); sinks, softcap, max logit,
-        dropout and the score modifiers only when used, so the record of a job without them is
-        unchanged."""
+        dropout, the score modifiers and invariant only when used, so the record of a job without
+        them is unchanged."""
         a = self.attention
         win = a.window_sides()
         variants = dict(sinks_dataset=self.sinks_dataset, softcap=a.softcap,
-                        max_logit=bool(a.return_max_logit) or None,
+                        max_logit=bool(a.return_max_logit) or None, invariant=bool(a.invariant) or None,
                         **{name: [float(x) for x in getattr(a, name)] for name in a.modifier_names()})
         key = a.dropout_key(1)
         dropout = {} if key is None else dict(dropout_p=key[0], dropout_seed=key[1])

@@ -188,14 +188,15 @@ def _gather(exchange, stage: str, send, recv, axes):
     return [np.concatenate([g[n] for g in got], axis=axes[n]) for n in range(len(recv[0]))]
 
 
-def forward(call: AgreedCall, groups, q, k, v, return_max_logit: bool = False):
+def forward(call: AgreedCall, groups, q, k, v, return_max_logit: bool = False, invariant=None):
     """:func:`ringmpi.ring_attention` on ``groups`` (a :class:`~ringmpi.parallel.topology.HeadGroups`).
 
     ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local, H_kv, D | D_v)``: this rank's
     sequence shards, checked by the call.  Returns ``(o (B, S_q_local, H, D_v)`` in the
     input dtype, ``lse (B, H, S_q_local)``, ``max_logit (H,)`` or None, records)``: this
     rank's shards.  The group's heads fold in their own sinks; each head's max logit is
-    reduced over all ranks.
+    reduced over all ranks.  ``invariant``: the call's
+    :class:`~ringmpi.parallel.invariant_passes.Maxima` (``invariant=True``), or None.
     """
     be = call.backend
     q, k, v = be.asarray(q), be.asarray(k), be.asarray(v)
@@ -219,7 +220,8 @@ def forward(call: AgreedCall, groups, q, k, v, return_max_logit: bool = False):
     og, lseg, max_logit, ring_records = forward_pass(
         split.problem(call, seg_q, seg_kv), *(be.asarray(x) for x in joined[:3]),
         sinks=None if call.sinks is None else call.sinks[mine],
-        max_logit=(call.comm, (mine, heads)) if return_max_logit else None)
+        max_logit=(call.comm, (mine, heads)) if return_max_logit else None,
+        invariant=None if invariant is None else invariant.for_kv_heads(split.kv[me]))
     # og (B, S_group, hu, D_v), lseg (B, hu, S_group)
 
     exchange.step = len(ring_records)
@@ -237,7 +239,7 @@ def forward(call: AgreedCall, groups, q, k, v, return_max_logit: bool = False):
     return be.asarray(o), be.asarray(lse), max_logit, [records[0], *ring_records, records[1]]
 
 
-def backward(call: AgreedCall, groups, do, q, k, v, o, lse, *, sink_comm):
+def backward(call: AgreedCall, groups, do, q, k, v, o, lse, *, sink_comm, invariant=None, dvec=None):
     """:func:`ringmpi.ring_attention_backward` on ``groups``.
 
     ``do, o (B, S_q_local, H, D_v)``, ``q (B, S_q_local, H, D)``, ``k, v (B, S_kv_local,
@@ -245,6 +247,9 @@ def backward(call: AgreedCall, groups, do, q, k, v, o, lse, *, sink_comm):
     dv)`` for this rank's shards in the input dtype, ``dsinks`` (H,) in the compute dtype
     with the call's sinks (from the home rows' ``lse`` and ``dvec``, summed over the ranks
     of ``sink_comm``, this rank's own share when it is None) else None, records)``.
+    ``invariant``: the call's :class:`~ringmpi.parallel.invariant_passes.Maxima`
+    (``invariant=True``; a K/V head held by several members then has its int64 sums added at
+    its owner, then scaled once), or None; ``dvec``: ``rowsum(do * o)`` head-major, or None.
     """
     be, ct = call.backend, call.compute_dtype
     do, q, k, v, o = (be.asarray(x) for x in (do, q, k, v, o))
@@ -254,7 +259,8 @@ def backward(call: AgreedCall, groups, do, q, k, v, o, lse, *, sink_comm):
     records: list = []
     exchange = GroupExchange(groups.group_comm, call.timeout, records)
     has_seg = call.seg_q is not None
-    dvec = be.row_dot(be.to_heads(do, ct), be.to_heads(o, ct))   # (B, H, S_q_local): o stays home
+    if dvec is None:
+        dvec = be.row_dot(be.to_heads(do, ct), be.to_heads(o, ct))   # (B, H, S_q_local): o stays home
     lse = be.asarray(lse).astype(ct, copy=False)
     send = [[q[:, :, split.heads(i)], do[:, :, split.heads(i)], k[:, :, split.kv[i]], v[:, :, split.kv[i]],
              lse[:, split.heads(i)], dvec[:, split.heads(i)]] + ([call.seg_q, call.seg_kv] if has_seg else [])
@@ -270,29 +276,44 @@ def backward(call: AgreedCall, groups, do, q, k, v, o, lse, *, sink_comm):
     joined = _gather(exchange, "a2a in", send, recv, [1, 1, 1, 1, 2, 2, 1, 1])
     qg, dog, kg, vg, lseg, dvecg = (be.asarray(x) for x in joined[:6])
     seg_q, seg_kv = (joined[6], joined[7]) if has_seg else (None, None)
-    dq, dkh, dvh, _, ring_records = backward_pass(split.problem(call, seg_q, seg_kv), qg, dog, kg, vg, lseg,
-                                                  dvec=dvecg)
+    raw = invariant is not None and split.replicated
+    dq, dkh, dvh, _, ring_records = backward_pass(
+        split.problem(call, seg_q, seg_kv), qg, dog, kg, vg, lseg, dvec=dvecg,
+        invariant=None if invariant is None else invariant.for_kv_heads(split.kv[split.index]), raw=raw)
     exchange.step = len(ring_records)
-    result = _return_grads(be, exchange, split, q.dtype, ct, dq, dkh, dvh, batch, rows, kv_heads)
-    dsinks = None if call.sinks is None else sink_grads(be.xp, lse, dvec, call.sinks, sink_comm)
+    finish = None
+    if raw:  # int64 sums: added exactly at the owner, scaled there (the flat ring's bits)
+        from .invariant_passes import grad_finish
+        finish, (dkh, dvh) = grad_finish(invariant, ct, call.scale), dvh
+    result = _return_grads(be, exchange, split, q.dtype, ct, dq, dkh, dvh, batch, rows, kv_heads, finish)
+    if call.sinks is None:
+        dsinks = None
+    elif invariant is not None:
+        from .invariant_passes import sink_grads as invariant_sink_grads
+        dsinks = invariant_sink_grads(lse, dvec, call.sinks, sink_comm, call.timeout)
+    else:
+        dsinks = sink_grads(be.xp, lse, dvec, call.sinks, sink_comm)
     return result, dsinks, [records[0], *ring_records, records[1]]
 
 
-def _return_grads(be, exchange, split, out_dtype, ct, dq, dkh, dvh, batch, rows, kv_heads):
+def _return_grads(be, exchange, split, out_dtype, ct, dq, dkh, dvh, batch, rows, kv_heads, finish=None):
     """The all-to-all back: ``(dq, dk, dv)`` of this rank's sequence shards in ``out_dtype``;
     the gradients of a K/V head held by several members are summed at its owner in the
-    compute dtype ``ct``, then rounded once."""
-    dim, dim_v = dq.shape[3], dvh.shape[3]
-    kv_dtype = ct if split.replicated else out_dtype   # a sum of copies is rounded once, at home
+    compute dtype ``ct``, then rounded once.  ``finish``: ``dkh, dvh`` are the invariant
+    backward's int64 sums (:class:`~ringmpi.parallel.invariant_passes.GradFinish` of every K/V
+    head): added exactly at the owner, then finished."""
+    dim, dim_v = dkh.shape[3], dvh.shape[3]
+    kv_dtype = np.int64 if finish is not None else ct if split.replicated else out_dtype
+    # a sum of copies is rounded once, at home
     dqg = be.from_heads(dq, out_dtype)                  # (B, S_group, hu, D)
     dkg, dvg = be.from_heads(dkh, kv_dtype), be.from_heads(dvh, kv_dtype)
     send = [[dqg[:, split.cut(split.rows_q, j)], dkg[:, split.cut(split.rows_kv, j)],
              dvg[:, split.cut(split.rows_kv, j)]] for j in range(split.u)]
     rkv = split.rows_kv[split.index]
-    recv = [[((batch, rows, split.hu, dim), out_dtype), ((batch, rkv, len(split.kv[i]), dim), kv_dtype),
+    recv = [[((batch, rows, split.hu, dq.shape[3]), out_dtype), ((batch, rkv, len(split.kv[i]), dim), kv_dtype),
              ((batch, rkv, len(split.kv[i]), dim_v), kv_dtype)] for i in range(split.u)]
     got = exchange.exchange("a2a out", send, recv)
-    dq_out = np.empty((batch, rows, split.u * split.hu, dim), dtype=out_dtype)
+    dq_out = np.empty((batch, rows, split.u * split.hu, dq.shape[3]), dtype=out_dtype)
     dk_sum = np.zeros((batch, rkv, kv_heads, dim), dtype=kv_dtype)
     dv_sum = np.zeros((batch, rkv, kv_heads, dim_v), dtype=kv_dtype)
     for i, (dq_i, dk_i, dv_i) in enumerate(got):
@@ -300,5 +321,8 @@ def _return_grads(be, exchange, split, out_dtype, ct, dq, dkh, dvh, batch, rows,
         for local, head in enumerate(split.kv[i]):
             dk_sum[:, :, head] += dk_i[:, :, local]
             dv_sum[:, :, head] += dv_i[:, :, local]
+    if finish is not None:
+        dk_sum, dv_sum = (be.from_heads(g, out_dtype) for g in finish(be.to_heads(dk_sum, np.int64),
+                                                                      be.to_heads(dv_sum, np.int64)))
     result = [dq_out, dk_sum.astype(out_dtype, copy=False), dv_sum.astype(out_dtype, copy=False)]
     return tuple(be.asarray(g) for g in result)

@@ -22,7 +22,7 @@ import numpy as np
 from ..core.positions import Placement
 from ..core.masks import ScoreSpec
 from ..core.host import to_host
-from ..core.online_softmax import SoftmaxState
+from ..core.online_softmax import SoftmaxState, local_max_logit
 from .ring_schedule import RingSchedule
 from .topology import ring_order
 from ..runtime.watchdog import phase
@@ -65,11 +65,12 @@ class LocalProblem:
     order: Optional[Sequence[int]] = None
     kv_schedule: str = "ring"
 
-    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd"):
+    def schedule(self, k, v, grad_dtype=None, phase: str = "fwd", grad_dims=None):
         """The schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``:
         a :class:`RingSchedule`, or a :class:`~ringmpi.parallel.routed_schedule.RoutedSchedule`
         when ``kv_schedule`` asks for one (``"auto"``: when its plan moves fewer K/V rows; a
-        dense mask never plans)."""
+        dense mask never plans); ``grad_dtype``, ``grad_dims``: the partial sums' words, see
+        :class:`RingSchedule` (the invariant passes' integer sums: the ring only)."""
         be = self.backend
         masked = self.spec.positional or self.seg_q is not None
         if self.kv_schedule != "ring" and self.comm.Get_size() > 1 and (masked or self.kv_schedule == "routed"):
@@ -90,7 +91,7 @@ class LocalProblem:
         return RingSchedule(
             self.comm, be, _heads_view(k), _heads_view(v), kv_counts=self.kv_counts,
             q_pos=self.q_pos, kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
-            grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order)
+            grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order, grad_dims=grad_dims)
 
 
 @dataclass(frozen=True)
@@ -133,14 +134,21 @@ class AgreedCall:
                             timeout=self.timeout, order=ring_order(self.comm), kv_schedule=self.kv_schedule)
 
 
-def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
+def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None, invariant=None):
     """``(o (B, S_q, H, D_v) q.dtype, lse (B, H, S_q), max_logit (H,) or None, records)``.
 
     ``q (B, S_q, H, D)``, ``k, v`` this backend's arrays, sequence-major.  ``sinks
     (H,)``: this problem's heads' sinks (this backend's array, compute dtype).
     ``max_logit``: ``(comm, heads)`` to reduce the max logit over (``heads`` as
     :meth:`~ringmpi.core.online_softmax.SoftmaxState.local_max_logit`), or None for none.
+    ``invariant``: the call's :class:`~ringmpi.parallel.invariant_passes.Maxima` to run
+    :func:`ringmpi.parallel.invariant_passes.forward` instead (``invariant=True``), or None.
     """
+    if invariant is not None:
+        from .invariant_passes import forward
+        o, lse, row_max, records = forward(problem, q, k, v, invariant, sinks=sinks)
+        top = None if max_logit is None else reduce_max_logit(max_logit[0], local_max_logit(row_max, max_logit[1]))
+        return o, lse, top, records
     be, ct = problem.backend, problem.compute_dtype
     qh = be.heads_view(q, ct)
     state = SoftmaxState(be, qh.shape[:3], v.shape[3], ct)
@@ -158,7 +166,8 @@ def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None):
     return o, lse, top, records
 
 
-def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, sinks=None, sink_comm=None):
+def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, sinks=None, sink_comm=None,
+                  invariant=None, raw: bool = False):
     """``(dq (B, H, S_q, D), dk (B, H_kv, S_kv, D), dv (B, H_kv, S_kv, D_v), dsinks, records)``.
 
     Head-major compute-dtype gradients, scaled, of this rank's rows.  ``q, do``
@@ -166,7 +175,13 @@ def backward_pass(problem: LocalProblem, q, do, k, v, lse, o=None, dvec=None, si
     * o)`` head-major, or None to compute it from ``o`` (sequence-major).  With
     ``sinks`` (compute dtype) ``dsinks (H,)`` is summed over ``sink_comm`` (this rank's
     own share when it is None: the framework bridges' convention); else None.
+    ``invariant``: the call's :class:`~ringmpi.parallel.invariant_passes.Maxima` to run
+    :func:`ringmpi.parallel.invariant_passes.backward` instead (``raw`` as there), or None.
     """
+    if invariant is not None:
+        from .invariant_passes import backward
+        return backward(problem, q, do, k, v, lse, invariant, o=o, dvec=dvec, sinks=sinks, sink_comm=sink_comm,
+                        raw=raw)
     be, ct = problem.backend, problem.compute_dtype
     qh, doh = be.heads_view(q, ct), be.heads_view(do, ct)
     if dvec is None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -150,6 +150,8 @@ class RingSchedule:
     seg_q, seg_kv : (B, S_q_local), (B, S_local) int64 segment ids, or None.
     grad_dtype : None for a forward schedule; the compute dtype when the
         schedule carries ``dK, dV`` partial sums (backward).
+    grad_dims : ``(dK width, dV width)`` of the partial sums, default ``(D, D_v)`` (the
+        invariant backward's int64 words and poison column are wider).
     timeout : deadline of each ring wait in seconds (None: none).
     phase : ``"fwd"`` or ``"bwd"``, the fault-injection phase.
     order : (P,) the ranks of ``comm`` in ring order, the same on every rank (None: rank
@@ -159,7 +161,8 @@ class RingSchedule:
     def __init__(self, comm, backend, kh, vh, *, kv_counts: Sequence[int], q_pos: np.ndarray,
                  kv_pos: np.ndarray, spec: ScoreSpec, seg_q: Optional[np.ndarray] = None,
                  seg_kv: Optional[np.ndarray] = None, grad_dtype=None, timeout: Optional[float] = None,
-                 phase: str = "fwd", order: Optional[Sequence[int]] = None):
+                 phase: str = "fwd", order: Optional[Sequence[int]] = None,
+                 grad_dims: Optional[Tuple[int, int]] = None):
         self.backend, self.spec, self.phase = backend, spec, phase
         self.q_pos, self.seg_q = q_pos, seg_q
         self.ring = Ring(comm, timeout=timeout, order=order)
@@ -168,6 +171,7 @@ class RingSchedule:
             raise ValueError(f"kv_counts has {len(counts)} entries for a ring of {self.ring.size} ranks")
         self.kv = KVChannel(self.ring, backend, counts, kh, vh, kv_pos, seg_kv)
         self._grad_dtype = grad_dtype
+        self._grad_dims = (self.kv.dim, self.kv.dim_v) if grad_dims is None else tuple(grad_dims)
         self.grads = None  # made when iteration starts, after the caller's copies of kh, vh are gone
         self._home_grads = None
 
@@ -181,8 +185,9 @@ class RingSchedule:
         if self._grad_dtype is not None and self.grads is None:
             host = isinstance(self.kv.msgs[0], HostMessage) and HOST_GRADS_IN_PLACE
             channel = HostGradChannel if host else GradChannel
-            self.grads = channel(ring, be, self.kv.counts, self.kv.batch, self.kv.kv_heads, self.kv.dim,
-                                 self._grad_dtype, dim_v=self.kv.dim_v)
+            dim, dim_v = self._grad_dims
+            self.grads = channel(ring, be, self.kv.counts, self.kv.batch, self.kv.kv_heads, dim,
+                                 self._grad_dtype, dim_v=dim_v)
         for step in range(ring.size):
             if step > 0:
                 ring.next_step()
