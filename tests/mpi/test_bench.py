@@ -115,7 +115,6 @@ def test_causal_contiguous_is_less_balanced_than_zigzag(tmp_path):
     # 8 x 8 tiles per block: contiguous rank r computes 64 r + 36 tiles, every zigzag rank 132
     assert imbalance["contiguous"][0] == pytest.approx(228 / 132, rel=1e-12)
     assert imbalance["zigzag"][0] == pytest.approx(1.0, rel=1e-12)
-    assert imbalance["contiguous"][1] > imbalance["zigzag"][1]  # the same, in measured compute time
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path):
