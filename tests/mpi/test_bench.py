@@ -42,9 +42,9 @@ def check_phase(s, p, causal, n, batch=1, heads=2, dim=16, backward=False):
     assert len(s["timeline"]["steps"]) == p
     for c, w, wall in zip(s["compute_seconds"], s["wait_seconds"], s["rank_seconds"]):
         assert 0 <= c <= wall and 0 <= w <= wall  # medians over repeats, each bounded by the wall's
-    tl = s["timeline"]  # one repeat: its steps fit in its wall time
-    for steps, wall in zip(tl["steps"], tl["rank_seconds"]):
-        assert sum(st["compute_s"] + st["wait_s"] for st in steps) <= wall
+    tl = s["timeline"]  # one repeat: its steps fit in its wall time (to the few microseconds by which
+    for steps, wall in zip(tl["steps"], tl["rank_seconds"]):  # the backward's last hop and step overlap)
+        assert sum(st["compute_s"] + st["wait_s"] for st in steps) <= wall * (1 + 1e-3) + 1e-4
     assert max(s["rank_seconds"]) <= s["seconds_median"] * (1 + 1e-9)  # the job waits for its slowest rank
     assert s["seconds_min"] <= s["seconds_median"] <= s["seconds_max"]
     assert s["rank_seconds_min"] <= s["rank_seconds_median"] <= s["rank_seconds_max"]
