@@ -10,7 +10,10 @@ installed NVRTC does not know is skipped, with the reason shown.
 
 One architecture's programs cost minutes of CPU (sm_100: 5.2 CPU-minutes, 172 s on two
 idle AMD EPYC cores; ~7 to ~12 CPU-minutes measured under load), so the programs compile
-in a process pool, one worker per core, all submitted when the first test asks.  The
+in a process pool, one worker per core, at the lowest CPU priority, submitted as soon as
+collection ends (``tests/conftest.py`` calls :func:`start_compiling`): the rest of the suite
+leaves one of two cores idle most of the time (its MPI cases wait on each other), and the
+compiles fill it instead of holding up the whole run when these tests come.  The
 sources have two code paths (``__CUDA_ARCH__ >= 800`` in common.cuh: the SIMT kernels with
 bfloat16 converted in registers below it, tensor cores and native bfloat16 from it) and
 two instantiation lists (``instantiations(cc)``: below sm_80 and from it), so by default the
@@ -148,15 +151,52 @@ def _compile_listed(filename, arch):
     return _compile(filename, _by_file(arch)[filename], arch)
 
 
+_started = {}  # "pool": the executor, "futures": {(filename, arch): future of ``_compile``}
+
+
+def _lowest_priority():
+    """The compiles take only the CPU the rest of the suite leaves idle: SCHED_IDLE, which any
+    waking process preempts at once (the MPI cases' ranks wake each other constantly; under
+    ``nice 19`` alone they waited behind the compiles: 13:19 for the suite against 14:53
+    without the early start, with 1.5 min of that gain lost to the cases slowing down)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not permitted: the lowest nice value
+        os.nice(19)
+
+
+def start_compiling(items=None):
+    """Submit every selected (file, architecture) program to a pool of idle-priority workers,
+    once; given the session's selected ``items``, only if they include the compile tests."""
+    if "pool" in _started:
+        return
+    if items is not None and not any(getattr(item, "originalname", None) == "test_kernels_compile"
+                                     for item in items):
+        return
+    pairs = [(f, a) for a in _selected_archs() if a in ARCHS for f in sorted(_by_file(a))]
+    # the longest programs first, so the last one to finish is a short one
+    pairs.sort(key=lambda pair: (pair[0] != "backward.cu", pair[1]))
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1,
+                                                  initializer=_lowest_priority)
+    _started["pool"] = pool
+    _started["futures"] = {pair: pool.submit(_compile_listed, *pair) for pair in pairs}
+
+
+def stop_compiling():
+    """End the pool: a -k selection or a failed run waits only for the programs already compiling."""
+    pool = _started.pop("pool", None)
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """{(filename, arch): future of ``_compile``} for every selected, supported pair."""
-    pairs = [(f, a) for a in _selected_archs() if a in ARCHS for f in sorted(_by_file(a))]
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1)
+    start_compiling()  # already started by conftest unless this module was imported otherwise
     try:
-        yield {pair: pool.submit(_compile_listed, *pair) for pair in pairs}
-    finally:  # a -k selection waits only for the programs already compiling
-        pool.shutdown(wait=True, cancel_futures=True)
+        yield _started["futures"]
+    finally:
+        stop_compiling()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
