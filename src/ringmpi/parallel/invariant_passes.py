@@ -171,7 +171,8 @@ def forward(problem, q, k, v, maxima: Maxima, sinks=None):
 def finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs: int, out_dtype, ct):
     """``(o (B, S, H, D_v) out_dtype, lse (B, H, S) ct)`` in local row order from the exact maxima
     ``m (B, H, nq, TILE)`` and the integer sums ``acc_l``, ``acc_o`` on ``grid_l (1,)``, ``grid_o (B,
-    H_kv, D_v)``: :func:`_finish_rows` one head at a time (float64 temporaries of one head)."""
+    H_kv, D_v)``: :func:`_finish_rows` one head at a time, in place on that head's float64
+    numerators (the one temporary as large as a head's output)."""
     batch, heads = m.shape[:2]
     group = heads // grid_o.shape[1]
     slots = tiling.slots()
@@ -182,30 +183,34 @@ def finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs: i
     for b in range(batch):
         for h in range(heads):
             l = fx.value(acc_l[b, h], limbs)[..., 0] / grid_l[0]
-            num = fx.value(acc_o[b, h], limbs) / grid_o[b, h // group]
-            o_h, lse_h = _finish_rows(m[b, h].astype(np.float64), l, num, bad[b, h], None if sink is None else sink[h])
-            o[b, :, h] = _dtypes.to_dtype(o_h.reshape(-1, dim_v)[slots], out_dtype)
+            num = fx.value(acc_o[b, h], limbs)
+            num /= grid_o[b, h // group]
+            lse_h = _finish_rows(m[b, h].astype(np.float64), l, num, bad[b, h], None if sink is None else sink[h])
+            # rounding to the output dtype commutes with picking the rows: round first, on the
+            # smaller copy
+            o[b, :, h] = _dtypes.to_dtype(num, out_dtype).reshape(-1, dim_v)[slots]
             lse[b, h] = lse_h.ravel()[slots]
     return o, lse
 
 
 def _finish_rows(m, l, num, bad, sink):
-    """``(o (..., D_v), lse (...))`` float64 of rows with exact maxima ``m``, sums ``l`` and
-    numerators ``num``: ``o = num / l``, ``lse = m + log l``; a ``sink`` logit folded in; a row that
-    saw nothing gets ``o = 0``, ``lse = -inf`` (or the sink); poisoned rows (``bad``) and rows whose
-    maximum is NaN or +inf (a NaN or overflowing visible score) NaN."""
+    """``lse (...)`` float64 of rows with exact maxima ``m``, sums ``l`` and numerators ``num (...,
+    D_v)``, which become the rows' ``o`` in place: ``o = num / l``, ``lse = m + log l``; a ``sink``
+    logit folded in; a row that saw nothing gets ``o = 0``, ``lse = -inf`` (or the sink); poisoned
+    rows (``bad``) and rows whose maximum is NaN or +inf (a NaN or overflowing visible score) NaN."""
     bad = bad | np.isnan(m) | np.isposinf(m)
     seen = l > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)
-        o = np.where(seen[..., None], num / np.where(seen, l, 1)[..., None], 0.0)
+        num /= np.where(seen, l, 1)[..., None]
+        num[~seen] = 0.0
         if sink is not None:
             total = np.logaddexp(lse, sink)
-            o = o * np.exp(np.where(seen, lse - total, 0))[..., None]
+            num *= np.exp(np.where(seen, lse - total, 0))[..., None]
             lse = total
     lse = np.where(bad, np.nan, lse)
-    o = np.where(bad[..., None], np.nan, o)
-    return o, lse
+    num[bad] = np.nan
+    return lse
 
 
 @dataclass(frozen=True)
@@ -264,9 +269,12 @@ def backward(problem, q, do, k, v, lse, maxima: Maxima, o=None, dvec=None, sinks
     dq = np.empty((batch, heads, tiling.rows, dim), dtype=ct)
     for b in range(batch):
         for h in range(heads):
-            part = fx.value(dq_acc[b, h], limbs) / grids.dq_rows[b, h][..., None] / grids.dq_cols[b, h // group] * scale
+            part = fx.value(dq_acc[b, h], limbs)  # a new float64 array: the steps below go in place
+            part /= grids.dq_rows[b, h][..., None]
+            part /= grids.dq_cols[b, h // group]
+            part *= scale
             part[q_poison[b, h].astype(bool)] = np.nan
-            dq[b, h] = part.reshape(-1, dim)[slots]
+            dq[b, h] = part.astype(ct, copy=False).reshape(-1, dim)[slots]  # round, then pick the rows
     del dq_acc
     finish = GradFinish(grids.dk_cols, grids.dv_cols, limbs, scale, ct)
     if raw:
@@ -295,8 +303,13 @@ class GradFinish:
         for b in range(batch):
             for h in range(kv_heads):
                 bad = dv_acc[b, h, :, -1] > 0
-                dk[b, h] = fx.value(dk_acc[b, h], limbs) / self.dk_cols[b, h] * self.scale
-                dv[b, h] = fx.value(dv_acc[b, h, :, :-1], limbs) / self.dv_cols[b, h]
+                grad = fx.value(dk_acc[b, h], limbs)  # a new float64 array: divided in place
+                grad /= self.dk_cols[b, h]
+                grad *= self.scale
+                dk[b, h] = grad
+                grad = fx.value(dv_acc[b, h, :, :-1], limbs)
+                grad /= self.dv_cols[b, h]
+                dv[b, h] = grad
                 dk[b, h][bad] = np.nan
                 dv[b, h][bad] = np.nan
         return dk, dv
