@@ -174,8 +174,6 @@ def start_compiling(items=None):
                                      for item in items):
         return
     pairs = [(f, a) for a in _selected_archs() if a in ARCHS for f in sorted(_by_file(a))]
-    # the longest programs first, so the last one to finish is a short one
-    pairs.sort(key=lambda pair: (pair[0] != "backward.cu", pair[1]))
     pool = concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1,
                                                   initializer=_lowest_priority)
     _started["pool"] = pool
