@@ -426,7 +426,8 @@ class CupyBackend:
             smem = kernel.shared_mem_bytes()
             self._kernel(kernel.filename, kernel.expr, smem)(
                 kernel.grid(batch, heads, kv_heads, sq, skv), kernel.block(),
-                kernel.args((qh, doh, lse, dvec, kh, vh, dq, dk, dv), ct.type(scale), margs,
+                kernel.args((qh, doh, lse, dvec, kh, vh, dq, dk, dv, kernel.dq_turns(batch, heads, sq, skv, cp)),
+                            ct.type(scale), margs,
                             batch, heads, kv_heads, sq, skv, d, d_v),
                 shared_mem=smem)
             self._mark_use(*used)
@@ -486,7 +487,9 @@ class DeviceMessage:
         self._compute_event = event
 
     def view(self, offset: int, shape, dtype):
-        dtype = storage_dtype(dtype)
+        # any NumPy dtype, as HostMessage.view takes (bytes, indices), with the bfloat16 names resolved
+        dtype = storage_dtype(dtype) if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16") \
+            else np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
         return self._dev[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
 

@@ -199,10 +199,18 @@ class BlockKernel:
     def shared_mem_bytes(self) -> int:
         return self.smem
 
+    def dq_turns(self, batch: int, heads: int, sq: int, skv: int, xp):
+        """The backward's turn counters (zeros, int32, one per batch entry, query head and
+        query tile): the key tiles add to dq in key-tile order (backward.cu), so that dq is
+        bitwise repeatable."""
+        nqt, _ = self.tile_counts(sq, skv)
+        return xp.zeros(batch * heads * nqt, dtype=np.int32)
+
     def args(self, tensors: tuple, scale, mask_args: tuple, batch: int, heads: int, kv_heads: int,
              sq: int, skv: int, d: int, d_v: Optional[int] = None) -> tuple:
         """The kernel's argument tuple: ``tensors`` (forward: ``qh, kh, vh, o_acc, m, l``;
-        backward: ``qh, doh, lse, dvec, kh, vh, dq, dk, dv``), the typed ``scale``,
+        backward: ``qh, doh, lse, dvec, kh, vh, dq, dk, dv, dq_turns``: :meth:`dq_turns`), the
+        typed ``scale``,
         the ``MASK_PARAMS``, ``MOD_PARAMS`` then ``DROPOUT_PARAMS`` values (``mask_args``),
         then the int32 shape scalars (the value head dim ``d_v``, default ``d``, last)."""
         nqt, nkt = self.tile_counts(sq, skv)

@@ -6,9 +6,11 @@
 // (dq and dk unscaled: the caller multiplies the finished sums by the scale)
 // dk / dv of the CTA's key tile are accumulated in registers and added to
 // global memory once (the CTA owns them); dq rows are shared by all key
-// tiles and are updated with atomicAdd.
+// tiles and are updated with atomicAdd, the key tiles taking turns in key-tile
+// order (dq_wait_turn below), so that dq is bitwise the same every run.
 // Layouts: q, dq (B, H, Sq, D); do (B, H, Sq, Dv); lse, dvec (B, H, Sq);
-// k, dk (B, Hkv, Skv, D); v, dv (B, Hkv, Skv, Dv).  Grid: (kv tiles, B * Hkv).
+// k, dk (B, Hkv, Skv, D); v, dv (B, Hkv, Skv, Dv); dq_turns (B, H, query tiles) int32,
+// zeroed before each launch.  Grid: (kv tiles, B * Hkv).
 // The value head dim Dv may differ from D (the SIMT kernel's DVP, default DP,
 // is its padded bucket; the MMA kernel takes Dv <= DP at run time).
 
@@ -17,6 +19,38 @@ struct BwdArgs {
 };
 #define BWD_SHAPE_PARAMS int B, int H, int Hkv, int Sq, int Skv, int D, int nqt, int nkt, int Dv
 #define BWD_SHAPE_INIT(a) const BwdArgs a = {B, H, Hkv, Sq, Skv, D, nqt, nkt, Dv}
+
+// Ordered dq.  atomicAdd alone adds the key tiles' dq terms in whatever order their CTAs
+// arrive, so the float sums (and dq's last bits) would change from run to run.  Instead the
+// key tiles that add to the dq rows of one (b, h, query tile) take turns in key-tile order:
+// the turn of key tile kt is the number of key tiles before it that add to query tile qt
+// (classify_tile, which every CTA evaluates alike), and turns[(b * H + h) * nqt + qt] (zeroed
+// before the launch) counts the tiles that have added.  A CTA only waits on CTAs of its own
+// grid row with a smaller x, dispatched before it, so every wait ends.  Call all three at
+// points every thread of the CTA reaches.
+template <int NTH>
+__device__ __forceinline__ int dq_turn_of(const MaskArgs& mk, int b, const BwdArgs& a, int qt, int kt, int tid) {
+    int turn = 0;
+    for (int base = 0; base < kt; base += NTH) {
+        const int other = base + tid;
+        turn += __syncthreads_count(other < kt && classify_tile(mk, b, a.B, qt, a.nqt, other, a.nkt) != TILE_SKIP);
+    }
+    return turn;
+}
+
+__device__ __forceinline__ void dq_wait_turn(int* turns, int turn, int tid) {
+    if (tid == 0) {
+        while (atomicAdd(turns, 0) != turn) __nanosleep(100);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void dq_end_turn(int* turns, int tid) {
+    __threadfence();  // this thread's dq adds are done before the next tile's turn begins
+    __syncthreads();
+    if (tid == 0) atomicAdd(turns, 1);
+}
 
 // lse_s, dvec_s of query rows q0 .. q0 + BM of row base ``row0`` (threads tid,
 // tid + NTH, ...): lse = -inf (a row that saw nothing) and rows past Sq read as
@@ -125,8 +159,8 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ dvec, const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v, float* __restrict__ dq, float* __restrict__ dk,
-    float* __restrict__ dv, const float scale, MASK_PARAMS, MOD_PARAMS, DROPOUT_PARAMS(float),
-    BWD_SHAPE_PARAMS) {
+    float* __restrict__ dv, int* __restrict__ dq_turns, const float scale, MASK_PARAMS, MOD_PARAMS,
+    DROPOUT_PARAMS(float), BWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
     MOD_INIT(mk);
     DROPOUT_INIT(dr);
@@ -311,6 +345,8 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                 }
             }
             __syncthreads();
+            int* const turns = dq_turns + bh * a.nqt + qt;
+            dq_wait_turn(turns, dq_turn_of<128>(mk, b, a, qt, kt, tid), tid);
             if (careful) {  // dK += dS^T Q and dq += dS K over visible pairs
                 bwd_mma_careful_key_sum<DT, BM, SS, RS, BF16>(dk_acc, dSq, Qs, warp * 16 + g, c, q0, k0,
                                                               need_mask, mk, b, a);
@@ -345,6 +381,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
                     }
                 }
             }
+            dq_end_turn(turns, tid);
         }
     }
     if (!touched) return;
@@ -372,8 +409,8 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const typename Kind<KIND>::acc* __restrict__ lse, const typename Kind<KIND>::acc* __restrict__ dvec,
     const typename Kind<KIND>::storage* __restrict__ k, const typename Kind<KIND>::storage* __restrict__ v,
     typename Kind<KIND>::acc* __restrict__ dq, typename Kind<KIND>::acc* __restrict__ dk,
-    typename Kind<KIND>::acc* __restrict__ dv, const typename Kind<KIND>::acc scale, MASK_PARAMS,
-    MOD_PARAMS, DROPOUT_PARAMS(typename Kind<KIND>::acc), BWD_SHAPE_PARAMS) {
+    typename Kind<KIND>::acc* __restrict__ dv, int* __restrict__ dq_turns, const typename Kind<KIND>::acc scale,
+    MASK_PARAMS, MOD_PARAMS, DROPOUT_PARAMS(typename Kind<KIND>::acc), BWD_SHAPE_PARAMS) {
     MASK_INIT(mk);
     MOD_INIT(mk);
     DROPOUT_INIT(dr);
@@ -409,7 +446,6 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const int k0 = kt * BN, key = k0 + cr;
     const long long kvbase = (long long)bhk * a.Skv * a.D;
     const long long vbase = (long long)bhk * a.Skv * a.Dv;
-    const int dmin = a.D < a.Dv ? a.D : a.Dv;
 
     int bad_kv = 0;
     for (int idx = tid; idx < BN * DL; idx += NTH) {
@@ -463,13 +499,8 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
 #pragma unroll
             for (int i = 0; i < NR; ++i) {
                 const int ql = j + TPR * i;
-                T s = T(0), dp = T(0);
-                for (int d = 0; d < dmin; ++d) {
-                    s += Qs[ql * RS + d] * Ks[cr * RS + d];
-                    dp += dOs[ql * VRS + d] * Vs[cr * VRS + d];
-                }
-                for (int d = dmin; d < a.D; ++d) s += Qs[ql * RS + d] * Ks[cr * RS + d];
-                for (int d = dmin; d < a.Dv; ++d) dp += dOs[ql * VRS + d] * Vs[cr * VRS + d];
+                T s = dot4(Qs + ql * RS, Ks + cr * RS, a.D);  // the forward's arithmetic
+                T dp = dot4(dOs + ql * VRS, Vs + cr * VRS, a.Dv);
                 s *= scale;
                 T slope = T(1);
                 if (score_modified(cap, hv)) s = modify_score(mk, cap, hv, q0 + ql, key, a.Sq, a.Skv, s, &slope);
@@ -507,14 +538,14 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                     }
                 }
             }
-            // dq of query row cr (BM == BN), columns j, j + TPR, ...
+            // dq of query row cr (BM == BN), columns j, j + TPR, ...: summed here, added in turn
             const int row = q0 + cr;
-            if (row < a.Sq) {
+            T dq_part[ND];
 #pragma unroll
-                for (int i = 0; i < ND; ++i) {
-                    const int d = j + TPR * i;
-                    if (d >= a.D) continue;
-                    T acc = T(0);
+            for (int i = 0; i < ND; ++i) {
+                const int d = j + TPR * i;
+                T acc = T(0);
+                if (row < a.Sq && d < a.D) {
                     if (!careful) {
                         for (int kc = 0; kc < BN; ++kc) acc += dSs[cr * PS + kc] * Ks[kc * RS + d];
                     } else {
@@ -522,9 +553,19 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
                             acc = visible_add(acc, pair_visible(mk, need_mask, b, row, k0 + kc, a.Sq, a.Skv),
                                               dSs[cr * PS + kc], Ks[kc * RS + d]);
                     }
-                    atomicAdd(dq + qbase + (long long)row * a.D + d, acc);
+                }
+                dq_part[i] = acc;
+            }
+            int* const turns = dq_turns + bh * a.nqt + qt;
+            dq_wait_turn(turns, dq_turn_of<NTH>(mk, b, a, qt, kt, tid), tid);
+            if (row < a.Sq) {
+#pragma unroll
+                for (int i = 0; i < ND; ++i) {
+                    const int d = j + TPR * i;
+                    if (d < a.D) atomicAdd(dq + qbase + (long long)row * a.D + d, dq_part[i]);
                 }
             }
+            dq_end_turn(turns, tid);
         }
     }
     if (!touched || key >= a.Skv) return;

@@ -102,6 +102,23 @@ template <typename T> __device__ __forceinline__ T pos_inf();
 template <> __device__ __forceinline__ float pos_inf<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double pos_inf<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
 
+// x . y over d < n, the scores (and do . v) of the SIMT kernels, forward and backward alike:
+// four partial sums over d mod 4, added pairwise.  A sequential sum of 64 products of large
+// logits rounds about twice as far from the exact score as the dense float32 computation the
+// tolerance rule compares with; four partial sums stay within it.  x and y hold zeros from n up
+// to the next multiple of 4 (the padded head dims are multiples of 8).
+template <typename T>
+__device__ __forceinline__ T dot4(const T* x, const T* y, int n) {
+    T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
+    for (int d = 0; d < n; d += 4) {
+        s0 += x[d] * y[d];
+        s1 += x[d + 1] * y[d + 1];
+        s2 += x[d + 2] * y[d + 2];
+        s3 += x[d + 3] * y[d + 3];
+    }
+    return (s0 + s1) + (s2 + s3);
+}
+
 __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }

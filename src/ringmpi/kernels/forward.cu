@@ -352,14 +352,24 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
         }
         const bool careful = __syncthreads_or(bad_v);  // a NaN/Inf in this V tile
 
-        T s[NC];
+        // the scores: dot4's arithmetic (four partial sums over d mod 4), each q value read once
+        T s[NC], s1[NC], s2[NC], s3[NC];
 #pragma unroll
-        for (int i = 0; i < NC; ++i) s[i] = T(0);
-        for (int d = 0; d < a.D; ++d) {
-            const T qd = Qs[r * RS + d];
+        for (int i = 0; i < NC; ++i) s[i] = s1[i] = s2[i] = s3[i] = T(0);
+        for (int d = 0; d < a.D; d += 4) {
+            const T q0v = Qs[r * RS + d], q1v = Qs[r * RS + d + 1], q2v = Qs[r * RS + d + 2],
+                    q3v = Qs[r * RS + d + 3];
 #pragma unroll
-            for (int i = 0; i < NC; ++i) s[i] += qd * Ks[(j + TPR * i) * RS + d];
+            for (int i = 0; i < NC; ++i) {
+                const T* kr = Ks + (j + TPR * i) * RS + d;
+                s[i] += q0v * kr[0];
+                s1[i] += q1v * kr[1];
+                s2[i] += q2v * kr[2];
+                s3[i] += q3v * kr[3];
+            }
         }
+#pragma unroll
+        for (int i = 0; i < NC; ++i) s[i] = (s[i] + s1[i]) + (s2[i] + s3[i]);
         T mx = neg_inf<T>();
 #pragma unroll
         for (int i = 0; i < NC; ++i) {
