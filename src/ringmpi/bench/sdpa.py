@@ -86,8 +86,9 @@ def measure_sdpa(batch: int, heads: int, kv_heads: int, n: int, dim: int, dtype:
 
 
 def flash_sdpa_cuda_seconds(batch: int, heads: int, seqlen: int, dim: int, causal: bool,
-                            repeats: int) -> Optional[Tuple[float, float]]:
-    """(forward, backward) seconds of torch's flash SDPA in bf16 on this GPU, or None.
+                            repeats: int, dtype: str = "bfloat16") -> Optional[Tuple[float, float]]:
+    """(forward, backward) seconds of torch's flash SDPA in ``dtype`` (bfloat16 or float16)
+    on this GPU, or None.
 
     Mean over ``repeats`` calls after one warm-up, timed with CUDA events;
     backward is (forward + backward) minus forward.
@@ -100,8 +101,9 @@ def flash_sdpa_cuda_seconds(batch: int, heads: int, seqlen: int, dim: int, causa
     if not torch.cuda.is_available():
         return None
     shape = (batch, heads, seqlen, dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, device="cuda", dtype=dt)
     f = torch.nn.functional.scaled_dot_product_attention
 
     def timed(fn):

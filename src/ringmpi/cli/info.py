@@ -44,7 +44,7 @@ def info():
         h5 = f"unavailable ({exc})"
     import mpi4py
     version = ".".join(map(str, MPI.Get_version()))
-    library = MPI.Get_library_version().strip().splitlines()[0]
+    library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
     lines = [
         f"ringmpi {__version__}",
         f"MPI: {library} (MPI standard {version}), mpi4py {mpi4py.__version__}",
