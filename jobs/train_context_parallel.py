@@ -10,7 +10,8 @@ tokens; the gradients of the replicated parameters are summed over the ranks
 with ``comm.Allreduce``, so every rank takes the same optimizer step.  The
 losses equal a one-rank run's to rounding.  Rank 0 prints the loss of every
 step; ``--save out.npz`` also stores the losses, final parameters and the last
-step's summed gradients.
+step's summed gradients.  ``--device cuda`` runs the model on the GPU (the ring's
+block kernels on CuPy); the gradients are summed through host copies.
 """
 
 import argparse
@@ -80,6 +81,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_training_arguments(parser, seq_len=4096, steps=20, dim=64)
     parser.add_argument("--sinks", action="store_true", help="a learned attention sink per head (gpt-oss)")
+    parser.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1, ...")
     args = parser.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -87,14 +89,15 @@ def main():
     torch.manual_seed(args.seed)  # the same initial parameters on every rank (and in either dtype)
     layout = ringmpi.Layout("zigzag", args.seq_len, comm.Get_size())
     model = TinyLM(args.vocab, args.seq_len, args.dim, args.heads, args.kv_heads, args.layers,
-                   sinks=args.sinks, comm=comm, layout="zigzag").to(getattr(torch, args.dtype))
+                   sinks=args.sinks, comm=comm, layout="zigzag").to(args.device, getattr(torch, args.dtype))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     tokens = synthetic_sequence(args.seq_len, args.vocab, args.seed)
     positions = torch.from_numpy(layout.indices(rank))        # this rank's global token positions
     has_target = positions < args.seq_len - 1                # the last token predicts nothing
-    inputs = tokens[positions][None]
-    targets = tokens[(positions + 1).clamp(max=args.seq_len - 1)]
+    inputs = tokens[positions][None].to(args.device)
+    targets = tokens[(positions + 1).clamp(max=args.seq_len - 1)].to(args.device)
+    has_target, positions = has_target.to(args.device), positions.to(args.device)
 
     losses = []
     for step in range(args.steps):
@@ -105,15 +108,18 @@ def main():
                                                  reduction="sum") / (args.seq_len - 1)
         loss.backward()
         for p in model.parameters():                          # sum the replicated gradients
-            comm.Allreduce(MPI.IN_PLACE, p.grad.numpy())
+            grad = p.grad.cpu().numpy()                       # (a view of p.grad on the CPU)
+            comm.Allreduce(MPI.IN_PLACE, grad)
+            if p.grad.device.type != "cpu":
+                p.grad.copy_(torch.from_numpy(grad))
         optimizer.step()
         losses.append(comm.allreduce(loss.item()))
         if rank == 0:
             print(f"step {step:3d}  loss {losses[-1]:.6f}", flush=True)
 
     if rank == 0 and args.save:
-        params = {f"param/{name}": p.detach().numpy() for name, p in model.named_parameters()}
-        grads = {f"grad/{name}": p.grad.numpy() for name, p in model.named_parameters()}
+        params = {f"param/{name}": p.detach().cpu().numpy() for name, p in model.named_parameters()}
+        grads = {f"grad/{name}": p.grad.cpu().numpy() for name, p in model.named_parameters()}
         np.savez(args.save, losses=np.array(losses), **params, **grads)
 
 
