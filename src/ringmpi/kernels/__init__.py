@@ -185,7 +185,7 @@ class BlockKernel:
 
     def grid(self, batch: int, heads: int, kv_heads: int, sq: int, skv: int) -> Tuple[int, int, int]:
         """The launch grid ``(tiles, Y, Z)`` of one block: x is the query tile
-        (forward) or key tile (backward); ``(Y, Z) = split_rows(rows)`` with
+        (forward) or key tile, the last at x = 0 (backward: backward.cu's dq turns); ``(Y, Z) = split_rows(rows)`` with
         rows = ``batch * heads`` (forward) or ``batch * kv_heads`` (backward)."""
         nqt, nkt = self.tile_counts(sq, skv)
         tiles, rows = (nqt, batch * heads) if self.direction == "forward" else (nkt, batch * kv_heads)

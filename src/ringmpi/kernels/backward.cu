@@ -6,7 +6,7 @@
 // (dq and dk unscaled: the caller multiplies the finished sums by the scale)
 // dk / dv of the CTA's key tile are accumulated in registers and added to
 // global memory once (the CTA owns them); dq rows are shared by all key
-// tiles and are updated with atomicAdd, the key tiles taking turns in key-tile
+// tiles and are updated with atomicAdd, the key tiles taking turns in a fixed
 // order (dq_wait_turn below), so that dq is bitwise the same every run.
 // Layouts: q, dq (B, H, Sq, D); do (B, H, Sq, Dv); lse, dvec (B, H, Sq);
 // k, dk (B, Hkv, Skv, D); v, dv (B, Hkv, Skv, Dv); dq_turns (B, H, query tiles) int32,
@@ -22,18 +22,23 @@ struct BwdArgs {
 
 // Ordered dq.  atomicAdd alone adds the key tiles' dq terms in whatever order their CTAs
 // arrive, so the float sums (and dq's last bits) would change from run to run.  Instead the
-// key tiles that add to the dq rows of one (b, h, query tile) take turns in key-tile order:
-// the turn of key tile kt is the number of key tiles before it that add to query tile qt
+// key tiles that add to the dq rows of one (b, h, query tile) take turns, the last key tile
+// first: the turn of key tile kt is the number of key tiles after it that add to query tile qt
 // (classify_tile, which every CTA evaluates alike), and turns[(b * H + h) * nqt + qt] (zeroed
-// before the launch) counts the tiles that have added.  A CTA only waits on CTAs of its own
-// grid row with a smaller x, dispatched before it, so every wait ends.  Call all three at
-// points every thread of the CTA reaches.
+// before the launch) counts the tiles that have added.  The grid's x runs over the key tiles
+// from the last (x = 0), so a CTA only waits on CTAs of its own grid row with a smaller x,
+// dispatched before it, and every wait ends; and each CTA walks its query tiles from the last.
+// Under a causal mask the last key tiles see the fewest query tiles: in this order they add
+// first and leave early, instead of holding their places until the first key tile, which
+// has the most work, has added to every query tile.  Call all three at points every thread
+// of the CTA reaches.
 template <int NTH>
 __device__ __forceinline__ int dq_turn_of(const MaskArgs& mk, int b, const BwdArgs& a, int qt, int kt, int tid) {
     int turn = 0;
-    for (int base = 0; base < kt; base += NTH) {
+    for (int base = kt + 1; base < a.nkt; base += NTH) {
         const int other = base + tid;
-        turn += __syncthreads_count(other < kt && classify_tile(mk, b, a.B, qt, a.nqt, other, a.nkt) != TILE_SKIP);
+        turn += __syncthreads_count(other < a.nkt &&
+                                    classify_tile(mk, b, a.B, qt, a.nqt, other, a.nkt) != TILE_SKIP);
     }
     return turn;
 }
@@ -190,7 +195,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int kt = blockIdx.x, bhk = cta_row();
+    const int kt = a.nkt - 1 - (int)blockIdx.x, bhk = cta_row();  // the last key tile at x = 0
     if (bhk >= a.B * a.Hkv) return;  // padding CTA of the last z slice
     const int b = bhk / a.Hkv, hk = bhk % a.Hkv;
     const int group = a.H / a.Hkv;
@@ -230,7 +235,7 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
         const long long obase = bh * a.Sq * a.Dv;
-        for (int qt = 0; qt < a.nqt; ++qt) {
+        for (int qt = a.nqt - 1; qt >= 0; --qt) {  // from the last query tile (dq turns)
             const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
             if (state == TILE_SKIP) continue;
             touched = true;
@@ -439,7 +444,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     T* dvec_s = lse_s + BM;
 
     const int tid = threadIdx.x, cr = tid / TPR, j = tid % TPR;
-    const int kt = blockIdx.x, bhk = cta_row();
+    const int kt = a.nkt - 1 - (int)blockIdx.x, bhk = cta_row();  // the last key tile at x = 0
     if (bhk >= a.B * a.Hkv) return;  // padding CTA of the last z slice
     const int b = bhk / a.Hkv, hk = bhk % a.Hkv;
     const int group = a.H / a.Hkv;
@@ -474,7 +479,7 @@ __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
         const long long bh = (long long)b * a.H + h;
         const long long qbase = bh * a.Sq * a.D;
         const long long obase = bh * a.Sq * a.Dv;
-        for (int qt = 0; qt < a.nqt; ++qt) {
+        for (int qt = a.nqt - 1; qt >= 0; --qt) {  // from the last query tile (dq turns)
             const int state = classify_tile(mk, b, a.B, qt, a.nqt, kt, a.nkt);
             if (state == TILE_SKIP) continue;
             touched = true;
