@@ -250,7 +250,7 @@ def test_extreme_scores(dtype):
                                      ("float64", 96)])
 def test_backward_is_bitwise_repeatable(dtype, d):
     """Every key tile adds its terms to the same dq rows (atomics across CTAs); the tiles take
-    turns in key order, so dq, dk and dv are the same bits run after run (docs/design.md: bitwise
+    turns in a fixed order, so dq, dk and dv are the same bits run after run (docs/design.md: bitwise
     repeatable at a fixed P).  Many key tiles per query tile: causal with 1000 keys, GQA, B = 2;
     MMA kernels (D <= 128, 16-bit) and SIMT kernels (D = 192, float32, float64)."""
     import cupy as cp

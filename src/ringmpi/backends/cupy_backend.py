@@ -487,9 +487,7 @@ class DeviceMessage:
         self._compute_event = event
 
     def view(self, offset: int, shape, dtype):
-        # any NumPy dtype, as HostMessage.view takes (bytes, indices), with the bfloat16 names resolved
-        dtype = storage_dtype(dtype) if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16") \
-            else np.dtype(dtype)
+        dtype = np.dtype(dtype)  # any dtype, as HostMessage.view (ml_dtypes' bfloat16 included)
         count = int(np.prod(shape, dtype=np.int64))
         return self._dev[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
 

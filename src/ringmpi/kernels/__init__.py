@@ -184,9 +184,10 @@ class BlockKernel:
         return -(-int(sq) // bm), -(-int(skv) // bn)
 
     def grid(self, batch: int, heads: int, kv_heads: int, sq: int, skv: int) -> Tuple[int, int, int]:
-        """The launch grid ``(tiles, Y, Z)`` of one block: x is the query tile
-        (forward) or key tile, the last at x = 0 (backward: backward.cu's dq turns); ``(Y, Z) = split_rows(rows)`` with
-        rows = ``batch * heads`` (forward) or ``batch * kv_heads`` (backward)."""
+        """The launch grid ``(tiles, Y, Z)`` of one block: x is the query tile (forward) or
+        the key tile, the last at x = 0 (backward: backward.cu's dq turns); ``(Y, Z) =
+        split_rows(rows)`` with rows = ``batch * heads`` (forward) or ``batch * kv_heads``
+        (backward)."""
         nqt, nkt = self.tile_counts(sq, skv)
         tiles, rows = (nqt, batch * heads) if self.direction == "forward" else (nkt, batch * kv_heads)
         if tiles > GRID_X_MAX:
@@ -201,8 +202,8 @@ class BlockKernel:
 
     def dq_turns(self, batch: int, heads: int, sq: int, skv: int, xp):
         """The backward's turn counters (zeros, int32, one per batch entry, query head and
-        query tile): the key tiles add to dq in key-tile order (backward.cu), so that dq is
-        bitwise repeatable."""
+        query tile): the key tiles add to dq in a fixed order, the last first (backward.cu), so
+        that dq is bitwise repeatable."""
         nqt, _ = self.tile_counts(sq, skv)
         return xp.zeros(batch * heads * nqt, dtype=np.int32)
 
