@@ -5,7 +5,7 @@ session knows it will run them."""
 
 import pytest
 
-pytest.register_assert_rewrite("file_check")
+pytest.register_assert_rewrite("file_check", "training")
 
 
 def _modules_with(session, name):

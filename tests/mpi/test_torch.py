@@ -15,6 +15,7 @@ import pytest
 
 import reference
 from mpi_util import CaseLaunches, ROOT, mpirun, mpirun_env
+from training import train_example
 
 pytest.importorskip("torch", reason="ringmpi.torch needs PyTorch (the 'torch' extra)")
 
@@ -94,8 +95,6 @@ def test_import_ringmpi_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, env=mpirun_env())
 
 
-TRAIN = ["--seq-len", 301, "--steps", 5, "--dim", 32, "--heads", 4, "--kv-heads", 2, "--layers", 2]
-
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("p,flags", [(2, []), (3, ["--sinks"])], ids=["P2", "P3-sinks"])
@@ -106,14 +105,8 @@ def test_training_example_matches_one_rank(tmp_path, p, flags):
     float64 P = 1 run as a float32 P = 1 run is (docs/design.md's gradient rule: 3x its error + 1e-5);
     301 tokens make uneven zigzag shards.  With ``--sinks`` the model learns a sink per head,
     whose gradient must be each rank's own share like every other parameter's (issue 27)."""
-    runs = {}
-    for size, dtype in ((1, "float64"), (1, "float32"), (p, "float32")):
-        out = tmp_path / f"p{size}-{dtype}.npz"
-        rc, stdout, stderr, _ = mpirun(size, [sys.executable, ROOT / "jobs" / "train_context_parallel.py", *TRAIN,
-                                              *flags, "--dtype", dtype, "--save", out], timeout=240)
-        assert rc == 0 and "step   4  loss" in stdout, f"P={size} {dtype}: exit {rc}\n{stdout[-2000:]}\n{stderr[-3000:]}"
-        with np.load(out) as data:
-            runs[size, dtype] = dict(data)
+    runs = {(size, dtype): train_example(tmp_path, size, dtype, *flags)
+            for size, dtype in ((1, "float64"), (1, "float32"), (p, "float32"))}
     ref, one, many = runs[1, "float64"], runs[1, "float32"], runs[p, "float32"]
     assert sorted(many) == sorted(ref) and len(ref) > 10
     assert any(n.endswith("sinks") for n in ref) == bool(flags)
