@@ -126,7 +126,7 @@ def _invariant_problem(be, place_q, place_kv) -> Optional[str]:
     """This rank's problem with ``invariant=True``: a backend without the mode, or a shard that is
     not whole 64-token tiles of global positions (:mod:`ringmpi.core.global_tiles`); or None."""
     if not getattr(be, "INVARIANT", False):
-        return f"invariant=True runs on the numpy backend, not on {be.name}"
+        return f"invariant=True runs on the numpy and cupy backends, not on {be.name}"
     from .core.global_tiles import shard_problem
 
     return (shard_problem("query", place_q.mine, place_q.n)
@@ -323,7 +323,8 @@ def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     maxima = None
     if options.invariant:
-        from .parallel.invariant_passes import forward_maxima
+        from .parallel.invariant_passes import forward_maxima, groups_problem
+        agree(plan.comm, groups_problem(plan.backend, groups))
         maxima = forward_maxima(plan, v)
     if groups is not None:
         from .parallel import head_parallel as _two_level
@@ -412,7 +413,8 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     sink_comm = plan.comm if reduce_dsinks else None  # None: this rank's own share of dsinks
     maxima = dvec = None
     if options.invariant:
-        from .parallel.invariant_passes import backward_maxima
+        from .parallel.invariant_passes import backward_maxima, groups_problem
+        agree(plan.comm, groups_problem(be, groups))
         ct = plan.compute_dtype
         dvec = be.row_dot(be.heads_view(be.asarray(do), ct), be.heads_view(be.asarray(o), ct))
         maxima = backward_maxima(plan, q, k, v, do, dvec)

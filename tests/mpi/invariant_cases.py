@@ -18,7 +18,8 @@ calls of the same launch: ``decode`` (``decode_attention(invariant=True)`` for t
 ``decode`` tokens over the sharded cache: their ``o, lse`` rows), ``torch`` (``ringmpi.torch``
 with autograd: ``o, lse, dq, dk, dv``; where ``torch`` lists this P) and ``file`` (``ringmpi run
 --invariant --backward`` on an HDF5 file: ``o, lse, dq, dk, dv``).  Kind ``errors``: a shard
-that is not whole tiles is one ConfigError on every rank.
+that is not whole tiles is one ConfigError on every rank.  A case's ``backend`` (default
+``numpy``) runs the library calls (``tests/gpu/test_gpu_invariant.py``: ``cupy``).
 """
 
 import hashlib
@@ -37,6 +38,7 @@ from variant_cases import make_alibi, make_sinks  # noqa: E402
 import ringmpi  # noqa: E402
 from ringmpi import Layout  # noqa: E402
 from ringmpi.core.global_tiles import TILE, shard_problem  # noqa: E402
+from ringmpi.core.host import to_host  # noqa: E402
 
 OUTPUTS = ("o", "lse", "max_logit", "dq", "dk", "dv", "dsinks")
 
@@ -87,7 +89,8 @@ def inputs(case):
 
 
 def call_kw(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks, alibi, u):
-    kw = dict(comm=comm, causal=case.get("causal", False), backend="numpy", invariant=True, head_parallel=u,
+    kw = dict(comm=comm, causal=case.get("causal", False), backend=case.get("backend", "numpy"), invariant=True,
+              head_parallel=u,
               softcap=case.get("softcap"), softmax_scale=case.get("scale"))
     if case.get("window") is not None:
         kw["window"] = tuple(case["window"])
@@ -118,13 +121,13 @@ def run_placement(comm, case, data, lay_q, lay_kv, u):
     args = [lay.shard(x, rank) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     o, lse, max_logit = ringmpi.ring_attention(*args, return_max_logit=True, **kw)
     grads = ringmpi.ring_attention_backward(lay_q.shard(do, rank), *args, o, lse, **kw)
-    mine = dict(o=o, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    mine = {name: to_host(x) for name, x in dict(o=o, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]).items()}
     every = comm.gather(mine, root=0)
     if rank != 0:
         return None
-    out = dict(max_logit=np.asarray(max_logit))
+    out = dict(max_logit=to_host(max_logit))
     if sinks is not None:
-        out["dsinks"] = np.asarray(grads[3])
+        out["dsinks"] = to_host(grads[3])
     for name, lay, axis in (("o", lay_q, 1), ("lse", lay_q, 2), ("dq", lay_q, 1), ("dk", lay_kv, 1),
                             ("dv", lay_kv, 1)):
         out[name] = lay.unshard([e[name] for e in every], axis=axis)

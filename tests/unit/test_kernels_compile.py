@@ -1,7 +1,7 @@
 """Every CUDA kernel instantiation compiles through NVRTC, without a GPU.
 
 Compiles exactly what the runtime loader compiles: ``ringmpi.kernels.source``
-(preamble + file with ``#line``), ``compile_options()`` and every name
+(preamble + file with ``#line``), ``compile_options(filename)`` and every name
 expression of ``ringmpi.kernels.instantiations(cc)`` for each architecture:
 sm_70 and sm_75 (the SIMT kernels, bfloat16 converted in registers), sm_80,
 sm_90 and sm_100 (tensor cores too), and asserts a compiler log without
@@ -83,7 +83,7 @@ def _compile(filename, exprs, arch):
         for expr in exprs:
             nvrtc.addNameExpression(prog, expr)
         try:
-            nvrtc.compileProgram(prog, list(K.compile_options()) + [f"--gpu-architecture={arch}"])
+            nvrtc.compileProgram(prog, list(K.compile_options(filename)) + [f"--gpu-architecture={arch}"])
             ok = True
         except nvrtc.NVRTCError:
             ok = False

@@ -202,3 +202,46 @@ def test_only_reachable_candidates_are_compiled():
                              "ringmpi_backward_simt<192, 3, 8>", "ringmpi_backward_simt<256, 3, 8>"}
     assert K.instantiations(70) == K.instantiations(75) and K.instantiations(90) == K.instantiations()
     assert not any("_mma<" in expr for _, expr in K.instantiations(75))
+
+
+# ---------------------------------------------------------------- invariant=True (invariant.cu)
+@pytest.mark.parametrize("acc", (K.F32, K.F64))
+@pytest.mark.parametrize("name", K.INVARIANT_KERNELS)
+def test_invariant_kernels_plan_within_every_device(name, acc):
+    plan = K.InvariantLaunch(name, acc)
+    for cc in SMEM_OPTIN:
+        assert plan.instantiation in K.instantiations(_cc(cc))
+    assert plan.block() == (K.INVARIANT_TILE,) and K.INVARIANT_TILE <= K.MAX_THREADS
+    # the backward's tile and flags need no opt-in on any GPU; the others no shared memory
+    assert plan.shared_mem_bytes() <= K.DEFAULT_SMEM
+    assert (plan.shared_mem_bytes() > 0) == (name == "backward")
+    for rows, tiles in itertools.product(ROWS, (1, 2, 4096, 2 ** 31 - 1)):
+        grid = plan.grid(rows, 1, 1, tiles, tiles)
+        assert _within_cuda_grid(grid) and grid[0] == tiles
+        y, z = grid[1:]
+        assert y * z >= rows and (z - 1) * y < rows
+    q_tiles, k_tiles = 3, 5
+    assert plan.grid(2, 8, 2, q_tiles, k_tiles)[:2] == ((k_tiles, 4) if name == "backward" else (q_tiles, 16))
+    with pytest.raises(ValueError):
+        plan.grid(1, 1, 1, 0, 0)
+    with pytest.raises(ValueError):
+        K.InvariantLaunch(name, K.F16)
+
+
+def test_invariant_slot_maps_name_each_tile_slots_local_row():
+    from ringmpi.backends.invariant_device import slot_map
+    from ringmpi.core.global_tiles import TILE, Tiling
+    from ringmpi.core.layout import Layout
+
+    rng = np.random.default_rng(37)
+    shards = [Layout("zigzag", 1024, 4).indices(1), np.arange(1000 - 232, 1000),  # a short last tile
+              rng.permutation(np.concatenate([np.arange(128, 192), np.arange(640, 704)]))]
+    for pos in shards:
+        tiling = Tiling.of(pos)
+        slots = slot_map(tiling)
+        assert slots.dtype == np.int32 and slots.shape == (tiling.count * TILE,)
+        held = slots >= 0
+        assert np.array_equal(held, tiling.valid.ravel())
+        # a held slot's local row holds that slot's global position; every local row once
+        assert np.array_equal(pos[slots[held]], tiling.pos.ravel()[held])
+        assert sorted(slots[held].tolist()) == list(range(len(pos)))

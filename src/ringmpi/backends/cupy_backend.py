@@ -30,7 +30,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import kernels as K
-from ..core.dropout import no_dropout_scalars
+from ..core.dropout import kernel_values as dropout_values
 from ..core.dtypes import compute_dtype
 from ..core.dtypes import resolve as resolve_dtype
 from ..core.masks import SKIP, BlockMask, classify_tiles, tile_bounds
@@ -55,8 +55,7 @@ def storage_dtype(dtype) -> np.dtype:
 
 def _dropout_args(mask: BlockMask, ct) -> tuple:
     """The kernels' ``DROPOUT_PARAMS`` values (philox.cuh) for this block's spec."""
-    dropout = mask.spec.dropout
-    return no_dropout_scalars(ct) if dropout is None else dropout.kernel_scalars(ct)
+    return dropout_values(mask.spec.dropout, ct)
 
 
 def _grid_1d(n: int) -> int:
@@ -107,6 +106,8 @@ class CupyBackend:
 
     name = "cupy"
     MODIFIERS = MODIFIER_FIELDS  # the score modifiers with per-head data it applies: all of them
+    INVARIANT = True            # invariant=True on the flat ring (ringmpi.backends.invariant_device) ...
+    INVARIANT_RING_ONLY = True  # ... only: not with head_parallel U > 1, not in decode_attention
     _instances: dict = {}
 
     @classmethod
@@ -284,15 +285,10 @@ class CupyBackend:
         has_seg = mask.seg_q is not None
         if has_seg and mask.seg_kv is None:
             raise ValueError("seg_q given without seg_kv")
-        q_pos = self._upload(mask.q_pos)[1]
-        kv_pos = self._upload(mask.kv_pos)[1]
+        seg_q = seg_kv = None
         if has_seg:
             seg_q = np.asarray(mask.seg_q, dtype=np.int64).reshape(batch, -1)
             seg_kv = np.asarray(mask.seg_kv, dtype=np.int64).reshape(batch, -1)
-            dseg_q, dseg_kv = self._upload(seg_q.ravel())[1], self._upload(seg_kv.ravel())[1]
-        else:
-            seg_q = seg_kv = None
-            dseg_q, dseg_kv = q_pos, kv_pos  # never read: has_seg = 0
         (bm, bn), (nqt, nkt) = kernel.tiles, kernel.tile_counts(sq, skv)
         q_bounds, dq_bounds = self._upload(mask.q_pos, bm, seg_q)
         kv_bounds, dkv_bounds = self._upload(mask.kv_pos, bn, seg_kv)
@@ -300,9 +296,27 @@ class CupyBackend:
         per_class = 1 if has_seg else batch
         skipped = int(np.count_nonzero(classes == SKIP)) * per_class
         counts = (classes.size * per_class - skipped, skipped)
+        return self._mask_values(mask, batch, (dq_bounds, dkv_bounds)), counts
+
+    def _mask_values(self, mask: BlockMask, batch: int, bounds=None) -> tuple:
+        """The kernels' ``MASK_PARAMS`` and ``MOD_PARAMS`` values of ``mask``; ``bounds``: the
+        device ``(q_bounds, kv_bounds)`` of the kernel's tiles, or None for a kernel that
+        classifies no tile (invariant.cu: the positions array stands in, never read)."""
+        has_seg = mask.seg_q is not None
+        if has_seg and mask.seg_kv is None:
+            raise ValueError("seg_q given without seg_kv")
+        q_pos = self._upload(mask.q_pos)[1]
+        kv_pos = self._upload(mask.kv_pos)[1]
+        if has_seg:
+            dseg_q = self._upload(np.asarray(mask.seg_q, dtype=np.int64).reshape(batch, -1).ravel())[1]
+            dseg_kv = self._upload(np.asarray(mask.seg_kv, dtype=np.int64).reshape(batch, -1).ravel())[1]
+        else:
+            dseg_q, dseg_kv = q_pos, kv_pos  # never read: has_seg = 0
+        dq_bounds, dkv_bounds = (q_pos, kv_pos) if bounds is None else bounds
         has_lo, lo_delta, has_hi, hi_delta = mask_scalars(mask.spec)
-        return (q_pos, kv_pos, dseg_q, dseg_kv, dq_bounds, dkv_bounds,
-                np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta) + modifier_scalars(mask.spec) + self._modifier_args(mask.spec, q_pos), counts
+        return ((q_pos, kv_pos, dseg_q, dseg_kv, dq_bounds, dkv_bounds,
+                 np.int32(has_seg), has_lo, lo_delta, has_hi, hi_delta)
+                + modifier_scalars(mask.spec) + self._modifier_args(mask.spec, q_pos))
 
     def _modifier_args(self, spec, dummy):
         """The per-head modifiers' ``MOD_PARAMS`` values after the softcap: the bits of the modifiers
@@ -434,6 +448,33 @@ class CupyBackend:
         if tick is not None:
             tick()
         return counts
+
+
+    # ----------------------------------------------------------- invariant=True
+    # the block ops of the invariant mode on the GPU: ringmpi.backends.invariant_device
+    # (invariant.cu), driven by ringmpi.parallel.invariant_passes as the NumPy ones are
+    def invariant_resident(self, qh, positions, seg, kv_dtype, ct, spec, do=None, lse=None, dvec=None):
+        """The call's resident rows (:class:`ringmpi.backends.invariant_device.DeviceResident`)."""
+        from .invariant_device import DeviceResident
+        return DeviceResident(self, qh, positions, seg, kv_dtype, ct, spec, do=do, lse=lse, dvec=dvec)
+
+    @staticmethod
+    def invariant_max_block(*args, **kwargs):
+        """:func:`ringmpi.backends.invariant_device.max_block`."""
+        from .invariant_device import max_block
+        return max_block(*args, **kwargs)
+
+    @staticmethod
+    def invariant_forward_block(*args, **kwargs):
+        """:func:`ringmpi.backends.invariant_device.forward_block`."""
+        from .invariant_device import forward_block
+        return forward_block(*args, **kwargs)
+
+    @staticmethod
+    def invariant_backward_block(*args, **kwargs):
+        """:func:`ringmpi.backends.invariant_device.backward_block`."""
+        from .invariant_device import backward_block
+        return backward_block(*args, **kwargs)
 
 
 class DeviceMessage:

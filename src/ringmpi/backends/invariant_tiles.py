@@ -58,12 +58,23 @@ def _tile_bounds(pos: np.ndarray, seg) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64)
 
 
-def _tiled_segments(tiling: Tiling, seg):
+def tiled_segments(tiling: Tiling, seg):
     """Segment ids ``(B, S)`` as ``(B, nt, TILE)``, pad slots repeating the tile's first id."""
     if seg is None:
         return None
     out = tiling.to_tiles(np.asarray(seg, dtype=np.int64), axis=1)
     return np.where(tiling.valid[None], out, out[..., :1])
+
+
+def pair_classes(spec, q_tiling: Tiling, q_seg, k_tiling: Tiling, k_seg, batch: int) -> np.ndarray:
+    """``(B or 1, nq, nk)`` int8 class of every (query tile, key tile) pair (``SKIP``/``PARTIAL``/
+    ``FULL``, a pair with pad slots at most ``PARTIAL``), from the tiles' global positions and
+    segment ids (``q_seg``, ``k_seg``: :func:`tiled_segments`, or None): the same for a pair on
+    every rank.  One row per batch entry with segments, else one."""
+    classes = classify_tiles(spec, _tile_bounds(q_tiling.pos, q_seg), _tile_bounds(k_tiling.pos, k_seg),
+                             q_tiling.count, k_tiling.count, batch, q_seg is not None)
+    padded = ~q_tiling.valid.all(axis=1)[:, None] | ~k_tiling.valid.all(axis=1)[None, :]
+    return np.where((classes == FULL) & padded[None], PARTIAL, classes).astype(np.int8)
 
 
 def _run(index: np.ndarray):
@@ -104,16 +115,17 @@ class Resident:
         self.exp_pass = exp_pass  # the backend's tile pass: s = exp(s * scale + bias - shift), row sums
         self.tiling = Tiling.of(positions)
         self.ct, self.spec, self.kv_dtype = np.dtype(ct), spec, np.dtype(kv_dtype)
-        self.seg = _tiled_segments(self.tiling, seg)
+        self.seg = tiled_segments(self.tiling, seg)
         self.q, self.do = q, do
         self.shape = (q.shape[0], q.shape[1], self.tiling.count, TILE)
-        bad = self.tiling.to_tiles(_bad_rows(q), axis=2)
+        bad = self.tiling.to_tiles(_bad_rows(self._rounded(q)), axis=2)
         self.lse = self.dvec = None
         if do is not None:
             lse = np.where(np.isneginf(lse), np.inf, lse)
             self.lse = self.tiling.to_tiles(lse, axis=2, dtype=ct)
             self.dvec = self.tiling.to_tiles(dvec, axis=2, dtype=ct)
-            bad |= self.tiling.to_tiles(_bad_rows(do), axis=2) | np.isnan(self.lse) | ~np.isfinite(self.dvec)
+            bad |= (self.tiling.to_tiles(_bad_rows(self._rounded(do)), axis=2) | np.isnan(self.lse)
+                    | ~np.isfinite(self.dvec))
             self.lse[..., ~self.tiling.valid] = np.inf  # pad rows: P = 0
         bad &= self.tiling.valid
         if do is not None and bad.any():
@@ -122,6 +134,14 @@ class Resident:
         self.bad = bad
         self.any_bad = bad.any(axis=(2, 3))  # (B, H)
         self.scratch: dict = {}
+
+    def _rounded(self, x):
+        """``x`` as :meth:`tiles` multiplies it: rounded to a 16-bit K/V dtype (a row a finite value
+        overflows there is flagged, as one holding NaN/Inf is)."""
+        if self.kv_dtype.itemsize == 2 and x.dtype != self.kv_dtype:
+            with np.errstate(over="ignore"):
+                return x.astype(self.kv_dtype)
+        return x
 
     def tiles(self, which: str, b: int, heads: slice, key: str) -> np.ndarray:
         """``q`` or ``do`` (``which``) of batch entry ``b``, query heads ``heads``, as aligned tiles
@@ -145,16 +165,10 @@ class _Block:
     def __init__(self, res: Resident, mask, bad_keys):
         self.res, self.spec = res, res.spec
         self.tiling = Tiling.of(mask.kv_pos)
-        self.seg = _tiled_segments(self.tiling, mask.seg_kv)
+        self.seg = tiled_segments(self.tiling, mask.seg_kv)
         self.bad = self.tiling.to_tiles(bad_keys, axis=2) & self.tiling.valid  # (B, Hkv, nk, TILE)
         self.any_bad = self.bad.any(axis=(2, 3))
-        q_t, k_t = res.tiling, self.tiling
-        batch = res.q.shape[0]
-        has_seg = res.seg is not None
-        classes = classify_tiles(self.spec, _tile_bounds(q_t.pos, res.seg), _tile_bounds(k_t.pos, self.seg),
-                                 q_t.count, k_t.count, batch, has_seg)
-        padded = ~q_t.valid.all(axis=1)[:, None] | ~k_t.valid.all(axis=1)[None, :]
-        self.classes = np.where((classes == FULL) & padded[None], PARTIAL, classes)
+        self.classes = pair_classes(self.spec, res.tiling, res.seg, self.tiling, self.seg, res.q.shape[0])
 
     def key_tiles(self, x, t0: int, t1: int, b: int, hkv: int, key: str) -> np.ndarray:
         """This block's key tiles ``[t0, t1)`` of ``x (S_kv, D)`` (one batch entry and K/V head) as

@@ -100,6 +100,12 @@ def no_dropout_scalars(dtype):
             np.int64(1), np.int64(0), np.int64(0))
 
 
+def kernel_values(dropout, dtype):
+    """The CUDA kernels' ``DROPOUT_PARAMS`` values of a spec's ``dropout`` (None: off) in the
+    compute ``dtype``."""
+    return no_dropout_scalars(dtype) if dropout is None else dropout.kernel_scalars(dtype)
+
+
 def validate(p, seed) -> Optional[str]:
     """The problem with ``dropout_p=p, dropout_seed=seed``, or None."""
     try:

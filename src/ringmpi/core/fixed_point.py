@@ -71,10 +71,11 @@ def grid(bound_exponent, limbs: int) -> np.ndarray:
     return np.ldexp(1.0, np.clip(g, -1022, 1000).astype(np.int32))
 
 
-def zeros(shape, limbs: int) -> np.ndarray:
-    """An accumulator for values of ``shape (..., C)``: int64 ``(..., limbs * C)``, zero."""
+def zeros(shape, limbs: int, xp=np):
+    """An accumulator for values of ``shape (..., C)``: int64 ``(..., limbs * C)``, zero (an
+    array of the module ``xp``: NumPy, or CuPy for the GPU's block ops)."""
     shape = tuple(shape)
-    return np.zeros(shape[:-1] + (limbs * shape[-1],), dtype=np.int64)
+    return xp.zeros(shape[:-1] + (limbs * shape[-1],), dtype=np.int64)
 
 
 def value(acc: np.ndarray, limbs: int) -> np.ndarray:

@@ -25,7 +25,8 @@ from ..runtime.device import MIN_CC
 KERNEL_DIR = Path(__file__).resolve().parent
 PREAMBLE = "common.cuh"
 DROPOUT_PREAMBLE = "philox.cuh"  # Philox and the dropout rule, after common.cuh's MaskArgs
-SOURCES = ("forward.cu", "backward.cu", "finalize.cu")
+SOURCES = ("forward.cu", "backward.cu", "finalize.cu", "invariant.cu")
+INVARIANT_SOURCE = "invariant.cu"  # invariant=True's kernels (ringmpi.backends.invariant_device)
 
 # element kinds (must match KIND_* in common.cuh)
 F16, BF16, F32, F64 = 0, 1, 2, 3
@@ -316,6 +317,49 @@ def backward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = Non
     return _fitting(backward_kernels(kind, d, d_v, cc), smem_limit, _what("backward", kind, d, d_v), cc)
 
 
+# ------------------------------------------------------------ invariant=True
+INVARIANT_KERNELS = ("max", "forward", "backward")
+INVARIANT_TILE = 64      # global positions per tile (ringmpi.core.global_tiles.TILE); threads per CTA
+INVARIANT_STRIDE = 65    # the backward's shared tile row stride (INV_STRIDE in invariant.cu)
+
+
+@dataclass(frozen=True)
+class InvariantLaunch:
+    """One of invariant.cu's kernels (``name`` in :data:`INVARIANT_KERNELS`) for the compute
+    kind ``acc`` (F32: float math, for float16, bfloat16 and float32 inputs; F64) and how to
+    launch it: one CTA of 64 threads per tile (a query tile for ``max`` and ``forward``, a key
+    tile for ``backward``) and (batch, head) row."""
+
+    name: str
+    acc: int
+
+    def __post_init__(self):
+        if self.name not in INVARIANT_KERNELS or self.acc not in (F32, F64):
+            raise ValueError(f"no invariant kernel {self.name!r} for kind {self.acc}")
+
+    @property
+    def instantiation(self) -> Tuple[str, str]:
+        return INVARIANT_SOURCE, f"ringmpi_inv_{self.name}<{'double' if self.acc == F64 else 'float'}>"
+
+    def grid(self, batch: int, heads: int, kv_heads: int, q_tiles: int, k_tiles: int) -> Tuple[int, int, int]:
+        """``(tiles, Y, Z)``: x the query tile (``max``, ``forward``) or the key tile
+        (``backward``), ``(Y, Z) = split_rows`` of ``batch * heads`` (``batch * kv_heads``)."""
+        tiles, rows = ((k_tiles, batch * kv_heads) if self.name == "backward" else (q_tiles, batch * heads))
+        if not 1 <= tiles <= GRID_X_MAX:
+            raise ValueError(f"{tiles} tiles: a launch needs 1 to {GRID_X_MAX}")
+        return (int(tiles),) + split_rows(rows)
+
+    def block(self) -> Tuple[int]:
+        return (INVARIANT_TILE,)
+
+    def shared_mem_bytes(self) -> int:
+        """The backward's 64 x 65 tile of the compute type and 64 int flags; 0 for the others
+        (within the 48 KiB every GPU gives without the opt-in)."""
+        if self.name != "backward":
+            return 0
+        return INVARIANT_TILE * INVARIANT_STRIDE * _acc_size(self.acc) + 4 * INVARIANT_TILE
+
+
 def finalize_kernel(acc_kind: int, out_kind: int):
     return "finalize.cu", f"ringmpi_finalize<{acc_kind}, {out_kind}>"
 
@@ -340,6 +384,8 @@ def instantiations(cc: Optional[int] = None):
             out.extend(k.instantiation for k in forward_kernels(kind, dp, dvp, cc))
             out.extend(k.instantiation for k in backward_kernels(kind, dp, dvp, cc))
     for acc in (F32, F64):
+        for name in INVARIANT_KERNELS:
+            out.append(InvariantLaunch(name, acc).instantiation)
         for o in (F16, BF16, F32, F64):
             out.append(finalize_kernel(acc, o))
         out.append(rowdot_kernel(acc))
@@ -354,16 +400,18 @@ def instantiations(cc: Optional[int] = None):
     return unique
 
 
-def compile_options():
-    """NVRTC options shared by the runtime loader and the compile test."""
-    return ("--std=c++14",)
+def compile_options(filename: Optional[str] = None):
+    """NVRTC options of ``filename``'s program, shared by the runtime loader and the compile
+    test: invariant.cu without contraction into FMA (``--fmad=false``: its passes must form a
+    score the same bits in every kernel that forms it)."""
+    return ("--std=c++14",) + (("--fmad=false",) if filename == INVARIANT_SOURCE else ())
 
 
 @functools.lru_cache(maxsize=None)
 def _module(filename: str, name_expr: str, device_id: int):
     import cupy
     with cupy.cuda.Device(device_id):
-        return cupy.RawModule(code=source(filename), options=compile_options(),
+        return cupy.RawModule(code=source(filename), options=compile_options(filename),
                               name_expressions=(name_expr,))
 
 

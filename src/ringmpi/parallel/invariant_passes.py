@@ -123,6 +123,15 @@ def backward_maxima(call, q, k, v, do, dvec) -> Maxima:
                   dv_exp=dv_exp)
 
 
+def groups_problem(be, groups) -> Optional[str]:
+    """``invariant=True`` with head x ring groups (``groups``: not None for U > 1) on a backend
+    whose invariant mode is the flat ring's alone (the CuPy backend), or None."""
+    if groups is None or not getattr(be, "INVARIANT_RING_ONLY", False):
+        return None
+    return (f"invariant=True on the {be.name} backend runs the flat ring only, not head x ring "
+            f"(head_parallel gave U > 1 here): pass head_parallel=1, or backend='numpy'")
+
+
 def _renumber(records, first: int):
     for r in records:
         r.step += first
@@ -138,34 +147,36 @@ def forward(problem, q, k, v, maxima: Maxima, sinks=None):
     limbs = fx.limbs_for(ct)
     batch, rows, heads, _ = q.shape
     dim_v = v.shape[3]
+    xp = be.xp  # the block ops' state lives with the backend (host, or the GPU); the finish is on the host
     res = be.invariant_resident(be.heads_view(q, ct), problem.q_pos, problem.seg_q, k.dtype, ct, problem.spec)
     tiles = res.tiling.count
     shape = (batch, heads, tiles, TILE)
-    m = np.full(shape, -np.inf, dtype=ct)
-    poison = np.zeros(shape, dtype=np.uint8)
+    m = xp.full(shape, -np.inf, dtype=ct)
+    poison = xp.zeros(shape, dtype=np.uint8)
     schedule = problem.schedule(k, v[..., :0])  # pass 1: the keys alone
     for block in schedule:
         schedule.compute(be.invariant_max_block, res, block.k, m, poison, problem.scale, block.mask)
     records = schedule.records
     del schedule, block
     m += 0  # one zero: -0.0 and +0.0 maxima, which the order could pick, become +0.0
-    shift = np.where(np.isfinite(m), m, 0).astype(ct)
+    shift = xp.where(xp.isfinite(m), m, 0).astype(ct)
     e_l, e_o = fx.forward_exponents(maxima.n_kv, maxima.vmax_cols, maxima.rescale)
     grid_l, grid_o = fx.grid(np.array([e_l]), limbs), fx.grid(e_o, limbs)
-    acc_l = fx.zeros(shape + (1,), limbs)
-    acc_o = fx.zeros(shape + (dim_v,), limbs)
+    acc_l = fx.zeros(shape + (1,), limbs, xp)
+    acc_o = fx.zeros(shape + (dim_v,), limbs, xp)
     schedule = problem.schedule(k, v)
     for block in schedule:
         schedule.compute(be.invariant_forward_block, res, block.k, block.v, shift, acc_l, acc_o, poison,
                          grid_l, grid_o, limbs, problem.scale, block.mask)
     records = records + _renumber(schedule.records, len(records))
-    del schedule, block, res
+    del schedule, block, res, shift
+    m, poison, acc_l, acc_o = (to_host(x) for x in (m, poison, acc_l, acc_o))
     bad = poison.astype(bool)
     tiling = Tiling.of(problem.q_pos)
     row_max = np.where(bad, np.nan, np.where(tiling.valid, m, -np.inf)).astype(ct)
     row_max = tiling.from_tiles(row_max, axis=2)
     o, lse = finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs, q.dtype, ct)
-    return o, lse, row_max, records
+    return be.asarray(o), be.asarray(lse), row_max, records
 
 
 def finish_forward(tiling, m, acc_l, acc_o, grid_l, grid_o, bad, sinks, limbs: int, out_dtype, ct):
@@ -252,17 +263,19 @@ def backward(problem, q, do, k, v, lse, maxima: Maxima, o=None, dvec=None, sinks
     grids = BackwardGrids(fx.grid(e_rows, limbs), fx.inverse_power(e_cols), fx.grid(maxima.dk_exp, limbs),
                           fx.grid(maxima.dv_exp, limbs))
     shape = (batch, heads, res.tiling.count, TILE)
-    dq_acc = fx.zeros(shape + (dim,), limbs)
-    q_poison = np.zeros(shape, dtype=np.uint8)
+    xp = be.xp  # the block ops' state lives with the backend (host, or the GPU); the finish is on the host
+    dq_acc = fx.zeros(shape + (dim,), limbs, xp)
+    q_poison = xp.zeros(shape, dtype=np.uint8)
     schedule = problem.schedule(k, v, grad_dtype=np.int64, phase="bwd",
                                 grad_dims=(limbs * dim, limbs * dim_v + 1))
     for block in schedule:
         schedule.compute(be.invariant_backward_block, res, block.k, block.v, dq_acc, q_poison, block.dk, block.dv,
                          grids, limbs, problem.scale, block.mask, **block.rows)
-    dk_acc, dv_acc = schedule.finished_grads()
+    dk_acc, dv_acc = (to_host(x) for x in schedule.finished_grads())
+    dq_acc, q_poison = to_host(dq_acc), to_host(q_poison)
     records = schedule.records
     tiling = res.tiling
-    dsinks = None if sinks is None else sink_grads(lse, dvec, sinks, sink_comm, problem.timeout)
+    dsinks = None if sinks is None else be.asarray(sink_grads(lse, dvec, sinks, sink_comm, problem.timeout))
     del schedule, block, res
     scale = float(problem.scale)
     slots = tiling.slots()

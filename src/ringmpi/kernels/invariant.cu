@@ -1,0 +1,329 @@
+// invariant=True on the GPU: the three block kernels of ringmpi.backends.invariant_device,
+// the CUDA twin of ringmpi.backends.invariant_tiles (same passes, same fixed-point rules;
+// not the same bits as the CPU: the same bits for every P on this GPU and backend).
+//
+// The unit is a pair (query tile, key tile) of 64 global positions each
+// (ringmpi.core.global_tiles): a tile's slot s holds global position 64 t + s, or a pad
+// (slot map -1).  Every float a pair contributes is computed by one thread in a loop over
+// the pair's slots in slot order (global position order), from the rows' own values, so it
+// is the same bits whichever rank holds the pair and whatever else that rank holds; each such
+// partial sum is then added to int64 fixed point (fixed_add: y = (x * row) * col, truncated
+// toward zero; two words for float64), and integer addition is order-free.
+//
+//   ringmpi_inv_max      pass 1: each row's largest visible score (max is exact in any order)
+//   ringmpi_inv_forward  pass 2: l = sum exp(s - M), o numerator sum exp(s - M) z v, in fixed point
+//   ringmpi_inv_backward dq (int64 atomics: order-free), dK / dV partials of one key tile
+//
+// Scores are formed by inv_score in all three (this file is compiled with --fmad=false, so
+// pass 1 and pass 2 give a score the same bits and p = exp(s - M) <= 1).  Non-finite inputs:
+// the host zeroes flagged rows (q, do, lse, dvec) and keys (k, v) and passes the flags; a row
+// that sees a flagged key, or is flagged and sees any key, is poisoned (NaN), and in the
+// backward so is every key such a pair holds, as invariant_tiles states.  The kernels have
+// one thread per tile slot (64 per CTA), no tensor cores: simple first, fast later.
+
+#define INV_TILE 64
+#define INV_STRIDE 65  // shared-memory row stride of the backward's 64 x 64 tile (no bank conflicts)
+
+// 2^62, 2^92 (the one- and two-word ranges), 2^-30 and 2^30 (the two-word split) as exact doubles
+__device__ __forceinline__ double inv_range(int limbs) {
+    return __longlong_as_double(limbs == 1 ? 0x43D0000000000000LL : 0x45B0000000000000LL);
+}
+
+// Add y (already on the grid) to the words at w (w[0], and w[c_off] for the low word), or
+// return false when |y| is beyond the range (or NaN): the caller flags the row and adds nothing.
+template <bool ATOMIC>
+__device__ __forceinline__ bool fixed_add(long long* w, long long c_off, int limbs, double y) {
+    if (!(fabs(y) < inv_range(limbs))) return false;
+    long long hi, lo = 0;
+    if (limbs == 1) {
+        hi = __double2ll_rz(y);
+    } else {
+        const double h = trunc(y * __longlong_as_double(0x3E10000000000000LL));      // y 2^-30
+        hi = __double2ll_rz(h);
+        lo = __double2ll_rz(y - h * __longlong_as_double(0x41D0000000000000LL));   // y - hi 2^30
+    }
+    if (ATOMIC) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(w), (unsigned long long)hi);
+        if (limbs == 2) atomicAdd(reinterpret_cast<unsigned long long*>(w + c_off), (unsigned long long)lo);
+    } else {
+        w[0] += hi;
+        if (limbs == 2) w[c_off] += lo;
+    }
+    return true;
+}
+
+// x . y over d < n: four partial sums over d mod 4, added pairwise, then the tail
+template <typename T>
+__device__ __forceinline__ T inv_dot(const T* __restrict__ x, const T* __restrict__ y, int n) {
+    T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
+    int d = 0;
+    for (; d + 3 < n; d += 4) {
+        s0 += x[d] * y[d];
+        s1 += x[d + 1] * y[d + 1];
+        s2 += x[d + 2] * y[d + 2];
+        s3 += x[d + 3] * y[d + 3];
+    }
+    for (; d < n; ++d) s0 += x[d] * y[d];
+    return (s0 + s1) + (s2 + s3);
+}
+
+// The score of local query row qi and local key row kj: scale q.k, then the modifiers
+// (modify_score: softcap, ALiBi); *slope its derivative.
+template <typename T>
+__device__ __forceinline__ T inv_score(const MaskArgs& mk, T cap, const HeadValues<T>& hv, const T* qrow,
+                                       const T* krow, int D, T scale, int qi, int kj, int Sq, int Skv, T* slope) {
+    return modify_score<T>(mk, cap, hv, qi, kj, Sq, Skv, inv_dot<T>(qrow, krow, D) * scale, slope);
+}
+
+// Whether the pair class cls lets local rows (qi, kj) see each other (pads excluded by the caller).
+__device__ __forceinline__ bool inv_visible(const MaskArgs& mk, int cls, int b, int qi, int kj, int Sq, int Skv) {
+    return cls == TILE_FULL || elem_visible(mk, b, qi, kj, Sq, Skv);
+}
+
+#define INV_SHAPE int B, int H, int Hkv, int Sq, int Skv, int D, int Dv, int nqt, int nkt
+#define INV_TILES                                                                                      \
+    const int* __restrict__ q_slot, const int* __restrict__ k_slot, const signed char* __restrict__ classes, \
+    int class_batch, const unsigned char* __restrict__ bad_q, const unsigned char* __restrict__ bad_k
+
+// Pass 1.  Grid (query tiles, split_rows(B * H)), 64 threads: thread r is slot r of query tile
+// blockIdx.x.  m (B, H, nqt, 64) becomes max(m, every visible score of this block); poison
+// (same shape, uint8) is set for rows that see a flagged key or are flagged and see one.
+template <typename T>
+__global__ void __launch_bounds__(INV_TILE) ringmpi_inv_max(
+    const T* __restrict__ q, const T* __restrict__ k, INV_TILES, T* __restrict__ m,
+    unsigned char* __restrict__ poison, const T scale, MASK_PARAMS, MOD_PARAMS, INV_SHAPE) {
+    const int row = cta_row();
+    if (row >= B * H) return;
+    const int b = row / H, h = row % H, hkv = h / (H / Hkv), qt = blockIdx.x, r = threadIdx.x;
+    const int qi = q_slot[qt * INV_TILE + r];
+    if (qi < 0) return;  // a pad slot (no barrier in this kernel)
+    MASK_INIT(mk);
+    MOD_INIT(mk);
+    const T cap = (T)mk.softcap;
+    const HeadValues<T> hv = head_values<T>(mk, h);
+    const long long qr = (long long)row * Sq + qi;
+    const T* qrow = q + qr * D;
+    const long long kvrow = (long long)(b * Hkv + hkv) * Skv;
+    const bool row_bad = bad_q[qr] != 0;
+    const signed char* cls_row = classes + ((long long)(class_batch ? b : 0) * nqt + qt) * nkt;
+    T mx = neg_inf<T>();
+    bool bad = false;
+    for (int kt = 0; kt < nkt; ++kt) {
+        const int cls = cls_row[kt];
+        if (cls == TILE_SKIP) continue;
+        for (int s = 0; s < INV_TILE; ++s) {
+            const int kj = k_slot[kt * INV_TILE + s];
+            if (kj < 0 || !inv_visible(mk, cls, b, qi, kj, Sq, Skv)) continue;
+            T slope;
+            mx = max_acc(mx, inv_score<T>(mk, cap, hv, qrow, k + (kvrow + kj) * D, D, scale, qi, kj, Sq, Skv, &slope));
+            bad = bad || row_bad || bad_k[kvrow + kj] != 0;
+        }
+    }
+    const long long at = ((long long)row * nqt + qt) * INV_TILE + r;
+    m[at] = max_acc(m[at], mx);
+    if (bad) poison[at] = 1;
+}
+
+// Pass 2.  Grid and threads as pass 1.  Per visible pair: p = exp(score - shift) (shift: pass 1's
+// maxima, 0 where not finite), l_pair = sum p (slot order), o_pair,d = sum p z v_d (four partial
+// sums over slots mod 4), each added on its grid: acc_l (B, H, nqt, 64, limbs) on grid_l[0],
+// acc_o (B, H, nqt, 64, limbs * Dv) on grid_o (B, Hkv, Dv).  A value beyond its grid poisons the row.
+template <typename T>
+__global__ void __launch_bounds__(INV_TILE) ringmpi_inv_forward(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, INV_TILES,
+    const T* __restrict__ shift, long long* __restrict__ acc_l, long long* __restrict__ acc_o,
+    unsigned char* __restrict__ poison, const double* __restrict__ grid_l, const double* __restrict__ grid_o,
+    int limbs, const T scale, MASK_PARAMS, MOD_PARAMS, DROPOUT_PARAMS(T), INV_SHAPE) {
+    const int row = cta_row();
+    if (row >= B * H) return;
+    const int b = row / H, h = row % H, hkv = h / (H / Hkv), qt = blockIdx.x, r = threadIdx.x;
+    const int qi = q_slot[qt * INV_TILE + r];
+    if (qi < 0) return;
+    MASK_INIT(mk);
+    MOD_INIT(mk);
+    DROPOUT_INIT(dr);
+    const T cap = (T)mk.softcap;
+    const HeadValues<T> hv = head_values<T>(mk, h);
+    const long long qr = (long long)row * Sq + qi;
+    const T* qrow = q + qr * D;
+    const long long kvrow = (long long)(b * Hkv + hkv) * Skv;
+    const bool row_bad = bad_q[qr] != 0;
+    const signed char* cls_row = classes + ((long long)(class_batch ? b : 0) * nqt + qt) * nkt;
+    const long long at = ((long long)row * nqt + qt) * INV_TILE + r;
+    const T sh = shift[at];
+    long long* al = acc_l + at * limbs;
+    long long* ao = acc_o + at * (long long)limbs * Dv;
+    const double* go = grid_o + (long long)(b * Hkv + hkv) * Dv;
+    T p[INV_TILE];   // this row's weights in one key tile, dropout's factor applied (0: hidden or pad)
+    int kr[INV_TILE];
+    bool bad = false;
+    for (int kt = 0; kt < nkt; ++kt) {
+        const int cls = cls_row[kt];
+        if (cls == TILE_SKIP) continue;
+        T l = T(0);
+        bool any = false;
+        for (int s = 0; s < INV_TILE; ++s) {
+            const int kj = k_slot[kt * INV_TILE + s];
+            kr[s] = kj;
+            p[s] = T(0);
+            if (kj < 0 || !inv_visible(mk, cls, b, qi, kj, Sq, Skv)) continue;
+            T slope;
+            const T e = exp_acc(inv_score<T>(mk, cap, hv, qrow, k + (kvrow + kj) * D, D, scale, qi, kj, Sq, Skv,
+                                             &slope) - sh);
+            l += e;  // the row sum is taken before dropout's factor
+            p[s] = dr.on ? e * dropout_factor<T>(dr, drop_rescale, mk, b, h, qi, kj, Sq, Skv) : e;
+            any = true;
+            bad = bad || row_bad || bad_k[kvrow + kj] != 0;
+        }
+        if (!any) continue;  // nothing visible: the pair adds zeros
+        if (!fixed_add<false>(al, 1, limbs, (double)l * grid_l[0])) bad = true;
+        for (int d = 0; d < Dv; ++d) {
+            T a0 = T(0), a1 = T(0), a2 = T(0), a3 = T(0);
+            for (int s = 0; s < INV_TILE; s += 4) {
+                if (kr[s] >= 0) a0 += p[s] * v[(kvrow + kr[s]) * Dv + d];
+                if (kr[s + 1] >= 0) a1 += p[s + 1] * v[(kvrow + kr[s + 1]) * Dv + d];
+                if (kr[s + 2] >= 0) a2 += p[s + 2] * v[(kvrow + kr[s + 2]) * Dv + d];
+                if (kr[s + 3] >= 0) a3 += p[s + 3] * v[(kvrow + kr[s + 3]) * Dv + d];
+            }
+            if (!fixed_add<false>(ao + d, Dv, limbs, (double)((a0 + a1) + (a2 + a3)) * go[d])) bad = true;
+        }
+    }
+    if (bad) poison[at] = 1;
+}
+
+// The backward.  Grid (key tiles, split_rows(B * Hkv)), 64 threads, dynamic shared memory
+// inv_backward_smem(sizeof(T)): thread t is slot t of key tile blockIdx.x in phases A and C
+// and slot t of the query tile in phases B and D.  Per query head of the K/V head's group
+// and per visible pair (query tile qt, this key tile), FlashAttention-2's terms with
+// P = exp(score - lse) (lse +inf on flagged rows: P = 0):
+//   A  each key's P and dS = ((dP z) - dvec) P slope over the tile's 64 rows (P into shared memory)
+//   B  each row's sum of P over the tile: past 2 (or NaN) the row's P and dS count as 0 and the
+//      row and the keys it sees are poisoned (lse does not bound these scores)
+//   C  each key's dv_d = sum_i P z do_i,d and dk_d = sum_i dS q_i,d (slot order) added to its row
+//      of dk (B, Hkv, Skv, limbs D) and dv (B, Hkv, Skv, limbs Dv + 1: the last column counts
+//      poisoned pairs), which only this thread writes; dS into shared memory
+//   D  each row's dq_d = sum_j dS k_j,d (slot order) added to dq_acc (B, H, nqt, 64, limbs D) with
+//      int64 atomics (several key tiles add to a row: integer addition is order-free)
+// Grids: dq (dq_rows (B, H, nqt, 64) then dq_cols (B, Hkv, D)), dk_cols (B, Hkv, D), dv_cols (B, Hkv, Dv).
+template <typename T>
+__global__ void __launch_bounds__(INV_TILE) ringmpi_inv_backward(
+    const T* __restrict__ q, const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ dvec,
+    const T* __restrict__ k, const T* __restrict__ v, INV_TILES,
+    long long* __restrict__ dq_acc, unsigned char* __restrict__ q_poison, long long* __restrict__ dk,
+    long long* __restrict__ dv, const double* __restrict__ dq_rows, const double* __restrict__ dq_cols,
+    const double* __restrict__ dk_cols, const double* __restrict__ dv_cols, int limbs, const T scale,
+    MASK_PARAMS, MOD_PARAMS, DROPOUT_PARAMS(T), INV_SHAPE) {
+    extern __shared__ __align__(16) unsigned char inv_smem_raw[];
+    T* tile = reinterpret_cast<T*>(inv_smem_raw);                 // [64][INV_STRIDE]
+    int* over = reinterpret_cast<int*>(tile + INV_TILE * INV_STRIDE);  // [64]
+    const int row = cta_row();
+    if (row >= B * Hkv) return;  // the whole CTA: before any barrier
+    const int b = row / Hkv, hkv = row % Hkv, group = H / Hkv, kt = blockIdx.x, t = threadIdx.x;
+    MASK_INIT(mk);
+    MOD_INIT(mk);
+    DROPOUT_INIT(dr);
+    const T cap = (T)mk.softcap;
+    const long long kvrow = (long long)row * Skv;
+    const int kj = k_slot[kt * INV_TILE + t];  // this thread's key in phases A and C (-1: a pad)
+    const bool key_flag = kj >= 0 && bad_k[kvrow + kj] != 0;
+    bool key_bad = false;
+    T pz[INV_TILE], ds[INV_TILE];  // this key's P z and dS over the query tile's rows
+    unsigned long long seen = 0;   // bit i: row slot i sees this key
+    for (int g = 0; g < group; ++g) {
+        const int h = hkv * group + g;
+        const HeadValues<T> hv = head_values<T>(mk, h);
+        const long long hrow = (long long)(b * H + h) * Sq;
+        for (int qt = 0; qt < nqt; ++qt) {
+            const int cls = classes[((long long)(class_batch ? b : 0) * nqt + qt) * nkt + kt];
+            if (cls == TILE_SKIP) continue;  // the same for the whole CTA
+            // A: this key against the tile's rows
+            seen = 0;
+            for (int i = 0; i < INV_TILE; ++i) {
+                const int qi = q_slot[qt * INV_TILE + i];
+                T p = T(0), dsi = T(0), z = T(0);
+                if (kj >= 0 && qi >= 0 && inv_visible(mk, cls, b, qi, kj, Sq, Skv)) {
+                    const long long qr = hrow + qi;
+                    T slope;
+                    const T sc = inv_score<T>(mk, cap, hv, q + qr * D, k + (kvrow + kj) * D, D, scale, qi, kj, Sq,
+                                              Skv, &slope);
+                    p = exp_acc(sc - lse[qr]);
+                    z = dr.on ? dropout_factor<T>(dr, drop_rescale, mk, b, h, qi, kj, Sq, Skv) : T(1);
+                    const T dp = inv_dot<T>(dout + qr * Dv, v + (kvrow + kj) * Dv, Dv);
+                    dsi = ((dp * z) - dvec[qr]) * p;
+                    if (cap != T(0)) dsi = dsi * slope;
+                    seen |= 1ULL << i;
+                    if (key_flag || bad_q[qr] != 0) {  // a flagged row or key: both are poisoned
+                        key_bad = true;
+                        q_poison[((long long)(b * H + h) * nqt + qt) * INV_TILE + i] = 1;
+                    }
+                }
+                pz[i] = p * z;
+                ds[i] = dsi;
+                tile[i * INV_STRIDE + t] = p;
+            }
+            __syncthreads();
+            // B: row t's sum of P over the tile's keys
+            {
+                T sum = T(0);
+                for (int j = 0; j < INV_TILE; ++j) sum += tile[t * INV_STRIDE + j];
+                over[t] = !(sum <= T(2));
+                if (over[t]) q_poison[((long long)(b * H + h) * nqt + qt) * INV_TILE + t] = 1;
+            }
+            __syncthreads();
+            // C: this key's dv and dk terms, then its dS into the tile
+            for (int i = 0; i < INV_TILE; ++i) {
+                if (over[i]) {
+                    if ((seen >> i) & 1ULL) key_bad = true;
+                    pz[i] = T(0);
+                    ds[i] = T(0);
+                }
+                tile[i * INV_STRIDE + t] = ds[i];
+            }
+            if (kj >= 0 && seen != 0) {
+                long long* dvk = dv + (kvrow + kj) * ((long long)limbs * Dv + 1);
+                long long* dkk = dk + (kvrow + kj) * ((long long)limbs * D);
+                const double* gv = dv_cols + (long long)row * Dv;
+                const double* gk = dk_cols + (long long)row * D;
+                for (int d = 0; d < Dv; ++d) {
+                    T a = T(0);
+                    for (int i = 0; i < INV_TILE; ++i) {
+                        const int qi = q_slot[qt * INV_TILE + i];
+                        if (qi >= 0) a += pz[i] * dout[(hrow + qi) * Dv + d];
+                    }
+                    if (!fixed_add<false>(dvk + d, Dv, limbs, (double)a * gv[d])) key_bad = true;
+                }
+                for (int d = 0; d < D; ++d) {
+                    T a = T(0);
+                    for (int i = 0; i < INV_TILE; ++i) {
+                        const int qi = q_slot[qt * INV_TILE + i];
+                        if (qi >= 0) a += ds[i] * q[(hrow + qi) * D + d];
+                    }
+                    if (!fixed_add<false>(dkk + d, D, limbs, (double)a * gk[d])) key_bad = true;
+                }
+            }
+            __syncthreads();
+            // D: row t's dq terms over the tile's keys
+            const int qi = q_slot[qt * INV_TILE + t];
+            if (qi >= 0) {
+                const long long at = ((long long)(b * H + h) * nqt + qt) * INV_TILE + t;
+                const double rs = dq_rows[at];
+                const double* gq = dq_cols + (long long)row * D;
+                long long* dqr = dq_acc + at * ((long long)limbs * D);
+                bool any = false;
+                for (int j = 0; j < INV_TILE; ++j) any = any || tile[t * INV_STRIDE + j] != T(0);
+                if (any) {
+                    for (int d = 0; d < D; ++d) {
+                        T a = T(0);
+                        for (int j = 0; j < INV_TILE; ++j) {
+                            const int kk = k_slot[kt * INV_TILE + j];
+                            if (kk >= 0) a += tile[t * INV_STRIDE + j] * k[(kvrow + kk) * D + d];
+                        }
+                        if (!fixed_add<true>(dqr + d, D, limbs, ((double)a * rs) * gq[d])) q_poison[at] = 1;
+                    }
+                }
+            }
+            __syncthreads();  // the tile is rewritten by the next pair's phase A
+        }
+    }
+    if (kj >= 0 && key_bad) dv[(kvrow + kj) * ((long long)limbs * Dv + 1) + (long long)limbs * Dv] += 1;
+}
