@@ -323,8 +323,7 @@ def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str
     groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
     maxima = None
     if options.invariant:
-        from .parallel.invariant_passes import forward_maxima, groups_problem
-        agree(plan.comm, groups_problem(plan.backend, groups))
+        from .parallel.invariant_passes import forward_maxima
         maxima = forward_maxima(plan, v)
     if groups is not None:
         from .parallel import head_parallel as _two_level
@@ -413,8 +412,7 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     sink_comm = plan.comm if reduce_dsinks else None  # None: this rank's own share of dsinks
     maxima = dvec = None
     if options.invariant:
-        from .parallel.invariant_passes import backward_maxima, groups_problem
-        agree(plan.comm, groups_problem(be, groups))
+        from .parallel.invariant_passes import backward_maxima
         ct = plan.compute_dtype
         dvec = be.row_dot(be.heads_view(be.asarray(do), ct), be.heads_view(be.asarray(o), ct))
         maxima = backward_maxima(plan, q, k, v, do, dvec)

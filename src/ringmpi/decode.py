@@ -308,8 +308,8 @@ def _invariant(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, pr
     from .core.global_tiles import shard_problem
     from .parallel import invariant_passes
 
-    if problem is None and (not getattr(be, "INVARIANT", False) or getattr(be, "INVARIANT_RING_ONLY", False)):
-        problem = f"decode_attention(invariant=True) runs on the numpy backend, not on {be.name}"
+    if problem is None and not getattr(be, "INVARIANT", False):
+        problem = f"decode_attention(invariant=True) runs on the numpy and cupy backends, not on {be.name}"
     if problem is None:
         problem = shard_problem("cache", pos, n_cache)
     agree(comm, problem)

@@ -4,12 +4,13 @@ with the reason shown, where none is visible.
 
 One launch of ``tests/mpi/invariant_cases.py`` per world size P = 1, 2, 3, 4, every rank on
 the one GPU: per case, every placement that applies at P (contiguous, zigzag, striped where
-its shards are whole tiles, a random placement of whole tiles by explicit positions) gives
+its shards are whole tiles, a random placement of whole tiles by explicit positions, head x
+ring U = 2 over it at even P) gives
 one sha256 per output (``o, lse, max_logit, dq, dk, dv, dsinks``), and all must be equal
 across placements and launches.  The P = 1 launch holds each case to the float64 dense
-reference under the tolerance rule (and the NaN/Inf case to its rows).  Head x ring and
-decode_attention have no invariant mode on the GPU (a ConfigError; the CPU suite covers that
-rule); the bits are the GPU's own, not the CPU's.
+reference under the tolerance rule (and the NaN/Inf case to its rows), and
+``decode_attention(invariant=True)`` must give its new tokens the ring's bits.  The bits are
+the GPU's own, not the CPU's.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def cases_for(p):
     for case in cpu_cases(p):
         if case.get("kind") == "errors":
             continue
-        case = {k: v for k, v in case.items() if k not in ("decode", "torch", "file")}
-        out.append(dict(case, backend="cupy", head_parallel=False))
+        case = {k: v for k, v in case.items() if k not in ("torch", "file")}
+        out.append(dict(case, backend="cupy"))
     return out
 
 
@@ -61,4 +62,4 @@ def test_same_bits_for_every_P_and_layout_on_the_gpu(launches, case_id):
     differ = {where: sorted(k for k in reference if hashes.get(k) != reference[k])
               for where, hashes in seen.items() if hashes != reference}
     assert not differ, f"{case_id}: outputs differ from {next(iter(seen))}: {differ}"
-    assert {"contiguous", "tiles"} <= {w.split(":")[1] for w in seen}
+    assert {"contiguous", "tiles", "tiles-U2"} <= {w.split(":")[1] for w in seen}

@@ -192,8 +192,8 @@ def decode_entry(comm, case, data, lay_kv):
     kw = dict(causal=case.get("causal", True), sinks=sinks, alibi_slopes=alibi, softcap=case.get("softcap"),
               window=None if case.get("window") is None else tuple(case["window"]), softmax_scale=case.get("scale"))
     o, lse = ringmpi.decode_attention(q[:, -s_new:], k[:, rows], v[:, rows], comm=comm, positions_kv=rows,
-                                      backend="numpy", invariant=True, **kw)
-    return dict(o_new=o, lse_new=lse) if rank == 0 else None
+                                      backend=case.get("backend", "numpy"), invariant=True, **kw)
+    return dict(o_new=to_host(o), lse_new=to_host(lse)) if rank == 0 else None
 
 
 def torch_entry(comm, case, data, lay_q, lay_kv):

@@ -106,8 +106,7 @@ class CupyBackend:
 
     name = "cupy"
     MODIFIERS = MODIFIER_FIELDS  # the score modifiers with per-head data it applies: all of them
-    INVARIANT = True            # invariant=True on the flat ring (ringmpi.backends.invariant_device) ...
-    INVARIANT_RING_ONLY = True  # ... only: not with head_parallel U > 1, not in decode_attention
+    INVARIANT = True  # invariant=True: ringmpi.backends.invariant_device's block ops
     _instances: dict = {}
 
     @classmethod
@@ -162,6 +161,9 @@ class CupyBackend:
         """Contiguous ``x`` in ``out_dtype`` (bfloat16-aware); a new array
         when the dtype changes or ``copy`` is true."""
         cp = self.xp
+        if not isinstance(out_dtype, str) and np.dtype(x.dtype) == np.dtype(out_dtype):
+            # the same dtype, of any kind (invariant=True's int64 sums cross head x ring so)
+            return cp.array(x, order="C", copy=True) if copy else cp.ascontiguousarray(x)
         in_kind, out_kind = _kind_of_dtype(x.dtype), _kind_of_dtype(out_dtype)
         if in_kind == out_kind:
             return cp.array(x, order="C", copy=True) if copy else cp.ascontiguousarray(x)

@@ -123,15 +123,6 @@ def backward_maxima(call, q, k, v, do, dvec) -> Maxima:
                   dv_exp=dv_exp)
 
 
-def groups_problem(be, groups) -> Optional[str]:
-    """``invariant=True`` with head x ring groups (``groups``: not None for U > 1) on a backend
-    whose invariant mode is the flat ring's alone (the CuPy backend), or None."""
-    if groups is None or not getattr(be, "INVARIANT_RING_ONLY", False):
-        return None
-    return (f"invariant=True on the {be.name} backend runs the flat ring only, not head x ring "
-            f"(head_parallel gave U > 1 here): pass head_parallel=1, or backend='numpy'")
-
-
 def _renumber(records, first: int):
     for r in records:
         r.step += first
@@ -309,6 +300,7 @@ class GradFinish:
 
     def __call__(self, dk_acc, dv_acc):
         limbs = self.limbs
+        dk_acc, dv_acc = to_host(dk_acc), to_host(dv_acc)
         batch, kv_heads, rows = dk_acc.shape[:3]
         dim, dim_v = dk_acc.shape[3] // limbs, (dv_acc.shape[3] - 1) // limbs
         dk = np.empty((batch, kv_heads, rows, dim), dtype=self.dtype)
@@ -406,18 +398,20 @@ def decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig: f
         parts = [(slice(b, b + 1), int(lengths[b])) for b in range(batch)]
     o_out = np.zeros((batch, s_new, heads, dim_v), dtype=q.dtype)
     lse_out = np.zeros((batch, heads, s_new), dtype=ct)
+    xp = be.xp  # the block ops' state lives with the backend; the collectives and the finish on the host
     for rows, length in parts:
         held = int(np.searchsorted(pos, length))  # this rank's rows of the entry's cache
         q_pos = np.arange(length - s_new, length, dtype=np.int64)
         res = be.invariant_resident(qh[rows], q_pos, None, k_cache.dtype, ct, spec)
         entries = res.q.shape[0]
         shape = (entries, heads, res.tiling.count, TILE)
-        m = np.full(shape, -np.inf, dtype=ct)
-        poison = np.zeros(shape, dtype=np.uint8)
+        m = xp.full(shape, -np.inf, dtype=ct)
+        poison = xp.zeros(shape, dtype=np.uint8)
         mask = BlockMask(spec, q_pos, pos[:held])
         kr, vr = kh[rows, :, :held], vh[rows, :, :held]
         if held:
             be.invariant_max_block(res, kr, m, poison, scale, mask)
+        m, poison = to_host(m), to_host(poison)
         vmax = _abs_max(v_cache[rows, :held], 1)
         nan = np.isnan(m)
         got = _allreduce_max(comm, [np.where(nan, -np.inf, m), nan, poison, vmax, np.array([sig, -sig])], timeout)
@@ -428,12 +422,14 @@ def decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig: f
                               "on every rank)")
         m = np.where(nan_all > 0, np.nan, m_all).astype(ct)
         m += 0
-        shift = np.where(np.isfinite(m), m, 0).astype(ct)
+        shift = xp.asarray(np.where(np.isfinite(m), m, 0).astype(ct))
         e_l, e_o = fx.forward_exponents(length, vmax, 1.0)
         grid_l, grid_o = fx.grid(np.array([e_l]), limbs), fx.grid(e_o, limbs)
-        acc_l, acc_o = fx.zeros(shape + (1,), limbs), fx.zeros(shape + (dim_v,), limbs)
+        acc_l, acc_o = fx.zeros(shape + (1,), limbs, xp), fx.zeros(shape + (dim_v,), limbs, xp)
+        poison = xp.asarray(poison)
         if held:
             be.invariant_forward_block(res, kr, vr, shift, acc_l, acc_o, poison, grid_l, grid_o, limbs, scale, mask)
+        acc_l, acc_o, poison = to_host(acc_l), to_host(acc_o), to_host(poison)
         (sums,) = _allreduce_sum(comm, [np.concatenate([acc_l.ravel(), acc_o.ravel(), poison.ravel().astype(np.int64)])],
                                  timeout)
         acc_l = sums[:acc_l.size].reshape(acc_l.shape)
