@@ -85,6 +85,38 @@ __device__ __forceinline__ bool inv_visible(const MaskArgs& mk, int cls, int b, 
     const int* __restrict__ q_slot, const int* __restrict__ k_slot, const signed char* __restrict__ classes, \
     int class_batch, const unsigned char* __restrict__ bad_q, const unsigned char* __restrict__ bad_k
 
+// One query row of a max / forward CTA (row = cta_row(), thread = slot of query tile
+// blockIdx.x): its batch entry, head and K/V head, local row qi (-1: a pad slot), the offsets
+// of its q row (qr) and of its K/V head's rows (kvrow), its slot in the (B, H, nqt, 64) state
+// (at), its flag, its q row and its classes against the key tiles.
+template <typename T>
+struct InvRow {
+    int b, h, hkv, qi;
+    long long qr, kvrow, at;
+    bool bad;
+    const T* qrow;
+    const signed char* cls;
+};
+
+template <typename T>
+__device__ __forceinline__ InvRow<T> inv_row(const T* q, const int* q_slot, const signed char* classes,
+                                             int class_batch, const unsigned char* bad_q, int row, int H, int Hkv,
+                                             int Sq, int Skv, int D, int nqt, int nkt) {
+    InvRow<T> w;
+    const int qt = blockIdx.x, r = threadIdx.x;
+    w.b = row / H;
+    w.h = row % H;
+    w.hkv = w.h / (H / Hkv);
+    w.qi = q_slot[qt * INV_TILE + r];
+    w.qr = (long long)row * Sq + (w.qi < 0 ? 0 : w.qi);
+    w.kvrow = (long long)(w.b * Hkv + w.hkv) * Skv;
+    w.at = ((long long)row * nqt + qt) * INV_TILE + r;
+    w.bad = w.qi >= 0 && bad_q[w.qr] != 0;
+    w.qrow = q + w.qr * D;
+    w.cls = classes + ((long long)(class_batch ? w.b : 0) * nqt + qt) * nkt;
+    return w;
+}
+
 // Pass 1.  Grid (query tiles, split_rows(B * H)), 64 threads: thread r is slot r of query tile
 // blockIdx.x.  m (B, H, nqt, 64) becomes max(m, every visible score of this block); poison
 // (same shape, uint8) is set for rows that see a flagged key or are flagged and see one.
@@ -94,34 +126,28 @@ __global__ void __launch_bounds__(INV_TILE) ringmpi_inv_max(
     unsigned char* __restrict__ poison, const T scale, MASK_PARAMS, MOD_PARAMS, INV_SHAPE) {
     const int row = cta_row();
     if (row >= B * H) return;
-    const int b = row / H, h = row % H, hkv = h / (H / Hkv), qt = blockIdx.x, r = threadIdx.x;
-    const int qi = q_slot[qt * INV_TILE + r];
-    if (qi < 0) return;  // a pad slot (no barrier in this kernel)
+    const InvRow<T> w = inv_row<T>(q, q_slot, classes, class_batch, bad_q, row, H, Hkv, Sq, Skv, D, nqt, nkt);
+    if (w.qi < 0) return;  // a pad slot (no barrier in this kernel)
     MASK_INIT(mk);
     MOD_INIT(mk);
     const T cap = (T)mk.softcap;
-    const HeadValues<T> hv = head_values<T>(mk, h);
-    const long long qr = (long long)row * Sq + qi;
-    const T* qrow = q + qr * D;
-    const long long kvrow = (long long)(b * Hkv + hkv) * Skv;
-    const bool row_bad = bad_q[qr] != 0;
-    const signed char* cls_row = classes + ((long long)(class_batch ? b : 0) * nqt + qt) * nkt;
+    const HeadValues<T> hv = head_values<T>(mk, w.h);
     T mx = neg_inf<T>();
     bool bad = false;
     for (int kt = 0; kt < nkt; ++kt) {
-        const int cls = cls_row[kt];
+        const int cls = w.cls[kt];
         if (cls == TILE_SKIP) continue;
         for (int s = 0; s < INV_TILE; ++s) {
             const int kj = k_slot[kt * INV_TILE + s];
-            if (kj < 0 || !inv_visible(mk, cls, b, qi, kj, Sq, Skv)) continue;
+            if (kj < 0 || !inv_visible(mk, cls, w.b, w.qi, kj, Sq, Skv)) continue;
             T slope;
-            mx = max_acc(mx, inv_score<T>(mk, cap, hv, qrow, k + (kvrow + kj) * D, D, scale, qi, kj, Sq, Skv, &slope));
-            bad = bad || row_bad || bad_k[kvrow + kj] != 0;
+            mx = max_acc(mx, inv_score<T>(mk, cap, hv, w.qrow, k + (w.kvrow + kj) * D, D, scale, w.qi, kj, Sq, Skv,
+                                          &slope));
+            bad = bad || w.bad || bad_k[w.kvrow + kj] != 0;
         }
     }
-    const long long at = ((long long)row * nqt + qt) * INV_TILE + r;
-    m[at] = max_acc(m[at], mx);
-    if (bad) poison[at] = 1;
+    m[w.at] = max_acc(m[w.at], mx);
+    if (bad) poison[w.at] = 1;
 }
 
 // Pass 2.  Grid and threads as pass 1.  Per visible pair: p = exp(score - shift) (shift: pass 1's
@@ -136,29 +162,23 @@ __global__ void __launch_bounds__(INV_TILE) ringmpi_inv_forward(
     int limbs, const T scale, MASK_PARAMS, MOD_PARAMS, DROPOUT_PARAMS(T), INV_SHAPE) {
     const int row = cta_row();
     if (row >= B * H) return;
-    const int b = row / H, h = row % H, hkv = h / (H / Hkv), qt = blockIdx.x, r = threadIdx.x;
-    const int qi = q_slot[qt * INV_TILE + r];
-    if (qi < 0) return;
+    const InvRow<T> w = inv_row<T>(q, q_slot, classes, class_batch, bad_q, row, H, Hkv, Sq, Skv, D, nqt, nkt);
+    if (w.qi < 0) return;
     MASK_INIT(mk);
     MOD_INIT(mk);
     DROPOUT_INIT(dr);
     const T cap = (T)mk.softcap;
-    const HeadValues<T> hv = head_values<T>(mk, h);
-    const long long qr = (long long)row * Sq + qi;
-    const T* qrow = q + qr * D;
-    const long long kvrow = (long long)(b * Hkv + hkv) * Skv;
-    const bool row_bad = bad_q[qr] != 0;
-    const signed char* cls_row = classes + ((long long)(class_batch ? b : 0) * nqt + qt) * nkt;
-    const long long at = ((long long)row * nqt + qt) * INV_TILE + r;
+    const HeadValues<T> hv = head_values<T>(mk, w.h);
+    const long long at = w.at;
     const T sh = shift[at];
     long long* al = acc_l + at * limbs;
     long long* ao = acc_o + at * (long long)limbs * Dv;
-    const double* go = grid_o + (long long)(b * Hkv + hkv) * Dv;
+    const double* go = grid_o + (long long)(w.b * Hkv + w.hkv) * Dv;
     T p[INV_TILE];   // this row's weights in one key tile, dropout's factor applied (0: hidden or pad)
     int kr[INV_TILE];
     bool bad = false;
     for (int kt = 0; kt < nkt; ++kt) {
-        const int cls = cls_row[kt];
+        const int cls = w.cls[kt];
         if (cls == TILE_SKIP) continue;
         T l = T(0);
         bool any = false;
@@ -166,24 +186,24 @@ __global__ void __launch_bounds__(INV_TILE) ringmpi_inv_forward(
             const int kj = k_slot[kt * INV_TILE + s];
             kr[s] = kj;
             p[s] = T(0);
-            if (kj < 0 || !inv_visible(mk, cls, b, qi, kj, Sq, Skv)) continue;
+            if (kj < 0 || !inv_visible(mk, cls, w.b, w.qi, kj, Sq, Skv)) continue;
             T slope;
-            const T e = exp_acc(inv_score<T>(mk, cap, hv, qrow, k + (kvrow + kj) * D, D, scale, qi, kj, Sq, Skv,
+            const T e = exp_acc(inv_score<T>(mk, cap, hv, w.qrow, k + (w.kvrow + kj) * D, D, scale, w.qi, kj, Sq, Skv,
                                              &slope) - sh);
             l += e;  // the row sum is taken before dropout's factor
-            p[s] = dr.on ? e * dropout_factor<T>(dr, drop_rescale, mk, b, h, qi, kj, Sq, Skv) : e;
+            p[s] = dr.on ? e * dropout_factor<T>(dr, drop_rescale, mk, w.b, w.h, w.qi, kj, Sq, Skv) : e;
             any = true;
-            bad = bad || row_bad || bad_k[kvrow + kj] != 0;
+            bad = bad || w.bad || bad_k[w.kvrow + kj] != 0;
         }
         if (!any) continue;  // nothing visible: the pair adds zeros
         if (!fixed_add<false>(al, 1, limbs, (double)l * grid_l[0])) bad = true;
         for (int d = 0; d < Dv; ++d) {
             T a0 = T(0), a1 = T(0), a2 = T(0), a3 = T(0);
             for (int s = 0; s < INV_TILE; s += 4) {
-                if (kr[s] >= 0) a0 += p[s] * v[(kvrow + kr[s]) * Dv + d];
-                if (kr[s + 1] >= 0) a1 += p[s + 1] * v[(kvrow + kr[s + 1]) * Dv + d];
-                if (kr[s + 2] >= 0) a2 += p[s + 2] * v[(kvrow + kr[s + 2]) * Dv + d];
-                if (kr[s + 3] >= 0) a3 += p[s + 3] * v[(kvrow + kr[s + 3]) * Dv + d];
+                if (kr[s] >= 0) a0 += p[s] * v[(w.kvrow + kr[s]) * Dv + d];
+                if (kr[s + 1] >= 0) a1 += p[s + 1] * v[(w.kvrow + kr[s + 1]) * Dv + d];
+                if (kr[s + 2] >= 0) a2 += p[s + 2] * v[(w.kvrow + kr[s + 2]) * Dv + d];
+                if (kr[s + 3] >= 0) a3 += p[s + 3] * v[(w.kvrow + kr[s + 3]) * Dv + d];
             }
             if (!fixed_add<false>(ao + d, Dv, limbs, (double)((a0 + a1) + (a2 + a3)) * go[d])) bad = true;
         }
