@@ -19,7 +19,6 @@ import json
 
 import pytest
 
-from mpi_util import launch_cache, run_cases
 from ringmpi.backends import gpu_available
 from ringmpi.runtime.device import gpu_unavailable_reason
 
@@ -42,11 +41,9 @@ def cases_for(p):
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    def launch(p):
-        tmp = tmp_path_factory.mktemp(f"invariant_gpu{p}")
-        return run_cases(p, [dict(c, dir=str(tmp)) for c in cases_for(p)], tmp, timeout=600,
-                         driver="invariant_cases.py")
-    return launch_cache(launch)
+    from test_invariant import launches_of
+
+    return launches_of(cases_for, tmp_path_factory, "invariant_gpu")
 
 
 @pytest.mark.mpi

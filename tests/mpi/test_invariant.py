@@ -51,13 +51,18 @@ def cases_for(p):
     return cases
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches_of(cases_at, tmp_path_factory, name: str):
+    """Per world size P, one launch of ``invariant_cases.py`` with ``cases_at(P)`` (cached)."""
     def launch(p):
-        tmp = tmp_path_factory.mktemp(f"invariant{p}")
-        return run_cases(p, [dict(c, dir=str(tmp)) for c in cases_for(p)], tmp, timeout=600,
+        tmp = tmp_path_factory.mktemp(f"{name}{p}")
+        return run_cases(p, [dict(c, dir=str(tmp)) for c in cases_at(p)], tmp, timeout=600,
                          driver="invariant_cases.py")
     return launch_cache(launch)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return launches_of(cases_for, tmp_path_factory, "invariant")
 
 
 def _hashes(launches, p, case_id):
