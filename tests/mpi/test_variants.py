@@ -207,20 +207,20 @@ def test_file_job_with_sinks_resumes_bitwise(tmp_path):
 
 def test_every_block_kernel_takes_the_modifier_scalars():
     """``MOD_PARAMS`` follows ``MASK_PARAMS`` in every block kernel, in the order
-    ``CupyBackend._mask_args`` packs them (mask scalars, then ``modifier_scalars``)."""
+    ``CupyBackend._mask_values`` packs them (mask scalars, then ``modifier_scalars``)."""
     import inspect
     import re
 
     from ringmpi import kernels as K
     from ringmpi.backends import cupy_backend
 
-    for name in ("forward.cu", "backward.cu"):
+    for name in ("forward.cu", "backward.cu", "invariant.cu"):
         text = (K.KERNEL_DIR / name).read_text()
         kernels = re.findall(r"__global__ void[^(]*\(([^{]*)\)\s*\{", text)
         assert kernels, name
         for params in kernels:
             assert re.search(r"MASK_PARAMS,\s*MOD_PARAMS,", params), params
-    assert "+ modifier_scalars(mask.spec)" in inspect.getsource(cupy_backend.CupyBackend._mask_args)
+    assert "+ modifier_scalars(mask.spec)" in inspect.getsource(cupy_backend.CupyBackend._mask_values)
 
 
 # ---------------------------------------------------------------- max logit of non-finite scores
