@@ -229,6 +229,6 @@ def test_info(tmp_path):
     rc, out, err, _ = mpirun(2, [RINGMPI, "info"], 60)
     assert rc == 0, err
     for needle in ("MPI:", "world size: 2", "CUDA-aware MPI:", "GPUs", "parallel yes", "backend 'auto' picks:",
-                   "bfloat16 (ml_dtypes"):
+                   "CPU vector paths: tile pass", "bfloat16 (ml_dtypes"):
         assert needle in out, out
     assert out.count("world size") == 1

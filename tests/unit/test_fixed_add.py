@@ -217,3 +217,6 @@ def test_ringmpi_cpu_vector_pins_the_path():
     assert out.returncode != 0 and "ValueError" in out.stderr
     with pytest.raises(ValueError):
         _fixed.use("sse9")
+    from ringmpi.backends import fixed_sums
+
+    assert fixed_sums.vector_path() == _fixed.path()

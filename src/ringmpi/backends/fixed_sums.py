@@ -32,6 +32,12 @@ def implementation() -> str:
     return "numpy" if _FIXED is None else "compiled"
 
 
+def vector_path():
+    """The vector path the compiled loop runs (``"avx512"``, ``"avx2"``, ``"plain"``), or None
+    where NumPy's loop runs."""
+    return None if _FIXED is None else _FIXED.path()
+
+
 def add(acc, x, rows=None, cols=None, index=None, bad=None, limbs: int = 1) -> None:
     """:func:`ringmpi.core.fixed_point.add_numpy`'s sums (its arguments), by the compiled loop
     when there is one."""

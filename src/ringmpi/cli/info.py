@@ -61,8 +61,20 @@ def info():
         if comm.Get_size() > 1:
             lines.append(f"GPUs seen per rank: {gpu_counts}")
         lines.append(f"CuPy: {gpus['cupy'] or 'not installed'}")
-    lines += [f"HDF5: {h5}", f"backend 'auto' picks: {auto}", f"dtypes: {dtype_support()}"]
+    lines += [f"HDF5: {h5}", f"backend 'auto' picks: {auto}", f"CPU vector paths: {cpu_paths()}",
+              f"dtypes: {dtype_support()}"]
     click.echo("\n".join(lines))
+
+
+def cpu_paths() -> str:
+    """The vector path of each compiled CPU loop (``RINGMPI_CPU_VECTOR`` pins both), or NumPy's."""
+    from ..backends import fixed_sums, tile_pass
+
+    paths = tile_pass.vector_paths()
+    tile = tile_pass.vector_path() or "numpy (not built, or RINGMPI_CPU_KERNEL=numpy)"
+    fixed = fixed_sums.vector_path() or "numpy"
+    runs = f" (this CPU runs {', '.join(paths)})" if paths else ""
+    return f"tile pass {tile}, fixed-point sums {fixed}{runs}"
 
 
 def dtype_support() -> str:
