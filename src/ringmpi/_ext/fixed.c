@@ -577,43 +577,8 @@ done:
     return result;
 }
 
-static PyObject *py_paths(PyObject *self, PyObject *noargs)
-{
-    PyObject *out = PyTuple_New(0);
-    for (int i = 0; out && i < N_PATHS; i++) {
-        if (!cpu_runs(i)) continue;
-        PyObject *name = PyUnicode_FromString(PATHS[i].name);
-        if (!name || _PyTuple_Resize(&out, PyTuple_GET_SIZE(out) + 1) < 0) { Py_XDECREF(name); Py_XDECREF(out); return NULL; }
-        PyTuple_SET_ITEM(out, PyTuple_GET_SIZE(out) - 1, name);
-    }
-    return out;
-}
-
-static PyObject *py_path(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(PATHS[current].name); }
-
-/* the path named name, if this CPU runs it: 0, else -1 with ValueError set */
-static int use_path(const char *name)
-{
-    for (int i = 0; i < N_PATHS; i++) {
-        if (strcmp(name, PATHS[i].name) != 0) continue;
-        if (!cpu_runs(i)) {
-            PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s path of the fixed-point sums", name);
-            return -1;
-        }
-        current = i;
-        return 0;
-    }
-    PyErr_Format(PyExc_ValueError, "no vector path named '%s' (avx512, avx2, plain)", name);
-    return -1;
-}
-
-static PyObject *py_use(PyObject *self, PyObject *args)
-{
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    if (use_path(name) < 0) return NULL;
-    Py_RETURN_NONE;
-}
+#define PATHS_OF "the fixed-point sums"
+#include "vector_paths.h"
 
 static PyMethodDef methods[] = {
     {"add", py_add, METH_VARARGS,
@@ -629,8 +594,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fixed", NULL, -1, m
 /* the widest path the CPU runs, or the one RINGMPI_CPU_VECTOR pins (ValueError where it cannot) */
 PyMODINIT_FUNC PyInit__fixed(void)
 {
-    for (current = 0; !cpu_runs(current); current++) /* the last path, the baseline, always runs */
-        ;
+    use_widest();
     const char *pinned = getenv("RINGMPI_CPU_VECTOR");
     if (pinned && pinned[0] && use_path(pinned) < 0) return NULL;
     return PyModule_Create(&module);

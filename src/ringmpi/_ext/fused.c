@@ -180,36 +180,8 @@ fail:
     return NULL;
 }
 
-static PyObject *py_paths(PyObject *self, PyObject *noargs)
-{
-    PyObject *out = PyTuple_New(0);
-    for (int i = 0; out && i < N_PATHS; i++) {
-        if (!cpu_runs(i)) continue;
-        PyObject *name = PyUnicode_FromString(PATHS[i].name);
-        if (!name || _PyTuple_Resize(&out, PyTuple_GET_SIZE(out) + 1) < 0) { Py_XDECREF(name); Py_XDECREF(out); return NULL; }
-        PyTuple_SET_ITEM(out, PyTuple_GET_SIZE(out) - 1, name);
-    }
-    return out;
-}
-
-static PyObject *py_path(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(PATHS[current].name); }
-
-static PyObject *py_use(PyObject *self, PyObject *args)
-{
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    for (int i = 0; i < N_PATHS; i++) {
-        if (strcmp(name, PATHS[i].name) != 0) continue;
-        if (!cpu_runs(i)) {
-            PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s path", name);
-            return NULL;
-        }
-        current = i;
-        Py_RETURN_NONE;
-    }
-    PyErr_Format(PyExc_ValueError, "no vector path named %R", PyTuple_GET_ITEM(args, 0));
-    return NULL;
-}
+#define PATHS_OF "the tile pass"
+#include "vector_paths.h"
 
 static PyMethodDef methods[] = {
     {"exp_tile", py_exp_tile, METH_VARARGS,
@@ -227,7 +199,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, m
 
 PyMODINIT_FUNC PyInit__fused(void)
 {
-    for (current = 0; !cpu_runs(current); current++) /* the last path, the baseline, always runs */
-        ;
+    use_widest();
     return PyModule_Create(&module);
 }
