@@ -108,13 +108,13 @@ class Resident:
     the default ops do, flagged rows zeroed).  ``lse``, ``dvec (B, H, S)`` become ``(B, H, nq,
     TILE)`` tiles, ``lse = -inf`` (a row that saw nothing) read as ``+inf`` (``P = 0``), pads
     ``+inf``.  ``bad (B, H, nq, TILE)`` flags rows with NaN/Inf (``lse`` ``+inf``, ``dvec`` 0 there).
-    ``exp_pass(s, scale, bias, shift, sums)``: the backend's elementwise tile pass;
-    ``ds_pass(dp, p, dvec)``: its ``dp = (dp - dvec[:, None]) * p`` (NumPy's two passes by default).
+    ``exp_pass(s, scale, bias, shift, sums)``, ``ds_pass(dp, p, dvec)``: the backend's elementwise
+    tile passes (:mod:`ringmpi.backends.tile_pass`).
     """
 
-    def __init__(self, positions, seg, q, kv_dtype, ct, spec, exp_pass, do=None, lse=None, dvec=None, ds_pass=None):
-        self.exp_pass = exp_pass  # the backend's tile pass: s = exp(s * scale + bias - shift), row sums
-        self.ds_pass = ds_pass or _ds_numpy  # the backward's dS = (dP - dvec) * P, each step rounded
+    def __init__(self, positions, seg, q, kv_dtype, ct, spec, exp_pass, ds_pass, do=None, lse=None, dvec=None):
+        self.exp_pass = exp_pass  # s = exp(s * scale + bias - shift), row sums
+        self.ds_pass = ds_pass    # the backward's dS: dp = (dp - dvec) * p, each step rounded
         self.tiling = Tiling.of(positions)
         self.ct, self.spec, self.kv_dtype = np.dtype(ct), spec, np.dtype(kv_dtype)
         self.seg = tiled_segments(self.tiling, seg)
@@ -541,11 +541,6 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
         rows_p, keys_p = _poison_pairs(terms.visibility(), res.bad[b, h, index], bad_j)
         _poison_rows(q_poison[b, h], index, rows_p)
         tile_pk |= keys_p.any(axis=0)
-
-
-def _ds_numpy(dp, p, dvec) -> None:
-    dp -= dvec[:, None]
-    dp *= p
 
 
 def _poison_rows(poison: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:

@@ -701,7 +701,7 @@ class NumpyBackend:
     def invariant_resident(qh, positions, seg, kv_dtype, ct, spec, do=None, lse=None, dvec=None):
         """The call's resident rows as global tiles (:class:`ringmpi.backends.invariant_tiles.Resident`)."""
         from .invariant_tiles import Resident
-        return Resident(positions, seg, qh, kv_dtype, ct, spec, exp_pass, do=do, lse=lse, dvec=dvec, ds_pass=ds_pass)
+        return Resident(positions, seg, qh, kv_dtype, ct, spec, exp_pass, ds_pass, do=do, lse=lse, dvec=dvec)
 
     @staticmethod
     def invariant_max_block(*args, **kwargs):
