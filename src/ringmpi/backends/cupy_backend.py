@@ -58,6 +58,16 @@ def _dropout_args(mask: BlockMask, ct) -> tuple:
     return dropout_values(mask.spec.dropout, ct)
 
 
+def _segments(mask: BlockMask, batch: int):
+    """``(seg_q, seg_kv)``: the block's segment ids as int64 ``(B, S)`` host arrays, or ``(None, None)``."""
+    if mask.seg_q is None:
+        return None, None
+    if mask.seg_kv is None:
+        raise ValueError("seg_q given without seg_kv")
+    return (np.asarray(mask.seg_q, dtype=np.int64).reshape(batch, -1),
+            np.asarray(mask.seg_kv, dtype=np.int64).reshape(batch, -1))
+
+
 def _grid_1d(n: int) -> int:
     return max(1, min((int(n) + _THREADS_1D - 1) // _THREADS_1D, 65535 * 8))
 
@@ -284,13 +294,8 @@ class CupyBackend:
     def _mask_args(self, mask: BlockMask, batch: int, kernel: "K.BlockKernel", sq: int, skv: int):
         """The kernel's ``MASK_PARAMS`` and ``MOD_PARAMS`` values and the block's ``(tiles computed,
         tiles skipped)``, counted as the kernel classifies them."""
-        has_seg = mask.seg_q is not None
-        if has_seg and mask.seg_kv is None:
-            raise ValueError("seg_q given without seg_kv")
-        seg_q = seg_kv = None
-        if has_seg:
-            seg_q = np.asarray(mask.seg_q, dtype=np.int64).reshape(batch, -1)
-            seg_kv = np.asarray(mask.seg_kv, dtype=np.int64).reshape(batch, -1)
+        seg_q, seg_kv = _segments(mask, batch)
+        has_seg = seg_q is not None
         (bm, bn), (nqt, nkt) = kernel.tiles, kernel.tile_counts(sq, skv)
         q_bounds, dq_bounds = self._upload(mask.q_pos, bm, seg_q)
         kv_bounds, dkv_bounds = self._upload(mask.kv_pos, bn, seg_kv)
@@ -304,14 +309,12 @@ class CupyBackend:
         """The kernels' ``MASK_PARAMS`` and ``MOD_PARAMS`` values of ``mask``; ``bounds``: the
         device ``(q_bounds, kv_bounds)`` of the kernel's tiles, or None for a kernel that
         classifies no tile (invariant.cu: the positions array stands in, never read)."""
-        has_seg = mask.seg_q is not None
-        if has_seg and mask.seg_kv is None:
-            raise ValueError("seg_q given without seg_kv")
+        seg_q, seg_kv = _segments(mask, batch)
+        has_seg = seg_q is not None
         q_pos = self._upload(mask.q_pos)[1]
         kv_pos = self._upload(mask.kv_pos)[1]
         if has_seg:
-            dseg_q = self._upload(np.asarray(mask.seg_q, dtype=np.int64).reshape(batch, -1).ravel())[1]
-            dseg_kv = self._upload(np.asarray(mask.seg_kv, dtype=np.int64).reshape(batch, -1).ravel())[1]
+            dseg_q, dseg_kv = self._upload(seg_q.ravel())[1], self._upload(seg_kv.ravel())[1]
         else:
             dseg_q, dseg_kv = q_pos, kv_pos  # never read: has_seg = 0
         dq_bounds, dkv_bounds = (q_pos, kv_pos) if bounds is None else bounds
