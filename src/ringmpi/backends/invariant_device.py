@@ -14,7 +14,7 @@ tiles (tile slot -> local row, -1 for a pad) and every pair's class
 
 Arrays the passes hand in (``m``, ``poison``, the integer accumulators, the travelling int64
 ``dk``/``dv``) are CuPy arrays on the backend's device; the grids are host float64 arrays,
-uploaded here.
+uploaded once per call (:meth:`DeviceResident.grid`).
 """
 
 from __future__ import annotations
@@ -80,6 +80,15 @@ class DeviceResident:
         if self.dvec_rows is not None:
             self.dvec = self.tiling.to_tiles(to_host(self.dvec_rows), axis=2, dtype=self.ct)
         self.q_slot = be.asarray(slot_map(self.tiling))
+        self._grids: dict = {}
+
+    def grid(self, host):
+        """``host``, one of this call's float64 grids (the same array every ring step), on the
+        device: uploaded at its first step only."""
+        hit = self._grids.get(id(host))
+        if hit is None:  # the entry keeps ``host`` alive, so its id stays its own
+            hit = self._grids[id(host)] = (host, self.be.asarray(np.ascontiguousarray(host, dtype=np.float64)))
+        return hit[1]
 
     def _rows(self, x):
         """A contiguous compute-dtype copy of ``x``, rounded to a 16-bit K/V dtype first."""
@@ -103,8 +112,10 @@ class _DeviceBlock:
         if vh is not None:
             self.v = be._convert(cp.asarray(vh), res.ct, copy=True)
             bad |= _flag_rows(cp, self.v)
-            self.v[bad.astype(bool)] = 0
-        self.k[bad.astype(bool)] = 0
+        flagged = bad.astype(bool)
+        if vh is not None:
+            self.v[flagged] = 0
+        self.k[flagged] = 0
         self.bad = bad
         classes = pair_classes(res.spec, res.tiling, res.seg, self.tiling, tiled_segments(self.tiling, mask.seg_kv),
                                batch)
@@ -191,10 +202,9 @@ def forward_block(res: DeviceResident, kh, vh, shift, acc_l, acc_o, poison, grid
     _check("poison", poison, shape, np.uint8)
     with be._on_stream():
         blk = _DeviceBlock(res, mask, kh, vh)
-        gl = be.asarray(np.ascontiguousarray(grid_l, dtype=np.float64))
-        go = be.asarray(np.ascontiguousarray(grid_o, dtype=np.float64))
         _launch(res, "forward", blk, (res.q, blk.k, blk.v),
-                (shift, acc_l, acc_o, poison, gl, go, np.int32(limbs), res.ct.type(scale)),
+                (shift, acc_l, acc_o, poison, res.grid(grid_l), res.grid(grid_o), np.int32(limbs),
+                 res.ct.type(scale)),
                 mask, heads, kh.shape[1], kh.shape[3], d_v)
         be._mark_use(kh, vh)
     if tick is not None:
@@ -222,8 +232,7 @@ def backward_block(res: DeviceResident, kh, vh, dq_acc, q_poison, dk, dv, grids,
     _check("dv", dv, (batch, kv_heads, skv, limbs * d_v + 1), np.int64)
     with be._on_stream():
         blk = _DeviceBlock(res, mask, kh, vh)
-        up = [be.asarray(np.ascontiguousarray(g, dtype=np.float64))
-              for g in (grids.dq_rows, grids.dq_cols, grids.dk_cols, grids.dv_cols)]
+        up = [res.grid(g) for g in (grids.dq_rows, grids.dq_cols, grids.dk_cols, grids.dv_cols)]
         _launch(res, "backward", blk, (res.q, res.do, res.lse_rows, res.dvec_rows, blk.k, blk.v),
                 (dq_acc, q_poison, dk, dv, *up, np.int32(limbs), res.ct.type(scale)),
                 mask, heads, kv_heads, dim, d_v)
