@@ -80,6 +80,23 @@ __device__ __forceinline__ bool inv_visible(const MaskArgs& mk, int cls, int b, 
     return cls == TILE_FULL || elem_visible(mk, b, qi, kj, Sq, Skv);
 }
 
+// One key's terms over a query tile: for each column d < n, sum_i w[i] x[rows[i], d] over the
+// tile's slots i in order (pads skipped), added on the grid g[d] to out[d] (low words at out[n + d]).
+// False when a value was beyond its grid (that value adds nothing).
+template <typename T>
+__device__ __forceinline__ bool inv_add_rows(long long* out, const T* w, const T* __restrict__ x,
+                                             const int* __restrict__ rows, int n, int limbs,
+                                             const double* __restrict__ g) {
+    bool ok = true;
+    for (int d = 0; d < n; ++d) {
+        T a = T(0);
+        for (int i = 0; i < INV_TILE; ++i)
+            if (rows[i] >= 0) a += w[i] * x[(long long)rows[i] * n + d];
+        ok = fixed_add<false>(out + d, n, limbs, (double)a * g[d]) && ok;
+    }
+    return ok;
+}
+
 #define INV_SHAPE int B, int H, int Hkv, int Sq, int Skv, int D, int Dv, int nqt, int nkt
 #define INV_TILES                                                                                      \
     const int* __restrict__ q_slot, const int* __restrict__ k_slot, const signed char* __restrict__ classes, \
@@ -304,22 +321,9 @@ __global__ void __launch_bounds__(INV_TILE) ringmpi_inv_backward(
                 long long* dkk = dk + (kvrow + kj) * ((long long)limbs * D);
                 const double* gv = dv_cols + (long long)row * Dv;
                 const double* gk = dk_cols + (long long)row * D;
-                for (int d = 0; d < Dv; ++d) {
-                    T a = T(0);
-                    for (int i = 0; i < INV_TILE; ++i) {
-                        const int qi = q_slot[qt * INV_TILE + i];
-                        if (qi >= 0) a += pz[i] * dout[(hrow + qi) * Dv + d];
-                    }
-                    if (!fixed_add<false>(dvk + d, Dv, limbs, (double)a * gv[d])) key_bad = true;
-                }
-                for (int d = 0; d < D; ++d) {
-                    T a = T(0);
-                    for (int i = 0; i < INV_TILE; ++i) {
-                        const int qi = q_slot[qt * INV_TILE + i];
-                        if (qi >= 0) a += ds[i] * q[(hrow + qi) * D + d];
-                    }
-                    if (!fixed_add<false>(dkk + d, D, limbs, (double)a * gk[d])) key_bad = true;
-                }
+                const int* rows = q_slot + qt * INV_TILE;
+                if (!inv_add_rows<T>(dvk, pz, dout + hrow * Dv, rows, Dv, limbs, gv)) key_bad = true;
+                if (!inv_add_rows<T>(dkk, ds, q + hrow * D, rows, D, limbs, gk)) key_bad = true;
             }
             __syncthreads();
             // D: row t's dq terms over the tile's keys
