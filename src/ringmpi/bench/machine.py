@@ -9,6 +9,14 @@ import sys
 import time
 
 
+def mpi_library() -> str:
+    """The MPI library's name and version: the first line of ``MPI_Get_library_version`` (Open MPI
+    pads the string with NULs)."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
 def reset_rss_peak() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
     try:
@@ -123,7 +131,7 @@ def environment(be, ranks, gemm, load_before) -> dict:
 
     env = {
         "ringmpi_version": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
-        "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
+        "mpi_library": mpi_library(),
         "mpi_standard": "%d.%d" % MPI.Get_version(), "mpi4py": mpi4py.__version__, "numpy": np.__version__,
         "backend": be.name, "hostnames": [r["host"] for r in ranks], "cpus_per_rank": [r["cpus"] for r in ranks],
         "cores": os.cpu_count(), "ranks_per_host": {h: sum(r["host"] == h for r in ranks)

@@ -30,6 +30,7 @@ def info():
     from ..backends import gpu_available
     auto = "cupy" if gpu_available() else "numpy"
     from ..runtime.watchdog import phase
+    from ..bench.machine import mpi_library
 
     with phase("ringmpi info: gathering the ranks' GPU counts and hosts (gather)"):
         gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
@@ -44,7 +45,7 @@ def info():
         h5 = f"unavailable ({exc})"
     import mpi4py
     version = ".".join(map(str, MPI.Get_version()))
-    library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+    library = mpi_library()
     lines = [
         f"ringmpi {__version__}",
         f"MPI: {library} (MPI standard {version}), mpi4py {mpi4py.__version__}",
