@@ -80,19 +80,21 @@ __device__ __forceinline__ bool inv_visible(const MaskArgs& mk, int cls, int b, 
     return cls == TILE_FULL || elem_visible(mk, b, qi, kj, Sq, Skv);
 }
 
-// One key's terms over a query tile: for each column d < n, sum_i w[i] x[rows[i], d] over the
-// tile's slots i in order (pads skipped), added on the grid g[d] to out[d] (low words at out[n + d]).
-// False when a value was beyond its grid (that value adds nothing).
-template <typename T>
+// One partial sum per column of a tile pair: for each column d < n, sum_i w[i] x[rows[i], d] over
+// the tile's slots i in order (pads, rows[i] < 0, skipped), then y = (sum * rs) * g[d] added to out[d]
+// (low words at out[n + d]), by atomics when several CTAs add to out.  A key's dv and dk terms over
+// a query tile (rs = 1, exact) and a row's dq terms over a key tile.  False when a value was beyond
+// its grid (that value adds nothing).
+template <typename T, bool ATOMIC>
 __device__ __forceinline__ bool inv_add_rows(long long* out, const T* w, const T* __restrict__ x,
-                                             const int* __restrict__ rows, int n, int limbs,
+                                             const int* __restrict__ rows, int n, int limbs, double rs,
                                              const double* __restrict__ g) {
     bool ok = true;
     for (int d = 0; d < n; ++d) {
         T a = T(0);
         for (int i = 0; i < INV_TILE; ++i)
             if (rows[i] >= 0) a += w[i] * x[(long long)rows[i] * n + d];
-        ok = fixed_add<false>(out + d, n, limbs, (double)a * g[d]) && ok;
+        ok = fixed_add<ATOMIC>(out + d, n, limbs, ((double)a * rs) * g[d]) && ok;
     }
     return ok;
 }
@@ -229,7 +231,7 @@ __global__ void __launch_bounds__(INV_TILE) ringmpi_inv_forward(
 }
 
 // The backward.  Grid (key tiles, split_rows(B * Hkv)), 64 threads, dynamic shared memory
-// inv_backward_smem(sizeof(T)): thread t is slot t of key tile blockIdx.x in phases A and C
+// (kernels.InvariantLaunch.shared_mem_bytes): thread t is slot t of key tile blockIdx.x in phases A and C
 // and slot t of the query tile in phases B and D.  Per query head of the K/V head's group
 // and per visible pair (query tile qt, this key tile), FlashAttention-2's terms with
 // P = exp(score - lse) (lse +inf on flagged rows: P = 0):
@@ -322,29 +324,21 @@ __global__ void __launch_bounds__(INV_TILE) ringmpi_inv_backward(
                 const double* gv = dv_cols + (long long)row * Dv;
                 const double* gk = dk_cols + (long long)row * D;
                 const int* rows = q_slot + qt * INV_TILE;
-                if (!inv_add_rows<T>(dvk, pz, dout + hrow * Dv, rows, Dv, limbs, gv)) key_bad = true;
-                if (!inv_add_rows<T>(dkk, ds, q + hrow * D, rows, D, limbs, gk)) key_bad = true;
+                if (!inv_add_rows<T, false>(dvk, pz, dout + hrow * Dv, rows, Dv, limbs, 1.0, gv)) key_bad = true;
+                if (!inv_add_rows<T, false>(dkk, ds, q + hrow * D, rows, D, limbs, 1.0, gk)) key_bad = true;
             }
             __syncthreads();
             // D: row t's dq terms over the tile's keys
             const int qi = q_slot[qt * INV_TILE + t];
             if (qi >= 0) {
                 const long long at = ((long long)(b * H + h) * nqt + qt) * INV_TILE + t;
-                const double rs = dq_rows[at];
-                const double* gq = dq_cols + (long long)row * D;
-                long long* dqr = dq_acc + at * ((long long)limbs * D);
+                const T* dsr = tile + t * INV_STRIDE;
                 bool any = false;
-                for (int j = 0; j < INV_TILE; ++j) any = any || tile[t * INV_STRIDE + j] != T(0);
-                if (any) {
-                    for (int d = 0; d < D; ++d) {
-                        T a = T(0);
-                        for (int j = 0; j < INV_TILE; ++j) {
-                            const int kk = k_slot[kt * INV_TILE + j];
-                            if (kk >= 0) a += tile[t * INV_STRIDE + j] * k[(kvrow + kk) * D + d];
-                        }
-                        if (!fixed_add<true>(dqr + d, D, limbs, ((double)a * rs) * gq[d])) q_poison[at] = 1;
-                    }
-                }
+                for (int j = 0; j < INV_TILE; ++j) any = any || dsr[j] != T(0);
+                if (any && !inv_add_rows<T, true>(dq_acc + at * ((long long)limbs * D), dsr, k + kvrow * D,
+                                                  k_slot + kt * INV_TILE, D, limbs, dq_rows[at],
+                                                  dq_cols + (long long)row * D))
+                    q_poison[at] = 1;
             }
             __syncthreads();  // the tile is rewritten by the next pair's phase A
         }
