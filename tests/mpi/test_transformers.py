@@ -5,7 +5,9 @@ case of ``transformers_cases.py``: Llama (GQA), Qwen2, Mistral (sliding window),
 Gemma 2 (softcap, non-default scale, alternating windows), gpt-oss (sinks, MoE),
 a packed row of three documents, two rows of different packs on the balanced
 layout (flattened into one row) and a left-padded batch, in float64, float32
-and (Llama, gpt-oss) bfloat16; attention dropout equal across P; the errors.
+and (Llama, gpt-oss) bfloat16; attention dropout equal across P;
+``shard_batch(..., invariant=True)``'s attention calls bitwise one rank's (Llama,
+Gemma 2, packed); the errors.
 """
 
 import subprocess
@@ -37,6 +39,8 @@ def cases_for(p):
         add(f"{model}-bfloat16", model=model, dtype="bfloat16")
     if p == 3:  # packed rows flattened into one, on the balanced layout, K/V routed (issue 42)
         add("packed-rows-balanced-float64", model="packed-rows", dtype="float64", B=2, layout="balanced")
+    for model in ("llama", "gemma2", "packed"):  # N = 384: whole 64-token tiles on 1, 2 and 3 contiguous shards
+        add(f"invariant-{model}", kind="invariant", model=model, dtype="float32", n=384, layout="contiguous")
     add("dropout", kind="dropout", model="dropout")
     add("errors", kind="errors", model="llama")
     return cases

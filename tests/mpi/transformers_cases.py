@@ -23,6 +23,11 @@ Case kinds:
              another step.
 ``errors``   one ConfigError on every rank: position_ids that do not match the
              layout, no shard context, dropout without a seed.
+``invariant`` ``shard_batch(..., invariant=True)``: every attention call's ``o`` and the
+             gradients of its ``q, k, v`` (gathered over the ranks) are bitwise what
+             ``ringmpi.torch.ring_attention(invariant=True)`` gives on one rank for the same
+             ``q, k, v`` and upstream gradient.  The rest of the model is torch's, whose bits
+             may move with P, so each layer is checked on the inputs it got.
 """
 
 import contextlib
@@ -235,6 +240,63 @@ def dropout_case(comm, case):
                 f"logits differ from no dropout by {moved['no dropout']:.2e}, from step 6 by {moved['step 6']:.2e}")
 
 
+def invariant_case(comm, case):
+    """The attention calls of an ``invariant=True`` model at P ranks against one rank's, bit for bit."""
+    calls = []
+
+    def capture(module, query, key, value, attention_mask, **kw):
+        # q, k, v cut from the model's graph: their gradients are this attention call's own
+        query, key, value = (x.detach().requires_grad_() for x in (query, key, value))
+        o, none = rmt.attention_forward(module, query, key, value, attention_mask, **kw)
+        seen = dict(module=module, kw=kw, q=query, k=key, v=value, o=o.detach().clone())
+        o.register_hook(lambda g: seen.update(do=g.detach().clone()))
+        calls.append(seen)
+        return o, none
+
+    transformers.AttentionInterface.register("ringmpi-capture", capture)
+    batch = make_batch(case)
+    model = build(case, "ringmpi-capture", case["dtype"])
+    shard = rmt.shard_batch(batch, comm=comm, layout=case["layout"], step=0, invariant=True)
+    positions = shard[rmt.CONTEXT_KEY].positions
+    out = model(**shard)
+    mean_loss(out.logits, shard["shift_labels"], shard["num_items_in_batch"]).backward()
+
+    def gathered(x, axis):
+        """``x`` of this rank's tokens (sequence along ``axis``) as the whole sequence on rank 0."""
+        parts = comm.gather((positions, x.detach().numpy()), root=0)
+        if parts is None:
+            return None
+        shape = list(parts[0][1].shape)
+        shape[axis] = sum(len(p) for p, _ in parts)
+        whole = np.empty(shape, dtype=parts[0][1].dtype)
+        for pos, part in parts:
+            whole[(slice(None),) * axis + (pos,)] = part
+        return whole
+
+    one = rmt.shard_batch(batch, comm=MPI.COMM_SELF, layout="contiguous", step=0, invariant=True)[rmt.CONTEXT_KEY]
+    problems = []
+    for i, seen in enumerate(calls):
+        got = dict(o=gathered(seen["o"], 1), do=gathered(seen["do"], 1))
+        got.update({f"d{n}": gathered(seen[n].grad, 2) for n in "qkv"})
+        q, k, v = (gathered(seen[n], 2) for n in "qkv")
+        if comm.Get_rank():
+            continue
+        q, k, v = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+        kw = {name: x for name, x in seen["kw"].items() if name not in ("position_ids", rmt.CONTEXT_KEY)}
+        o, _ = rmt.attention_forward(seen["module"], q, k, v, None, ringmpi_context=one, **kw)
+        o.backward(torch.from_numpy(got["do"]))
+        want = dict(o=o, dq=q.grad, dk=k.grad, dv=v.grad)
+        for name, w in want.items():
+            w = w.detach().numpy()
+            if not np.array_equal(w, got[name]):
+                diff = np.abs(w.astype(np.float64) - got[name]).max()
+                problems.append(f"call {i} {name}: {int((w != got[name]).sum())} of {w.size} differ (max {diff:.1e})")
+    if comm.Get_rank():
+        return None
+    return not problems and len(calls) > 0, "; ".join(problems) or (
+        f"{len(calls)} attention calls: o, dq, dk, dv at P={comm.Get_size()} bitwise one rank's")
+
+
 def errors_case(comm, case):
     """Mistakes the adapter must catch, with one ConfigError on every rank."""
     model = build(case, "ringmpi", "float64")
@@ -269,7 +331,8 @@ def main():
     rmt.register()
     keep_float64_norms()
     torch.set_num_threads(1)
-    run_file(MPI.COMM_WORLD, {"dropout": dropout_case, "errors": errors_case}, compare_case)
+    run_file(MPI.COMM_WORLD, {"dropout": dropout_case, "errors": errors_case, "invariant": invariant_case},
+             compare_case)
 
 
 if __name__ == "__main__":
