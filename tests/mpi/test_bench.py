@@ -81,6 +81,25 @@ def test_bench_single_run_report(tmp_path):
     assert "TFLOP/s" in stdout and "exposed comm" in stdout
 
 
+def test_bench_invariant_report(tmp_path):
+    """``--invariant``: said in the header; the forward's timeline holds both passes (2P steps,
+    maxima then sums) and the tile counts are 64-token tile pairs.  Zigzag at P = 2, N = 256:
+    rank 0 holds tiles 0 and 3, rank 1 tiles 1 and 2, so causal each sees 5 of its 8 pairs."""
+    report, stdout = run_bench(2, ["--n", 256, "--causal", "--layout", "zigzag", "--backward", "--invariant"],
+                               tmp_path, "invariant")
+    assert report["invariant"] is True and stdout.splitlines()[0].endswith(", invariant")
+    fwd, bwd = report["forward"], report["backward"]
+    assert [len(steps) for steps in fwd["timeline"]["steps"]] == [4, 4]
+    assert fwd["tiles_computed"] == [10, 10] and fwd["tiles_skipped"] == [6, 6]
+    assert bwd["tiles_computed"] == [5, 5] and bwd["tiles_skipped"] == [3, 3]
+    for s in (fwd, bwd):
+        assert s["tflops"] == pytest.approx(s["flops"] / s["seconds_median"] / 1e12, rel=1e-9)
+    # shards that are not whole tiles (N / 2P = 50): one clear error, no report
+    rc, stdout, stderr, _ = mpirun(2, RINGMPI + ["bench"] + SMALL + ["--n", "200", "--layout", "zigzag", "--invariant"],
+                                   90)
+    assert rc != 0 and "needs every shard made of whole 64-token tiles" in stdout + stderr
+
+
 @pytest.mark.parametrize("kind", ["strong", "weak"])
 def test_bench_sweeps(tmp_path, kind):
     n = 256 if kind == "strong" else 96
