@@ -147,8 +147,18 @@ def test_cut_during_a_collective(netns, job, point, phase):
     output = f"{point}.h5"
     ended, stderr = cut_during(netns, job, f"sleep:{point}:2:{SLEEP:g}", output)
     assert ended < T + SLEEP + GRACE, f"last rank ended {ended:.1f} s after the cut"
-    for rank in (0, 1, 3):  # rank 2 slept, then finds its link gone: its own deadline or the abort ends it
-        assert re.search(rf"\[rank {rank}\] ringmpi: {phase}.* did not finish within {T:g} s \(host h\d\)",
-                         stderr[rank]), f"rank {rank}:\n{stderr[rank][-2000:]}"
+    # ranks 0, 1 and 3 wait in the phase (rank 2 slept, then finds its link gone: its own deadline or
+    # the abort ends it).  The first of them whose deadline expires names the phase and aborts the job;
+    # that abort can end the others before their own deadline does, or before the launcher has
+    # forwarded their line (seen once in CI: rank 0's stderr empty), so a rank may say nothing, but
+    # none may say anything else, and one at least names the phase.
+    named = []
+    for rank in (0, 1, 3):
+        said = re.findall(rf"\[rank {rank}\] ringmpi: .*", stderr[rank])
+        want = rf"\[rank {rank}\] ringmpi: {phase}.* did not finish within {T:g} s \(host h\d\)"
+        assert all(re.match(want, line) for line in said), f"rank {rank}:\n{stderr[rank][-2000:]}"
+        if said:
+            named.append(rank)
+    assert named, f"no rank named the phase: {stderr}"
     assert_nothing_left(job, output)
     assert not (job / f".{output}.partial").exists()  # it held no finished pass
