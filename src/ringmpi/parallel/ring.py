@@ -25,8 +25,9 @@ _TAGS = {"kv": 7101, "grad": 7102, "routed_kv": 7103, "routed_grad": 7104}  # fu
 @dataclass
 class StepRecord:
     """What one rank did in one ring step (seconds, bytes, and tiles of the block kernel);
-    ``schedule``: the schedule that ran (``"ring"``, or ``"routed"``:
-    :class:`ringmpi.parallel.routed_schedule.RoutedSchedule`)."""
+    ``compute_s`` and ``wait_s`` do not overlap (a wait inside the block op, as the backward's for
+    the arriving dK/dV sums, is waiting); ``schedule``: the schedule that ran (``"ring"``, or
+    ``"routed"``: :class:`ringmpi.parallel.routed_schedule.RoutedSchedule`)."""
 
     step: int
     compute_s: float = 0.0

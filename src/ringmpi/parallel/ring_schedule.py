@@ -123,12 +123,13 @@ def timed_compute(backend, ring: Ring, fn, *args, tick=None, **kwargs):
     ``tick`` (called between tiles) is ``ring.tick`` unless given."""
     step = ring.step
     tick = ring.tick if tick is None else tick
+    record = ring.record(step)
+    waited = record.wait_s  # the block op's own ring waits (the backward's kv_need) count as waiting
     start = time.perf_counter()
     with backend.annotate(f"ring step {step} compute"):
         tiles = fn(*args, tick=tick, **kwargs)
         backend.synchronize(tick=tick)
-    record = ring.record(step)
-    record.compute_s += time.perf_counter() - start
+    record.compute_s += time.perf_counter() - start - (record.wait_s - waited)
     record.tiles_computed += tiles[0]
     record.tiles_skipped += tiles[1]
     return tiles
