@@ -8,13 +8,7 @@ import socket
 import sys
 import time
 
-
-def mpi_library() -> str:
-    """The MPI library's name and version: the first line of ``MPI_Get_library_version`` (Open MPI
-    pads the string with NULs)."""
-    from mpi4py import MPI
-
-    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+from ..runtime.mpi_library import mpi_library
 
 
 def reset_rss_peak() -> bool:

@@ -30,7 +30,7 @@ def info():
     from ..backends import gpu_available
     auto = "cupy" if gpu_available() else "numpy"
     from ..runtime.watchdog import phase
-    from ..bench.machine import mpi_library
+    from ..runtime.mpi_library import mpi_library
 
     with phase("ringmpi info: gathering the ranks' GPU counts and hosts (gather)"):
         gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
