@@ -25,8 +25,7 @@ from .. import kernels as K
 from ..core.dropout import kernel_values as dropout_values
 from ..core.global_tiles import TILE, Tiling
 from ..core.host import to_host
-from ..core.masks import SKIP
-from .invariant_tiles import tiled_segments, pair_classes
+from .invariant_tiles import pair_classes, pair_counts, tiled_segments
 
 
 def slot_map(tiling: Tiling) -> np.ndarray:
@@ -122,9 +121,7 @@ class _DeviceBlock:
         self.class_batch = np.int32(res.seg is not None)
         self.classes = be.asarray(np.ascontiguousarray(classes))
         self.k_slot = be.asarray(slot_map(self.tiling))
-        nonskip = int(np.count_nonzero(classes != SKIP))
-        scale = 1 if res.seg is not None else batch
-        self.counts = (nonskip * scale, (classes.size - nonskip) * scale)
+        self.counts = pair_counts(classes, res.seg is not None, batch)
 
 
 def _shape(res: DeviceResident, blk: _DeviceBlock, heads: int, kv_heads: int, d: int, d_v: int):

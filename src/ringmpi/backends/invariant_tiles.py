@@ -77,6 +77,14 @@ def pair_classes(spec, q_tiling: Tiling, q_seg, k_tiling: Tiling, k_seg, batch: 
     return np.where((classes == FULL) & padded[None], PARTIAL, classes).astype(np.int8)
 
 
+def pair_counts(classes: np.ndarray, segmented: bool, batch: int):
+    """``(tiles computed, tiles skipped)`` of :func:`pair_classes`' ``classes``, per batch entry (one
+    row of classes per entry with segments, else one row for all ``batch``)."""
+    nonskip = int(np.count_nonzero(classes != SKIP))
+    scale = 1 if segmented else batch
+    return nonskip * scale, (classes.size - nonskip) * scale
+
+
 def _run(index: np.ndarray):
     """``slice`` when ``index`` is consecutive integers (a view, no copy), else ``index``."""
     if len(index) and index[-1] - index[0] == len(index) - 1:
@@ -187,10 +195,7 @@ class _Block:
         return b if self.res.seg is not None else 0
 
     def counts(self, batch: int):
-        nonskip = int((self.classes != SKIP).sum())
-        total = self.classes.size
-        scale = 1 if self.res.seg is not None else batch
-        return nonskip * scale, (total - nonskip) * scale
+        return pair_counts(self.classes, self.res.seg is not None, batch)
 
     def groups(self, classes_row):
         """``(index, partial)`` of the FULL and the PARTIAL tiles among ``classes_row``."""
