@@ -257,21 +257,12 @@ def invariant_case(comm, case):
     batch = make_batch(case)
     model = build(case, "ringmpi-capture", case["dtype"])
     shard = rmt.shard_batch(batch, comm=comm, layout=case["layout"], step=0, invariant=True)
-    positions = shard[rmt.CONTEXT_KEY].positions
     out = model(**shard)
     mean_loss(out.logits, shard["shift_labels"], shard["num_items_in_batch"]).backward()
 
     def gathered(x, axis):
-        """``x`` of this rank's tokens (sequence along ``axis``) as the whole sequence on rank 0."""
-        parts = comm.gather((positions, x.detach().numpy()), root=0)
-        if parts is None:
-            return None
-        shape = list(parts[0][1].shape)
-        shape[axis] = sum(len(p) for p, _ in parts)
-        whole = np.empty(shape, dtype=parts[0][1].dtype)
-        for pos, part in parts:
-            whole[(slice(None),) * axis + (pos,)] = part
-        return whole
+        """``x`` of this rank's tokens (sequence along ``axis``) as the whole sequence."""
+        return rmt.gather(x, comm=comm, layout=case["layout"], axis=axis).numpy()
 
     one = rmt.shard_batch(batch, comm=MPI.COMM_SELF, layout="contiguous", step=0, invariant=True)[rmt.CONTEXT_KEY]
     problems = []
