@@ -33,7 +33,7 @@ from .. import kernels as K
 from ..core.dropout import kernel_values as dropout_values
 from ..core.dtypes import compute_dtype
 from ..core.dtypes import resolve as resolve_dtype
-from ..core.masks import SKIP, BlockMask, classify_tiles, tile_bounds
+from ..core.masks import BlockMask, classify_tiles, tile_bounds, tile_counts
 from ..core.masks import kernel_scalars as mask_scalars
 from ..core.masks import modifier_scalars
 from ..core.modifiers import FIELDS as MODIFIER_FIELDS
@@ -300,10 +300,7 @@ class CupyBackend:
         q_bounds, dq_bounds = self._upload(mask.q_pos, bm, seg_q)
         kv_bounds, dkv_bounds = self._upload(mask.kv_pos, bn, seg_kv)
         classes = classify_tiles(mask.spec, q_bounds, kv_bounds, nqt, nkt, batch, has_seg)
-        per_class = 1 if has_seg else batch
-        skipped = int(np.count_nonzero(classes == SKIP)) * per_class
-        counts = (classes.size * per_class - skipped, skipped)
-        return self._mask_values(mask, batch, (dq_bounds, dkv_bounds)), counts
+        return self._mask_values(mask, batch, (dq_bounds, dkv_bounds)), tile_counts(classes, has_seg, batch)
 
     def _mask_values(self, mask: BlockMask, batch: int, bounds=None) -> tuple:
         """The kernels' ``MASK_PARAMS`` and ``MOD_PARAMS`` values of ``mask``; ``bounds``: the

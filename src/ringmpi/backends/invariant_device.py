@@ -25,7 +25,8 @@ from .. import kernels as K
 from ..core.dropout import kernel_values as dropout_values
 from ..core.global_tiles import TILE, Tiling
 from ..core.host import to_host
-from .invariant_tiles import pair_classes, pair_counts, tiled_segments
+from ..core.masks import tile_counts
+from .invariant_tiles import pair_classes, tiled_segments
 
 
 def slot_map(tiling: Tiling) -> np.ndarray:
@@ -121,7 +122,7 @@ class _DeviceBlock:
         self.class_batch = np.int32(res.seg is not None)
         self.classes = be.asarray(np.ascontiguousarray(classes))
         self.k_slot = be.asarray(slot_map(self.tiling))
-        self.counts = pair_counts(classes, res.seg is not None, batch)
+        self.counts = tile_counts(classes, res.seg is not None, batch)
 
 
 def _shape(res: DeviceResident, blk: _DeviceBlock, heads: int, kv_heads: int, d: int, d_v: int):

@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from ..core.global_tiles import TILE, Tiling, aligned
-from ..core.masks import FULL, PARTIAL, SKIP, classify_tiles
+from ..core.masks import FULL, PARTIAL, classify_tiles, tile_counts
 from .fixed_sums import add as fixed_add
 
 
@@ -75,14 +75,6 @@ def pair_classes(spec, q_tiling: Tiling, q_seg, k_tiling: Tiling, k_seg, batch: 
                              q_tiling.count, k_tiling.count, batch, q_seg is not None)
     padded = ~q_tiling.valid.all(axis=1)[:, None] | ~k_tiling.valid.all(axis=1)[None, :]
     return np.where((classes == FULL) & padded[None], PARTIAL, classes).astype(np.int8)
-
-
-def pair_counts(classes: np.ndarray, segmented: bool, batch: int):
-    """``(tiles computed, tiles skipped)`` of :func:`pair_classes`' ``classes``, per batch entry (one
-    row of classes per entry with segments, else one row for all ``batch``)."""
-    nonskip = int(np.count_nonzero(classes != SKIP))
-    scale = 1 if segmented else batch
-    return nonskip * scale, (classes.size - nonskip) * scale
 
 
 def _run(index: np.ndarray):
@@ -195,7 +187,7 @@ class _Block:
         return b if self.res.seg is not None else 0
 
     def counts(self, batch: int):
-        return pair_counts(self.classes, self.res.seg is not None, batch)
+        return tile_counts(self.classes, self.res.seg is not None, batch)
 
     def groups(self, classes_row):
         """``(index, partial)`` of the FULL and the PARTIAL tiles among ``classes_row``."""

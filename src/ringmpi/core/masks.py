@@ -262,3 +262,11 @@ def classify_tiles(spec: ScoreSpec, q_bounds: np.ndarray, kv_bounds: np.ndarray,
     out = np.where(partial, PARTIAL, FULL).astype(np.int8)
     out[np.broadcast_to(skip, out.shape)] = SKIP
     return out
+
+
+def tile_counts(classes: np.ndarray, has_seg: bool, batch: int):
+    """``(tiles computed, tiles skipped)`` of :func:`classify_tiles`' ``classes`` over ``batch``
+    entries (without segment ids its one row stands for every entry)."""
+    per_class = 1 if has_seg else batch
+    skipped = int(np.count_nonzero(classes == SKIP)) * per_class
+    return classes.size * per_class - skipped, skipped
