@@ -233,7 +233,7 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         It selects the collectives, so like ``q``'s shape it must be the same on every rank.
         Each new token costs the GEMMs of a whole 64-row query tile, and the call two
         collectives after the checks (:func:`ringmpi.parallel.invariant_passes.decode`).
-        NumPy backend.
+        NumPy and CuPy backends (each its own bits).
     root : int, optional
         Return the result on ``root`` only (``(None, None)`` elsewhere).
     backend : "auto" | "numpy" | "cupy"

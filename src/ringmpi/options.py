@@ -197,7 +197,8 @@ class AttentionOptions:
     alibi_slopes : (H,) float32, optional, the same on every rank
         ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
         ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
-        global positions (after scale and softcap, before the mask).  NumPy backend.
+        global positions (after scale and softcap, before the mask).  NumPy and CuPy
+        backends.
     schedule : "auto" | "ring" | "routed", optional, the same on every rank
         How keys and values move.  ``"ring"``: every K/V block visits every rank
         (:mod:`ringmpi.parallel.ring_schedule`; right for dense masks).  ``"routed"``:
@@ -223,7 +224,8 @@ class AttentionOptions:
         over key tiles are exact integer sums in fixed point
         (:mod:`ringmpi.core.fixed_point`), the forward makes two passes over
         the ring (row maxima first), and a row reached by NaN/Inf is NaN.
-        NumPy backend.
+        NumPy and CuPy backends (each its own bits: the same for every P on one
+        machine, not the same between a CPU and a GPU).
     """
 
     causal: bool = _option(False, op="bool", flag="--causal", kind="switch",
