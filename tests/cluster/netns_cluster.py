@@ -28,7 +28,7 @@ A cluster whose creator died without tearing down (SIGKILL) is removed by the
 next ``start()``.  The library knows nothing of any of this: it sees hosts, as
 on a real cluster.
 
-Run as a program, it rehearses a multi-node job (see the README, "Multi-node")::
+Run as a program, it rehearses a multi-node job (see docs/multinode.md)::
 
     python tests/cluster/netns_cluster.py --hosts 2 [--rate 1gbit] -- \\
         mpirun -n 4 --map-by node ringmpi run in.h5 -o out.h5

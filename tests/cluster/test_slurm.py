@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slurm]
 SAMPLE = ROOT / "data" / "sample.h5"
 CPU_JOB = ROOT / "jobs" / "slurm-cpu.sbatch"
 GPU_JOB = ROOT / "jobs" / "slurm-gpu.sbatch"
-SMALL = ["--nodes=1", "--ntasks-per-node=2"]       # the README's override of the cluster-sized headers
+SMALL = ["--nodes=1", "--ntasks-per-node=2"]       # docs/file-job.md's override of the cluster-sized headers
 GPU_SMALL = SMALL + ["--cpus-per-task=1", "--gpus-per-node=0"]  # this node has no GPU to ask for
 
 
