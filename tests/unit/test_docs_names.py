@@ -197,13 +197,20 @@ def path_exists(span: str) -> bool:
         # a module's path then one of its names: cli/flags.attention_flags
         return chain_exists(path.replace("/", "."))
     if "/" not in path.rstrip("/"):
-        hits = [p for p in ROOT.rglob(path) if ".git" not in p.parts and "build" not in p.parts]
+        hits = [p for p in repo_files() if p.name == path.rstrip("/")]
     else:
         hits = [p for root in SEARCH_ROOTS for p in root.glob(path.rstrip("/"))]
     if not hits:
         return False
     name = name.removesuffix("()")
     return not name or any(p.suffix == ".py" and name in defined_names(p) for p in hits)
+
+
+@lru_cache(maxsize=None)
+def repo_files() -> tuple:
+    """The checkout's files and folders, build outputs and caches left out."""
+    skip = {".git", "build", "__pycache__", ".venv", ".pytest_cache"}
+    return tuple(p for p in ROOT.rglob("*") if not skip & set(p.relative_to(ROOT).parts))
 
 
 # ------------------------------------------------------------------ links
