@@ -1,0 +1,109 @@
+"""PyTorch autograd for the sharded linear-attention layers: ``gated_delta_rule``, ``simple_gla``.
+
+Each takes this rank's contiguous shard as torch tensors (flash-linear-attention's shapes, as
+:mod:`ringmpi.linear_attention`) and returns ``(o, final_state)`` on the inputs' device and
+dtype (float32 or float64; the work runs in NumPy on the host).  Both the forward and the
+backward are collective over ``comm``: every rank calls the forward and every rank
+backpropagates through it.  The backward recomputes the forward (its scan included).
+
+Replicated tensors follow the bridges' rule (docs/design.md): ``initial_state``'s gradient is
+this rank's own contribution (the framework's usual sum over ranks gives the whole), and the
+final state, returned on every rank, takes the sum over ranks of the gradients its copies
+received (one Allreduce in the backward).
+
+Importing this module imports torch; ``import ringmpi`` does not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ringmpi.torch_linear needs PyTorch: pip install 'ringmpi[torch]'") from exc
+
+from . import linear_attention as _linear
+from .parallel.comm import resolve_comm
+from .runtime.watchdog import phase
+
+__all__ = ["gated_delta_rule", "simple_gla"]
+
+
+def _numpy(t):
+    return None if t is None else t.detach().cpu().contiguous().numpy()
+
+
+def _tensor(a, like: torch.Tensor):
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device=like.device)
+
+
+def _summed_over_ranks(comm, dfinal, shape, dtype):
+    """The final state's whole gradient: the sum of every rank's copy's (zeros where unused)."""
+    from mpi4py import MPI
+
+    total = np.zeros(shape, dtype) if dfinal is None else np.array(_numpy(dfinal), dtype=dtype)
+    with phase("the linear-attention final state's gradient (Allreduce)"):
+        comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+    return total
+
+
+class _LinearFunction(torch.autograd.Function):
+    """One sharded linear-attention call; ``delta`` picks the gated delta rule or scalar decay."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, delta, scale, output_final_state, cu_seqlens, comm):
+        comm = resolve_comm(comm)
+        run = _linear.gated_delta_rule if delta else _linear.simple_gla
+        extra = (_numpy(beta),) if delta else ()
+        o, final = run(_numpy(q), _numpy(k), _numpy(v), _numpy(g), *extra, scale=scale,
+                       initial_state=_numpy(initial_state), output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, comm=comm)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.options = (delta, scale, output_final_state, cu_seqlens, comm)
+        ctx.final_shape = None if final is None else final.shape
+        if final is None:
+            return _tensor(o, q), None
+        return _tensor(o, q), _tensor(final, q)
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        delta, scale, output_final_state, cu_seqlens, comm = ctx.options
+        dt = _numpy(v).dtype
+        do = np.zeros(v.shape, dt) if do is None else _numpy(do)
+        total = (_summed_over_ranks(comm, dfinal, ctx.final_shape, dt) if output_final_state else None)
+        common = dict(dfinal_state=total, scale=scale, initial_state=_numpy(initial_state),
+                      cu_seqlens=cu_seqlens, comm=comm, reduce_dinitial=False)
+        if delta:
+            dq, dk, dv, dg, dbeta, dinit = _linear.gated_delta_rule_backward(
+                do, _numpy(q), _numpy(k), _numpy(v), _numpy(g), _numpy(beta), **common)
+        else:
+            dq, dk, dv, dg, dinit = _linear.simple_gla_backward(do, _numpy(q), _numpy(k), _numpy(v), _numpy(g),
+                                                                **common)
+            dbeta = None
+        return (_tensor(dq, q), _tensor(dk, q), _tensor(dv, q), _tensor(dg, q), _tensor(dbeta, q),
+                _tensor(dinit, q), None, None, None, None, None)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                     scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+                     output_final_state: bool = False, cu_seqlens=None, comm=None):
+    """:func:`ringmpi.gated_delta_rule` on torch tensors, differentiable in q, k, v, g, beta and
+    initial_state.  q, k: (B, T_local, H, K); v: (B, T_local, HV, V); g, beta: (B, T_local, HV);
+    initial_state (B or N_docs, HV, K, V).  Returns ``(o, final_state or None)``."""
+    return _LinearFunction.apply(q, k, v, g, beta, initial_state, True, scale, output_final_state,
+                                 None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
+                                 comm)
+
+
+def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None, *,
+               scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+               output_final_state: bool = False, cu_seqlens=None, comm=None):
+    """:func:`ringmpi.simple_gla` (scalar decay; ``g=None``: plain linear attention) on torch
+    tensors, differentiable in q, k, v, g and initial_state; shapes as :func:`gated_delta_rule`."""
+    return _LinearFunction.apply(q, k, v, g, None, initial_state, False, scale, output_final_state,
+                                 None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
+                                 comm)

@@ -1,0 +1,229 @@
+"""Rank-side driver: many sharded linear-attention cases, every world size, in one mpirun launch.
+
+    mpirun -n 7 python tests/mpi/linear_cases.py CASES.json
+
+A case runs on the first ``P`` ranks (its ``P``; one sub-communicator per size, made up front),
+largest ``P`` first, so a rank that no case needs any more only waits, asleep, for the end.
+
+Every rank builds the same global inputs from the case's seed and passes its contiguous shard
+(``lengths``: every rank's token count, uneven and empty shards included) to
+``ringmpi.gated_delta_rule`` / ``simple_gla`` and their backwards (or the torch wrappers of
+``ringmpi.torch_linear``).  Rank 0 gathers the shards and compares, in float64, outputs, final
+state and every gradient with the sequential recurrence of ``tests/support/linear_reference.py``
+(relative to each tensor's largest entry, <= 1e-10); in float32, outputs and final state with
+transformers' ``torch_chunk_gated_delta_rule`` (RMS-relative <= 1e-5).  A case's inputs and
+references depend on its name only, so rank 0 computes each reference once for every ``P``.  Every rank must return
+the same final state and initial-state gradient.  ``error`` cases expect one ConfigError on
+every rank.
+"""
+
+import functools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
+from case_driver import agreed_error, run_all  # noqa: E402
+import ringmpi  # noqa: E402
+
+EXACT = 1e-10   # float64: relative to the tensor's largest entry
+RMS_32 = 1e-5   # float32 against transformers' chunked reference, RMS-relative
+
+
+def inputs(case):
+    """The global inputs of a case (float64), the same on every rank."""
+    rng = np.random.default_rng(case["seed"])
+    b, n, h, hv, kd, vd = (case[x] for x in ("B", "N", "H", "HV", "K", "V"))
+    q = rng.standard_normal((b, n, h, kd))
+    k = rng.standard_normal((b, n, h, kd))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)  # the models' l2-normalised keys keep the delta rule stable
+    x = dict(q=q, k=k, v=rng.standard_normal((b, n, hv, vd)),
+             g=-rng.uniform(0.0, 0.4, (b, n, hv)) if case["kind"] != "linear" else None,
+             beta=rng.uniform(0.05, 1.0, (b, n, hv)) if case["kind"] == "gdn" else None)
+    rows = b if case.get("cu") is None else len(case["cu"]) - 1
+    x["s0"] = rng.standard_normal((rows, hv, kd, vd)) if case.get("init") else None
+    x["do"] = rng.standard_normal((b, n, hv, vd))
+    x["dfinal"] = rng.standard_normal((rows, hv, kd, vd)) if case.get("final") else None
+    return x
+
+
+def shard(x, lengths, rank):
+    lo = sum(lengths[:rank])
+    return None if x is None else np.ascontiguousarray(x[:, lo:lo + lengths[rank]])
+
+
+def run_numpy(comm, case, x, dtype):
+    cast = (lambda a: None if a is None else a.astype(dtype))
+    lengths, rank = case["lengths"], comm.Get_rank()
+    mine = {name: cast(shard(x[name], lengths, rank)) for name in ("q", "k", "v", "g", "beta", "do")}
+    common = dict(scale=case.get("scale"), initial_state=cast(x["s0"]), cu_seqlens=case.get("cu"), comm=comm)
+    if case["kind"] == "gdn":
+        o, final = ringmpi.gated_delta_rule(*(mine[n] for n in ("q", "k", "v", "g", "beta")),
+                                            output_final_state=bool(case.get("final")), **common)
+        grads = ringmpi.gated_delta_rule_backward(mine["do"], *(mine[n] for n in ("q", "k", "v", "g", "beta")),
+                                                  dfinal_state=cast(x["dfinal"]), **common)
+    else:
+        o, final = ringmpi.simple_gla(*(mine[n] for n in ("q", "k", "v", "g")),
+                                      output_final_state=bool(case.get("final")), **common)
+        dq, dk, dv, dg, dinit = ringmpi.simple_gla_backward(mine["do"], *(mine[n] for n in ("q", "k", "v", "g")),
+                                                            dfinal_state=cast(x["dfinal"]), **common)
+        grads = (dq, dk, dv, dg, None, dinit)
+    return o, final, grads
+
+
+def run_torch(comm, case, x):
+    import torch
+
+    """The autograd wrappers: the loss sum(o * do) on every rank plus sum(final * dfinal) on rank 0
+    only (a replicated output's gradient is summed over ranks); the initial state's gradient is
+    this rank's share, summed here."""
+    import ringmpi.torch_linear as tl
+    lengths, rank = case["lengths"], comm.Get_rank()
+    leaf = {n: (None if shard(x[n], lengths, rank) is None else torch.tensor(shard(x[n], lengths, rank),
+                                                                             requires_grad=True))
+            for n in ("q", "k", "v", "g", "beta")}
+    s0 = None if x["s0"] is None else torch.tensor(x["s0"], requires_grad=True)
+    common = dict(scale=case.get("scale"), initial_state=s0, cu_seqlens=case.get("cu"), comm=comm,
+                  output_final_state=bool(case.get("final")))
+    if case["kind"] == "gdn":
+        o, final = tl.gated_delta_rule(*(leaf[n] for n in ("q", "k", "v", "g", "beta")), **common)
+    else:
+        o, final = tl.simple_gla(*(leaf[n] for n in ("q", "k", "v", "g")), **common)
+    loss = (o * torch.tensor(shard(x["do"], lengths, rank))).sum()
+    if final is not None and rank == 0:
+        loss = loss + (final * torch.tensor(x["dfinal"])).sum()
+    loss.backward()
+    dinit = None if s0 is None else s0.grad.numpy().copy()
+    if dinit is not None:
+        comm.Allreduce(MPI.IN_PLACE, dinit, op=MPI.SUM)
+    grads = tuple(None if leaf[n] is None else leaf[n].grad.numpy() for n in ("q", "k", "v", "g", "beta"))
+    return o.detach().numpy(), None if final is None else final.detach().numpy(), grads + (dinit,)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name):
+    """The reference of a case (float64 recurrence, or transformers' in float32), once per name."""
+    case = CASES_BY_NAME[name]
+    x = inputs(case)
+    return reference32(case, x) + (None,) if case.get("dtype") == "float32" else reference64(case, x)
+
+
+def reference64(case, x):
+    import torch
+    from linear_reference import recurrence
+
+    t = {n: None if x[n] is None else torch.tensor(x[n], requires_grad=True) for n in ("q", "k", "v", "g", "beta", "s0")}
+    g = t["g"] if t["g"] is not None else torch.zeros(x["v"].shape[:3], dtype=torch.float64)
+    scale = case.get("scale") or case["K"] ** -0.5
+    o, final = recurrence(t["q"], t["k"], t["v"], g, t["beta"], scale, t["s0"], case.get("cu"),
+                          delta=case["kind"] == "gdn")
+    loss = (o * torch.tensor(x["do"])).sum()
+    if x["dfinal"] is not None:
+        loss = loss + (final * torch.tensor(x["dfinal"])).sum()
+    loss.backward()
+    grads = tuple(None if t[n] is None else t[n].grad.numpy() for n in ("q", "k", "v", "g", "beta", "s0"))
+    return o.detach().numpy(), final.detach().numpy(), grads
+
+
+def reference32(case, x):
+    """transformers' chunked gated delta rule in float32 (outputs and final state)."""
+    import torch
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    t = {n: None if x[n] is None else torch.tensor(x[n], dtype=torch.float32) for n in ("q", "k", "v", "g", "beta", "s0")}
+    o, final = torch_chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["s0"],
+                                            output_final_state=True)
+    return o.numpy(), final.numpy()
+
+
+def relative(ours, ref):
+    return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-300)) if ref.size else 0.0
+
+
+def rms_relative(ours, ref):
+    return float(np.sqrt(np.mean((ours.astype(np.float64) - ref) ** 2) / np.mean(ref.astype(np.float64) ** 2)))
+
+
+def same_on_every_rank(comm, a):
+    every = comm.gather(None if a is None else a.tobytes(), root=0)
+    return comm.Get_rank() != 0 or len(set(every)) == 1
+
+
+def run_case(comm, case):
+    x = inputs(case)
+    dtype = np.dtype(case.get("dtype", "float64"))
+    o, final, grads = run_torch(comm, case, x) if case.get("torch") else run_numpy(comm, case, x, dtype)
+    replicated_ok = same_on_every_rank(comm, final) & same_on_every_rank(comm, grads[5])
+    shards = comm.gather((o, grads[:5]), root=0)
+    if comm.Get_rank() != 0:
+        return True, ""
+    whole = lambda parts: None if parts[0] is None else np.concatenate(parts, axis=1)  # noqa: E731
+    o = whole([s[0] for s in shards])
+    got = [whole([s[1][i] for s in shards]) for i in range(5)] + [grads[5]]
+    msgs = [] if replicated_ok else ["ranks returned different final states or initial-state gradients"]
+    if o.dtype != dtype or o.shape != x["v"].shape:
+        msgs.append(f"o is {o.dtype} {o.shape}")
+    o_ref, final_ref, ref_grads = reference(case["name"])
+    if dtype == np.float32:
+        errs = {"o": rms_relative(o, o_ref)}
+        if final is not None:
+            errs["final"] = rms_relative(final, final_ref)
+        bound = RMS_32
+    else:
+        errs = {"o": relative(o, o_ref)}
+        if case.get("final"):
+            errs["final"] = relative(final, final_ref)
+        for name, ours, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dinit"), got, ref_grads):
+            if (ours is None) != (ref is None):
+                msgs.append(f"{name}: got {'None' if ours is None else 'an array'}, reference the other")
+            elif ours is not None:
+                errs[name] = relative(ours, ref)
+        bound = EXACT
+    msgs += [f"{name} error {err:.3g} > {bound:g}" for name, err in errs.items() if not err <= bound]
+    return not msgs, "; ".join(msgs) or " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+
+
+def run_error(comm, case):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(0)
+    n = 4
+    q = rng.standard_normal((1, n, 2, 4))
+    v = rng.standard_normal((1, n, 2, 3))
+    g, beta = np.zeros((1, n, 2)), np.ones((1, n, 2))
+    what = case["what"]
+    if what == "heads_one_rank" and rank == size - 1:
+        v = rng.standard_normal((1, n, 3, 3))
+    cu = [0, 3, size * n + 1] if what == "cu_length" else None
+    if what == "dtype_one_rank" and rank == 0:
+        q = q.astype(np.float32)
+    problem = agreed_error(comm, lambda: ringmpi.gated_delta_rule(q, q, v, g, beta, cu_seqlens=cu, comm=comm),
+                           case["expect"])
+    return problem is None, problem or ""
+
+
+CASES_BY_NAME = {}
+
+
+def main():
+    world = MPI.COMM_WORLD
+    with open(sys.argv[1]) as fh:
+        cases = json.load(fh)
+    CASES_BY_NAME.update({c["name"]: c for c in cases if "name" in c})
+    sizes = sorted({c["P"] for c in cases}, reverse=True)
+    subs = {p: world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank()) for p in sizes}
+    kinds = {"error": run_error}
+    for p in sizes:
+        if subs[p] != MPI.COMM_NULL:
+            run_all(subs[p], [c for c in cases if c["P"] == p],
+                    lambda case, comm=subs[p]: kinds.get(case["kind"], run_case)(comm, case))
+    done = world.Ibarrier()  # ranks no case needs sleep here instead of spinning in MPI
+    while not done.Test():
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    main()
