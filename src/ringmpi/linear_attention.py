@@ -36,7 +36,7 @@ from .core.state_maps import StateMap, apply_m, identity, reset, transposed
 from .core.state_segments import Segment, empty_documents, segments
 from .parallel.comm import resolve_comm
 from .parallel.state_scan import exclusive_scan
-from .runtime.errors import ConfigError
+from .runtime.errors import ConfigError, agree_shards
 from .runtime.watchdog import phase
 
 DTYPES = ("float32", "float64")
@@ -120,18 +120,8 @@ def agree_call(comm, q, k, v, g, beta, *, scale, initial_state, output_final_sta
         signature = (q.shape[0], q.shape[2], q.shape[3], v.shape[2], v.shape[3], q.dtype.name,
                      scale, g is None, initial_state is None, bool(output_final_state),
                      None if cu is None else cu.tobytes().hex())
-    with phase("the linear-attention call's agreement (allgather)"):
-        every = comm.allgather((problem, signature, q.shape[1] if q.ndim == 4 else 0))
-    failing = [(r, p) for r, (p, _, _) in enumerate(every) if p is not None]
-    if failing:
-        rank, message = failing[0]
-        if len(failing) < len(every) or len({p for _, p in failing}) > 1:
-            message = f"rank {rank}: {message}"
-        raise ConfigError(message)
-    if len({s for _, s, _ in every}) != 1:
-        raise ConfigError("ranks disagree on the call (B, H, K, HV, V, dtype, scale, g, initial_state, "
-                          "output_final_state or cu_seqlens)")
-    lengths = tuple(int(t) for _, _, t in every)
+    lengths = agree_shards(comm, problem, signature, q.shape[1] if q.ndim == 4 else 0,
+                           "B, H, K, HV, V, dtype, scale, g, initial_state, output_final_state or cu_seqlens")
     rank, n = comm.Get_rank(), sum(lengths)
     if cu is not None and cu[-1] != n:
         raise ConfigError(f"cu_seqlens ends at {cu[-1]}, but the ranks' shards hold N = {n} tokens")

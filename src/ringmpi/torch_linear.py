@@ -1,4 +1,5 @@
-"""PyTorch autograd for the sharded linear-attention layers: ``gated_delta_rule``, ``simple_gla``.
+"""PyTorch autograd for the sharded linear-attention layers: ``gated_delta_rule``, ``simple_gla``,
+their ``causal_conv1d``, and ``relayout`` between the layouts of a hybrid model's layer kinds.
 
 Each takes this rank's contiguous shard as torch tensors (flash-linear-attention's shapes, as
 :mod:`ringmpi.linear_attention`) and returns ``(o, final_state)`` on the inputs' device and
@@ -6,8 +7,8 @@ dtype (float32 or float64; the work runs in NumPy on the host).  Both the forwar
 backward are collective over ``comm``: every rank calls the forward and every rank
 backpropagates through it.  The backward recomputes the forward (its scan included).
 
-Replicated tensors follow the bridges' rule (docs/design.md): ``initial_state``'s gradient is
-this rank's own contribution (the framework's usual sum over ranks gives the whole), and the
+Replicated tensors follow the bridges' rule (docs/design.md): ``initial_state``'s gradient (and
+the convolution's weight's and bias') is this rank's own contribution (the framework's usual sum over ranks gives the whole), and the
 final state, returned on every rank, takes the sum over ranks of the gradients its copies
 received (one Allreduce in the backward).
 
@@ -25,11 +26,13 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch_linear needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
+from . import causal_conv as _conv
 from . import linear_attention as _linear
+from .relayout import relayout as _relayout_call
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 
-__all__ = ["gated_delta_rule", "simple_gla"]
+__all__ = ["gated_delta_rule", "simple_gla", "causal_conv1d", "relayout"]
 
 
 def _numpy(t):
@@ -107,3 +110,49 @@ def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[to
     return _LinearFunction.apply(q, k, v, g, None, initial_state, False, scale, output_final_state,
                                  None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
                                  comm)
+
+
+class _CausalConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, cu_seqlens, comm):
+        comm = resolve_comm(comm)
+        y = _conv.causal_conv1d(_numpy(x), _numpy(weight), _numpy(bias), activation=activation,
+                                cu_seqlens=cu_seqlens, comm=comm)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.options = (activation, cu_seqlens, comm)
+        return _tensor(y, x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        activation, cu_seqlens, comm = ctx.options
+        dx, dweight, dbias = _conv.causal_conv1d_backward(_numpy(dy), _numpy(x), _numpy(weight), _numpy(bias),
+                                                          activation=activation, cu_seqlens=cu_seqlens, comm=comm,
+                                                          reduce_params=False)
+        return _tensor(dx, x), _tensor(dweight, x), _tensor(dbias, x), None, None, None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                  activation: Optional[str] = None, cu_seqlens=None, comm=None) -> torch.Tensor:
+    """:func:`ringmpi.causal_conv1d` on torch tensors (x (B, T_local, D), weight (D, W), bias (D,)),
+    differentiable in all three; the halo's gradient reaches the rank that owns those tokens."""
+    return _CausalConv.apply(x, weight, bias, activation,
+                             None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))), comm)
+
+
+class _Relayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, source, target, axis, comm):
+        comm = resolve_comm(comm)
+        ctx.options = (source, target, axis, comm)
+        return _tensor(_relayout_call(_numpy(x), source, target, comm=comm, axis=axis), x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        source, target, axis, comm = ctx.options
+        return _tensor(_relayout_call(_numpy(dy), target, source, comm=comm, axis=axis), dy), None, None, None, None
+
+
+def relayout(x: torch.Tensor, source, target, *, comm=None, axis: int = 1) -> torch.Tensor:
+    """:func:`ringmpi.relayout` on a torch tensor; its gradient goes back the other way."""
+    return _Relayout.apply(x, source, target, axis, comm)

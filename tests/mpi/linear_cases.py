@@ -13,7 +13,9 @@ state and every gradient with the sequential recurrence of ``tests/support/linea
 (relative to each tensor's largest entry, <= 1e-10); in float32, outputs and final state with
 transformers' ``torch_chunk_gated_delta_rule`` (RMS-relative <= 1e-5).  A case's inputs and
 references depend on its name only, so rank 0 computes each reference once for every ``P``.  Every rank must return
-the same final state and initial-state gradient.  ``error`` cases expect one ConfigError on
+the same final state and initial-state gradient.  ``conv`` cases check ``causal_conv1d`` (halo,
+documents, backward) against torch's ``conv1d`` per document, ``relayout`` cases every pair of
+layouts bitwise (and the torch wrapper's gradient); ``error`` cases expect one ConfigError on
 every rank.
 """
 
@@ -187,6 +189,80 @@ def run_case(comm, case):
     return not msgs, "; ".join(msgs) or " ".join(f"{n}={e:.1e}" for n, e in errs.items())
 
 
+def conv_reference(x, w, b, dy, bounds, activation):
+    """torch's conv1d on each document alone: ``(y, dx, dw, db)`` in float64."""
+    import torch
+    import torch.nn.functional as F
+
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    width, parts = w.shape[1], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            y = F.conv1d(xt[:, lo:hi].transpose(1, 2), wt[:, None, :], bt, padding=width - 1, groups=w.shape[0])
+            parts.append(y[..., :hi - lo].transpose(1, 2))
+    y = torch.cat(parts, dim=1)
+    y = F.silu(y) if activation else y
+    (y * torch.tensor(dy)).sum().backward()
+    return y.detach().numpy(), xt.grad.numpy(), wt.grad.numpy(), bt.grad.numpy()
+
+
+def run_conv(comm, case):
+    rng = np.random.default_rng(case["seed"])
+    b, n, d, width = case["B"], case["N"], case["D"], case["W"]
+    x, w, bias, dy = (rng.standard_normal(s) for s in ((b, n, d), (d, width), (d,), (b, n, d)))
+    lengths, rank = case["lengths"], comm.Get_rank()
+    act, cu = case.get("activation"), case.get("cu")
+    if case.get("torch"):
+        import torch
+        import ringmpi.torch_linear as tl
+
+        xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (shard(x, lengths, rank), w, bias))
+        y = tl.causal_conv1d(xt, wt, bt, activation=act, cu_seqlens=cu, comm=comm)
+        (y * torch.tensor(shard(dy, lengths, rank))).sum().backward()
+        y, dx, dw, db = y.detach().numpy(), xt.grad.numpy(), wt.grad.numpy().copy(), bt.grad.numpy().copy()
+        comm.Allreduce(MPI.IN_PLACE, dw, op=MPI.SUM)  # the replicated parameters' shares
+        comm.Allreduce(MPI.IN_PLACE, db, op=MPI.SUM)
+    else:
+        y = ringmpi.causal_conv1d(shard(x, lengths, rank), w, bias, activation=act, cu_seqlens=cu, comm=comm)
+        dx, dw, db = ringmpi.causal_conv1d_backward(shard(dy, lengths, rank), shard(x, lengths, rank), w, bias,
+                                                    activation=act, cu_seqlens=cu, comm=comm)
+    same = same_on_every_rank(comm, dw) & same_on_every_rank(comm, db)
+    shards = comm.gather((y, dx), root=0)
+    if rank != 0:
+        return True, ""
+    ref = conv_reference(x, w, bias, dy, cu or [0, n], act)
+    ours = (np.concatenate([s[0] for s in shards], axis=1), np.concatenate([s[1] for s in shards], axis=1), dw, db)
+    errs = {name: relative(o, r) for name, o, r in zip(("y", "dx", "dw", "db"), ours, ref)}
+    msgs = [] if same else ["ranks returned different parameter gradients"]
+    msgs += [f"{name} error {e:.3g} > {EXACT:g}" for name, e in errs.items() if not e <= EXACT]
+    return not msgs, "; ".join(msgs) or " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+
+
+def run_relayout(comm, case):
+    from ringmpi import Layout
+
+    n, size, rank = case["N"], comm.Get_size(), comm.Get_rank()
+    x = np.random.default_rng(case["seed"]).standard_normal((2, n, 3)).astype(np.float32)
+    kinds = [Layout("contiguous", n, size), Layout("zigzag", n, size), Layout("striped", n, size),
+             Layout("balanced", n, size, documents=case["documents"], causal=True)]
+    wrong = [(a, b) for a in kinds for b in kinds
+             if not np.array_equal(ringmpi.relayout(a.shard(x, rank), a, b, comm=comm), b.shard(x, rank))]
+    import torch
+    import ringmpi.torch_linear as tl
+
+    a, b = kinds[0], kinds[1]
+    xt = torch.tensor(a.shard(x, rank), requires_grad=True)
+    (tl.relayout(xt, a, b, comm=comm) * torch.tensor(b.shard(x, rank))).sum().backward()
+    grad_ok = np.array_equal(xt.grad.numpy(), a.shard(x, rank))  # the gradient comes back to the source layout
+    bad = comm.gather((wrong, grad_ok), root=0)
+    if rank != 0:
+        return True, ""
+    wrong = [pair for w, _ in bad for pair in w]
+    msgs = [f"{a.kind} -> {b.kind} differs" for a, b in wrong[:4]]
+    msgs += [] if all(g for _, g in bad) else ["torch relayout's gradient did not come back to the source layout"]
+    return not msgs, "; ".join(msgs)
+
+
 def run_error(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(0)
@@ -215,7 +291,7 @@ def main():
     CASES_BY_NAME.update({c["name"]: c for c in cases if "name" in c})
     sizes = sorted({c["P"] for c in cases}, reverse=True)
     subs = {p: world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank()) for p in sizes}
-    kinds = {"error": run_error}
+    kinds = {"error": run_error, "conv": run_conv, "relayout": run_relayout}
     for p in sizes:
         if subs[p] != MPI.COMM_NULL:
             run_all(subs[p], [c for c in cases if c["P"] == p],

@@ -53,6 +53,13 @@ def cases_for(p):
         add("gdn-torch-docs", "gdn", 260, init=True, final=True, torch=True, cu=docs)
         add("gla-torch", "gla", 120, B=2, init=True, final=True, torch=True)
     add("gdn-f32-transformers", "gdn", 180, B=2, K=16, V=16, dtype="float32", init=True, final=True)
+    conv_lengths = [3, 1, 0, 2] + split(40 - 6, p - 4, 7, True) if p > 4 else split(40, p, 7, True)
+    for name, kw in (("conv", {}), ("conv-silu-docs", dict(activation="silu", cu=[0, 2, 2, 5, 30, 40])),
+                     ("conv-torch-docs", dict(activation="silu", cu=[0, 2, 2, 5, 30, 40], torch=True))):
+        if p <= 3 or not kw.get("torch"):
+            cases.append(dict(id=f"P{p}-{name}", P=p, kind="conv", B=2, N=40, D=5, W=4, seed=zlib.crc32(name.encode()),
+                              lengths=conv_lengths, **kw))
+    cases.append(dict(id=f"P{p}-relayout", P=p, kind="relayout", N=45, seed=3, documents=[20, 3, 22]))
     for what, expect in (("heads_one_rank", "must be a multiple of"), ("dtype_one_rank", "must share one dtype"),
                          ("cu_length", "cu_seqlens ends at")):
         cases.append(dict(id=f"P{p}-error-{what}", P=p, kind="error", what=what, expect=expect))
