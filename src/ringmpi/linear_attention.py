@@ -25,6 +25,7 @@ every rank.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -162,6 +163,7 @@ class ShardRecurrence:
         self.runs: List[_Run] = []
         self.map: Optional[StateMap] = None
         self.bytes_received = 0
+        self.seconds = {"local": 0.0, "scan": 0.0}  # this rank's chunked runs and corrections; its scans
 
     def _start_state(self, seg: Segment):
         if seg.starts and self.initial is not None:
@@ -177,6 +179,7 @@ class ShardRecurrence:
         """This rank's outputs, head-major ``(B, HV, T, V)``; the runs' end states are the true
         ones afterwards (and their chunk states, with ``keep_states``)."""
         call = self.call
+        start = time.perf_counter()
         o = np.zeros((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype)
         self.runs = []
         for seg in self.segments:
@@ -193,8 +196,12 @@ class ShardRecurrence:
             self.map = StateMap(call.kind, head.fwd.m, head.fwd.s_end)
         else:
             self.map = reset(call.kind, self.runs[-1].fwd.s_end)
+        scan_start = time.perf_counter()
+        self.seconds["local"] += scan_start - start
         s_in, nbytes = exclusive_scan(call.comm, self.map)
         self.bytes_received += nbytes
+        start = time.perf_counter()
+        self.seconds["scan"] += start - scan_start
         if head is not None:
             fwd, part = head.fwd, slice(head.seg.lo, head.seg.hi)
             o[:, :, part] += fwd.qs @ s_in
@@ -204,6 +211,7 @@ class ShardRecurrence:
                     fwd.states = fwd.states + fwd.states_m @ s_in[:, :, None]
                 else:
                     fwd.states = fwd.states + fwd.states_m[..., None, None] * s_in[:, :, None]
+        self.seconds["local"] += time.perf_counter() - start
         return o
 
     def final_states(self) -> np.ndarray:
@@ -230,6 +238,7 @@ class ShardRecurrence:
 
         call = self.call
         self.forward(keep_states=True)
+        start = time.perf_counter()
         c = np.zeros(call.state_shape(call.b), call.dtype)
         head = self.head
         if head is not None:
@@ -237,8 +246,12 @@ class ShardRecurrence:
             if head.seg.ends and dfinal is not None:
                 head_map_t = transposed(StateMap(call.kind, head.fwd.m, c), c)  # the head's own map
                 c = c + head_map_t.apply(dfinal[call.rows(head.seg.doc)])
+        scan_start = time.perf_counter()
+        self.seconds["local"] += scan_start - start
         ds_out, nbytes = exclusive_scan(call.comm, transposed(self.map, c), reverse=True)
         self.bytes_received += nbytes
+        start = time.perf_counter()
+        self.seconds["scan"] += start - scan_start
         grads = {name: np.zeros_like(x) for name, x in (("q", self.q), ("k", self.k), ("v", self.v), ("g", self.g))}
         grads["beta"] = None if self.beta is None else np.zeros_like(self.beta)
         dinitial = None if self.initial is None else np.zeros(call.state_shape(), call.dtype)
@@ -253,6 +266,7 @@ class ShardRecurrence:
                     grads[name][:, :, part] = getattr(got, "d" + name)
             if seg.starts and dinitial is not None:
                 dinitial[call.rows(seg.doc)] += got.ds0
+        self.seconds["local"] += time.perf_counter() - start
         if dinitial is not None:
             if call.comm.Get_rank() == 0 and dfinal is not None:
                 for doc in empty_documents(call.bounds):
