@@ -63,8 +63,8 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                    "to --n): zigzag + ring against balanced + routed, per rank visible pairs, bytes, time.")
 @click.option("--linear", type=click.Choice(["gdn", "gla", "linear"]), default=None,
               help="Time a linear-attention layer on contiguous shards instead (ringmpi.bench.linear): gated "
-                   "delta rule, scalar decay or plain; bytes per rank for N = 2^14..2^18, strong and weak "
-                   "scaling over P = 1, 2, 4, ... (--heads, --dim = K, --dim-v = V, float32/float64).")
+                   "delta rule, scalar decay or plain; bytes per rank for N = --n/16 .. --n, strong and weak "
+                   "scaling at --n/16 over P = 1, 2, 4, ... (--heads, --dim = K, --dim-v = V, float32/float64).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress report on rank 0 (the calls, their ring steps, "
               "the time left).")
 @attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel", "invariant",
