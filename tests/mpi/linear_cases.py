@@ -10,8 +10,8 @@ Every rank builds the same global inputs from the case's seed and passes its con
 ``ringmpi.gated_delta_rule`` / ``simple_gla`` and their backwards (or the torch wrappers of
 ``ringmpi.torch_linear``).  Rank 0 gathers the shards and compares, in float64, outputs, final
 state and every gradient with the sequential recurrence of ``tests/support/linear_reference.py``
-(relative to each tensor's largest entry, <= 1e-10); in float32, outputs and final state with
-transformers' ``torch_chunk_gated_delta_rule`` (RMS-relative <= 1e-5).  A case's inputs and
+(relative to each tensor's largest entry, <= 1e-10); in float32, outputs, final state and every
+gradient with transformers' ``torch_chunk_gated_delta_rule`` and its autograd (RMS-relative <= 1e-5).  A case's inputs and
 references depend on its name only, so rank 0 computes each reference once for every ``P``.  Every rank must return
 the same final state and initial-state gradient.  ``conv`` cases check ``causal_conv1d`` (halo,
 documents, backward) against torch's ``conv1d`` per document, ``relayout`` cases every pair of
@@ -111,7 +111,7 @@ def reference(name):
     """The reference of a case (float64 recurrence, or transformers' in float32), once per name."""
     case = CASES_BY_NAME[name]
     x = inputs(case)
-    return reference32(case, x) + (None,) if case.get("dtype") == "float32" else reference64(case, x)
+    return reference32(case, x) if case.get("dtype") == "float32" else reference64(case, x)
 
 
 def reference64(case, x):
@@ -132,14 +132,18 @@ def reference64(case, x):
 
 
 def reference32(case, x):
-    """transformers' chunked gated delta rule in float32 (outputs and final state)."""
+    """transformers' chunked gated delta rule in float32: outputs, final state, and the gradients
+    its autograd gives."""
     import torch
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    t = {n: None if x[n] is None else torch.tensor(x[n], dtype=torch.float32) for n in ("q", "k", "v", "g", "beta", "s0")}
+    t = {n: torch.tensor(x[n], dtype=torch.float32, requires_grad=True) for n in ("q", "k", "v", "g", "beta", "s0")}
     o, final = torch_chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["s0"],
                                             output_final_state=True)
-    return o.numpy(), final.numpy()
+    ((o * torch.tensor(x["do"], dtype=torch.float32)).sum()
+     + (final * torch.tensor(x["dfinal"], dtype=torch.float32)).sum()).backward()
+    grads = tuple(t[n].grad.numpy() for n in ("q", "k", "v", "g", "beta", "s0"))
+    return o.detach().numpy(), final.detach().numpy(), grads
 
 
 def relative(ours, ref):
@@ -171,9 +175,9 @@ def run_case(comm, case):
         msgs.append(f"o is {o.dtype} {o.shape}")
     o_ref, final_ref, ref_grads = reference(case["name"])
     if dtype == np.float32:
-        errs = {"o": rms_relative(o, o_ref)}
-        if final is not None:
-            errs["final"] = rms_relative(final, final_ref)
+        errs = {"o": rms_relative(o, o_ref), "final": rms_relative(final, final_ref)}
+        errs.update({name: rms_relative(ours, ref) for name, ours, ref in
+                     zip(("dq", "dk", "dv", "dg", "dbeta", "dinit"), got, ref_grads)})
         bound = RMS_32
     else:
         errs = {"o": relative(o, o_ref)}
