@@ -33,6 +33,10 @@ _PUBLIC = {
     "gated_delta_rule_backward": "linear_attention",
     "simple_gla": "linear_attention",
     "simple_gla_backward": "linear_attention",
+    "kda": "linear_attention",
+    "kda_backward": "linear_attention",
+    "gla": "linear_attention",
+    "gla_backward": "linear_attention",
     "causal_conv1d": "causal_conv",
     "causal_conv1d_backward": "causal_conv",
     "relayout": "relayout",
@@ -63,6 +67,7 @@ if not any(isinstance(f, _PublicModules) for f in _sys.meta_path):
 
 __all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "AttentionOptions",
            "gated_delta_rule", "gated_delta_rule_backward", "simple_gla", "simple_gla_backward",
+           "kda", "kda_backward", "gla", "gla_backward",
            "causal_conv1d", "causal_conv1d_backward", "relayout",
            "abort_on_error", "ConfigError", "RingTimeout", "__version__"]
 

@@ -1,4 +1,4 @@
-"""Linear-attention layers with the sequence sharded across ranks: gated delta rule, scalar decay.
+"""Linear-attention layers with the sequence sharded across ranks: gated delta rule, KDA, GLA, scalar decay.
 
 Each rank passes its contiguous shard of the token axis (any lengths, empty shards included;
 rank order is token order) and gets the outputs of its own tokens, exactly as one process
@@ -13,7 +13,8 @@ and end state from the state that arrives.  The backward is the same scan in rev
 (``cu_seqlens`` in global positions) cut a shard into segments: a document starting inside a
 shard makes ``M_r = 0``.
 
-Shapes (flash-linear-attention's ``chunk_gated_delta_rule`` / ``chunk_simple_gla``):
+Shapes (flash-linear-attention's ``chunk_gated_delta_rule`` / ``chunk_kda`` / ``chunk_gla`` /
+``chunk_simple_gla``; ``g (B, T_local, HV, K)`` for the per-key decays of KDA and GLA):
 ``q, k (B, T_local, H, K)``, ``v (B, T_local, HV, V)`` with ``HV % H == 0`` (each q/k head
 serves ``HV / H`` consecutive value heads), ``g`` the log decay and ``beta`` ``(B, T_local, HV)``,
 ``o (B, T_local, HV, V)``, states ``(B, HV, K, V)``, or ``(N_docs, HV, K, V)`` with
@@ -77,7 +78,7 @@ class LinearCall:
         return ((self.state_rows if rows is None else rows), self.hv, self.kdim, self.vdim)
 
 
-def _shape_problem(q, k, v, g, beta, initial_state, cu_seqlens, scale, delta) -> Optional[str]:
+def _shape_problem(q, k, v, g, beta, initial_state, cu_seqlens, scale, delta, per_key) -> Optional[str]:
     if q.ndim != 4 or k.shape != q.shape:
         return f"q and k must be (B, T, H, K) of one shape, got {q.shape} and {k.shape}"
     b, t, h, _ = q.shape
@@ -89,9 +90,11 @@ def _shape_problem(q, k, v, g, beta, initial_state, cu_seqlens, scale, delta) ->
     arrays = (q, k, v) + ((g,) if g is not None else ()) + ((beta,) if delta else ())
     if len({a.dtype for a in arrays}) != 1 or q.dtype.name not in DTYPES:
         return f"{', '.join(names)} must share one dtype of {DTYPES}, got {[a.dtype.name for a in arrays]}"
-    for name, x in (("g", g), ("beta", beta if delta else None)):
-        if x is not None and x.shape != v.shape[:3]:
-            return f"{name} must be (B, T, HV) = {v.shape[:3]}, got {x.shape}"
+    if g is not None and g.shape != v.shape[:3] + ((q.shape[3],) if per_key else ()):
+        want = "(B, T, HV, K) = %s" % (v.shape[:3] + (q.shape[3],),) if per_key else f"(B, T, HV) = {v.shape[:3]}"
+        return f"g must be {want}, got {g.shape}"
+    if delta and beta.shape != v.shape[:3]:
+        return f"beta must be (B, T, HV) = {v.shape[:3]}, got {beta.shape}"
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         return f"scale must be finite and > 0, got {scale}"
     if cu_seqlens is not None:
@@ -109,13 +112,13 @@ def _shape_problem(q, k, v, g, beta, initial_state, cu_seqlens, scale, delta) ->
 
 
 def agree_call(comm, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-               delta, problem: Optional[str] = None) -> LinearCall:
+               delta, per_key: bool = False, problem: Optional[str] = None) -> LinearCall:
     """Check the call on every rank and agree on it in one allgather (shapes, dtype, options,
     documents, every rank's length); the same :class:`ConfigError` on every rank, before any
     compute.  ``problem``: this rank's own finding beyond the call's shapes (the backward's)."""
     comm = resolve_comm(comm)
     cu = None if cu_seqlens is None else np.asarray(to_host(cu_seqlens)).astype(np.int64)
-    problem = _shape_problem(q, k, v, g, beta, initial_state, cu, scale, delta) or problem
+    problem = _shape_problem(q, k, v, g, beta, initial_state, cu, scale, delta, per_key) or problem
     signature = None
     if problem is None:
         signature = (q.shape[0], q.shape[2], q.shape[3], v.shape[2], v.shape[3], q.dtype.name,
@@ -127,7 +130,8 @@ def agree_call(comm, q, k, v, g, beta, *, scale, initial_state, output_final_sta
     if cu is not None and cu[-1] != n:
         raise ConfigError(f"cu_seqlens ends at {cu[-1]}, but the ranks' shards hold N = {n} tokens")
     start = sum(lengths[:rank])
-    return LinearCall(comm=comm, kind="dense" if delta else ("identity" if g is None else "scalar"), delta=delta,
+    kind = "dense" if delta else ("identity" if g is None else ("diagonal" if per_key else "scalar"))
+    return LinearCall(comm=comm, kind=kind, delta=delta,
                       b=q.shape[0], h=q.shape[2], hv=v.shape[2], kdim=q.shape[3], vdim=v.shape[3], dtype=q.dtype,
                       scale=float(q.shape[3] ** -0.5 if scale is None else scale), start=start,
                       stop=start + lengths[rank], n=n, bounds=np.array([0, n]) if cu is None else cu,
@@ -210,7 +214,8 @@ class ShardRecurrence:
                 if call.kind == "dense":
                     fwd.states = fwd.states + fwd.states_m @ s_in[:, :, None]
                 else:
-                    fwd.states = fwd.states + fwd.states_m[..., None, None] * s_in[:, :, None]
+                    m = fwd.states_m[..., None] if call.kind == "diagonal" else fwd.states_m[..., None, None]
+                    fwd.states = fwd.states + m * s_in[:, :, None]
         self.seconds["local"] += time.perf_counter() - start
         return o
 
@@ -282,17 +287,17 @@ def _host(x):
     return None if x is None else np.asarray(to_host(x))
 
 
-def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm, delta):
+def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm, delta, per_key=False):
     q, k, v, g, beta, initial_state = (_host(x) for x in (q, k, v, g, beta, initial_state))
     call = agree_call(comm, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, delta=delta)
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, delta=delta, per_key=per_key)
     shard = ShardRecurrence(call, q, k, v, g, beta, initial_state)
     o = np.moveaxis(shard.forward(), 1, 2)
     return o, (shard.final_states() if call.output_final_state else None)
 
 
 def _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqlens, comm, delta,
-              reduce_dinitial):
+              reduce_dinitial, per_key=False):
     q, k, v, g, beta, initial_state, do, dfinal_state = (
         _host(x) for x in (q, k, v, g, beta, initial_state, do, dfinal_state))
     problem = None
@@ -303,7 +308,7 @@ def _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqle
         problem = f"dfinal_state must have the final state's shape, got {dfinal_state.shape}"
     call = agree_call(comm, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                       output_final_state=dfinal_state is not None, cu_seqlens=cu_seqlens, delta=delta,
-                      problem=problem)
+                      per_key=per_key, problem=problem)
     if dfinal_state is not None and dfinal_state.shape != call.state_shape():
         raise ConfigError(f"dfinal_state must be {call.state_shape()}, got {dfinal_state.shape}")  # agreed shapes
     shard = ShardRecurrence(call, q, k, v, g, beta, initial_state)
@@ -374,4 +379,37 @@ def simple_gla_backward(do, q, k, v, g=None, *, dfinal_state=None, scale: Option
     as :func:`gated_delta_rule_backward`."""
     grads, dinitial = _backward(do, q, k, v, g, None, scale, initial_state, dfinal_state, cu_seqlens, comm,
                                 False, reduce_dinitial)
+    return grads["q"], grads["k"], grads["v"], grads["g"], dinitial
+
+
+def kda(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None, output_final_state: bool = False,
+        cu_seqlens=None, comm=None):
+    """Kimi Delta Attention (flash-linear-attention's ``chunk_kda``): :func:`gated_delta_rule` with a
+    decay per key, ``S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``;
+    ``g (B, T_local, HV, K)``, everything else as :func:`gated_delta_rule`.  Collective."""
+    return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm, True, True)
+
+
+def kda_backward(do, q, k, v, g, beta, *, dfinal_state=None, scale: Optional[float] = None, initial_state=None,
+                 cu_seqlens=None, comm=None, reduce_dinitial: bool = True):
+    """Gradients of :func:`kda`: ``(dq, dk, dv, dg, dbeta, dinitial_state)``, as
+    :func:`gated_delta_rule_backward`."""
+    grads, dinitial = _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqlens, comm,
+                                True, reduce_dinitial, per_key=True)
+    return grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], dinitial
+
+
+def gla(q, k, v, g, *, scale: Optional[float] = None, initial_state=None, output_final_state: bool = False,
+        cu_seqlens=None, comm=None):
+    """Gated linear attention (flash-linear-attention's ``chunk_gla``): a decay per key,
+    ``S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T``; ``g (B, T_local, HV, K)``, everything else as
+    :func:`simple_gla`.  Collective."""
+    return _forward(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, comm, False, True)
+
+
+def gla_backward(do, q, k, v, g, *, dfinal_state=None, scale: Optional[float] = None, initial_state=None,
+                 cu_seqlens=None, comm=None, reduce_dinitial: bool = True):
+    """Gradients of :func:`gla`: ``(dq, dk, dv, dg, dinitial_state)``."""
+    grads, dinitial = _backward(do, q, k, v, g, None, scale, initial_state, dfinal_state, cu_seqlens, comm,
+                                False, reduce_dinitial, per_key=True)
     return grads["q"], grads["k"], grads["v"], grads["g"], dinitial

@@ -1,4 +1,5 @@
-"""PyTorch autograd for the sharded linear-attention layers: ``gated_delta_rule``, ``simple_gla``,
+"""PyTorch autograd for the sharded linear-attention layers: ``gated_delta_rule`` (and KDA),
+``simple_gla`` (and GLA),
 their ``causal_conv1d``, and ``relayout`` between the layouts of a hybrid model's layer kinds.
 
 Each takes this rank's contiguous shard as torch tensors (flash-linear-attention's shapes, as
@@ -59,7 +60,9 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, delta, scale, output_final_state, cu_seqlens, comm):
         comm = resolve_comm(comm)
-        run = _linear.gated_delta_rule if delta else _linear.simple_gla
+        per_key = g is not None and g.dim() == 4
+        run = {(True, False): _linear.gated_delta_rule, (True, True): _linear.kda,
+               (False, False): _linear.simple_gla, (False, True): _linear.gla}[delta, per_key]
         extra = (_numpy(beta),) if delta else ()
         o, final = run(_numpy(q), _numpy(k), _numpy(v), _numpy(g), *extra, scale=scale,
                        initial_state=_numpy(initial_state), output_final_state=output_final_state,
@@ -80,12 +83,14 @@ class _LinearFunction(torch.autograd.Function):
         total = (_summed_over_ranks(comm, dfinal, ctx.final_shape, dt) if output_final_state else None)
         common = dict(dfinal_state=total, scale=scale, initial_state=_numpy(initial_state),
                       cu_seqlens=cu_seqlens, comm=comm, reduce_dinitial=False)
+        per_key = g is not None and g.dim() == 4
         if delta:
-            dq, dk, dv, dg, dbeta, dinit = _linear.gated_delta_rule_backward(
-                do, _numpy(q), _numpy(k), _numpy(v), _numpy(g), _numpy(beta), **common)
+            backward = _linear.kda_backward if per_key else _linear.gated_delta_rule_backward
+            dq, dk, dv, dg, dbeta, dinit = backward(do, _numpy(q), _numpy(k), _numpy(v), _numpy(g), _numpy(beta),
+                                                    **common)
         else:
-            dq, dk, dv, dg, dinit = _linear.simple_gla_backward(do, _numpy(q), _numpy(k), _numpy(v), _numpy(g),
-                                                                **common)
+            backward = _linear.gla_backward if per_key else _linear.simple_gla_backward
+            dq, dk, dv, dg, dinit = backward(do, _numpy(q), _numpy(k), _numpy(v), _numpy(g), **common)
             dbeta = None
         return (_tensor(dq, q), _tensor(dk, q), _tensor(dv, q), _tensor(dg, q), _tensor(dbeta, q),
                 _tensor(dinit, q), None, None, None, None, None)
@@ -96,7 +101,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      output_final_state: bool = False, cu_seqlens=None, comm=None):
     """:func:`ringmpi.gated_delta_rule` on torch tensors, differentiable in q, k, v, g, beta and
     initial_state.  q, k: (B, T_local, H, K); v: (B, T_local, HV, V); g, beta: (B, T_local, HV);
-    initial_state (B or N_docs, HV, K, V).  Returns ``(o, final_state or None)``."""
+    initial_state (B or N_docs, HV, K, V).  Returns ``(o, final_state or None)``.  A per-key
+    ``g (B, T_local, HV, K)`` is :func:`ringmpi.kda`."""
     return _LinearFunction.apply(q, k, v, g, beta, initial_state, True, scale, output_final_state,
                                  None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
                                  comm)
@@ -106,7 +112,8 @@ def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[to
                scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
                output_final_state: bool = False, cu_seqlens=None, comm=None):
     """:func:`ringmpi.simple_gla` (scalar decay; ``g=None``: plain linear attention) on torch
-    tensors, differentiable in q, k, v, g and initial_state; shapes as :func:`gated_delta_rule`."""
+    tensors, differentiable in q, k, v, g and initial_state; shapes as :func:`gated_delta_rule`.
+    A per-key ``g (B, T_local, HV, K)`` is :func:`ringmpi.gla`."""
     return _LinearFunction.apply(q, k, v, g, None, initial_state, False, scale, output_final_state,
                                  None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
                                  comm)

@@ -11,7 +11,8 @@ Every rank builds the same global inputs from the case's seed and passes its con
 ``ringmpi.torch_linear``).  Rank 0 gathers the shards and compares, in float64, outputs, final
 state and every gradient with the sequential recurrence of ``tests/support/linear_reference.py``
 (relative to each tensor's largest entry, <= 1e-10); in float32, outputs, final state and every
-gradient with transformers' ``torch_chunk_gated_delta_rule`` and its autograd (RMS-relative <= 1e-5).  A case's inputs and
+gradient with transformers' ``torch_chunk_gated_delta_rule`` (KDA: ``chunk_kimi_delta_attention``)
+and its autograd (RMS-relative <= 1e-5).  A case's inputs and
 references depend on its name only, so rank 0 computes each reference once for every ``P``.  Every rank must return
 the same final state and initial-state gradient.  ``conv`` cases check ``causal_conv1d`` (halo,
 documents, backward) against torch's ``conv1d`` per document, ``relayout`` cases every pair of
@@ -33,6 +34,9 @@ from case_driver import agreed_error, run_all  # noqa: E402
 import ringmpi  # noqa: E402
 
 EXACT = 1e-10   # float64: relative to the tensor's largest entry
+DELTA = ("gdn", "kda")     # the delta rule: beta
+PER_KEY = ("kda", "gla-key")  # a decay per key: g (B, T, HV, K)
+CALLS = {"gdn": "gated_delta_rule", "kda": "kda", "gla": "simple_gla", "linear": "simple_gla", "gla-key": "gla"}
 RMS_32 = 1e-5   # float32 against transformers' chunked reference, RMS-relative
 
 
@@ -43,9 +47,10 @@ def inputs(case):
     q = rng.standard_normal((b, n, h, kd))
     k = rng.standard_normal((b, n, h, kd))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)  # the models' l2-normalised keys keep the delta rule stable
+    per_key = case["kind"] in PER_KEY
     x = dict(q=q, k=k, v=rng.standard_normal((b, n, hv, vd)),
-             g=-rng.uniform(0.0, 0.4, (b, n, hv)) if case["kind"] != "linear" else None,
-             beta=rng.uniform(0.05, 1.0, (b, n, hv)) if case["kind"] == "gdn" else None)
+             g=-rng.uniform(0.0, 0.4, (b, n, hv) + ((kd,) if per_key else ())) if case["kind"] != "linear" else None,
+             beta=rng.uniform(0.05, 1.0, (b, n, hv)) if case["kind"] in DELTA else None)
     rows = b if case.get("cu") is None else len(case["cu"]) - 1
     x["s0"] = rng.standard_normal((rows, hv, kd, vd)) if case.get("init") else None
     x["do"] = rng.standard_normal((b, n, hv, vd))
@@ -63,17 +68,12 @@ def run_numpy(comm, case, x, dtype):
     lengths, rank = case["lengths"], comm.Get_rank()
     mine = {name: cast(shard(x[name], lengths, rank)) for name in ("q", "k", "v", "g", "beta", "do")}
     common = dict(scale=case.get("scale"), initial_state=cast(x["s0"]), cu_seqlens=case.get("cu"), comm=comm)
-    if case["kind"] == "gdn":
-        o, final = ringmpi.gated_delta_rule(*(mine[n] for n in ("q", "k", "v", "g", "beta")),
-                                            output_final_state=bool(case.get("final")), **common)
-        grads = ringmpi.gated_delta_rule_backward(mine["do"], *(mine[n] for n in ("q", "k", "v", "g", "beta")),
-                                                  dfinal_state=cast(x["dfinal"]), **common)
-    else:
-        o, final = ringmpi.simple_gla(*(mine[n] for n in ("q", "k", "v", "g")),
-                                      output_final_state=bool(case.get("final")), **common)
-        dq, dk, dv, dg, dinit = ringmpi.simple_gla_backward(mine["do"], *(mine[n] for n in ("q", "k", "v", "g")),
-                                                            dfinal_state=cast(x["dfinal"]), **common)
-        grads = (dq, dk, dv, dg, None, dinit)
+    forward, backward = (getattr(ringmpi, CALLS[case["kind"]] + s) for s in ("", "_backward"))
+    inputs = ("q", "k", "v", "g", "beta") if case["kind"] in DELTA else ("q", "k", "v", "g")
+    o, final = forward(*(mine[n] for n in inputs), output_final_state=bool(case.get("final")), **common)
+    grads = backward(mine["do"], *(mine[n] for n in inputs), dfinal_state=cast(x["dfinal"]), **common)
+    if case["kind"] not in DELTA:
+        grads = grads[:4] + (None,) + grads[4:]
     return o, final, grads
 
 
@@ -91,7 +91,7 @@ def run_torch(comm, case, x):
     s0 = None if x["s0"] is None else torch.tensor(x["s0"], requires_grad=True)
     common = dict(scale=case.get("scale"), initial_state=s0, cu_seqlens=case.get("cu"), comm=comm,
                   output_final_state=bool(case.get("final")))
-    if case["kind"] == "gdn":
+    if case["kind"] in DELTA:
         o, final = tl.gated_delta_rule(*(leaf[n] for n in ("q", "k", "v", "g", "beta")), **common)
     else:
         o, final = tl.simple_gla(*(leaf[n] for n in ("q", "k", "v", "g")), **common)
@@ -122,7 +122,7 @@ def reference64(case, x):
     g = t["g"] if t["g"] is not None else torch.zeros(x["v"].shape[:3], dtype=torch.float64)
     scale = case.get("scale") or case["K"] ** -0.5
     o, final = recurrence(t["q"], t["k"], t["v"], g, t["beta"], scale, t["s0"], case.get("cu"),
-                          delta=case["kind"] == "gdn")
+                          delta=case["kind"] in DELTA)
     loss = (o * torch.tensor(x["do"])).sum()
     if x["dfinal"] is not None:
         loss = loss + (final * torch.tensor(x["dfinal"])).sum()
@@ -137,9 +137,11 @@ def reference32(case, x):
     import torch
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
     t = {n: torch.tensor(x[n], dtype=torch.float32, requires_grad=True) for n in ("q", "k", "v", "g", "beta", "s0")}
-    o, final = torch_chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["s0"],
-                                            output_final_state=True)
+    chunked = chunk_kimi_delta_attention if case["kind"] == "kda" else torch_chunk_gated_delta_rule
+    o, final = chunked(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["s0"], output_final_state=True)
     ((o * torch.tensor(x["do"], dtype=torch.float32)).sum()
      + (final * torch.tensor(x["dfinal"], dtype=torch.float32)).sum()).backward()
     grads = tuple(t[n].grad.numpy() for n in ("q", "k", "v", "g", "beta", "s0"))

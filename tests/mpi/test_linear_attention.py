@@ -1,5 +1,6 @@
-"""gated_delta_rule / simple_gla over real mpirun against the sequential recurrence (float64,
-1e-10) and transformers' chunked gated delta rule (float32, 1e-5 RMS): ``linear_cases.py``.
+"""gated_delta_rule, kda, simple_gla, gla over real mpirun against the sequential recurrence
+(float64, 1e-10) and transformers' chunked gated delta rule and KDA (float32, 1e-5 RMS), with
+causal_conv1d and relayout: ``linear_cases.py``.
 
 One launch of 7 ranks runs every case at every world size P = 1, 2, 3, 4, 7 (sub-communicators);
 each case is its own pytest item.  Shards are uneven, one is empty from P = 3 on, and documents
@@ -48,11 +49,16 @@ def cases_for(p):
     docs = [0, 9, 9, DOCUMENT_END, 190, 260]
     add("gdn-f64-docs", "gdn", 260, init=True, final=True, cu=docs)
     add("gla-f64-docs", "gla", 260, init=True, final=True, cu=docs)
+    add("kda-f64-docs", "kda", 260, init=True, final=True, cu=docs)
+    add("gla-key-f64", "gla-key", 150, B=2, init=True, final=True)
     add("linear-f64", "linear", 150, B=2, final=True)
     if p <= 3:  # the torch wrappers' own rule (summed final-state gradient, initial-state share)
         add("gdn-torch-docs", "gdn", 260, init=True, final=True, torch=True, cu=docs)
         add("gla-torch", "gla", 120, B=2, init=True, final=True, torch=True)
     add("gdn-f32-transformers", "gdn", 180, B=2, K=16, V=16, dtype="float32", init=True, final=True)
+    add("kda-f32-transformers", "kda", 140, B=1, H=3, HV=3, K=16, V=8, dtype="float32", init=True, final=True)
+    if p in (1, 3):
+        add("kda-torch", "kda", 100, init=True, final=True, torch=True, H=3, HV=3)
     conv_lengths = [3, 1, 0, 2] + split(40 - 6, p - 4, 7, True) if p > 4 else split(40, p, 7, True)
     for name, kw in (("conv", {}), ("conv-silu-docs", dict(activation="silu", cu=[0, 2, 2, 5, 30, 40])),
                      ("conv-torch-docs", dict(activation="silu", cu=[0, 2, 2, 5, 30, 40], torch=True))):

@@ -2,7 +2,8 @@
 the reference that the chunked and distributed forms are tested against (autograd gives its
 gradients; ``tests/unit/test_linear_recurrence.py`` checks it with ``torch.autograd.gradcheck``).
 
-Shapes as flash-linear-attention: ``q, k (B, T, H, K)``, ``v (B, T, HV, V)``, ``g, beta (B, T, HV)``,
+Shapes as flash-linear-attention: ``q, k (B, T, H, K)``, ``v (B, T, HV, V)``, ``g, beta (B, T, HV)``
+(``g (B, T, HV, K)``: a decay per key, KDA and GLA),
 states ``(B or N_docs, HV, K, V)``; with ``cu_seqlens`` (B = 1) each document starts from its own
 initial state (zero when None) and ends in its own final state.
 """
@@ -11,8 +12,9 @@ import torch
 
 
 def recurrence(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, delta=True):
-    """``(o, final_state)``: ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``
-    (``delta``), else ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``; ``o_t = S_t^T (scale q_t)``."""
+    """``(o, final_state)``: ``S_t = (I - beta_t k_t k_t^T) D_t S_{t-1} + beta_t k_t v_t^T``
+    (``delta``), else ``S_t = D_t S_{t-1} + k_t v_t^T``, ``D_t = exp(g_t)`` (a diagonal for a
+    per-key ``g``); ``o_t = S_t^T (scale q_t)``."""
     b, t, h, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     group = hv // h
@@ -28,7 +30,7 @@ def recurrence(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, del
         s = (q.new_zeros(nb, hv, kd, vd) if initial_state is None else initial_state[sl])
         for i in range(lo, hi):
             kt, vt, qt = k[:, i], v[:, i], q[:, i]           # (nb, hv, K), (nb, hv, V)
-            s = s * torch.exp(g[:, i])[..., None, None]
+            s = s * (torch.exp(g[:, i])[..., :, None] if g.dim() == 4 else torch.exp(g[:, i])[..., None, None])
             if delta:
                 pred = torch.einsum("bhkv,bhk->bhv", s, kt)
                 upd = (vt - pred) * beta[:, i][..., None]

@@ -12,17 +12,19 @@ from ringmpi.core.state_maps import KINDS, StateMap, identity, pack, reset, then
 from ringmpi.core.state_segments import Segment, empty_documents, segments
 
 
-def _inputs(rng, b, t, h, hv, kd, vd):
+def _inputs(rng, b, t, h, hv, kd, vd, per_key=False):
     k = rng.standard_normal((b, t, h, kd))
     return dict(q=rng.standard_normal((b, t, h, kd)), k=k / np.linalg.norm(k, axis=-1, keepdims=True),
-                v=rng.standard_normal((b, t, hv, vd)), g=-rng.uniform(0, 0.5, (b, t, hv)),
+                v=rng.standard_normal((b, t, hv, vd)),
+                g=-rng.uniform(0, 0.5, (b, t, hv, kd) if per_key else (b, t, hv)),
                 beta=rng.uniform(0.05, 1, (b, t, hv)))
 
 
+@pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("delta", [True, False])
-def test_reference_passes_gradcheck(delta):
+def test_reference_passes_gradcheck(delta, per_key):
     rng = np.random.default_rng(3)
-    x = _inputs(rng, 1, 7, 1, 2, 3, 2)
+    x = _inputs(rng, 1, 7, 1, 2, 3, 2, per_key)
     args = [torch.tensor(x[n], requires_grad=True) for n in ("q", "k", "v", "g", "beta")]
     s0 = torch.tensor(rng.standard_normal((3, 2, 3, 2)), requires_grad=True)
     cu = [0, 3, 3, 7]  # two documents and an empty one
@@ -37,13 +39,15 @@ def _head_major(a):
     return np.ascontiguousarray(np.moveaxis(a, 1, 2))
 
 
+@pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("delta", [True, False])
 @pytest.mark.parametrize("t", [1, 64, 150])
-def test_chunked_run_against_the_recurrence(delta, t):
+def test_chunked_run_against_the_recurrence(delta, t, per_key):
     """Forward, the run's map (M, each token's query as it sees the entering state) and every
-    gradient, across chunk boundaries and a partial last chunk, in float64."""
+    gradient, across chunk boundaries and a partial last chunk, in float64; a decay per token
+    (gated delta rule, simple GLA) or per key (KDA, GLA)."""
     rng = np.random.default_rng(t)
-    x = _inputs(rng, 2, t, 3, 3, 5, 4)
+    x = _inputs(rng, 2, t, 3, 3, 5, 4, per_key)
     s0 = rng.standard_normal((2, 3, 5, 4))
     scale = 0.6
     ref = {n: torch.tensor(a, requires_grad=True) for n, a in dict(x, s0=s0).items()}
@@ -58,7 +62,7 @@ def test_chunked_run_against_the_recurrence(delta, t):
     assert err(np.moveaxis(fwd.o, 1, 2), o_ref.detach().numpy()) < 1e-12
     assert err(fwd.s_end, f_ref.detach().numpy()) < 1e-12
     from_zero = lr.run_forward(pieces, np.zeros_like(s0), track_map=True)
-    m = from_zero.m if delta else from_zero.m[..., None, None] * np.eye(5)
+    m = from_zero.m if delta else (from_zero.m[..., :, None] if per_key else from_zero.m[..., None, None]) * np.eye(5)
     assert err(m @ s0 + from_zero.s_end, fwd.s_end) < 1e-12
     assert err(from_zero.o + from_zero.qs @ s0, fwd.o) < 1e-12
     grads = lr.run_backward(pieces, fwd.states, _head_major(do), dfinal)

@@ -72,49 +72,89 @@ class Chunks:
     gamma: np.ndarray  # exp(c)
     decay: np.ndarray  # Gamma (C x C), zero above the diagonal
     e: np.ndarray      # exp(c_C - c)
-    gc: np.ndarray     # exp(c_C), (B, H, n)
+    gc: np.ndarray     # exp(c_C), (B, H, n) (or (B, H, n, K) per key)
     attn: np.ndarray   # A
     wv: np.ndarray     # Wv
     kc: Optional[np.ndarray]
     qt: np.ndarray     # Qt
     kt: np.ndarray     # Kt
-    mc: np.ndarray     # (B, H, n, K, K), or gc for scalar decay
+    mc: np.ndarray     # (B, H, n, K, K), or gc without the delta rule
     uc: np.ndarray     # Kt^T Wv, (B, H, n, K, V)
     ut: Optional[np.ndarray] = None  # I + L (the delta rule's UT system)
-    kbk: Optional[np.ndarray] = None  # beta k k^T
+    kbk: Optional[np.ndarray] = None  # L
+
+    @property
+    def per_key(self) -> bool:
+        return self.c.ndim == 5
 
     @property
     def n(self) -> int:
         return self.q.shape[2]
 
 
+def _per_token(x, per_key: bool):
+    """A per-token factor ``(..., C)`` or per-key one ``(..., C, K)`` ready to scale ``(..., C, K)``."""
+    return x if per_key else x[..., None]
+
+
+def _keys_summed(x, per_key: bool):
+    """What reaches a per-token decay from ``(..., C, K)``: the sum over keys, or each key's own."""
+    return x if per_key else x.sum(axis=-1)
+
+
+def decayed(x, y, decay):
+    """``M_ij = sum_d x_id y_jd Gamma_ijd``, zero above the diagonal: ``(x y^T) o Gamma`` for a
+    per-token decay ``Gamma (..., C, C)``, each key's own for ``(..., C, C, K)``."""
+    if decay.ndim == x.ndim:
+        return (x @ _t(y)) * decay
+    return np.einsum("...id,...jd,...ijd->...ij", x, y, decay)
+
+
+def decayed_grads(dm, x, y, decay):
+    """``(dx, dy)`` of :func:`decayed` given ``dm``.  What reaches the log decays ``c`` is
+    ``x o dx - y o dy`` (summed over keys for a per-token decay): ``Gamma_ij = exp(c_i - c_j)``."""
+    if decay.ndim == x.ndim:
+        through = dm * decay
+        return through @ y, _t(through) @ x
+    return np.einsum("...ij,...jd,...ijd->...id", dm, y, decay), np.einsum("...ij,...id,...ijd->...jd", dm, x, decay)
+
+
 def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
-    """The chunk pieces of a run of ``T >= 1`` tokens (module docstring)."""
+    """The chunk pieces of a run of ``T >= 1`` tokens (module docstring).  ``g`` is a log decay
+    per token ``(B, H, T)`` or per token and key ``(B, H, T, K)`` (KDA, GLA: ``Gamma`` and
+    everything made of it then has one entry per key)."""
     t = q.shape[2]
     n = -(-t // CHUNK)
-    qc, kc_, vc, gcum = _chunked(q, n), _chunked(k, n), _chunked(v, n), np.cumsum(_chunked(g, n), axis=-1)
+    per_key = g.ndim == 4
+    tok = -2 if per_key else -1
+    qc, kc_, vc, gcum = _chunked(q, n), _chunked(k, n), _chunked(v, n), np.cumsum(_chunked(g, n), axis=tok)
     lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
     gamma = np.exp(gcum)
     with np.errstate(invalid="ignore"):
-        decay = np.exp(np.where(lower, gcum[..., :, None] - gcum[..., None, :], -np.inf))
-    e = np.exp(gcum[..., -1:] - gcum)
-    gc = gamma[..., -1]
-    attn = (qc @ _t(kc_)) * decay
-    kt = kc_ * e[..., None]
+        if per_key:
+            decay = np.exp(np.where(lower[:, :, None], gcum[..., :, None, :] - gcum[..., None, :, :], -np.inf))
+        else:
+            decay = np.exp(np.where(lower, gcum[..., :, None] - gcum[..., None, :], -np.inf))
+    last = gcum[..., -1:, :] if per_key else gcum[..., -1:]
+    e = np.exp(last - gcum)
+    gc = gamma[..., -1, :] if per_key else gamma[..., -1]
+    attn = decayed(qc, kc_, decay)
+    kt = kc_ * _per_token(e, per_key)
     bc = ut = kbk = kcum = None
     if delta:
         bc = _chunked(beta, n)
         kb = kc_ * bc[..., None]
-        kbk = kb @ _t(kc_)
         eye = np.eye(CHUNK, dtype=q.dtype)
-        ut = kbk * decay * (1 - eye) + eye
-        r = np.linalg.solve(ut, np.concatenate([vc * bc[..., None], kb * gamma[..., None]], axis=-1))
+        kbk = decayed(kb, kc_, decay) * (1 - eye)  # L
+        ut = kbk + eye
+        r = np.linalg.solve(ut, np.concatenate([vc * bc[..., None], kb * _per_token(gamma, per_key)], axis=-1))
         wv, kcum = r[..., :v.shape[-1]], r[..., v.shape[-1]:]
-        qt = qc * gamma[..., None] - attn @ kcum
-        mc = gc[..., None, None] * np.eye(q.shape[-1], dtype=q.dtype) - _t(kt) @ kcum
+        qt = qc * _per_token(gamma, per_key) - attn @ kcum
+        diag = gc[..., :, None] if per_key else gc[..., None, None]
+        mc = diag * np.eye(q.shape[-1], dtype=q.dtype) - _t(kt) @ kcum
     else:
         wv = vc
-        qt = qc * gamma[..., None]
+        qt = qc * _per_token(gamma, per_key)
         mc = gc
     return Chunks(t=t, delta=delta, q=qc, k=kc_, v=vc, beta=bc, c=gcum, gamma=gamma, decay=decay, e=e, gc=gc,
                   attn=attn, wv=wv, kc=kcum, qt=qt, kt=kt, mc=mc, uc=_t(kt) @ wv, ut=ut, kbk=kbk)
@@ -151,7 +191,7 @@ def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
         if dense:
             x = p.mc[:, :, i] @ x
         else:
-            x = p.gc[:, :, i, None, None] * x
+            x = (p.gc[:, :, i, :, None] if p.per_key else p.gc[:, :, i, None, None]) * x
         x[..., :vdim] += p.uc[:, :, i]
     seen = p.qt @ states
     o = _unchunked(seen[..., :vdim] + p.attn @ p.wv, p.t)
@@ -161,16 +201,17 @@ def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
             out.m, out.states_m = x[..., vdim:], states[..., vdim:]
             out.qs = _unchunked(seen[..., vdim:], p.t)
         else:
-            before = np.cumprod(np.concatenate([np.ones((b, h, 1), s0.dtype), p.gc[:, :, :-1]], axis=-1), axis=-1)
-            out.m, out.states_m = before[..., -1] * p.gc[..., -1], before
-            out.qs = _unchunked(p.qt * before[..., None, None], p.t)
+            ones = np.ones((b, h, 1) + p.gc.shape[3:], s0.dtype)
+            before = np.cumprod(np.concatenate([ones, p.gc[:, :, :-1]], axis=2), axis=2)  # the chunks' entering maps
+            out.m, out.states_m = before[:, :, -1] * p.gc[:, :, -1], before
+            out.qs = _unchunked(p.qt * (before[..., None, :] if p.per_key else before[..., None, None]), p.t)
     return out
 
 
 @dataclass
 class Grads:
     """Gradients of one run: ``dq`` (of the scaled q), ``dk``, ``dv``, ``dg``, ``dbeta``
-    (None for scalar decay) in the inputs' head-major shapes, and ``ds0`` of the entering state."""
+    (None without the delta rule) in the inputs' head-major shapes, and ``ds0`` of the entering state."""
 
     dq: np.ndarray
     dk: np.ndarray
@@ -185,6 +226,7 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
     entering states of the forward that ran, ``do (B, H, T, V)``, ``ds_end`` the gradient of
     the run's end state ``(B, H, K, V)``."""
     n = p.n
+    per_key = p.per_key
     doc = _chunked(do, n)
     seen_do = _t(p.qt) @ doc                      # Qt^T do: what the outputs ask of each entering state
     ds_after = np.empty_like(states)
@@ -194,7 +236,7 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
         if p.delta:
             ds = _t(p.mc[:, :, i]) @ ds + seen_do[:, :, i]
         else:
-            ds = p.gc[:, :, i, None, None] * ds + seen_do[:, :, i]
+            ds = (p.gc[:, :, i, :, None] if per_key else p.gc[:, :, i, None, None]) * ds + seen_do[:, :, i]
     # o = Qt S + A Wv; S_end = Mc S + Kt^T Wv
     dqt = doc @ _t(states)
     dattn = doc @ _t(p.wv)
@@ -203,49 +245,49 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
     dkc = None
     if p.delta:
         dmc = ds_after @ _t(states)
-        dgc = np.trace(dmc, axis1=-2, axis2=-1)
-        dkt -= p.kc @ _t(dmc)                      # Mc = gC I - Kt^T Kc
+        dgc = np.diagonal(dmc, axis1=-2, axis2=-1) if per_key else np.trace(dmc, axis1=-2, axis2=-1)
+        dkt -= p.kc @ _t(dmc)                      # Mc = Diag(gC) - Kt^T Kc
         dkc = -(p.kt @ dmc)
         dattn -= dqt @ _t(p.kc)                    # Qt = q gamma - A Kc
         dkc -= _t(p.attn) @ dqt
     else:
-        dgc = np.sum(ds_after * states, axis=(-2, -1))
-    dq = dqt * p.gamma[..., None]
-    dgamma = np.sum(dqt * p.q, axis=-1)
-    dk = dkt * p.e[..., None]
-    de = np.sum(dkt * p.k, axis=-1) * p.e
-    dc = -de
-    dc_last = de.sum(axis=-1) + dgc * p.gc
-    d_attn_decay = dattn * p.decay                 # A = (q k^T) o Gamma
-    dq += d_attn_decay @ p.k
-    dk += _t(d_attn_decay) @ p.q
-    ddecay = dattn * (p.q @ _t(p.k))
+        dgc = np.sum(ds_after * states, axis=-1 if per_key else (-2, -1))
+    gamma = _per_token(p.gamma, per_key)
+    dq = dqt * gamma
+    dc = _keys_summed(dqt * p.q, per_key) * p.gamma           # q gamma, gamma = exp(c)
+    dk = dkt * _per_token(p.e, per_key)
+    de = _keys_summed(dkt * p.k, per_key) * p.e               # Kt = k exp(c_C - c)
+    dc -= de
+    dc_last = de.sum(axis=-2 if per_key else -1) + dgc * p.gc
+    dq_a, dk_a = decayed_grads(dattn, p.q, p.k, p.decay)      # A = decayed(q, k)
+    dq += dq_a
+    dk += dk_a
+    dc += _keys_summed(p.q * dq_a - p.k * dk_a, per_key)
     dbeta = None
     if p.delta:
         vdim = p.v.shape[-1]
         rhs_grad = np.linalg.solve(_t(p.ut), np.concatenate([dwv, dkc], axis=-1))
-        dl = -(rhs_grad @ _t(np.concatenate([p.wv, p.kc], axis=-1)))
+        dl = -(rhs_grad @ _t(np.concatenate([p.wv, p.kc], axis=-1))) * (1 - np.eye(CHUNK, dtype=dwv.dtype))
         dvb, dkbg = rhs_grad[..., :vdim], rhs_grad[..., vdim:]
         dv = dvb * p.beta[..., None]
         dbeta = np.sum(dvb * p.v, axis=-1)
         kb = p.k * p.beta[..., None]
-        dkb = dkbg * p.gamma[..., None]
-        dgamma += np.sum(dkbg * kb, axis=-1)
-        strict = p.decay * (1 - np.eye(CHUNK, dtype=p.decay.dtype))
-        dl_decay = dl * strict                      # L = strict(beta k k^T o Gamma)
-        dkb += dl_decay @ p.k
-        dk += _t(dl_decay) @ kb
-        ddecay += dl * (1 - np.eye(CHUNK, dtype=dl.dtype)) * p.kbk
+        dkb = dkbg * gamma
+        dc += _keys_summed(dkbg * kb, per_key) * p.gamma
+        dkb_l, dk_l = decayed_grads(dl, kb, p.k, p.decay)    # L = strict(decayed(beta k, k))
+        dkb += dkb_l
+        dk += dk_l
+        dc += _keys_summed(kb * dkb_l - p.k * dk_l, per_key)
         dbeta += np.sum(dkb * p.k, axis=-1)
         dk += dkb * p.beta[..., None]
     else:
         dv = dwv
-    dc += dgamma * p.gamma
-    through = ddecay * p.decay
-    dc += through.sum(axis=-1) - through.sum(axis=-2)
-    dc[..., -1] += dc_last
-    dg = np.flip(np.cumsum(np.flip(dc, axis=-1), axis=-1), axis=-1)
+    if per_key:
+        dc[..., -1, :] += dc_last
+    else:
+        dc[..., -1] += dc_last
+    tok = -2 if per_key else -1
+    dg = np.flip(np.cumsum(np.flip(dc, axis=tok), axis=tok), axis=tok)
     t = p.t
-    return Grads(dq=_unchunked(dq, t), dk=_unchunked(dk, t), dv=_unchunked(dv, t),
-                 dg=dg.reshape(dg.shape[:2] + (-1,))[:, :, :t],
-                 dbeta=None if dbeta is None else dbeta.reshape(dbeta.shape[:2] + (-1,))[:, :, :t], ds0=ds)
+    return Grads(dq=_unchunked(dq, t), dk=_unchunked(dk, t), dv=_unchunked(dv, t), dg=_unchunked(dg, t),
+                 dbeta=None if dbeta is None else _unchunked(dbeta, t), ds0=ds)
