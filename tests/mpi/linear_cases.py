@@ -16,7 +16,9 @@ and its autograd (RMS-relative <= 1e-5).  A case's inputs and
 references depend on its name only, so rank 0 computes each reference once for every ``P``.  Every rank must return
 the same final state and initial-state gradient.  ``conv`` cases check ``causal_conv1d`` (halo,
 documents, backward) against torch's ``conv1d`` per document, ``relayout`` cases every pair of
-layouts bitwise (and the torch wrapper's gradient); ``error`` cases expect one ConfigError on
+layouts bitwise (and the torch wrapper's gradient), ``hf-layer`` cases a real Qwen3-Next Gated
+DeltaNet layer sharded (its convolution and rule replaced by ringmpi's) against the layer on
+the whole sequence; ``error`` cases expect one ConfigError on
 every rank.
 """
 
@@ -38,6 +40,7 @@ DELTA = ("gdn", "kda")     # the delta rule: beta
 PER_KEY = ("kda", "gla-key")  # a decay per key: g (B, T, HV, K)
 CALLS = {"gdn": "gated_delta_rule", "kda": "kda", "gla": "simple_gla", "linear": "simple_gla", "gla-key": "gla"}
 RMS_32 = 1e-5   # float32 against transformers' chunked reference, RMS-relative
+FLOAT32_DECAY = 1e-6  # a float64 Qwen3-Next layer, whose decay g is computed in float32
 
 
 def inputs(case):
@@ -269,6 +272,101 @@ def run_relayout(comm, case):
     return not msgs, "; ".join(msgs)
 
 
+def qwen3_next_layer(dtype):
+    """A Gated DeltaNet layer of a tiny Qwen3-Next made from a config (random weights, seeded)."""
+    import torch
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    config = Qwen3NextConfig(hidden_size=32, num_hidden_layers=1, layer_types=["linear_attention"],
+                             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                             linear_value_head_dim=6, linear_conv_kernel_dim=4, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    layer = Qwen3NextGatedDeltaNet(config, 0).to(dtype)
+    with torch.no_grad():  # A_log's random start: decays well inside (0, 1)
+        layer.A_log.copy_(torch.linspace(-2.0, 0.5, 4, dtype=dtype))
+    return layer
+
+
+def sharded_gated_deltanet(layer, hidden, comm):
+    """The layer's forward on this rank's contiguous shard, with ringmpi's sharded convolution and
+    gated delta rule in place of its own (what a hybrid model's integration does)."""
+    import torch
+    import torch.nn.functional as F
+    import ringmpi.torch_linear as tl
+    from transformers.models.qwen3_next.modeling_qwen3_next import l2norm
+
+    q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(hidden), layer.in_proj_ba(hidden))
+    mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+    mixed = tl.causal_conv1d(mixed, layer.conv1d.weight[:, 0, :], layer.conv1d.bias, activation=layer.activation,
+                             comm=comm)
+    q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    q, k = (l2norm(x.reshape(x.shape[0], x.shape[1], -1, layer.head_k_dim), dim=-1, eps=1e-6) for x in (q, k))
+    v = v.reshape(v.shape[0], v.shape[1], -1, layer.head_v_dim)
+    g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).to(hidden.dtype)  # as the layer does
+    o, _ = tl.gated_delta_rule(q, k, v, g, b.sigmoid(), comm=comm)
+    o = layer.norm(o.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(o.reshape(hidden.shape[0], hidden.shape[1], -1))
+
+
+def float64_chunk_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **_):
+    """transformers' chunked rule replaced by the sequential recurrence in float64 (its own computes in
+    float32), so the float64 layer is a float64 reference."""
+    from linear_reference import recurrence
+    from transformers.models.qwen3_next.modeling_qwen3_next import l2norm
+
+    if use_qk_l2norm_in_kernel:
+        query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
+    o, final = recurrence(query, key, value, g.to(query.dtype), beta, query.shape[-1] ** -0.5, initial_state)
+    return o, final if output_final_state else None
+
+
+def run_hf_layer(comm, case):
+    """A real Qwen3-Next Gated DeltaNet layer, sharded: output, input gradient and every parameter's
+    gradient (this rank's share, summed over ranks) against the whole sequence on one process."""
+    import torch
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
+    layer = qwen3_next_layer(dtype)
+    rng = np.random.default_rng(case["seed"])
+    b, n = case["B"], case["N"]
+    hidden, dout = (torch.tensor(rng.standard_normal((b, n, 32)), dtype=dtype) for _ in range(2))
+    lengths, rank = case["lengths"], comm.Get_rank()
+    lo, hi = sum(lengths[:rank]), sum(lengths[:rank + 1])
+    mine = hidden[:, lo:hi].clone().requires_grad_(True)
+    out = sharded_gated_deltanet(layer, mine, comm)
+    (out * dout[:, lo:hi]).sum().backward()
+    grads = {name: p.grad.detach().numpy().copy() for name, p in layer.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
+    shards = comm.gather((out.detach().numpy(), mine.grad.numpy()), root=0)
+    if rank != 0:
+        return True, ""
+    layer.zero_grad()
+    whole = hidden.clone().requires_grad_(True)
+    saved = qwen3_next.torch_chunk_gated_delta_rule
+    if dtype == torch.float64:
+        qwen3_next.torch_chunk_gated_delta_rule = float64_chunk_rule
+    try:
+        ref = layer(whole)
+    finally:
+        qwen3_next.torch_chunk_gated_delta_rule = saved
+    (ref * dout).sum().backward()
+    pairs = [("out", np.concatenate([s[0] for s in shards], axis=1), ref.detach().numpy()),
+             ("dhidden", np.concatenate([s[1] for s in shards], axis=1), whole.grad.numpy())]
+    pairs += [("d" + name, grads[name], p.grad.numpy()) for name, p in layer.named_parameters()]
+    # the layer computes its decay g in float32 even in a float64 model (A_log.float(), a.float()), and a
+    # shard's projections round differently from the whole's, so a float32 rounding of g may differ: the
+    # float64 layer is exact to that island's rounding, not to 1e-10 (the rule itself is, cases above)
+    measure, bound = (relative, FLOAT32_DECAY) if dtype == torch.float64 else (rms_relative, RMS_32)
+    errs = {name: measure(ours, ref) for name, ours, ref in pairs}
+    msgs = [f"{name} error {e:.3g} > {bound:g}" for name, e in errs.items() if not e <= bound]
+    return not msgs, "; ".join(msgs) or " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+
+
 def run_error(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(0)
@@ -297,7 +395,7 @@ def main():
     CASES_BY_NAME.update({c["name"]: c for c in cases if "name" in c})
     sizes = sorted({c["P"] for c in cases}, reverse=True)
     subs = {p: world.Split(0 if world.Get_rank() < p else MPI.UNDEFINED, world.Get_rank()) for p in sizes}
-    kinds = {"error": run_error, "conv": run_conv, "relayout": run_relayout}
+    kinds = {"error": run_error, "conv": run_conv, "relayout": run_relayout, "hf-layer": run_hf_layer}
     for p in sizes:
         if subs[p] != MPI.COMM_NULL:
             run_all(subs[p], [c for c in cases if c["P"] == p],

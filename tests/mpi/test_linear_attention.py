@@ -65,6 +65,10 @@ def cases_for(p):
         if p <= 3 or not kw.get("torch"):
             cases.append(dict(id=f"P{p}-{name}", P=p, kind="conv", B=2, N=40, D=5, W=4, seed=zlib.crc32(name.encode()),
                               lengths=conv_lengths, **kw))
+    if p in (2, 3):  # a real Qwen3-Next Gated DeltaNet layer; at P = 3 a shard shorter than the halo
+        for dtype in ("float64", "float32"):
+            cases.append(dict(id=f"P{p}-hf-qwen3next-layer-{dtype}", P=p, kind="hf-layer", dtype=dtype, B=2, N=70,
+                              seed=11, lengths=[30, 40] if p == 2 else [33, 2, 35]))
     cases.append(dict(id=f"P{p}-relayout", P=p, kind="relayout", N=45, seed=3, documents=[20, 3, 22]))
     for what, expect in (("heads_one_rank", "must be a multiple of"), ("dtype_one_rank", "must share one dtype"),
                          ("cu_length", "cu_seqlens ends at")):
