@@ -64,7 +64,6 @@ class LinearCall:
     bounds: np.ndarray  # document boundaries in global positions: cu_seqlens, or [0, n]
     documents: bool
     output_final_state: bool
-    lengths: tuple     # every rank's T_local
 
     @property
     def state_rows(self) -> int:
@@ -135,7 +134,7 @@ def agree_call(comm, q, k, v, g, beta, *, scale, initial_state, output_final_sta
                       b=q.shape[0], h=q.shape[2], hv=v.shape[2], kdim=q.shape[3], vdim=v.shape[3], dtype=q.dtype,
                       scale=float(q.shape[3] ** -0.5 if scale is None else scale), start=start,
                       stop=start + lengths[rank], n=n, bounds=np.array([0, n]) if cu is None else cu,
-                      documents=cu is not None, output_final_state=bool(output_final_state), lengths=lengths)
+                      documents=cu is not None, output_final_state=bool(output_final_state))
 
 
 def _head_major(x):

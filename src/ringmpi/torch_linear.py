@@ -9,9 +9,9 @@ backward are collective over ``comm``: every rank calls the forward and every ra
 backpropagates through it.  The backward recomputes the forward (its scan included).
 
 Replicated tensors follow the bridges' rule (docs/design.md): ``initial_state``'s gradient (and
-the convolution's weight's and bias') is this rank's own contribution (the framework's usual sum over ranks gives the whole), and the
-final state, returned on every rank, takes the sum over ranks of the gradients its copies
-received (one Allreduce in the backward).
+the convolution's weight's and bias') is this rank's own contribution (the framework's usual sum
+over ranks gives the whole), and the final state, returned on every rank, takes the sum over
+ranks of the gradients its copies received (one Allreduce in the backward).
 
 Importing this module imports torch; ``import ringmpi`` does not.
 """

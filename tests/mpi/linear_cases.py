@@ -121,7 +121,8 @@ def reference64(case, x):
     import torch
     from linear_reference import recurrence
 
-    t = {n: None if x[n] is None else torch.tensor(x[n], requires_grad=True) for n in ("q", "k", "v", "g", "beta", "s0")}
+    t = {n: None if x[n] is None else torch.tensor(x[n], requires_grad=True)
+         for n in ("q", "k", "v", "g", "beta", "s0")}
     g = t["g"] if t["g"] is not None else torch.zeros(x["v"].shape[:3], dtype=torch.float64)
     scale = case.get("scale") or case["K"] ** -0.5
     o, final = recurrence(t["q"], t["k"], t["v"], g, t["beta"], scale, t["s0"], case.get("cu"),

@@ -75,8 +75,8 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                  head_parallel=dict(help="Time the head x ring schedule with U ranks per group "
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new, sinks, documents, linear, quiet, causal, window, softcap, dropout_p,
-          head_parallel, invariant, **modifiers):
+          sweep, json_path, plot_path, decode, cache, new, sinks, documents, linear, quiet, causal, window, softcap,
+          dropout_p, head_parallel, invariant, **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the

@@ -103,7 +103,8 @@ def _point(records, p, n):
 
 def _format(report):
     c = report["config"]
-    lines = [f"ringmpi bench --linear {c['linear']} ({KINDS[c['linear']]}{', forward + backward' if c['backward'] else ', forward'}): "
+    passes = "forward + backward" if c["backward"] else "forward"
+    lines = [f"ringmpi bench --linear {c['linear']} ({KINDS[c['linear']]}, {passes}): "
              f"B={c['batch']} H={c['heads']} K={c['dim']} V={c['dim_v']} {c['dtype']}, {c['repeat']} calls after "
              f"{c['warmup']} warm-up; seconds per call, slowest rank; load average {report['load_average']}",
              "bytes received per rank per call (the scans) at P = %d:" % report["world_size"]]
@@ -113,18 +114,19 @@ def _format(report):
     for name, key in (("strong, N = %d" % report["strong"][0]["n"], "strong"),
                       ("weak, %d tokens per rank" % report["weak"][0]["n"], "weak")):
         base = report[key][0]["median_s"]
-        lines.append(f"{name}:  {'P':>3} {'median':>10} {'local':>10} {'scan':>10} {'t1/tP' if key == 'strong' else 'eff':>7}")
+        ratio_name = "t1/tP" if key == "strong" else "eff"
+        lines.append(f"{name}:  {'P':>3} {'median':>10} {'local':>10} {'scan':>10} {ratio_name:>7}")
         for pt in report[key]:
-            ratio = base / pt["median_s"]
-            lines.append(f"  {'':{len(name)}}{pt['world_size']:>3} {pt['median_s']:>10.3e} {pt['local_median_s']:>10.3e} "
-                         f"{pt['scan_median_s']:>10.3e} {ratio:>7.2f}")
+            lines.append(f"  {'':{len(name)}}{pt['world_size']:>3} {pt['median_s']:>10.3e} "
+                         f"{pt['local_median_s']:>10.3e} {pt['scan_median_s']:>10.3e} {base / pt['median_s']:>7.2f}")
     return "\n".join(lines)
 
 
 def run(comm, cfg, json_path=None):
     """Collective: every measurement of the module docstring; rank 0 prints the report."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    report = {"mode": "linear", "world_size": size, "config": cfg, "load_average": [round(x, 2) for x in os.getloadavg()]}
+    report = {"mode": "linear", "world_size": size, "config": cfg,
+              "load_average": [round(x, 2) for x in os.getloadavg()]}
     bytes_points = []
     for n in [max(1, cfg["n"] >> e) for e in range(DOUBLINGS, -1, -1)]:
         recs = _on_ranks(comm, size, dict(cfg, warmup=0, repeat=1), n)
