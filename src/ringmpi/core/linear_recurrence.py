@@ -70,7 +70,7 @@ class Chunks:
     beta: Optional[np.ndarray]  # (B, H, n, C)
     c: np.ndarray      # cumsum of g inside each chunk
     gamma: np.ndarray  # exp(c)
-    decay: np.ndarray  # Gamma (C x C), zero above the diagonal
+    decay: Optional[np.ndarray]  # Gamma (C x C), zero above the diagonal (None per key: made where used)
     e: np.ndarray      # exp(c_C - c)
     gc: np.ndarray     # exp(c_C), (B, H, n) (or (B, H, n, K) per key)
     attn: np.ndarray   # A
@@ -85,7 +85,7 @@ class Chunks:
 
     @property
     def per_key(self) -> bool:
-        return self.c.ndim == 5
+        return self.c.ndim == 5  # (B, H, n, C, K)
 
     @property
     def n(self) -> int:
@@ -102,21 +102,37 @@ def _keys_summed(x, per_key: bool):
     return x if per_key else x.sum(axis=-1)
 
 
-def decayed(x, y, decay):
+def _key_decay(c):
+    """``Gamma_ijd = exp(c_id - c_jd)`` below and on the diagonal, 0 above: ``(..., C, C, K)``."""
+    lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))[:, :, None]
+    with np.errstate(invalid="ignore"):
+        return np.exp(np.where(lower, c[..., :, None, :] - c[..., None, :, :], -np.inf))
+
+
+def decayed(x, y, p: "Chunks"):
     """``M_ij = sum_d x_id y_jd Gamma_ijd``, zero above the diagonal: ``(x y^T) o Gamma`` for a
-    per-token decay ``Gamma (..., C, C)``, each key's own for ``(..., C, C, K)``."""
-    if decay.ndim == x.ndim:
-        return (x @ _t(y)) * decay
-    return np.einsum("...id,...jd,...ijd->...ij", x, y, decay)
+    per-token decay, each key's own for a per-key one (``Gamma (C, C, K)`` made one chunk at a
+    time, so a run never holds ``T C K`` numbers)."""
+    if not p.per_key:
+        return (x @ _t(y)) * p.decay
+    out = np.empty(x.shape[:-1] + (CHUNK,), x.dtype)
+    for i in range(x.shape[2]):
+        out[:, :, i] = np.einsum("...id,...jd,...ijd->...ij", x[:, :, i], y[:, :, i], _key_decay(p.c[:, :, i]))
+    return out
 
 
-def decayed_grads(dm, x, y, decay):
+def decayed_grads(dm, x, y, p: "Chunks"):
     """``(dx, dy)`` of :func:`decayed` given ``dm``.  What reaches the log decays ``c`` is
     ``x o dx - y o dy`` (summed over keys for a per-token decay): ``Gamma_ij = exp(c_i - c_j)``."""
-    if decay.ndim == x.ndim:
-        through = dm * decay
+    if not p.per_key:
+        through = dm * p.decay
         return through @ y, _t(through) @ x
-    return np.einsum("...ij,...jd,...ijd->...id", dm, y, decay), np.einsum("...ij,...id,...ijd->...jd", dm, x, decay)
+    dx, dy = np.empty_like(x), np.empty_like(y)
+    for i in range(x.shape[2]):
+        decay = _key_decay(p.c[:, :, i])
+        dx[:, :, i] = np.einsum("...ij,...jd,...ijd->...id", dm[:, :, i], y[:, :, i], decay)
+        dy[:, :, i] = np.einsum("...ij,...id,...ijd->...jd", dm[:, :, i], x[:, :, i], decay)
+    return dx, dy
 
 
 def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
@@ -128,36 +144,33 @@ def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
     per_key = g.ndim == 4
     tok = -2 if per_key else -1
     qc, kc_, vc, gcum = _chunked(q, n), _chunked(k, n), _chunked(v, n), np.cumsum(_chunked(g, n), axis=tok)
-    lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
     gamma = np.exp(gcum)
-    with np.errstate(invalid="ignore"):
-        if per_key:
-            decay = np.exp(np.where(lower[:, :, None], gcum[..., :, None, :] - gcum[..., None, :, :], -np.inf))
-        else:
+    decay = None  # a per-key Gamma is made chunk by chunk where it is used
+    if not per_key:
+        lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
+        with np.errstate(invalid="ignore"):
             decay = np.exp(np.where(lower, gcum[..., :, None] - gcum[..., None, :], -np.inf))
     last = gcum[..., -1:, :] if per_key else gcum[..., -1:]
     e = np.exp(last - gcum)
     gc = gamma[..., -1, :] if per_key else gamma[..., -1]
-    attn = decayed(qc, kc_, decay)
-    kt = kc_ * _per_token(e, per_key)
-    bc = ut = kbk = kcum = None
+    p = Chunks(t=t, delta=delta, q=qc, k=kc_, v=vc, beta=None, c=gcum, gamma=gamma, decay=decay, e=e, gc=gc,
+               attn=None, wv=vc, kc=None, qt=None, kt=kc_ * _per_token(e, per_key), mc=gc, uc=None)
+    p.attn = decayed(qc, kc_, p)
     if delta:
-        bc = _chunked(beta, n)
+        bc = p.beta = _chunked(beta, n)
         kb = kc_ * bc[..., None]
         eye = np.eye(CHUNK, dtype=q.dtype)
-        kbk = decayed(kb, kc_, decay) * (1 - eye)  # L
-        ut = kbk + eye
-        r = np.linalg.solve(ut, np.concatenate([vc * bc[..., None], kb * _per_token(gamma, per_key)], axis=-1))
-        wv, kcum = r[..., :v.shape[-1]], r[..., v.shape[-1]:]
-        qt = qc * _per_token(gamma, per_key) - attn @ kcum
+        p.kbk = kbk = decayed(kb, kc_, p) * (1 - eye)  # L
+        p.ut = kbk + eye
+        r = np.linalg.solve(p.ut, np.concatenate([vc * bc[..., None], kb * _per_token(gamma, per_key)], axis=-1))
+        p.wv, p.kc = r[..., :v.shape[-1]], r[..., v.shape[-1]:]
+        p.qt = qc * _per_token(gamma, per_key) - p.attn @ p.kc
         diag = gc[..., :, None] if per_key else gc[..., None, None]
-        mc = diag * np.eye(q.shape[-1], dtype=q.dtype) - _t(kt) @ kcum
+        p.mc = diag * np.eye(q.shape[-1], dtype=q.dtype) - _t(p.kt) @ p.kc
     else:
-        wv = vc
-        qt = qc * _per_token(gamma, per_key)
-        mc = gc
-    return Chunks(t=t, delta=delta, q=qc, k=kc_, v=vc, beta=bc, c=gcum, gamma=gamma, decay=decay, e=e, gc=gc,
-                  attn=attn, wv=wv, kc=kcum, qt=qt, kt=kt, mc=mc, uc=_t(kt) @ wv, ut=ut, kbk=kbk)
+        p.qt = qc * _per_token(gamma, per_key)
+    p.uc = _t(p.kt) @ p.wv
+    return p
 
 
 @dataclass
@@ -259,7 +272,7 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
     de = _keys_summed(dkt * p.k, per_key) * p.e               # Kt = k exp(c_C - c)
     dc -= de
     dc_last = de.sum(axis=-2 if per_key else -1) + dgc * p.gc
-    dq_a, dk_a = decayed_grads(dattn, p.q, p.k, p.decay)      # A = decayed(q, k)
+    dq_a, dk_a = decayed_grads(dattn, p.q, p.k, p)           # A = decayed(q, k)
     dq += dq_a
     dk += dk_a
     dc += _keys_summed(p.q * dq_a - p.k * dk_a, per_key)
@@ -274,7 +287,7 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
         kb = p.k * p.beta[..., None]
         dkb = dkbg * gamma
         dc += _keys_summed(dkbg * kb, per_key) * p.gamma
-        dkb_l, dk_l = decayed_grads(dl, kb, p.k, p.decay)    # L = strict(decayed(beta k, k))
+        dkb_l, dk_l = decayed_grads(dl, kb, p.k, p)          # L = strict(decayed(beta k, k))
         dkb += dkb_l
         dk += dk_l
         dc += _keys_summed(kb * dkb_l - p.k * dk_l, per_key)
