@@ -29,6 +29,17 @@ _PUBLIC = {
     "decode_attention": "decode",
     "KVCache": "kvcache",
     "AttentionOptions": "options",
+    "gated_delta_rule": "linear_attention",
+    "gated_delta_rule_backward": "linear_attention",
+    "simple_gla": "linear_attention",
+    "simple_gla_backward": "linear_attention",
+    "kda": "linear_attention",
+    "kda_backward": "linear_attention",
+    "gla": "linear_attention",
+    "gla_backward": "linear_attention",
+    "causal_conv1d": "causal_conv",
+    "causal_conv1d_backward": "causal_conv",
+    "relayout": "relayout",
 }
 
 # documented public modules that live in a layer's folder: the old path is the same module object
@@ -55,6 +66,9 @@ if not any(isinstance(f, _PublicModules) for f in _sys.meta_path):
     _sys.meta_path.insert(0, _PublicModules())
 
 __all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "AttentionOptions",
+           "gated_delta_rule", "gated_delta_rule_backward", "simple_gla", "simple_gla_backward",
+           "kda", "kda_backward", "gla", "gla_backward",
+           "causal_conv1d", "causal_conv1d_backward", "relayout",
            "abort_on_error", "ConfigError", "RingTimeout", "__version__"]
 
 

@@ -37,9 +37,10 @@ LAYERS = (
     ("block ops", ("ringmpi.kernels", "ringmpi._ext")),  # CUDA sources and their loader; the compiled CPU pass
     ("backends", ("ringmpi.backends",)),  # the block-op interface and its NumPy and CuPy backends
     ("parallel", ("ringmpi.parallel",)),  # communicators, topology, the ring, its schedule and passes
-    ("public calls", ("ringmpi.attention", "ringmpi.decode", "ringmpi.kvcache")),
+    ("public calls", ("ringmpi.attention", "ringmpi.decode", "ringmpi.kvcache", "ringmpi.linear_attention",
+                      "ringmpi.causal_conv", "ringmpi.relayout")),
     ("file job and bridges", ("ringmpi.filejob", "ringmpi.torch", "ringmpi.transformers",
-                              "ringmpi.torch_distributed")),
+                              "ringmpi.torch_distributed", "ringmpi.torch_linear")),
     ("commands", ("ringmpi.cli", "ringmpi.bench", "ringmpi.__main__")),
 )
 CORE_FORBIDDEN = ("mpi4py", "h5py", "cupy")

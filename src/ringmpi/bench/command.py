@@ -7,7 +7,8 @@
 
 Modes: the ring, one run or a strong/weak sweep (:mod:`ringmpi.bench.ring`);
 ``--sweep head-parallel`` (:mod:`ringmpi.bench.head_parallel`); ``--decode``
-(:mod:`ringmpi.bench.decode`); ``--documents`` (:mod:`ringmpi.bench.documents`: a
+(:mod:`ringmpi.bench.decode`); ``--linear`` (:mod:`ringmpi.bench.linear`: the linear-attention
+layers' scan); ``--documents`` (:mod:`ringmpi.bench.documents`: a
 pack of documents, zigzag + ring against balanced + routed).  Every rank generates its own synthetic shard
 (no file I/O); the figures are defined in :mod:`ringmpi.bench.summary`.
 """
@@ -60,6 +61,10 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--documents", default=None, metavar="lognormal:MEAN:SIGMA|FILE",
               help="A pack of documents (lengths drawn log-normal with that mean, or read from FILE, summing "
                    "to --n): zigzag + ring against balanced + routed, per rank visible pairs, bytes, time.")
+@click.option("--linear", type=click.Choice(["gdn", "gla", "linear"]), default=None,
+              help="Time a linear-attention layer on contiguous shards instead (ringmpi.bench.linear): gated "
+                   "delta rule, scalar decay or plain; bytes per rank for N = --n/16 .. --n, strong and weak "
+                   "scaling at --n/16 over P = 1, 2, 4, ... (--heads, --dim = K, --dim-v = V, float32/float64).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress report on rank 0 (the calls, their ring steps, "
               "the time left).")
 @attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel", "invariant",
@@ -70,8 +75,8 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                  head_parallel=dict(help="Time the head x ring schedule with U ranks per group "
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
-          sweep, json_path, plot_path, decode, cache, new, sinks, documents, quiet, causal, window, softcap, dropout_p,
-          head_parallel, invariant, **modifiers):
+          sweep, json_path, plot_path, decode, cache, new, sinks, documents, linear, quiet, causal, window, softcap,
+          dropout_p, head_parallel, invariant, **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -89,6 +94,11 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
                         layout=layout, repeat=repeat, warmup=warmup, backend=backend, seed=seed,
                         **({"dim_v": dim_v} if dim_v != dim else {})), json_path)
     comm = resolve_comm(None)
+    if linear is not None:
+        from .linear import run as run_linear
+        agree(comm, None if dtype in ("float32", "float64") else "--linear runs in float32 or float64")
+        return run_linear(comm, dict(linear=linear, n=n, batch=batch, heads=heads, dim=dim, dim_v=dim_v, dtype=dtype,
+                                     backward=backward, repeat=repeat, warmup=warmup, seed=seed), json_path)
     dropout = dropout_p
     head_parallel, problem = _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, sweep,
                                       window=window, modifiers=modifiers)

@@ -36,6 +36,10 @@ def agree(comm, problem: Optional[str]) -> None:
     """
     with phase("the ranks' agreement on the configuration (allgather)"):
         problems = comm.allgather(problem)
+    _raise_first(problems)
+
+
+def _raise_first(problems) -> None:
     failing = [(r, p) for r, p in enumerate(problems) if p is not None]
     if not failing:
         return
@@ -45,6 +49,19 @@ def agree(comm, problem: Optional[str]) -> None:
         if len(failing) > 1:
             message += f" (and {len(failing) - 1} more rank(s) failed their checks)"
     raise ConfigError(message)
+
+
+def agree_shards(comm, problem: Optional[str], signature, length: int, what: str) -> tuple:
+    """:func:`agree`, and in the same allgather every rank's shard length (returned, in rank order)
+    and the call's ``signature`` (any comparable value: shapes, dtype, options), which every rank
+    must pass alike; else one ConfigError naming ``what`` disagrees.  For calls on contiguous
+    shards (the linear-attention layers, their convolution, a change of layout)."""
+    with phase("the ranks' agreement on the call and their shards (allgather)"):
+        every = comm.allgather((problem, signature, length))
+    _raise_first([p for p, _, _ in every])
+    if any(s != every[0][1] for _, s, _ in every):
+        raise ConfigError(f"ranks disagree on the call ({what})")
+    return tuple(int(t) for _, _, t in every)
 
 
 class abort_on_error:

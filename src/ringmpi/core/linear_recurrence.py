@@ -1,0 +1,306 @@
+"""The chunked recurrence of a linear-attention layer over one run of tokens: a chunk is an affine map.
+
+Per head the state ``S`` (``K x V``) follows ``S_t = A_t S_{t-1} + b_t k_t w_t^T`` and the output
+is ``o_t = S_t^T q_t``, with
+
+* the gated delta rule (``delta=True``): ``A_t = a_t (I - beta_t k_t k_t^T)``, ``w_t = v_t``,
+  ``b_t = beta_t`` (flash-linear-attention's ``chunk_gated_delta_rule``);
+* scalar decay (``delta=False``; Mamba-2 / RetNet / simple GLA, plain linear attention when
+  ``g = 0``): ``A_t = a_t I``, ``b_t = 1``;
+
+``a_t = exp(g_t)``, ``g`` the log decay.  A run of ``T`` tokens is cut in chunks of
+:data:`CHUNK`; inside a chunk everything is dense products (BLAS), and the chunk as a whole
+is an affine map of its entering state ``S``::
+
+    o     = Qt S + A Wv          (C x V)       Qt: the queries as they see S
+    S_end = Mc S + Kt^T Wv       (K x V)       Mc: K x K (delta rule) or the scalar gC
+
+with ``A = tril(q k^T o Gamma)``, ``Gamma_ij = exp(c_i - c_j)``, ``c = cumsum(g)``; for the
+delta rule the UT transform ``(I + L) [Wv | Kc] = [beta v | beta k exp(c)]``,
+``L = strict_tril(beta k k^T o Gamma)``, ``Qt = q exp(c) - A Kc``, ``Mc = gC I - Kt^T Kc``,
+``Kt = k exp(c_C - c)``, ``gC = exp(c_C)`` (transformers' ``torch_chunk_gated_delta_rule``
+computes the same pieces).  The chunks are then composed in order, one ``K x K`` product
+each; the ranks compose their runs' maps the same way (``core/state_maps.py``,
+``parallel/state_scan.py``).  :func:`run_forward` can also carry the run's own map along
+(``track_map``): the state is widened to ``[S | M]`` with ``M_0 = I``, so one pass gives the
+run's map ``M`` and each token's query as it sees the entering state (``q~_t``, so that
+``o_t += S_in^T q~_t`` once ``S_in`` is known).  :func:`run_backward` is the reverse-mode of
+the same steps.  Work is ``O(T (C d + d^2))`` per head.
+
+Arrays are head-major: ``q, k (B, H, T, K)`` (q already scaled), ``v (B, H, T, V)``,
+``g, beta (B, H, T)``, states ``(B, H, K, V)``; float32 or float64 throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+CHUNK = 64
+
+
+def _t(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def _chunked(x, n: int):
+    """``(B, H, T, ...) -> (B, H, n, CHUNK, ...)``, zero-padded at the end (a padded token has
+    ``k = v = q = 0`` and ``g = 0``: it changes nothing)."""
+    pad = n * CHUNK - x.shape[2]
+    if pad:
+        x = np.concatenate([x, np.zeros(x.shape[:2] + (pad,) + x.shape[3:], x.dtype)], axis=2)
+    return x.reshape(x.shape[:2] + (n, CHUNK) + x.shape[3:])
+
+
+def _unchunked(x, t: int):
+    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :t]
+
+
+@dataclass
+class Chunks:
+    """The per-chunk pieces of one run, batched over ``(B, H, n)``."""
+
+    t: int
+    delta: bool
+    q: np.ndarray      # (B, H, n, C, K)
+    k: np.ndarray
+    v: np.ndarray      # (B, H, n, C, V)
+    beta: Optional[np.ndarray]  # (B, H, n, C)
+    c: np.ndarray      # cumsum of g inside each chunk
+    gamma: np.ndarray  # exp(c)
+    decay: Optional[np.ndarray]  # Gamma (C x C), zero above the diagonal (None per key: made where used)
+    e: np.ndarray      # exp(c_C - c)
+    gc: np.ndarray     # exp(c_C), (B, H, n) (or (B, H, n, K) per key)
+    attn: np.ndarray   # A
+    wv: np.ndarray     # Wv
+    kc: Optional[np.ndarray]
+    qt: np.ndarray     # Qt
+    kt: np.ndarray     # Kt
+    mc: np.ndarray     # (B, H, n, K, K), or gc without the delta rule
+    uc: np.ndarray     # Kt^T Wv, (B, H, n, K, V)
+    ut: Optional[np.ndarray] = None  # I + L (the delta rule's UT system)
+    kbk: Optional[np.ndarray] = None  # L
+
+    @property
+    def per_key(self) -> bool:
+        return self.c.ndim == 5  # (B, H, n, C, K)
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[2]
+
+
+def _per_token(x, per_key: bool):
+    """A per-token factor ``(..., C)`` or per-key one ``(..., C, K)`` ready to scale ``(..., C, K)``."""
+    return x if per_key else x[..., None]
+
+
+def _keys_summed(x, per_key: bool):
+    """What reaches a per-token decay from ``(..., C, K)``: the sum over keys, or each key's own."""
+    return x if per_key else x.sum(axis=-1)
+
+
+def _key_decay(c):
+    """``Gamma_ijd = exp(c_id - c_jd)`` below and on the diagonal, 0 above: ``(..., C, C, K)``."""
+    lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))[:, :, None]
+    with np.errstate(invalid="ignore"):
+        return np.exp(np.where(lower, c[..., :, None, :] - c[..., None, :, :], -np.inf))
+
+
+def decayed(x, y, p: "Chunks"):
+    """``M_ij = sum_d x_id y_jd Gamma_ijd``, zero above the diagonal: ``(x y^T) o Gamma`` for a
+    per-token decay, each key's own for a per-key one (``Gamma (C, C, K)`` made one chunk at a
+    time, so a run never holds ``T C K`` numbers)."""
+    if not p.per_key:
+        return (x @ _t(y)) * p.decay
+    out = np.empty(x.shape[:-1] + (CHUNK,), x.dtype)
+    for i in range(x.shape[2]):
+        out[:, :, i] = np.einsum("...id,...jd,...ijd->...ij", x[:, :, i], y[:, :, i], _key_decay(p.c[:, :, i]))
+    return out
+
+
+def decayed_grads(dm, x, y, p: "Chunks"):
+    """``(dx, dy)`` of :func:`decayed` given ``dm``.  What reaches the log decays ``c`` is
+    ``x o dx - y o dy`` (summed over keys for a per-token decay): ``Gamma_ij = exp(c_i - c_j)``."""
+    if not p.per_key:
+        through = dm * p.decay
+        return through @ y, _t(through) @ x
+    dx, dy = np.empty_like(x), np.empty_like(y)
+    for i in range(x.shape[2]):
+        decay = _key_decay(p.c[:, :, i])
+        dx[:, :, i] = np.einsum("...ij,...jd,...ijd->...id", dm[:, :, i], y[:, :, i], decay)
+        dy[:, :, i] = np.einsum("...ij,...id,...ijd->...jd", dm[:, :, i], x[:, :, i], decay)
+    return dx, dy
+
+
+def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
+    """The chunk pieces of a run of ``T >= 1`` tokens (module docstring).  ``g`` is a log decay
+    per token ``(B, H, T)`` or per token and key ``(B, H, T, K)`` (KDA, GLA: ``Gamma`` and
+    everything made of it then has one entry per key)."""
+    t = q.shape[2]
+    n = -(-t // CHUNK)
+    per_key = g.ndim == 4
+    tok = -2 if per_key else -1
+    qc, kc_, vc, gcum = _chunked(q, n), _chunked(k, n), _chunked(v, n), np.cumsum(_chunked(g, n), axis=tok)
+    gamma = np.exp(gcum)
+    decay = None  # a per-key Gamma is made chunk by chunk where it is used
+    if not per_key:
+        lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
+        with np.errstate(invalid="ignore"):
+            decay = np.exp(np.where(lower, gcum[..., :, None] - gcum[..., None, :], -np.inf))
+    last = gcum[..., -1:, :] if per_key else gcum[..., -1:]
+    e = np.exp(last - gcum)
+    gc = gamma[..., -1, :] if per_key else gamma[..., -1]
+    p = Chunks(t=t, delta=delta, q=qc, k=kc_, v=vc, beta=None, c=gcum, gamma=gamma, decay=decay, e=e, gc=gc,
+               attn=None, wv=vc, kc=None, qt=None, kt=kc_ * _per_token(e, per_key), mc=gc, uc=None)
+    p.attn = decayed(qc, kc_, p)
+    if delta:
+        bc = p.beta = _chunked(beta, n)
+        kb = kc_ * bc[..., None]
+        eye = np.eye(CHUNK, dtype=q.dtype)
+        p.kbk = kbk = decayed(kb, kc_, p) * (1 - eye)  # L
+        p.ut = kbk + eye
+        r = np.linalg.solve(p.ut, np.concatenate([vc * bc[..., None], kb * _per_token(gamma, per_key)], axis=-1))
+        p.wv, p.kc = r[..., :v.shape[-1]], r[..., v.shape[-1]:]
+        p.qt = qc * _per_token(gamma, per_key) - p.attn @ p.kc
+        diag = gc[..., :, None] if per_key else gc[..., None, None]
+        p.mc = diag * np.eye(q.shape[-1], dtype=q.dtype) - _t(p.kt) @ p.kc
+    else:
+        p.qt = qc * _per_token(gamma, per_key)
+    p.uc = _t(p.kt) @ p.wv
+    return p
+
+
+@dataclass
+class Forward:
+    """A run's outputs from its entering state ``s0``; ``states`` are the chunks' entering
+    states (what :func:`run_backward` needs).  With ``track_map``: ``m``, the run's map
+    (``(B, H, K, K)`` for the delta rule, ``(B, H)`` for scalar decay), and ``qs``, each
+    token's query as it sees the entering state, ``(B, H, T, K)``; ``states_m`` the map
+    part of the chunks' entering states (``(B, H, n, K, K)`` or ``(B, H, n)``)."""
+
+    o: np.ndarray
+    s_end: np.ndarray
+    states: np.ndarray
+    m: Optional[np.ndarray] = None
+    qs: Optional[np.ndarray] = None
+    states_m: Optional[np.ndarray] = None
+
+
+def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
+    """Compose the chunk maps in order from ``s0`` ``(B, H, K, V)``; the outputs of every token."""
+    b, h, n, _, kdim = p.q.shape
+    vdim = s0.shape[-1]
+    dense = p.delta
+    width = vdim + (kdim if track_map and dense else 0)
+    x = s0
+    if track_map and dense:
+        x = np.concatenate([s0, np.broadcast_to(np.eye(kdim, dtype=s0.dtype), (b, h, kdim, kdim))], axis=-1)
+    states = np.empty((b, h, n, kdim, width), dtype=s0.dtype)
+    for i in range(n):
+        states[:, :, i] = x
+        if dense:
+            x = p.mc[:, :, i] @ x
+        else:
+            x = (p.gc[:, :, i, :, None] if p.per_key else p.gc[:, :, i, None, None]) * x
+        x[..., :vdim] += p.uc[:, :, i]
+    seen = p.qt @ states
+    o = _unchunked(seen[..., :vdim] + p.attn @ p.wv, p.t)
+    out = Forward(o=o, s_end=x[..., :vdim], states=states[..., :vdim])
+    if track_map:
+        if dense:
+            out.m, out.states_m = x[..., vdim:], states[..., vdim:]
+            out.qs = _unchunked(seen[..., vdim:], p.t)
+        else:
+            ones = np.ones((b, h, 1) + p.gc.shape[3:], s0.dtype)
+            before = np.cumprod(np.concatenate([ones, p.gc[:, :, :-1]], axis=2), axis=2)  # the chunks' entering maps
+            out.m, out.states_m = before[:, :, -1] * p.gc[:, :, -1], before
+            out.qs = _unchunked(p.qt * (before[..., None, :] if p.per_key else before[..., None, None]), p.t)
+    return out
+
+
+@dataclass
+class Grads:
+    """Gradients of one run: ``dq`` (of the scaled q), ``dk``, ``dv``, ``dg``, ``dbeta``
+    (None without the delta rule) in the inputs' head-major shapes, and ``ds0`` of the entering state."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dg: np.ndarray
+    dbeta: Optional[np.ndarray]
+    ds0: np.ndarray
+
+
+def run_backward(p: Chunks, states, do, ds_end) -> Grads:
+    """Reverse mode of :func:`run_forward` (and :func:`chunks`): ``states`` are the chunks'
+    entering states of the forward that ran, ``do (B, H, T, V)``, ``ds_end`` the gradient of
+    the run's end state ``(B, H, K, V)``."""
+    n = p.n
+    per_key = p.per_key
+    doc = _chunked(do, n)
+    seen_do = _t(p.qt) @ doc                      # Qt^T do: what the outputs ask of each entering state
+    ds_after = np.empty_like(states)
+    ds = ds_end
+    for i in range(n - 1, -1, -1):
+        ds_after[:, :, i] = ds
+        if p.delta:
+            ds = _t(p.mc[:, :, i]) @ ds + seen_do[:, :, i]
+        else:
+            ds = (p.gc[:, :, i, :, None] if per_key else p.gc[:, :, i, None, None]) * ds + seen_do[:, :, i]
+    # o = Qt S + A Wv; S_end = Mc S + Kt^T Wv
+    dqt = doc @ _t(states)
+    dattn = doc @ _t(p.wv)
+    dwv = _t(p.attn) @ doc + p.kt @ ds_after
+    dkt = p.wv @ _t(ds_after)
+    dkc = None
+    if p.delta:
+        dmc = ds_after @ _t(states)
+        dgc = np.diagonal(dmc, axis1=-2, axis2=-1) if per_key else np.trace(dmc, axis1=-2, axis2=-1)
+        dkt -= p.kc @ _t(dmc)                      # Mc = Diag(gC) - Kt^T Kc
+        dkc = -(p.kt @ dmc)
+        dattn -= dqt @ _t(p.kc)                    # Qt = q gamma - A Kc
+        dkc -= _t(p.attn) @ dqt
+    else:
+        dgc = np.sum(ds_after * states, axis=-1 if per_key else (-2, -1))
+    gamma = _per_token(p.gamma, per_key)
+    dq = dqt * gamma
+    dc = _keys_summed(dqt * p.q, per_key) * p.gamma           # q gamma, gamma = exp(c)
+    dk = dkt * _per_token(p.e, per_key)
+    de = _keys_summed(dkt * p.k, per_key) * p.e               # Kt = k exp(c_C - c)
+    dc -= de
+    dc_last = de.sum(axis=-2 if per_key else -1) + dgc * p.gc
+    dq_a, dk_a = decayed_grads(dattn, p.q, p.k, p)           # A = decayed(q, k)
+    dq += dq_a
+    dk += dk_a
+    dc += _keys_summed(p.q * dq_a - p.k * dk_a, per_key)
+    dbeta = None
+    if p.delta:
+        vdim = p.v.shape[-1]
+        rhs_grad = np.linalg.solve(_t(p.ut), np.concatenate([dwv, dkc], axis=-1))
+        dl = -(rhs_grad @ _t(np.concatenate([p.wv, p.kc], axis=-1))) * (1 - np.eye(CHUNK, dtype=dwv.dtype))
+        dvb, dkbg = rhs_grad[..., :vdim], rhs_grad[..., vdim:]
+        dv = dvb * p.beta[..., None]
+        dbeta = np.sum(dvb * p.v, axis=-1)
+        kb = p.k * p.beta[..., None]
+        dkb = dkbg * gamma
+        dc += _keys_summed(dkbg * kb, per_key) * p.gamma
+        dkb_l, dk_l = decayed_grads(dl, kb, p.k, p)          # L = strict(decayed(beta k, k))
+        dkb += dkb_l
+        dk += dk_l
+        dc += _keys_summed(kb * dkb_l - p.k * dk_l, per_key)
+        dbeta += np.sum(dkb * p.k, axis=-1)
+        dk += dkb * p.beta[..., None]
+    else:
+        dv = dwv
+    if per_key:
+        dc[..., -1, :] += dc_last
+    else:
+        dc[..., -1] += dc_last
+    tok = -2 if per_key else -1
+    dg = np.flip(np.cumsum(np.flip(dc, axis=tok), axis=tok), axis=tok)
+    t = p.t
+    return Grads(dq=_unchunked(dq, t), dk=_unchunked(dk, t), dv=_unchunked(dv, t), dg=_unchunked(dg, t),
+                 dbeta=None if dbeta is None else _unchunked(dbeta, t), ds0=ds)

@@ -1,0 +1,109 @@
+"""The linear-attention pieces in one process: the tests' sequential reference (checked by
+``torch.autograd.gradcheck``), the chunked runs of ``core/linear_recurrence.py`` against it,
+forward and reverse, the state maps' composition and the shard segments."""
+
+import numpy as np
+import pytest
+import torch
+
+from linear_reference import recurrence
+from ringmpi.core import linear_recurrence as lr
+from ringmpi.core.state_maps import KINDS, StateMap, identity, pack, reset, then, transposed, unpack
+from ringmpi.core.state_segments import Segment, empty_documents, segments
+
+
+def _inputs(rng, b, t, h, hv, kd, vd, per_key=False):
+    k = rng.standard_normal((b, t, h, kd))
+    return dict(q=rng.standard_normal((b, t, h, kd)), k=k / np.linalg.norm(k, axis=-1, keepdims=True),
+                v=rng.standard_normal((b, t, hv, vd)),
+                g=-rng.uniform(0, 0.5, (b, t, hv, kd) if per_key else (b, t, hv)),
+                beta=rng.uniform(0.05, 1, (b, t, hv)))
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("delta", [True, False])
+def test_reference_passes_gradcheck(delta, per_key):
+    rng = np.random.default_rng(3)
+    x = _inputs(rng, 1, 7, 1, 2, 3, 2, per_key)
+    args = [torch.tensor(x[n], requires_grad=True) for n in ("q", "k", "v", "g", "beta")]
+    s0 = torch.tensor(rng.standard_normal((3, 2, 3, 2)), requires_grad=True)
+    cu = [0, 3, 3, 7]  # two documents and an empty one
+
+    def f(q, k, v, g, beta, s0):
+        return recurrence(q, k, v, g, beta, 0.7, s0, cu_seqlens=cu, delta=delta)
+
+    assert torch.autograd.gradcheck(f, (*args, s0))
+
+
+def _head_major(a):
+    return np.ascontiguousarray(np.moveaxis(a, 1, 2))
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("delta", [True, False])
+@pytest.mark.parametrize("t", [1, 64, 150])
+def test_chunked_run_against_the_recurrence(delta, t, per_key):
+    """Forward, the run's map (M, each token's query as it sees the entering state) and every
+    gradient, across chunk boundaries and a partial last chunk, in float64; a decay per token
+    (gated delta rule, simple GLA) or per key (KDA, GLA)."""
+    rng = np.random.default_rng(t)
+    x = _inputs(rng, 2, t, 3, 3, 5, 4, per_key)
+    s0 = rng.standard_normal((2, 3, 5, 4))
+    scale = 0.6
+    ref = {n: torch.tensor(a, requires_grad=True) for n, a in dict(x, s0=s0).items()}
+    o_ref, f_ref = recurrence(*(ref[n] for n in ("q", "k", "v", "g", "beta")), scale, ref["s0"], delta=delta)
+    do, dfinal = rng.standard_normal(o_ref.shape), rng.standard_normal(f_ref.shape)
+    ((o_ref * torch.tensor(do)).sum() + (f_ref * torch.tensor(dfinal)).sum()).backward()
+
+    pieces = lr.chunks(_head_major(x["q"]) * scale, _head_major(x["k"]), _head_major(x["v"]), _head_major(x["g"]),
+                       _head_major(x["beta"]), delta)
+    fwd = lr.run_forward(pieces, s0)
+    err = lambda a, b: np.abs(a - b).max() / np.abs(b).max()  # noqa: E731
+    assert err(np.moveaxis(fwd.o, 1, 2), o_ref.detach().numpy()) < 1e-12
+    assert err(fwd.s_end, f_ref.detach().numpy()) < 1e-12
+    from_zero = lr.run_forward(pieces, np.zeros_like(s0), track_map=True)
+    m = from_zero.m if delta else (from_zero.m[..., :, None] if per_key else from_zero.m[..., None, None]) * np.eye(5)
+    assert err(m @ s0 + from_zero.s_end, fwd.s_end) < 1e-12
+    assert err(from_zero.o + from_zero.qs @ s0, fwd.o) < 1e-12
+    grads = lr.run_backward(pieces, fwd.states, _head_major(do), dfinal)
+    for ours, leaf in ((np.moveaxis(grads.dq, 1, 2) * scale, "q"), (np.moveaxis(grads.dk, 1, 2), "k"),
+                       (np.moveaxis(grads.dv, 1, 2), "v"), (np.moveaxis(grads.dg, 1, 2), "g"), (grads.ds0, "s0")):
+        assert err(ours, ref[leaf].grad.numpy()) < 1e-12, leaf
+    if delta:
+        assert err(np.moveaxis(grads.dbeta, 1, 2), ref["beta"].grad.numpy()) < 1e-12
+
+
+def _random_map(rng, kind, shape=(2, 3, 4, 5)):
+    rows, heads, kd, _ = shape
+    m = {"identity": lambda: rng.integers(0, 2, (rows, heads)).astype(float),
+         "scalar": lambda: rng.uniform(0, 1, (rows, heads)),
+         "diagonal": lambda: rng.uniform(0, 1, (rows, heads, kd)),
+         "dense": lambda: rng.standard_normal((rows, heads, kd, kd))}[kind]()
+    return StateMap(kind, m, rng.standard_normal(shape))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_maps_compose_in_order(kind):
+    rng = np.random.default_rng(5)
+    a, b, c = (_random_map(rng, kind) for _ in range(3))
+    s = rng.standard_normal(a.u.shape)
+    ab = then(a, b)
+    assert np.allclose(ab.apply(s) + ab.u, b.apply(a.apply(s) + a.u) + b.u)
+    left, right = then(then(a, b), c), then(a, then(b, c))  # associative: any scan's grouping
+    assert np.allclose(left.m, right.m) and np.allclose(left.u, right.u)
+    back = unpack(kind, pack(ab), ab.u.shape)
+    assert np.array_equal(back.m, ab.m) and np.array_equal(back.u, ab.u)
+    none = identity(kind, 2, 3, 4, 5, np.float64)
+    assert np.allclose(then(none, a).apply(s), a.apply(s)) and np.allclose(then(a, none).u, a.u)
+    assert np.array_equal(reset(kind, a.u).apply(s), np.zeros_like(s))
+    d = rng.standard_normal(s.shape)  # <M s, d> = <s, M^T d>
+    assert np.isclose(np.sum(a.apply(s) * d), np.sum(s * transposed(a, a.u).apply(d)))
+
+
+def test_segments_cut_a_shard_at_documents():
+    bounds = [0, 9, 9, 60, 190, 260]
+    assert segments(0, 60, bounds) == [Segment(0, 9, 0, True, True), Segment(9, 60, 2, True, True)]
+    assert segments(100, 200, bounds) == [Segment(0, 90, 3, False, True), Segment(90, 100, 4, True, False)]
+    assert segments(120, 150, bounds) == [Segment(0, 30, 3, False, False)]
+    assert segments(70, 70, bounds) == []
+    assert empty_documents(bounds) == [1]
