@@ -381,8 +381,16 @@ def run_error(comm, case):
     cu = [0, 3, size * n + 1] if what == "cu_length" else None
     if what == "dtype_one_rank" and rank == 0:
         q = q.astype(np.float32)
-    problem = agreed_error(comm, lambda: ringmpi.gated_delta_rule(q, q, v, g, beta, cu_seqlens=cu, comm=comm),
-                           case["expect"])
+    if what == "conv_width_one_rank":
+        w = np.ones((3, 4 if rank < size - 1 else 3))
+        call = lambda: ringmpi.causal_conv1d(np.ones((1, n, 3)), w, comm=comm)  # noqa: E731
+    elif what == "relayout_rows_one_rank":
+        layout = ringmpi.Layout("contiguous", size * n, size)
+        rows = n + (rank == size - 1)
+        call = lambda: ringmpi.relayout(np.ones((1, rows)), layout, layout, comm=comm)  # noqa: E731
+    else:
+        call = lambda: ringmpi.gated_delta_rule(q, q, v, g, beta, cu_seqlens=cu, comm=comm)  # noqa: E731
+    problem = agreed_error(comm, call, case["expect"])
     return problem is None, problem or ""
 
 

@@ -29,6 +29,6 @@ def test_bench_linear_bytes_are_flat_in_n(tmp_path):
         assert pt["bytes_received_max"] == pt["bytes_received_min"] == 2 * one_map
     for key in ("strong", "weak"):
         assert [pt["world_size"] for pt in report[key]] == [1, 2, 3]
-        assert all(pt["median_s"] > 0 and pt["local_median_s"] > 0 for pt in report[key])
+        assert all(pt["median_s"] > 0 and pt["local_median_s"] > 0 and pt["cpu_median_s"] > 0 for pt in report[key])
     assert report["strong"][0]["bytes_received_max"] == 0  # one rank: nothing to scan
     assert "bytes received per rank per call" in stdout

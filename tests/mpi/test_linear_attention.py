@@ -71,7 +71,10 @@ def cases_for(p):
                               seed=11, lengths=[30, 40] if p == 2 else [33, 2, 35]))
     cases.append(dict(id=f"P{p}-relayout", P=p, kind="relayout", N=45, seed=3, documents=[20, 3, 22]))
     for what, expect in (("heads_one_rank", "must be a multiple of"), ("dtype_one_rank", "must share one dtype"),
-                         ("cu_length", "cu_seqlens ends at")):
+                         ("cu_length", "cu_seqlens ends at"), ("conv_width_one_rank", "ranks disagree"),
+                         ("relayout_rows_one_rank", "must hold this rank's")):
+        if p == 1 and what == "conv_width_one_rank":
+            continue
         cases.append(dict(id=f"P{p}-error-{what}", P=p, kind="error", what=what, expect=expect))
     return cases
 

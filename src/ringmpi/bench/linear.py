@@ -6,9 +6,10 @@ Every rank makes its contiguous shard of synthetic inputs (keys l2-normalised, l
 [-0.1, 0)) and times ``--repeat`` calls (after ``--warmup``), each started after a barrier,
 of :class:`ringmpi.linear_attention.ShardRecurrence` (the forward of
 :func:`ringmpi.gated_delta_rule` / :func:`ringmpi.simple_gla`, and its backward with
-``--backward``), reporting per configuration the slowest rank's median seconds per call and
-the split of that rank's time between its local chunked runs (and corrections) and the scans
-(waiting for the ranks before it included):
+``--backward``), reporting per configuration the slowest rank's median seconds per call, wall and CPU (the
+CPU seconds of the busiest rank: what the call costs where every rank has its own core, as on
+an oversubscribed test machine it does not), and the split of that rank's time between its
+local chunked runs (and corrections) and the scans (waiting for the ranks before it included):
 
 * ``bytes``: at the whole job's ``P``, the bytes each rank receives per call (the scans'
   messages), for ``N = n/16, n/8, .., n`` (``n = --n``; 2^14 .. 2^18 for ``--n 262144``), one call
@@ -58,18 +59,19 @@ def _measure(comm, cfg, n):
     call = agree_call(comm, x["q"], x["k"], x["v"], x["g"], x["beta"], scale=None, initial_state=None,
                       output_final_state=False, cu_seqlens=None, delta=delta)
     do = np.ascontiguousarray(np.moveaxis(x["do"], 1, 2))
-    out = {"wall": [], "local": [], "scan": [], "bytes": []}
+    out = {"wall": [], "cpu": [], "local": [], "scan": [], "bytes": []}
     for i in range(cfg["warmup"] + cfg["repeat"]):
         shard = ShardRecurrence(call, x["q"], x["k"], x["v"], x["g"], x["beta"], None)
         comm.Barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if cfg["backward"]:
             shard.backward(do, None, reduce_dinitial=False)  # recomputes the forward, scans both ways
         else:
             shard.forward()
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         if i >= cfg["warmup"]:
             out["wall"].append(wall)
+            out["cpu"].append(cpu)
             out["local"].append(shard.seconds["local"])
             out["scan"].append(shard.seconds["scan"])
             out["bytes"].append(shard.bytes_received)
@@ -94,7 +96,9 @@ def _on_ranks(comm, p, cfg, n):
 def _point(records, p, n):
     wall = np.max([r["wall"] for r in records], axis=0)
     slowest = int(np.argmax([np.median(r["wall"]) for r in records]))
+    cpu = np.max([r["cpu"] for r in records], axis=0)
     return {"world_size": p, "n": n, "n_local_max": -(-n // p), "median_s": float(np.median(wall)),
+            "cpu_median_s": float(np.median(cpu)),
             "local_median_s": float(np.median(records[slowest]["local"])),
             "scan_median_s": float(np.median(records[slowest]["scan"])),
             "bytes_received_max": int(max(max(r["bytes"]) for r in records)),
@@ -114,11 +118,14 @@ def _format(report):
     for name, key in (("strong, N = %d" % report["strong"][0]["n"], "strong"),
                       ("weak, %d tokens per rank" % report["weak"][0]["n"], "weak")):
         base = report[key][0]["median_s"]
+        base_cpu = report[key][0]["cpu_median_s"]
         ratio_name = "t1/tP" if key == "strong" else "eff"
-        lines.append(f"{name}:  {'P':>3} {'median':>10} {'local':>10} {'scan':>10} {ratio_name:>7}")
+        lines.append(f"{name}:  {'P':>3} {'median':>10} {'local':>10} {'scan':>10} {ratio_name:>7} "
+                     f"{'cpu':>10} {'cpu ' + ratio_name:>9}")
         for pt in report[key]:
             lines.append(f"  {'':{len(name)}}{pt['world_size']:>3} {pt['median_s']:>10.3e} "
-                         f"{pt['local_median_s']:>10.3e} {pt['scan_median_s']:>10.3e} {base / pt['median_s']:>7.2f}")
+                         f"{pt['local_median_s']:>10.3e} {pt['scan_median_s']:>10.3e} {base / pt['median_s']:>7.2f} "
+                         f"{pt['cpu_median_s']:>10.3e} {base_cpu / pt['cpu_median_s']:>9.2f}")
     return "\n".join(lines)
 
 
