@@ -1,5 +1,5 @@
 """Packed documents (issue 42): the balanced layout and the routed schedule, one case kind for
-several launches.
+several launches; the all-gather schedule's cases too (issue 53).
 
 ``packed_case(comm, case)`` runs in the launches of ``ring_cases.py``,
 ``variant_cases.py`` and ``head_parallel_cases.py`` (kind ``"packed"``), so that
@@ -17,6 +17,8 @@ rule (``variant_cases.check``), and:
 * routed, flat: each rank received exactly the K/V bytes of the rows its queries
   can see on other ranks (from the dense visibility, not from the plan), and in
   the backward those again plus the partial sums of its own rows that others read;
+* all-gather, flat: each rank received every other rank's K/V rows exactly once, and in the
+  backward those again plus the partial sums of its own rows from every other rank;
 * the repeated calls are bitwise equal;
 * ``case["spanning"]``: the longest document has tokens on every rank;
 * ``case["nonfinite"]``: a NaN in one key of the longest document reaches exactly the
@@ -53,13 +55,16 @@ def pack(p: int, seed: int, n: int):
 
 # which cases each world size runs (in the launches of the drivers named): every option at every
 # P, the rest spread out, so that the suite's time grows by little
+# (issue 53: the all-gather schedule, every option at every P, its other cases spread out)
 SELECTION = {
-    1: ("balanced-all", "auto-dense"),                                        # variant_cases
-    2: ("balanced-all", "balanced-gqa-b2", "zigzag-routed", "auto-dense"),    # ring_cases
-    3: ("balanced-all", "balanced-float64", "permutation-routed", "balanced-nonfinite"),  # variant_cases
-    4: ("balanced-all", "balanced-gqa-b2", "U2"),                             # variant_cases
-    5: ("balanced-all", "zigzag-routed", "balanced-nonfinite"),               # ring_cases
-    6: ("balanced-all", "U3"),                                                # head_parallel_cases
+    1: ("balanced-all", "auto-dense", "allgather-all"),                                        # variant_cases
+    2: ("balanced-all", "balanced-gqa-b2", "zigzag-routed", "auto-dense", "allgather-all",
+        "allgather-dense"),                                                                    # ring_cases
+    3: ("balanced-all", "balanced-float64", "permutation-routed", "balanced-nonfinite", "allgather-all",
+        "allgather-nonfinite"),                                                                # variant_cases
+    4: ("balanced-all", "balanced-gqa-b2", "U2", "allgather-all", "allgather-U2"),             # variant_cases
+    5: ("balanced-all", "zigzag-routed", "balanced-nonfinite", "allgather-all", "allgather-float64"),  # ring_cases
+    6: ("balanced-all", "U3", "allgather-all", "allgather-U3"),                                # head_parallel_cases
 }
 
 
@@ -93,6 +98,21 @@ def cases_for(p: int):
         if p % u == 0 and p > u:
             add(f"U{u}", placement="balanced", n=61, head_parallel=u, H=2 * u, Hkv=u, sinks=True, alibi=True,
                 schedule="routed")
+    # the all-gather schedule (issue 53): every option at once on packed documents, a dense mask,
+    # non-finite keys, float64, and head x all-gather
+    gathered = "allgather" if p > 1 else "ring"
+    add("allgather-all", placement="zigzag", n=95, B=2, window=[40, 0], sinks=True, softcap=4.0, k_scale=3.0,
+        alibi=True, dropout=0.25, dropout_seed=5353, schedule="allgather", expect=gathered)
+    add("allgather-dense", placement="contiguous", n=300, causal=False, documents=[300], H=6, Hkv=3,
+        schedule="allgather", expect=gathered, sinks=True, budget=True)
+    add("allgather-nonfinite", placement="permutation", n=89, window=[30, 0], schedule="allgather",
+        expect=gathered, nonfinite=True)
+    add("allgather-float64", placement="zigzag", dtype="float64", documents=[400], causal=True, schedule="allgather",
+        expect=gathered, alibi=True)
+    for u in (2, 3):
+        if p % u == 0 and p > u:
+            add(f"allgather-U{u}", placement="contiguous", n=61, head_parallel=u, H=2 * u, Hkv=u, sinks=True,
+                alibi=True, schedule="allgather", expect=gathered)
     return [c for c in cases if c["id"].split("-packed-")[1] in SELECTION.get(p, ())]
 
 
@@ -129,6 +149,22 @@ def _nonfinite(comm, case, lay, kw, args, whole, docs, causal, window):
     if not (np.array_equal(o_b[keep], o_c[keep]) and np.array_equal(l_b.T[keep], l_c.T[keep])):
         problems.append(f"rank {rank}: queries that do not see the NaN key changed")
     return problems
+
+
+def _beyond_budget(comm, args, kw):
+    """Beyond ``RINGMPI_MEMORY_BUDGET`` an explicit ``schedule="allgather"`` is one ConfigError on
+    every rank, naming what it needs and the budget, before any compute."""
+    import os
+
+    from case_driver import agreed_error
+
+    os.environ["RINGMPI_MEMORY_BUDGET"] = "1K"
+    try:
+        problem = agreed_error(comm, lambda: ringmpi.ring_attention(*args, **kw),
+                               "beyond this rank's memory budget of 0.0 MiB")
+    finally:
+        del os.environ["RINGMPI_MEMORY_BUDGET"]
+    return [] if problem is None else [problem]
 
 
 def packed_case(comm, case):
@@ -194,6 +230,16 @@ def packed_case(comm, case):
         want = [rows_in * kv_row, rows_in * kv_row + rows_out * grad_row]
         if got != want:
             problems.append(f"rank {rank}: bytes received (forward, backward) {got}, the visible rows make {want}")
+    if case["expect"] == "allgather" and case.get("head_parallel", 1) == 1:
+        # every other rank's rows arrive once; backward: again, plus this rank's rows' partial sums
+        # from each other rank
+        mine = len(lay.indices(rank))
+        kv_row = batch * kv_heads * 2 * dim * q.dtype.itemsize
+        grad_row = batch * kv_heads * 2 * dim * (8 if q.dtype == np.float64 else 4)
+        got = [sum(r.bytes_recv for r in fwd), sum(r.bytes_recv for r in bwd)]
+        want = [(n - mine) * kv_row, (n - mine) * kv_row + (size - 1) * mine * grad_row]
+        if got != want:
+            problems.append(f"rank {rank}: bytes received (forward, backward) {got}, the gathered rows make {want}")
     if case.get("spanning") and rank == 0:
         longest = int(np.argmax(docs))
         start = sum(docs[:longest])
@@ -201,6 +247,8 @@ def packed_case(comm, case):
                                                      & (np.asarray(lay.indices(s)) < start + docs[longest]))]
         if len(holders) != size:
             problems.append(f"the longest document sits on ranks {holders}, not on all {size}")
+    if case.get("budget"):
+        problems += _beyond_budget(comm, args, kw)
     if case.get("nonfinite"):
         problems += _nonfinite(comm, case, lay, kw, args, (q, k, v), docs, causal, window)
     problems = sum(comm.allgather(problems), [])

@@ -48,6 +48,7 @@ class LocalProblem:
     order : the ranks of ``comm`` in ring order, the same on every rank (None: rank order).
     kv_schedule : how K/V move (``AttentionOptions.schedule``, resolved): ``"ring"``, ``"routed"``
         (each rank receives only the rows its queries see: :mod:`ringmpi.parallel.routed_schedule`)
+        ``"allgather"`` (every rank gathers all K/V rows: :mod:`ringmpi.parallel.allgather_schedule`)
         or ``"auto"`` (routed where the plan moves fewer rows than the ring), the same on every rank.
     """
 
@@ -72,8 +73,10 @@ class LocalProblem:
         dense mask never plans); ``grad_dtype``, ``grad_dims``: the partial sums' words, see
         :class:`RingSchedule` (the invariant passes' integer sums: the ring only)."""
         be = self.backend
+        if self.kv_schedule == "allgather" and self.comm.Get_size() > 1:
+            return self._allgather(k, v, grad_dtype, phase)
         masked = self.spec.positional or self.seg_q is not None
-        if self.kv_schedule != "ring" and self.comm.Get_size() > 1 and (masked or self.kv_schedule == "routed"):
+        if self.kv_schedule not in ("ring", "allgather") and self.comm.Get_size() > 1 and (masked or self.kv_schedule == "routed"):
             from .route_plan import gather_plan
             from .routed_schedule import RoutedSchedule
 
@@ -92,6 +95,34 @@ class LocalProblem:
             self.comm, be, _heads_view(k), _heads_view(v), kv_counts=self.kv_counts,
             q_pos=self.q_pos, kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
             grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order, grad_dims=grad_dims)
+
+
+    def _allgather(self, k, v, grad_dtype, phase: str):
+        """The :class:`~ringmpi.parallel.allgather_schedule.AllGatherSchedule` of this problem, once
+        every rank agrees its declared memory fits its budget (a ConfigError on every rank
+        otherwise) and has every rank's key runs (one allgather)."""
+        from ..runtime.errors import agree
+        from ..runtime.memory import budget
+        from ..runtime import watchdog
+        from .allgather_schedule import AllGatherSchedule, declared_bytes
+        from .route_plan import runs_of
+
+        be, comm = self.backend, self.comm
+        batch, _, kv_heads, dim = k.shape
+        grad_size = 0 if grad_dtype is None else np.dtype(grad_dtype).itemsize
+        need = declared_bytes(self.kv_counts, comm.Get_rank(), batch, kv_heads, dim, v.shape[3],
+                              np.dtype(k.dtype).itemsize, grad_size)
+        have = budget(on_device=be.name == "cupy")
+        agree(comm, None if have is None or need <= have else
+              f"schedule='allgather' needs {need / 2**20:.1f} MiB per rank for the gathered K/V"
+              f"{' and their gradients' if grad_size else ''}, beyond this rank's memory budget of "
+              f"{have / 2**20:.1f} MiB (RINGMPI_MEMORY_BUDGET); use schedule='ring'")
+        with watchdog.phase("the all-gather schedule's key runs (allgather)", self.timeout):
+            kv_runs = comm.allgather(runs_of(self.kv_pos, self.seg_kv))
+        kh, vh = be.heads_view(k, k.dtype), be.heads_view(v, v.dtype)
+        return AllGatherSchedule(comm, be, kh, vh, kv_counts=self.kv_counts, kv_runs=kv_runs, q_pos=self.q_pos,
+                                 kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
+                                 grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order)
 
 
 @dataclass(frozen=True)
