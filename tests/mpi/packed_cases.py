@@ -13,7 +13,9 @@ ALiBi, dropout, ``head_parallel``, ``schedule``), twice, then the backward
 twice.  Rank 0 checks against the float64 dense reference under the tolerance
 rule (``variant_cases.check``), and:
 
-* the schedule every ring record names is ``case["expect"]``;
+* the schedule every ring record names is ``case["expect"]``; ``"auto"``: one of the case's
+  ``candidates``, the same on every rank, with the prediction and the runner-up's in the
+  first record of each pass (issue 53);
 * routed, flat: each rank received exactly the K/V bytes of the rows its queries
   can see on other ranks (from the dense visibility, not from the plan), and in
   the backward those again plus the partial sums of its own rows that others read;
@@ -75,7 +77,7 @@ def cases_for(p: int):
     def add(name, **kw):
         seed = 4200 + 31 * p + len(cases)
         case = dict(id=f"P{p}-packed-{name}", kind="packed", B=1, H=4, Hkv=2, D=16, dtype="float32", seed=seed,
-                    causal=True, expect="routed" if p > 1 else "ring")
+                    causal=True, expect="auto" if p > 1 else "ring")
         case.update(kw)
         case.setdefault("documents", pack(p, seed, case.pop("n", 97)))
         case.pop("n", None)
@@ -84,20 +86,25 @@ def cases_for(p: int):
     # every option of the routed schedule at once, on the balanced layout (default schedule: auto)
     add("balanced-all", placement="balanced", n=97, window=[40, 0], sinks=True, softcap=4.0, k_scale=3.0,
         alibi=True, dropout=0.25, dropout_seed=4242, spanning=True)
-    add("balanced-gqa-b2", placement="balanced", n=83, B=2, H=6, Hkv=2, schedule="routed", spanning=True)
+    routed = "routed" if p > 1 else "ring"
+    add("balanced-gqa-b2", placement="balanced", n=83, B=2, H=6, Hkv=2, schedule="routed", spanning=True,
+        expect=routed)
     add("balanced-float64", placement="balanced", dtype="float64", window=[5, 0], schedule="routed",
-        documents=[1] * 7 + [20, 1, 3, 1, 25])
-    add("balanced-nonfinite", placement="balanced", n=89, window=[30, 0], schedule="routed", nonfinite=True)
-    add("zigzag-routed", placement="zigzag", n=90, causal=False, schedule="routed", sinks=True)
+        documents=[1] * 7 + [20, 1, 3, 1, 25], expect=routed)
+    add("balanced-nonfinite", placement="balanced", n=89, window=[30, 0], schedule="routed", nonfinite=True,
+        expect=routed)
+    add("zigzag-routed", placement="zigzag", n=90, causal=False, schedule="routed", sinks=True, expect=routed)
     add("permutation-routed", placement="permutation", n=75, window=[6, 6], causal=False, schedule="routed",
-        alibi=True)
-    # one document and no positional mask: the plan moves what the ring moves, so auto keeps the ring
-    add("auto-dense", placement="balanced", causal=False, documents=[64], schedule="auto", expect="ring")
+        alibi=True, expect=routed)
+    # one document and no positional mask: the plan moves what the ring moves, so auto chooses between
+    # the ring and the all-gather (issue 53: by predicted time)
+    add("auto-dense", placement="balanced", causal=False, documents=[64], schedule="auto",
+        expect="auto" if p > 1 else "ring", candidates=("ring", "allgather"))
     # the head x ring schedule with a routed ring across its groups
     for u in (2, 3):
         if p % u == 0 and p > u:
             add(f"U{u}", placement="balanced", n=61, head_parallel=u, H=2 * u, Hkv=u, sinks=True, alibi=True,
-                schedule="routed")
+                schedule="routed", expect=routed)
     # the all-gather schedule (issue 53): every option at once on packed documents, a dense mask,
     # non-finite keys, float64, and head x all-gather
     gathered = "allgather" if p > 1 else "ring"
@@ -160,11 +167,20 @@ def _beyond_budget(comm, args, kw):
 
     os.environ["RINGMPI_MEMORY_BUDGET"] = "1K"
     try:
-        problem = agreed_error(comm, lambda: ringmpi.ring_attention(*args, **kw),
-                               "beyond this rank's memory budget of 0.0 MiB")
+        problems = [agreed_error(comm, lambda: ringmpi.ring_attention(*args, **kw),
+                                 "beyond this rank's memory budget of 0.0 MiB"),
+                    # schedule="auto" where nothing fits: each schedule's need named (issue 53)
+                    agreed_error(comm, lambda: ringmpi.ring_attention(*args, **dict(kw, schedule="auto")),
+                                 "no schedule fits the memory budget of 0.0 MiB per rank")]
+        if problems[1] is None and comm.Get_size() > 1:
+            try:
+                ringmpi.ring_attention(*args, **dict(kw, schedule="auto"))
+            except ringmpi.ConfigError as exc:
+                if not all(f"{s} " in str(exc) for s in ("ring", "allgather")):
+                    problems.append(f"the refusal does not name each schedule's need: {exc}")
     finally:
         del os.environ["RINGMPI_MEMORY_BUDGET"]
-    return [] if problem is None else [problem]
+    return [p for p in problems if p is not None]
 
 
 def packed_case(comm, case):
@@ -216,10 +232,28 @@ def packed_case(comm, case):
     if not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip((o, lse, max_logit), again)) or \
             not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(grads, grads2)):
         problems.append(f"rank {rank}: repeated calls differ bitwise")
-    named = {r.schedule for r in fwd + bwd if not hasattr(r, "stage")}
-    if named != {case["expect"]}:
-        problems.append(f"rank {rank}: records name the schedule {sorted(named)}, expected {case['expect']!r}")
-    if case["expect"] == "routed" and case.get("head_parallel", 1) == 1:
+    steps = [r for r in fwd + bwd if not hasattr(r, "stage")]
+    named = {r.schedule for r in steps}
+    ran = case["expect"]
+    if ran == "auto":
+        # schedule="auto" (issue 53): per pass one of its candidates (the forward and the backward
+        # choose apart), the same on every rank, each pass's first record holding the chosen
+        # schedule's predicted time and the runner-up's
+        candidates = case.get("candidates", ("ring", "routed", "allgather"))
+        passes = [sorted({r.schedule for r in recs if not hasattr(r, "stage")}) for recs in (fwd, bwd)]
+        everyone = comm.allgather(passes)
+        firsts = [r for r in steps if r.step == 0]
+        if any(len(names) != 1 or names[0] not in candidates for names in passes) or \
+                any(e != everyone[0] for e in everyone):
+            problems.append(f"rank {rank}: auto ran {passes} (ranks: {everyone}), expected one of {candidates}")
+        elif not firsts or not all(r.predicted_s is not None and r.predicted_s > 0 and r.runner_up
+                                   and r.runner_up_s >= r.predicted_s for r in firsts):
+            problems.append(f"rank {rank}: auto's records lack its prediction: "
+                            f"{[(r.predicted_s, r.runner_up, r.runner_up_s) for r in firsts]}")
+        ran = passes[0][0] if passes[0] == passes[1] else "both"
+    elif named != {ran}:
+        problems.append(f"rank {rank}: records name the schedule {sorted(named)}, expected {ran!r}")
+    if ran == "routed" and case.get("head_parallel", 1) == 1:
         vis = reference.visible(n, n, causal, window, seg, seg).any(axis=0)
         mine = np.asarray(lay.indices(rank))
         rows_in = sum(_visible_rows(vis, mine, np.asarray(lay.indices(s))) for s in range(size) if s != rank)
@@ -230,7 +264,7 @@ def packed_case(comm, case):
         want = [rows_in * kv_row, rows_in * kv_row + rows_out * grad_row]
         if got != want:
             problems.append(f"rank {rank}: bytes received (forward, backward) {got}, the visible rows make {want}")
-    if case["expect"] == "allgather" and case.get("head_parallel", 1) == 1:
+    if ran == "allgather" and case.get("head_parallel", 1) == 1:
         # every other rank's rows arrive once; backward: again, plus this rank's rows' partial sums
         # from each other rank
         mine = len(lay.indices(rank))

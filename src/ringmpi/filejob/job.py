@@ -130,7 +130,9 @@ class JobResult:
     ``(wall, ring, compute, wait, read, write)`` seconds (None on the other ranks).
     ``head_parallel`` is the ``U`` the passes ran with; ``head_parallel_auto``: ``"auto"``
     (the option or ``RINGMPI_HEAD_PARALLEL``) chose it.  ``traffic`` (rank 0): every rank's
-    ``(bytes received by its ring calls, the schedules they ran)``."""
+    ``(bytes received by its ring calls, the schedules they ran)``.  ``choice``: where
+    ``schedule="auto"`` chose, the chosen schedules' predicted seconds summed over the ring
+    calls, the runner-up (the most frequent) and its predicted seconds summed."""
 
     spec: object
     options: JobOptions
@@ -142,6 +144,7 @@ class JobResult:
     every: Optional[list]
     head_parallel_auto: bool = False
     traffic: Optional[list] = None
+    choice: Optional[tuple] = None  # schedule="auto" (issue 53): (predicted s, runner-up, its s), summed
 
 
 @dataclass
@@ -151,6 +154,14 @@ class _Timers:
     wait_s: float = 0.0
     bytes_recv: int = 0
     schedules: set = field(default_factory=set)
+    choices: list = field(default_factory=list)  # (predicted s, runner-up, its s) of each auto choice
+
+    def choice(self) -> Optional[tuple]:
+        if not self.choices:
+            return None
+        runners = [c[1] for c in self.choices if c[1]]
+        runner = max(set(runners), key=runners.count) if runners else None
+        return (sum(c[0] for c in self.choices), runner, sum(c[2] or 0.0 for c in self.choices))
 
 
 def run_job(input_path: str, output_path: str, options: JobOptions, progress, overwrite: bool = False,
@@ -198,7 +209,8 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     comm.Free()
     requested = options.attention.head_parallel or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
     return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
-                     head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic)
+                     head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic,
+                     choice=job.timers.choice())
 
 
 def _layouts(comm, options: JobOptions, spec):
@@ -338,6 +350,8 @@ class _Job:
         self.timers.wait_s += sum(r.wait_s for r in stats)
         self.timers.bytes_recv += sum(r.bytes_recv for r in stats)
         self.timers.schedules.update(r.schedule for r in stats if not hasattr(r, "stage"))
+        self.timers.choices += [(r.predicted_s, r.runner_up, r.runner_up_s) for r in stats
+                                if getattr(r, "predicted_s", None) is not None]
 
     def pass_segments(self, fin, p: Pass) -> dict:
         """The ring calls' segment-id keywords of pass ``p`` (none without segments)."""

@@ -3,8 +3,8 @@
 :class:`AllGatherSchedule` is a drop-in for :class:`~ringmpi.parallel.ring_schedule.RingSchedule`
 (the same :class:`~ringmpi.parallel.ring_schedule.Block` per step to the same
 ``forward_pass``/``backward_pass`` loop, the same records, deadlines and fault
-points).  Every rank's K/V rows are cut into ``pieces`` (:func:`piece_bounds`:
-the same cut on every rank, from the row counts); piece ``c`` is one
+points).  Every rank's K/V rows are cut into ``pieces`` (:func:`ringmpi.core.cost_model.piece_count`,
+:func:`piece_bounds`: the same cut on every rank, from the row counts); piece ``c`` is one
 ``Iallgatherv`` of every rank's ``c``-th chunk.  All pieces are posted before
 the rank's own block computes, so the transfer of the later pieces overlaps
 the work on the earlier ones; a step is one (piece, source rank) block, folded
@@ -33,20 +33,11 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from ..core.cost_model import piece_count
 from ..core.masks import BlockMask, ScoreSpec
 from ..runtime.faults import fault_point
 from .ring import Ring
 from .ring_schedule import Block, observed_compute, steps_done
-
-MAX_PIECES = 4        # the collectives per pass: the first piece's blocks start after 1/4 of the transfer
-MIN_PIECE_ROWS = 64   # no piece of a rank thinner than this (beyond the first)
-
-
-def piece_count(counts: Sequence[int]) -> int:
-    """How many pieces the gather is cut into, the same on every rank (from the row counts)."""
-    largest = max((int(c) for c in counts), default=0)
-    return max(1, min(MAX_PIECES, -(-largest // MIN_PIECE_ROWS)))
-
 
 def piece_bounds(rows: int, pieces: int) -> List[int]:
     """``pieces + 1`` local row boundaries of a rank holding ``rows`` rows."""
