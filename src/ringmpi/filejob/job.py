@@ -188,9 +188,10 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
         raise ConfigError(f"--heads-per-pass {options.heads_per_pass}: must be a positive multiple of "
                           f"H/H_kv = {spec.heads}/{spec.kv_heads} = {spec.group} (GQA groups stay whole)")
     backend = _resolve_backend(options.backend, comm)
-    out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
     budget = int(os.environ.get("RINGMPI_PASS_BYTES", DEFAULT_PASS_BYTES))
     plan = plan_passes(spec, comm.Get_size(), options.heads_per_pass, budget)
+    _agree_memory(comm, spec, options, backend)
+    out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
     record = _job_record(spec, input_path, comm.Get_size(), plan, options.record_options(backend))
     passes, done = _resume_state(out, comm, record, resume, progress)
     head_parallel = _head_parallel(comm, options.attention.head_parallel, spec, passes)
@@ -211,6 +212,24 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
                      head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic,
                      choice=job.timers.choice())
+
+
+def _agree_memory(comm, spec, options: JobOptions, backend: str) -> None:
+    """A ConfigError on every rank, before any file is made, when one pass's shards (one batch
+    entry, the pass's heads) exceed a rank's memory budget (:mod:`ringmpi.runtime.memory`):
+    the job would otherwise end in a MemoryError mid-way."""
+    from ..runtime.errors import agree
+    from ..runtime.memory import budget
+    from .pass_plan import bytes_per_batch_entry
+
+    kv_per = spec.kv_heads if options.heads_per_pass is None else max(1, options.heads_per_pass // spec.group)
+    need = bytes_per_batch_entry(spec, comm.Get_size(), kv_per)
+    have = budget(on_device=backend == "cupy")
+    agree(comm, None if have is None or need <= have else
+          f"one pass needs about {need / 2**30:.3g} GiB per rank (one batch entry, {kv_per * spec.group} heads, "
+          f"{comm.Get_size()} ranks), beyond this rank's memory budget of {have / 2**30:.3g} GiB "
+          f"(RINGMPI_MEMORY_BUDGET, else its share of the free memory): run on more ranks"
+          + (" or with a smaller --heads-per-pass" if kv_per > 1 else ""))
 
 
 def _layouts(comm, options: JobOptions, spec):
