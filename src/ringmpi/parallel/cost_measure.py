@@ -52,7 +52,6 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int) -> float:
     from ..core.masks import BlockMask, ScoreSpec
     from ..core.online_softmax import SoftmaxState
 
-    xp = backend.xp
     s = 512 if backend.name == "numpy" else 4096
     heads = 1 if backend.name == "numpy" else 8
     ct = backend.compute_dtype(np.dtype(dtype))
@@ -70,7 +69,6 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int) -> float:
         backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
         backend.synchronize()
         best = min(best, time.perf_counter() - start)
-    del xp
     return 2.0 * heads * s * s * (dim + dim_v) / best
 
 
