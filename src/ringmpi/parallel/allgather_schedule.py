@@ -19,7 +19,8 @@ the owners with one ``Ialltoallv`` as soon as the piece is done (overlapping the
 next piece's compute); each owner adds its own block's terms first, then the
 partial sums of the other ranks in ring order, piece by piece: a fixed order.
 
-Memory (what :func:`ringmpi.parallel.cost_model.allgather_bytes` declares): the whole
+Memory (what :func:`declared_bytes` declares; :func:`ringmpi.core.cost_model.allgather_memory`
+adds the accumulators): the whole
 K/V (``N_kv`` rows, transfer dtype) in the forward; the backward adds the
 partial sums of every row (compute dtype) and, received, those of this rank's
 rows from every other rank.  O(N_kv) per rank, against the ring's O(N_kv / P):
@@ -38,6 +39,7 @@ from ..core.masks import BlockMask, ScoreSpec
 from ..runtime.faults import fault_point
 from .ring import Ring
 from .ring_schedule import Block, observed_compute, steps_done
+
 
 def piece_bounds(rows: int, pieces: int) -> List[int]:
     """``pieces + 1`` local row boundaries of a rank holding ``rows`` rows."""

@@ -1,10 +1,11 @@
 """The cost model's parts measured on this machine, and ``schedule="auto"``'s choice from them.
 
 * :func:`block_rate` -- the block op's FLOP/s for a dtype and head dims: one dense
-  block timed (best of three), measured once per machine and cached in
+  block timed (median of five) on every rank at once (ranks that share cores share them,
+  as in a call), the slowest rank's; measured once per machine and cached in
   ``$RINGMPI_CACHE`` (default ``~/.cache/ringmpi``)/``block_rates.json`` under the
-  host name, backend, vector path, dtype and dims;
-  rank 0's figure is broadcast, so every rank predicts alike.
+  host name, backend, vector path, dtype, dims and ranks per node; rank 0 reads the
+  cache and broadcasts, so every rank predicts alike.
 * :func:`links` -- latency and bandwidth of each link level (inside a node, between
   nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages,
   ``Sendrecv``), the slowest figure of each level over all ranks; once per
@@ -52,7 +53,7 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int) -> float:
     from ..core.masks import BlockMask, ScoreSpec
     from ..core.online_softmax import SoftmaxState
 
-    s = 512 if backend.name == "numpy" else 4096
+    s = 1024 if backend.name == "numpy" else 4096
     heads = 1 if backend.name == "numpy" else 8
     ct = backend.compute_dtype(np.dtype(dtype))
     rng = np.random.default_rng(0)
@@ -61,41 +62,56 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int) -> float:
     v = backend.asarray(rng.standard_normal((1, heads, s, dim_v)).astype(dtype))
     pos = np.arange(s, dtype=np.int64)
     mask = BlockMask(ScoreSpec(), pos, pos, None, None)
-    best = float("inf")
-    for _ in range(3):
+    times = []
+    for _ in range(5):
         state = SoftmaxState(backend, (1, heads, s), dim_v, ct)
         backend.synchronize()
         start = time.perf_counter()
         backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
         backend.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * heads * s * s * (dim + dim_v) / best
+        times.append(time.perf_counter() - start)
+    return 2.0 * heads * s * s * (dim + dim_v) / sorted(times)[2]  # the median: ranks' blocks overlap
 
 
 def block_rate(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> float:
-    """FLOP/s of this machine's block op (rank 0's, from the cache or measured), on every rank."""
-    key = _rate_key(backend, dtype, dim, dim_v)
+    """FLOP/s of this machine's block op with as many ranks computing on a node as ``comm``
+    puts there, on every rank: rank 0 reads the cache; where it has no figure, every rank
+    times the block at once (ranks sharing cores share them, as in a call) and the slowest
+    rank's rate is kept and written."""
+    nodes = cached_node_ids(comm)
+    key = f"{_rate_key(backend, dtype, dim, dim_v)}|{max(nodes.count(n) for n in set(nodes))} ranks"
     rate = _RATES.get(key)
-    if rate is None and comm.Get_rank() == 0:
-        path = cache_path()
+    if rate is not None:
+        return rate
+    table, path = {}, cache_path()
+    if comm.Get_rank() == 0:
         try:
             table = json.loads(path.read_text())
         except (OSError, ValueError):
             table = {}
-        rate = table.get(key)
-        if rate is None:
-            rate = table[key] = _measure_rate(backend, dtype, dim, dim_v)
+    with phase("the cost model's block rate (bcast from rank 0)", timeout):
+        rate = comm.bcast(table.get(key), root=0)
+    if rate is None:
+        with phase("the cost model's block rate (every rank times one block; MIN)", timeout):
+            comm.Barrier()
+            rate = comm.allreduce(_measure_rate(backend, dtype, dim, dim_v), op=_min())
+        if comm.Get_rank() == 0:
+            table[key] = rate
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
                 tmp.replace(path)
             except OSError:
-                pass  # a read-only home: measured again next time
-    with phase("the cost model's block rate (bcast from rank 0)", timeout):
-        rate = comm.bcast(rate, root=0)
-    _RATES[key] = rate
+                pass  # a read-only home: measured again by the next process
+    _RATES[key] = float(rate)
     return float(rate)
+
+
+def _min():
+    from mpi4py import MPI
+
+    return MPI.MIN
 
 
 def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> float:
