@@ -89,7 +89,7 @@ def _scale_problem(scale) -> Optional[str]:
     return None if ok else f"softmax_scale must be a finite number, got {scale!r}"
 
 
-SCHEDULES = ("auto", "ring", "routed")
+SCHEDULES = ("auto", "ring", "routed", "allgather")
 
 
 def schedule_problem(schedule) -> Optional[str]:
@@ -199,13 +199,19 @@ class AttentionOptions:
         ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
         global positions (after scale and softcap, before the mask).  NumPy and CuPy
         backends.
-    schedule : "auto" | "ring" | "routed", optional, the same on every rank
+    schedule : "auto" | "ring" | "routed" | "allgather", optional, the same on every rank
         How keys and values move.  ``"ring"``: every K/V block visits every rank
         (:mod:`ringmpi.parallel.ring_schedule`; right for dense masks).  ``"routed"``:
         each rank receives, straight from its owner, only the K/V rows its queries
         can see under the segment ids, causal mask and window
         (:mod:`ringmpi.parallel.routed_schedule`; one more small allgather per call
         plans it), and the backward returns their ``dK, dV`` to the owner.
+        ``"allgather"``: every rank gathers every K/V row with nonblocking
+        collectives in pieces (:mod:`ringmpi.parallel.allgather_schedule`: the work on
+        the first pieces overlaps the transfer of the rest), and the backward hands
+        the ``dK, dV`` partial sums back to their owners; it holds O(N_kv) per rank
+        and is refused (a ConfigError on every rank) beyond the memory budget
+        (``RINGMPI_MEMORY_BUDGET``, default this rank's share of the free memory).
         ``"auto"``: routed where its plan moves fewer K/V rows than the ring (a
         dense mask takes the ring without planning).  Default: ``"auto"`` with a
         ``"balanced"`` :class:`~ringmpi.core.layout.Layout`, else ``"ring"`` (so
@@ -213,7 +219,7 @@ class AttentionOptions:
         is in each ``stats`` record (``StepRecord.schedule``).  Results agree to
         rounding, not bitwise, between schedules; each is bitwise repeatable.
         ``invariant=True`` runs on the ring (``"auto"`` resolves to it; ``"routed"``
-        is refused).
+        and ``"allgather"`` are refused).
     invariant : bool
         The same bits for every number of ranks, layout and ``head_parallel``
         (on one machine and backend, for every dtype): ``o``, ``lse``, ``max_logit``
@@ -263,9 +269,10 @@ class AttentionOptions:
                                      help="Also write max_logit (H,): each head's largest score over the "
                                           "whole input.")
     schedule: Optional[str] = _option(
-        None, op="text?", flag="--schedule", kind="text", metavar="auto|ring|routed",
+        None, op="text?", flag="--schedule", kind="text", metavar="auto|ring|routed|allgather",
         help="How K/V move: ring (every block visits every rank), routed (each rank receives only the rows "
-             "its queries see), auto (routed where that moves fewer rows) [default: auto with --layout "
+             "its queries see), allgather (every rank gathers all K/V in pieces: O(N) memory), auto "
+             "(routed where that moves fewer rows) [default: auto with --layout "
              "balanced, else ring].")
     invariant: bool = _option(False, op="bool", flag="--invariant", kind="switch",
                               help="The same bits for any number of ranks, layout and head-parallel U "
@@ -323,8 +330,8 @@ class AttentionOptions:
         checks += (("dropout", lambda: self._dropout_problem(heads)),
                   ("timeout", lambda: _timeout_problem(self.timeout)),
                   ("schedule", lambda: schedule_problem(self.schedule)),
-                  ("schedule", lambda: "invariant=True runs on the ring schedule, not schedule='routed'"
-                   if self.invariant and self.schedule == "routed" else None))
+                  ("schedule", lambda: f"invariant=True runs on the ring schedule, not schedule={self.schedule!r}"
+                   if self.invariant and self.schedule in ("routed", "allgather") else None))
         for name, check in checks:
             message = check()
             if message is not None:

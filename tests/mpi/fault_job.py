@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--n", type=int, default=301)
     parser.add_argument("--packed", action="store_true")
+    parser.add_argument("--schedule", default=None)
     args = parser.parse_args()
     if args.default_timeout is not None:
         from ringmpi.runtime import watchdog
@@ -35,7 +36,7 @@ def main():
     rng = np.random.default_rng(7)
     q, k, v, do = (rng.standard_normal((2, args.n, 4, 32)).astype(np.float32) for _ in range(4))
     lay = Layout("zigzag", args.n, size)
-    kw = dict(comm=comm, layout="zigzag", causal=True, timeout=args.timeout, backend="numpy")
+    kw = dict(comm=comm, layout="zigzag", causal=True, timeout=args.timeout, backend="numpy", schedule=args.schedule)
     if args.packed:  # a long document over every rank and short ones: every rank reads from others
         docs = [args.n // 2] + [10] * ((args.n - args.n // 2) // 10)
         docs[-1] += args.n - sum(docs)

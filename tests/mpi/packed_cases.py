@@ -1,5 +1,5 @@
 """Packed documents (issue 42): the balanced layout and the routed schedule, one case kind for
-several launches.
+several launches; the all-gather schedule's cases too (issue 53).
 
 ``packed_case(comm, case)`` runs in the launches of ``ring_cases.py``,
 ``variant_cases.py`` and ``head_parallel_cases.py`` (kind ``"packed"``), so that
@@ -13,10 +13,14 @@ ALiBi, dropout, ``head_parallel``, ``schedule``), twice, then the backward
 twice.  Rank 0 checks against the float64 dense reference under the tolerance
 rule (``variant_cases.check``), and:
 
-* the schedule every ring record names is ``case["expect"]``;
+* the schedule every ring record names is ``case["expect"]``; ``"auto"``: one of the case's
+  ``candidates``, the same on every rank, with the prediction and the runner-up's in the
+  first record of each pass (issue 53);
 * routed, flat: each rank received exactly the K/V bytes of the rows its queries
   can see on other ranks (from the dense visibility, not from the plan), and in
   the backward those again plus the partial sums of its own rows that others read;
+* all-gather, flat: each rank received every other rank's K/V rows exactly once, and in the
+  backward those again plus the partial sums of its own rows from every other rank;
 * the repeated calls are bitwise equal;
 * ``case["spanning"]``: the longest document has tokens on every rank;
 * ``case["nonfinite"]``: a NaN in one key of the longest document reaches exactly the
@@ -53,13 +57,16 @@ def pack(p: int, seed: int, n: int):
 
 # which cases each world size runs (in the launches of the drivers named): every option at every
 # P, the rest spread out, so that the suite's time grows by little
+# (issue 53: the all-gather schedule, every option at every P, its other cases spread out)
 SELECTION = {
-    1: ("balanced-all", "auto-dense"),                                        # variant_cases
-    2: ("balanced-all", "balanced-gqa-b2", "zigzag-routed", "auto-dense"),    # ring_cases
-    3: ("balanced-all", "balanced-float64", "permutation-routed", "balanced-nonfinite"),  # variant_cases
-    4: ("balanced-all", "balanced-gqa-b2", "U2"),                             # variant_cases
-    5: ("balanced-all", "zigzag-routed", "balanced-nonfinite"),               # ring_cases
-    6: ("balanced-all", "U3"),                                                # head_parallel_cases
+    1: ("balanced-all", "auto-dense", "allgather-all"),                                        # variant_cases
+    2: ("balanced-all", "balanced-gqa-b2", "zigzag-routed", "auto-dense", "allgather-all",
+        "allgather-dense"),                                                                    # ring_cases
+    3: ("balanced-all", "balanced-float64", "permutation-routed", "balanced-nonfinite", "allgather-all",
+        "allgather-nonfinite"),                                                                # variant_cases
+    4: ("balanced-all", "balanced-gqa-b2", "U2", "allgather-all", "allgather-U2"),             # variant_cases
+    5: ("balanced-all", "zigzag-routed", "balanced-nonfinite", "allgather-all", "allgather-float64"),  # ring_cases
+    6: ("balanced-all", "U3", "allgather-all", "allgather-U3"),                                # head_parallel_cases
 }
 
 
@@ -70,7 +77,7 @@ def cases_for(p: int):
     def add(name, **kw):
         seed = 4200 + 31 * p + len(cases)
         case = dict(id=f"P{p}-packed-{name}", kind="packed", B=1, H=4, Hkv=2, D=16, dtype="float32", seed=seed,
-                    causal=True, expect="routed" if p > 1 else "ring")
+                    causal=True, expect="auto" if p > 1 else "ring")
         case.update(kw)
         case.setdefault("documents", pack(p, seed, case.pop("n", 97)))
         case.pop("n", None)
@@ -79,20 +86,40 @@ def cases_for(p: int):
     # every option of the routed schedule at once, on the balanced layout (default schedule: auto)
     add("balanced-all", placement="balanced", n=97, window=[40, 0], sinks=True, softcap=4.0, k_scale=3.0,
         alibi=True, dropout=0.25, dropout_seed=4242, spanning=True)
-    add("balanced-gqa-b2", placement="balanced", n=83, B=2, H=6, Hkv=2, schedule="routed", spanning=True)
+    routed = "routed" if p > 1 else "ring"
+    add("balanced-gqa-b2", placement="balanced", n=83, B=2, H=6, Hkv=2, schedule="routed", spanning=True,
+        expect=routed)
     add("balanced-float64", placement="balanced", dtype="float64", window=[5, 0], schedule="routed",
-        documents=[1] * 7 + [20, 1, 3, 1, 25])
-    add("balanced-nonfinite", placement="balanced", n=89, window=[30, 0], schedule="routed", nonfinite=True)
-    add("zigzag-routed", placement="zigzag", n=90, causal=False, schedule="routed", sinks=True)
+        documents=[1] * 7 + [20, 1, 3, 1, 25], expect=routed)
+    add("balanced-nonfinite", placement="balanced", n=89, window=[30, 0], schedule="routed", nonfinite=True,
+        expect=routed)
+    add("zigzag-routed", placement="zigzag", n=90, causal=False, schedule="routed", sinks=True, expect=routed)
     add("permutation-routed", placement="permutation", n=75, window=[6, 6], causal=False, schedule="routed",
-        alibi=True)
-    # one document and no positional mask: the plan moves what the ring moves, so auto keeps the ring
-    add("auto-dense", placement="balanced", causal=False, documents=[64], schedule="auto", expect="ring")
+        alibi=True, expect=routed)
+    # one document and no positional mask: the plan moves what the ring moves, so auto chooses between
+    # the ring and the all-gather (issue 53: by predicted time)
+    add("auto-dense", placement="balanced", causal=False, documents=[64], schedule="auto",
+        expect="auto" if p > 1 else "ring", candidates=("ring", "allgather"))
     # the head x ring schedule with a routed ring across its groups
     for u in (2, 3):
         if p % u == 0 and p > u:
             add(f"U{u}", placement="balanced", n=61, head_parallel=u, H=2 * u, Hkv=u, sinks=True, alibi=True,
-                schedule="routed")
+                schedule="routed", expect=routed)
+    # the all-gather schedule (issue 53): every option at once on packed documents, a dense mask,
+    # non-finite keys, float64, and head x all-gather
+    gathered = "allgather" if p > 1 else "ring"
+    add("allgather-all", placement="zigzag", n=95, B=2, window=[40, 0], sinks=True, softcap=4.0, k_scale=3.0,
+        alibi=True, dropout=0.25, dropout_seed=5353, schedule="allgather", expect=gathered)
+    add("allgather-dense", placement="contiguous", n=300, causal=False, documents=[300], H=6, Hkv=3,
+        schedule="allgather", expect=gathered, sinks=True, budget=True)
+    add("allgather-nonfinite", placement="permutation", n=89, window=[30, 0], schedule="allgather",
+        expect=gathered, nonfinite=True)
+    add("allgather-float64", placement="zigzag", dtype="float64", documents=[400], causal=True, schedule="allgather",
+        expect=gathered, alibi=True)
+    for u in (2, 3):
+        if p % u == 0 and p > u:
+            add(f"allgather-U{u}", placement="contiguous", n=61, head_parallel=u, H=2 * u, Hkv=u, sinks=True,
+                alibi=True, schedule="allgather", expect=gathered)
     return [c for c in cases if c["id"].split("-packed-")[1] in SELECTION.get(p, ())]
 
 
@@ -129,6 +156,31 @@ def _nonfinite(comm, case, lay, kw, args, whole, docs, causal, window):
     if not (np.array_equal(o_b[keep], o_c[keep]) and np.array_equal(l_b.T[keep], l_c.T[keep])):
         problems.append(f"rank {rank}: queries that do not see the NaN key changed")
     return problems
+
+
+def _beyond_budget(comm, args, kw):
+    """Beyond ``RINGMPI_MEMORY_BUDGET`` an explicit ``schedule="allgather"`` is one ConfigError on
+    every rank, naming what it needs and the budget, before any compute."""
+    import os
+
+    from case_driver import agreed_error
+
+    os.environ["RINGMPI_MEMORY_BUDGET"] = "1K"
+    try:
+        problems = [agreed_error(comm, lambda: ringmpi.ring_attention(*args, **kw),
+                                 "beyond this rank's memory budget of 0.0 MiB"),
+                    # schedule="auto" where nothing fits: each schedule's need named (issue 53)
+                    agreed_error(comm, lambda: ringmpi.ring_attention(*args, **dict(kw, schedule="auto")),
+                                 "no schedule fits the memory budget of 0.0 MiB per rank")]
+        if problems[1] is None and comm.Get_size() > 1:
+            try:
+                ringmpi.ring_attention(*args, **dict(kw, schedule="auto"))
+            except ringmpi.ConfigError as exc:
+                if not all(f"{s} " in str(exc) for s in ("ring", "allgather")):
+                    problems.append(f"the refusal does not name each schedule's need: {exc}")
+    finally:
+        del os.environ["RINGMPI_MEMORY_BUDGET"]
+    return [p for p in problems if p is not None]
 
 
 def packed_case(comm, case):
@@ -180,10 +232,28 @@ def packed_case(comm, case):
     if not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip((o, lse, max_logit), again)) or \
             not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(grads, grads2)):
         problems.append(f"rank {rank}: repeated calls differ bitwise")
-    named = {r.schedule for r in fwd + bwd if not hasattr(r, "stage")}
-    if named != {case["expect"]}:
-        problems.append(f"rank {rank}: records name the schedule {sorted(named)}, expected {case['expect']!r}")
-    if case["expect"] == "routed" and case.get("head_parallel", 1) == 1:
+    steps = [r for r in fwd + bwd if not hasattr(r, "stage")]
+    named = {r.schedule for r in steps}
+    ran = case["expect"]
+    if ran == "auto":
+        # schedule="auto" (issue 53): per pass one of its candidates (the forward and the backward
+        # choose apart), the same on every rank, each pass's first record holding the chosen
+        # schedule's predicted time and the runner-up's
+        candidates = case.get("candidates", ("ring", "routed", "allgather"))
+        passes = [sorted({r.schedule for r in recs if not hasattr(r, "stage")}) for recs in (fwd, bwd)]
+        everyone = comm.allgather(passes)
+        firsts = [r for r in steps if r.step == 0]
+        if any(len(names) != 1 or names[0] not in candidates for names in passes) or \
+                any(e != everyone[0] for e in everyone):
+            problems.append(f"rank {rank}: auto ran {passes} (ranks: {everyone}), expected one of {candidates}")
+        elif not firsts or not all(r.predicted_s is not None and r.predicted_s > 0 and r.runner_up
+                                   and r.runner_up_s >= r.predicted_s for r in firsts):
+            problems.append(f"rank {rank}: auto's records lack its prediction: "
+                            f"{[(r.predicted_s, r.runner_up, r.runner_up_s) for r in firsts]}")
+        ran = passes[0][0] if passes[0] == passes[1] else "both"
+    elif named != {ran}:
+        problems.append(f"rank {rank}: records name the schedule {sorted(named)}, expected {ran!r}")
+    if ran == "routed" and case.get("head_parallel", 1) == 1:
         vis = reference.visible(n, n, causal, window, seg, seg).any(axis=0)
         mine = np.asarray(lay.indices(rank))
         rows_in = sum(_visible_rows(vis, mine, np.asarray(lay.indices(s))) for s in range(size) if s != rank)
@@ -194,6 +264,16 @@ def packed_case(comm, case):
         want = [rows_in * kv_row, rows_in * kv_row + rows_out * grad_row]
         if got != want:
             problems.append(f"rank {rank}: bytes received (forward, backward) {got}, the visible rows make {want}")
+    if ran == "allgather" and case.get("head_parallel", 1) == 1:
+        # every other rank's rows arrive once; backward: again, plus this rank's rows' partial sums
+        # from each other rank
+        mine = len(lay.indices(rank))
+        kv_row = batch * kv_heads * 2 * dim * q.dtype.itemsize
+        grad_row = batch * kv_heads * 2 * dim * (8 if q.dtype == np.float64 else 4)
+        got = [sum(r.bytes_recv for r in fwd), sum(r.bytes_recv for r in bwd)]
+        want = [(n - mine) * kv_row, (n - mine) * kv_row + (size - 1) * mine * grad_row]
+        if got != want:
+            problems.append(f"rank {rank}: bytes received (forward, backward) {got}, the gathered rows make {want}")
     if case.get("spanning") and rank == 0:
         longest = int(np.argmax(docs))
         start = sum(docs[:longest])
@@ -201,6 +281,8 @@ def packed_case(comm, case):
                                                      & (np.asarray(lay.indices(s)) < start + docs[longest]))]
         if len(holders) != size:
             problems.append(f"the longest document sits on ranks {holders}, not on all {size}")
+    if case.get("budget"):
+        problems += _beyond_budget(comm, args, kw)
     if case.get("nonfinite"):
         problems += _nonfinite(comm, case, lay, kw, args, (q, k, v), docs, causal, window)
     problems = sum(comm.allgather(problems), [])

@@ -71,6 +71,17 @@ def test_bad_input_exit_2_one_process(tmp_path, name):
     assert not out.exists() and not leftovers(out.parent)
 
 
+def test_a_job_beyond_the_memory_budget_is_refused_before_it_starts(tmp_path):
+    """(issue 53) A pass whose shards exceed a rank's memory budget: exit 2 with what it needs and
+    the budget, no file (it used to end in a MemoryError traceback)."""
+    src, out = write_input(tmp_path / "in.h5", n=64), tmp_path / "out.h5"
+    rc, stdout, stderr = ringmpi(["run", src, "-o", out], env=mpirun_env(RINGMPI_MEMORY_BUDGET="1K"))
+    assert rc == 2, stderr
+    assert "one pass needs about" in stderr and "memory budget of 9.54e-07 GiB" in stderr, stderr
+    assert "--heads-per-pass" in stderr and stderr.count("ringmpi: error:") == 1, stderr
+    assert not out.exists() and not leftovers(out.parent)
+
+
 @pytest.mark.mpi
 def test_bad_input_exit_2_under_mpirun(tmp_path):
     """P = 4, every case in one launch: every rank exits 2, rank 0 alone prints the one message, no file."""

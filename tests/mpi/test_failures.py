@@ -61,6 +61,19 @@ def test_hung_rank_is_caught_by_the_deadline_of_the_routed_schedule():
     assert match.group(1) == match.group(2) != "2"
 
 
+def test_hung_rank_is_caught_by_the_deadline_of_the_allgather_schedule():
+    """A stuck rank under the all-gather schedule (nonblocking collectives, issue 53): the job
+    ends at the call's deadline, a waiting rank naming the step, the collective and its ranks.
+    The rank hangs before it posts its pieces (once posted, small pieces leave eagerly)."""
+    rc, out, err, _ = run_job("hang:2:0", "--timeout", "5", "--schedule", "allgather", "--backward")
+    assert rc != 0
+    match = re.search(r"\[rank (\d)\] ringmpi: RingTimeout: rank (\d): ring step (\d+) channel "
+                      r"'(?:gather|return)\d+' did not complete within 5 s \((?:Iallgatherv|Ialltoallv) over "
+                      r"all 4 ranks", err)
+    assert match, err[-3000:]
+    assert match.group(1) == match.group(2) != "2"
+
+
 def test_the_ring_waits_take_the_watchdog_default():
     """No ``timeout=`` on the call: the ring's waits take the one deadline rule's default
     (``watchdog.set_default``, which ``ringmpi run --timeout`` sets), as every phase does."""

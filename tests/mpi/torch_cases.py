@@ -142,7 +142,11 @@ def attn_case(comm, case, device):
         o, lse = rt.ring_attention(q, k, v, return_lse=True, stats=stats, **kw)
         (o * do).sum().backward()
         mine = [host64(x) for x in (o, lse, q.grad, k.grad, v.grad)]
-    if stats is not None and {r.schedule for r in stats} != {case["expect_schedule"]}:
+    ran = None if stats is None else {r.schedule for r in stats}
+    want = case.get("expect_schedule")
+    if stats is not None and (ran != {want} if want != "auto" else  # auto: per pass its choice (issue 53)
+                              not ran or not ran <= {"ring", "routed", "allgather"}
+                              or not any(r.predicted_s for r in stats)):
         problems = [f"rank {comm.Get_rank()} ran {sorted({r.schedule for r in stats})}"]
     else:
         problems = []

@@ -31,8 +31,7 @@ NOT_TAKEN = {
     "bench": {"sinks": "--sinks draws random sinks", "dropout_seed": "--seed seeds inputs and dropout",
               "dropout_offsets": "synthetic inputs: the whole mask", "dtype": "--dtype is the inputs' dtype",
               "softmax_scale": "1/sqrt(D), as torch SDPA's column", "timeout": "RINGMPI_TIMEOUT",
-              "check_finite": "synthetic inputs are finite", "return_max_logit": "not timed",
-              "schedule": "--documents runs the ring and the routed schedule side by side"},
+              "check_finite": "synthetic inputs are finite", "return_max_logit": "not timed"},
 }
 
 

@@ -23,7 +23,7 @@ def test_rules_name_the_bad_option():
         "dropout_offsets must be": dict(dropout_p=0.1, dropout_seed=1, dropout_offsets=(0, 2, 4)),
         "softmax_scale must be a finite number": dict(softmax_scale=float("inf")),
         "timeout must be a number of seconds > 0": dict(timeout=0),
-        "schedule must be one of 'auto', 'ring', 'routed'": dict(schedule="ringed"),
+        "schedule must be one of 'auto', 'ring', 'routed', 'allgather'": dict(schedule="ringed"),
     }
     for want, kw in bad.items():
         problem = AttentionOptions(**kw).problem(heads)
@@ -52,7 +52,7 @@ def test_schedule_default_is_auto_only_on_a_balanced_layout():
     """(issue 42) The default keeps every existing call on the ring, bit for bit."""
     assert AttentionOptions().kv_schedule(balanced=False) == "ring"
     assert AttentionOptions().kv_schedule(balanced=True) == "auto"
-    for given in ("auto", "ring", "routed"):
+    for given in ("auto", "ring", "routed", "allgather"):
         assert AttentionOptions(schedule=given).kv_schedule(balanced=True) == given
         assert AttentionOptions(schedule=given).kv_schedule(balanced=False) == given
     assert AttentionOptions().digest() == AttentionOptions(schedule=None).digest()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import click
 
 from ..core.layout import KINDS
+from ..options import SCHEDULES
 from ..cli.flags import attention_flags
 from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 
@@ -68,6 +69,9 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
 @click.option("--quiet", "-q", is_flag=True, help="No progress report on rank 0 (the calls, their ring steps, "
               "the time left).")
 @attention_flags("causal", "window", "softcap", *MODIFIER_FIELDS, "dropout_p", "head_parallel", "invariant",
+                 "schedule", schedule=dict(type=click.Choice(SCHEDULES), help="How K/V move (ring, routed, "
+                                           "allgather, or auto: the fastest predicted that fits memory; its "
+                                           "choice and prediction are in the report) [default: ring]."),
                  causal=dict(help="Causal mask."), softcap=dict(help="Logit softcap C > 0 (ring only)."),
                  window=dict(help="Sliding window: query i sees keys i-L .. i+R (-1 = unbounded side; ring only)."),
                  dropout_p=dict(show_default=True, help="Dropout on the attention weights (0 <= P < 1), seeded "
@@ -76,7 +80,7 @@ INSTALL_PLOT = "pip install 'ringmpi[plot]'"
                                          "[default: RINGMPI_HEAD_PARALLEL, else 1]."))
 def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat, warmup, backend, seed,
           sweep, json_path, plot_path, decode, cache, new, sinks, documents, linear, quiet, causal, window, softcap,
-          dropout_p, head_parallel, invariant, **modifiers):
+          dropout_p, head_parallel, invariant, schedule, **modifiers):
     """Time the ring: per-step timeline, exposed communication, balance, scaling.
 
     Launch under MPI (``mpirun -n P ringmpi bench ...``); rank 0 prints the
@@ -122,6 +126,8 @@ def bench(n, heads, kv_heads, dim, dim_v, batch, dtype, layout, backward, repeat
         cfg["dropout"] = float(dropout)
     if invariant:
         cfg["invariant"] = True
+    if schedule is not None:
+        cfg["schedule"] = schedule
     if documents is not None:
         from .documents import document_lengths, run as run_documents
         try:

@@ -82,6 +82,8 @@ def measure(comm, be, cfg, n, progress=None):
         kw["window"] = tuple(cfg["window"])
     if cfg.get("invariant"):
         kw["invariant"] = True
+    if cfg.get("schedule"):
+        kw["schedule"] = cfg["schedule"]
     kw.update({name: np.asarray(cfg[name], dtype=np.float32) for name in MODIFIER_FIELDS if cfg.get(name) is not None})
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 

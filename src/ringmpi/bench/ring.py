@@ -116,6 +116,12 @@ def _format_phase(name, s):
     if s.get("last_hop_wait_seconds") is not None:
         extra.append(f"final dK/dV hop wait max {1e3 * max(s['last_hop_wait_seconds']):.2f} ms")
     lines.append(f"{'':<9}" + "; ".join(extra))
+    if s.get("schedule"):
+        choice = s.get("choice")
+        lines.append(f"{'':<9}K/V schedule {', '.join(s['schedule'])}" + ("" if choice is None else
+                     f" (chosen by schedule auto: predicted {choice['predicted_s']:.4g} s"
+                     + (f", runner-up {choice['runner_up']} {choice['runner_up_s']:.4g} s" if choice["runner_up"]
+                        else "") + ")"))
     return lines
 
 

@@ -90,8 +90,17 @@ def phase_summary(phase_per_rank, flops, gemm):
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in phase_per_rank],
         "peak_alloc_bytes": [r.get("peak_alloc_bytes") for r in phase_per_rank],
         "fraction_of_gemm_rate": None if not gemm else tflops / p / gemm["tflops"],
+        "schedule": sorted({s.get("schedule", "ring") for st in steps for s in st if "stage" not in s}),
+        "choice": _choice(steps[0]),
         "timeline": {"repeat": at, "rank_seconds": [w[at] for w in walls], "steps": steps},
     }
+
+
+def _choice(steps):
+    """``{"predicted_s", "runner_up", "runner_up_s"}`` of rank 0's first ring step where
+    ``schedule="auto"`` chose (issue 53), else None."""
+    first = next((s for s in steps if s.get("predicted_s") is not None), None)
+    return None if first is None else {k: first[k] for k in ("predicted_s", "runner_up", "runner_up_s")}
 
 
 def _instrumentation(summary, costs):

@@ -51,6 +51,7 @@ COMMANDS = {
     "verify": ("ringmpi.cli.verify", "verify", "Compare a result file with a float64 dense reference."),
     "bench": ("ringmpi.bench.command", "bench", "Measure the ring: per-step timeline, exposed communication, scaling."),
     "info": ("ringmpi.cli.info", "info", "MPI library, CUDA-aware support, GPUs, parallel HDF5."),
+    "plan": ("ringmpi.cli.plan", "plan", "Predict each schedule's time on a described cluster (no MPI, no GPU)."),
 }
 
 

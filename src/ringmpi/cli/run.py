@@ -108,8 +108,12 @@ def _summary(result) -> str:
     if result.traffic is not None:
         received = np.array([t[0] for t in result.traffic], dtype=np.float64)
         ran = sorted({s for _, names in result.traffic for s in names})
+        auto = a.kv_schedule(o.layout_name == BALANCED) == "auto"
+        predicted = "" if result.choice is None else (
+            f": predicted {result.choice[0]:.3g} s"
+            + (f", runner-up {result.choice[1]} {result.choice[2]:.3g} s" if result.choice[1] else ""))
         lines.append(f"  K/V schedule: {', '.join(ran) or 'none'}"
-                     + (" (chosen by schedule auto)" if a.kv_schedule(o.layout_name == BALANCED) == "auto" else "")
+                     + (f" (chosen by schedule auto{predicted})" if auto else "")
                      + f"; bytes received per rank: max {_size(received.max())}, min {_size(received.min())}")
     u, chosen = result.head_parallel, " (chosen by head_parallel auto)" if result.head_parallel_auto else ""
     if u > 1:

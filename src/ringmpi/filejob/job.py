@@ -130,7 +130,9 @@ class JobResult:
     ``(wall, ring, compute, wait, read, write)`` seconds (None on the other ranks).
     ``head_parallel`` is the ``U`` the passes ran with; ``head_parallel_auto``: ``"auto"``
     (the option or ``RINGMPI_HEAD_PARALLEL``) chose it.  ``traffic`` (rank 0): every rank's
-    ``(bytes received by its ring calls, the schedules they ran)``."""
+    ``(bytes received by its ring calls, the schedules they ran)``.  ``choice``: where
+    ``schedule="auto"`` chose, the chosen schedules' predicted seconds summed over the ring
+    calls, the runner-up (the most frequent) and its predicted seconds summed."""
 
     spec: object
     options: JobOptions
@@ -142,6 +144,7 @@ class JobResult:
     every: Optional[list]
     head_parallel_auto: bool = False
     traffic: Optional[list] = None
+    choice: Optional[tuple] = None  # schedule="auto" (issue 53): (predicted s, runner-up, its s), summed
 
 
 @dataclass
@@ -151,6 +154,14 @@ class _Timers:
     wait_s: float = 0.0
     bytes_recv: int = 0
     schedules: set = field(default_factory=set)
+    choices: list = field(default_factory=list)  # (predicted s, runner-up, its s) of each auto choice
+
+    def choice(self) -> Optional[tuple]:
+        if not self.choices:
+            return None
+        runners = [c[1] for c in self.choices if c[1]]
+        runner = max(set(runners), key=runners.count) if runners else None
+        return (sum(c[0] for c in self.choices), runner, sum(c[2] or 0.0 for c in self.choices))
 
 
 def run_job(input_path: str, output_path: str, options: JobOptions, progress, overwrite: bool = False,
@@ -177,9 +188,10 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
         raise ConfigError(f"--heads-per-pass {options.heads_per_pass}: must be a positive multiple of "
                           f"H/H_kv = {spec.heads}/{spec.kv_heads} = {spec.group} (GQA groups stay whole)")
     backend = _resolve_backend(options.backend, comm)
-    out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
     budget = int(os.environ.get("RINGMPI_PASS_BYTES", DEFAULT_PASS_BYTES))
     plan = plan_passes(spec, comm.Get_size(), options.heads_per_pass, budget)
+    _agree_memory(comm, spec, options, backend)
+    out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
     record = _job_record(spec, input_path, comm.Get_size(), plan, options.record_options(backend))
     passes, done = _resume_state(out, comm, record, resume, progress)
     head_parallel = _head_parallel(comm, options.attention.head_parallel, spec, passes)
@@ -198,7 +210,26 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     comm.Free()
     requested = options.attention.head_parallel or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
     return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
-                     head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic)
+                     head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic,
+                     choice=job.timers.choice())
+
+
+def _agree_memory(comm, spec, options: JobOptions, backend: str) -> None:
+    """A ConfigError on every rank, before any file is made, when one pass's shards (one batch
+    entry, the pass's heads) exceed a rank's memory budget (:mod:`ringmpi.runtime.memory`):
+    the job would otherwise end in a MemoryError mid-way."""
+    from ..runtime.errors import agree
+    from ..runtime.memory import budget
+    from .pass_plan import bytes_per_batch_entry
+
+    kv_per = spec.kv_heads if options.heads_per_pass is None else max(1, options.heads_per_pass // spec.group)
+    need = bytes_per_batch_entry(spec, comm.Get_size(), kv_per)
+    have = budget(on_device=backend == "cupy")
+    agree(comm, None if have is None or need <= have else
+          f"one pass needs about {need / 2**30:.3g} GiB per rank (one batch entry, {kv_per * spec.group} heads, "
+          f"{comm.Get_size()} ranks), beyond this rank's memory budget of {have / 2**30:.3g} GiB "
+          f"(RINGMPI_MEMORY_BUDGET, else its share of the free memory): run on more ranks"
+          + (" or with a smaller --heads-per-pass" if kv_per > 1 else ""))
 
 
 def _layouts(comm, options: JobOptions, spec):
@@ -338,6 +369,8 @@ class _Job:
         self.timers.wait_s += sum(r.wait_s for r in stats)
         self.timers.bytes_recv += sum(r.bytes_recv for r in stats)
         self.timers.schedules.update(r.schedule for r in stats if not hasattr(r, "stage"))
+        self.timers.choices += [(r.predicted_s, r.runner_up, r.runner_up_s) for r in stats
+                                if getattr(r, "predicted_s", None) is not None]
 
     def pass_segments(self, fin, p: Pass) -> dict:
         """The ring calls' segment-id keywords of pass ``p`` (none without segments)."""

@@ -163,8 +163,9 @@ class _Split:
         self.rows_kv = [len(i) for i in kv_idx]
         self.q_pos = np.concatenate(q_idx)          # this group's query positions (group order)
         self.kv_pos = np.concatenate(kv_idx)
-        ckv = call.place_kv.counts
+        ckv, cq = call.place_kv.counts, call.place_q.counts
         self.ring_kv_counts = [int(sum(ckv[m] for m in g)) for g in groups.members]
+        self.ring_q_counts = [int(sum(cq[m] for m in g)) for g in groups.members]
 
     def heads(self, i: int) -> slice:
         return slice(i * self.hu, (i + 1) * self.hu)
@@ -179,7 +180,8 @@ class _Split:
         spec = call.spec.for_heads(self.heads(self.index).start, self.hu)
         return LocalProblem(self.groups.ring_comm, call.backend, call.compute_dtype, spec, call.scale,
                             kv_counts=self.ring_kv_counts, q_pos=self.q_pos, kv_pos=self.kv_pos,
-                            seg_q=seg_q, seg_kv=seg_kv, timeout=call.timeout, kv_schedule=call.kv_schedule)
+                            seg_q=seg_q, seg_kv=seg_kv, timeout=call.timeout, kv_schedule=call.kv_schedule,
+                            q_counts=self.ring_q_counts, q_heads=self.hu)
 
 
 def _gather(exchange, stage: str, send, recv, axes):

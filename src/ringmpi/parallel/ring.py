@@ -27,7 +27,10 @@ class StepRecord:
     """What one rank did in one ring step (seconds, bytes, and tiles of the block kernel);
     ``compute_s`` and ``wait_s`` do not overlap (a wait inside the block op, as the backward's for
     the arriving dK/dV sums, is waiting); ``schedule``: the schedule that ran (``"ring"``, or
-    ``"routed"``: :class:`ringmpi.parallel.routed_schedule.RoutedSchedule`)."""
+    ``"routed"``: :class:`ringmpi.parallel.routed_schedule.RoutedSchedule`, or ``"allgather"``:
+    :class:`ringmpi.parallel.allgather_schedule.AllGatherSchedule`); where ``schedule="auto"``
+    chose it, step 0's record holds the prediction (``predicted_s``) and the runner-up's
+    (``runner_up``, ``runner_up_s``)."""
 
     step: int
     compute_s: float = 0.0
@@ -37,15 +40,20 @@ class StepRecord:
     tiles_computed: int = 0
     tiles_skipped: int = 0
     schedule: str = "ring"
+    # step 0 of a schedule that schedule="auto" chose (issue 53): its predicted seconds, and the
+    # runner-up's name and predicted seconds (ringmpi.core.cost_model)
+    predicted_s: Optional[float] = None
+    runner_up: Optional[str] = None
+    runner_up_s: Optional[float] = None
 
 
 @dataclass
 class _Transfer:
     """One posted Isend or Irecv, with what a timeout message needs to name."""
 
-    direction: str  # "recv from" or "send to"
+    direction: str  # "recv from" or "send to" (a collective: its name, "Iallgatherv over")
     request: object
-    peer: int
+    peer: Optional[int]  # None: a collective over the whole communicator
     nbytes: int
 
 
@@ -182,6 +190,18 @@ class Ring:
             self._pending[channel] = transfers
             self._all_requests = None
 
+    def post_collective(self, channel: str, request, name: str, sent: int, received: int) -> None:
+        """Hold the request of a nonblocking collective (``Iallgatherv``, ``Ialltoallv``) started on
+        this ring's communicator as ``channel``: ``tick`` progresses it, ``wait`` completes it with
+        the deadline; ``sent``/``received``: its bytes to and from other ranks (the records')."""
+        if channel in self._pending:
+            raise RuntimeError(f"ring channel {channel!r} posted while a transfer on it is pending")
+        rec = self.record(self.step)
+        rec.bytes_sent += int(sent)
+        rec.bytes_recv += int(received)
+        self._pending[channel] = [_Transfer(name, request, None, int(received))]
+        self._all_requests = None
+
     def tick(self, done: Optional[float] = None) -> None:
         """Let MPI progress every pending transfer (cheap; call between tiles).
 
@@ -234,7 +254,8 @@ class Ring:
         def timed_out() -> str:
             self._pending[channel] = transfers  # still MPI's: a later wait may complete them
             stuck = [t for t in transfers if not t.request.Test()]  # name only what is incomplete
-            peers = ", ".join(f"{t.direction} {self.name(t.peer)}" for t in stuck)
+            peers = ", ".join(f"{t.direction} {self.name(t.peer)}" if t.peer is not None else
+                              f"{t.direction} all {self.size} ranks" for t in stuck)
             sizes = ", ".join(f"{t.direction.split()[0]} {t.nbytes} bytes" for t in stuck)
             return (f"{self.name(self.rank)}: ring step {self.step} channel {channel!r} did not complete "
                     f"within {self.timeout:g} s ({peers}; expected {sizes}); "

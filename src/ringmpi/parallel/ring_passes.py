@@ -48,7 +48,10 @@ class LocalProblem:
     order : the ranks of ``comm`` in ring order, the same on every rank (None: rank order).
     kv_schedule : how K/V move (``AttentionOptions.schedule``, resolved): ``"ring"``, ``"routed"``
         (each rank receives only the rows its queries see: :mod:`ringmpi.parallel.routed_schedule`)
-        or ``"auto"`` (routed where the plan moves fewer rows than the ring), the same on every rank.
+        ``"allgather"`` (every rank gathers all K/V rows: :mod:`ringmpi.parallel.allgather_schedule`)
+        or ``"auto"`` (the fastest predicted, :mod:`ringmpi.parallel.cost_measure`), the same on every rank.
+    q_counts, q_heads : query rows of every ring member and the query heads (what ``"auto"``'s
+        prediction counts; None: as the K/V's).
     """
 
     comm: object
@@ -64,34 +67,115 @@ class LocalProblem:
     timeout: Optional[float] = None
     order: Optional[Sequence[int]] = None
     kv_schedule: str = "ring"
+    q_counts: Optional[Sequence[int]] = None
+    q_heads: Optional[int] = None
 
     def schedule(self, k, v, grad_dtype=None, phase: str = "fwd", grad_dims=None):
         """The schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``:
-        a :class:`RingSchedule`, or a :class:`~ringmpi.parallel.routed_schedule.RoutedSchedule`
-        when ``kv_schedule`` asks for one (``"auto"``: when its plan moves fewer K/V rows; a
-        dense mask never plans); ``grad_dtype``, ``grad_dims``: the partial sums' words, see
+        a :class:`RingSchedule`, a :class:`~ringmpi.parallel.routed_schedule.RoutedSchedule` or an
+        :class:`~ringmpi.parallel.allgather_schedule.AllGatherSchedule` as ``kv_schedule`` asks
+        (``"auto"``: the cost model's fastest prediction that fits the memory budget, among the
+        ring, the all-gather and, where a mask's plan moves fewer rows than the ring, routed);
+        ``grad_dtype``, ``grad_dims``: the partial sums' words, see
         :class:`RingSchedule` (the invariant passes' integer sums: the ring only)."""
         be = self.backend
+        kv_schedule, choice, plan = self.kv_schedule, None, None
+        if self.comm.Get_size() == 1:
+            kv_schedule = "ring"
         masked = self.spec.positional or self.seg_q is not None
-        if self.kv_schedule != "ring" and self.comm.Get_size() > 1 and (masked or self.kv_schedule == "routed"):
+        if kv_schedule == "routed" or (kv_schedule == "auto" and masked):
             from .route_plan import gather_plan
-            from .routed_schedule import RoutedSchedule
 
             order = self.order if self.order is not None else list(range(self.comm.Get_size()))
             plan = gather_plan(self.comm, self.q_pos, self.seg_q, self.kv_pos, self.seg_kv, self.spec, order,
                                timeout=self.timeout)
-            if self.kv_schedule == "routed" or plan.routed_rows() < plan.ring_rows():
-                # this rank's own block read where it lies (a view on the host; the GPU kernels need a copy)
-                kh, vh = be.heads_view(k, k.dtype), be.heads_view(v, v.dtype)
-                return RoutedSchedule(self.comm, be, kh, vh, plan=plan, q_pos=self.q_pos,
+        if kv_schedule == "auto":
+            choice = self._choose(k, v, grad_dtype, plan)
+            kv_schedule = choice[0].schedule
+        if kv_schedule == "allgather":
+            schedule = self._allgather(k, v, grad_dtype, phase, checked=choice is not None)
+        elif kv_schedule == "routed":
+            from .routed_schedule import RoutedSchedule
+
+            # this rank's own block read where it lies (a view on the host; the GPU kernels need a copy)
+            kh, vh = be.heads_view(k, k.dtype), be.heads_view(v, v.dtype)
+            schedule = RoutedSchedule(self.comm, be, kh, vh, plan=plan, q_pos=self.q_pos,
                                       kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
                                       grad_dtype=grad_dtype, timeout=self.timeout, phase=phase)
+        else:
+            schedule = self._ring(k, v, grad_dtype, phase, grad_dims)
+        if choice is not None:
+            best, runner = choice
+            first = schedule.ring.record(0)
+            first.predicted_s = best.seconds
+            if runner is not None:
+                first.runner_up, first.runner_up_s = runner.name, runner.seconds
+        return schedule
+
+    def _choose(self, k, v, grad_dtype, plan):
+        """``schedule="auto"``: the (chosen, runner-up) predictions of the cost model
+        (:mod:`ringmpi.parallel.cost_measure`), the same on every rank; the routed schedule is a
+        candidate where its plan moves fewer rows than the ring."""
+        from ..core.cost_model import Shape
+        from .cost_measure import choose_schedule
+
+        size = self.comm.Get_size()
+        n_kv = int(sum(self.kv_counts))
+        n_q = int(sum(self.q_counts)) if self.q_counts is not None else n_kv
+        half = 0.5 if self.spec.causal else 1.0
+        density, schedules, routed_rows = half, ("ring", "allgather"), None
+        window = self.spec.window
+        if window is not None and None not in window:
+            density = min(density, (window[0] + window[1] + 1) / max(n_kv, 1))
+        if plan is not None:
+            ring_rows = max(plan.ring_rows(), 1)
+            seen = plan.routed_rows() / ring_rows
+            density = min(density, max(seen, 1.0 / size) * half)
+            if plan.routed_rows() < plan.ring_rows():
+                schedules += ("routed",)
+                routed_rows = float(plan.rows.sum(axis=1).max())
+        ct = np.dtype(self.compute_dtype)
+        shape = Shape(n_q=n_q, n_kv=n_kv, batch=k.shape[0], heads=self.q_heads or k.shape[2],
+                      kv_heads=k.shape[2], dim=k.shape[3], dim_v=v.shape[3], itemsize=np.dtype(k.dtype).itemsize,
+                      grad_itemsize=ct.itemsize, density=density)
+        return choose_schedule(self.comm, self.backend, k.dtype, shape, schedules, grad_dtype is not None,
+                               routed_rows=routed_rows, timeout=self.timeout)
+
+    def _ring(self, k, v, grad_dtype, phase: str, grad_dims):
+        be = self.backend
         # head-major views: the schedule copies them straight into its first K/V buffer
         # (no (B, H_kv, S, D) temporaries beside the buffers)
         return RingSchedule(
             self.comm, be, _heads_view(k), _heads_view(v), kv_counts=self.kv_counts,
             q_pos=self.q_pos, kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
             grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order, grad_dims=grad_dims)
+
+    def _allgather(self, k, v, grad_dtype, phase: str, checked: bool = False):
+        """The :class:`~ringmpi.parallel.allgather_schedule.AllGatherSchedule` of this problem, once
+        every rank agrees its declared memory fits its budget (a ConfigError on every rank
+        otherwise) and has every rank's key runs (one allgather)."""
+        from ..runtime.errors import agree
+        from ..runtime.memory import budget
+        from ..runtime import watchdog
+        from .allgather_schedule import AllGatherSchedule, declared_bytes
+        from .route_plan import runs_of
+
+        be, comm = self.backend, self.comm
+        batch, _, kv_heads, dim = k.shape
+        grad_size = 0 if grad_dtype is None else np.dtype(grad_dtype).itemsize
+        need = declared_bytes(self.kv_counts, comm.Get_rank(), batch, kv_heads, dim, v.shape[3],
+                              np.dtype(k.dtype).itemsize, grad_size)
+        have = None if checked else budget(on_device=be.name == "cupy")  # auto checked its prediction's
+        agree(comm, None if have is None or need <= have else
+              f"schedule='allgather' needs {need / 2**20:.1f} MiB per rank for the gathered K/V"
+              f"{' and their gradients' if grad_size else ''}, beyond this rank's memory budget of "
+              f"{have / 2**20:.1f} MiB (RINGMPI_MEMORY_BUDGET); use schedule='ring'")
+        with watchdog.phase("the all-gather schedule's key runs (allgather)", self.timeout):
+            kv_runs = comm.allgather(runs_of(self.kv_pos, self.seg_kv))
+        kh, vh = be.heads_view(k, k.dtype), be.heads_view(v, v.dtype)
+        return AllGatherSchedule(comm, be, kh, vh, kv_counts=self.kv_counts, kv_runs=kv_runs, q_pos=self.q_pos,
+                                 kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
+                                 grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order)
 
 
 @dataclass(frozen=True)
@@ -102,7 +186,7 @@ class AgreedCall:
         (:class:`~ringmpi.core.positions.Placement`: from a layout or given positions).
     seg_q, seg_kv : (B, S_q_local), (B, S_kv_local) int64 segment ids of this rank, or None.
     sinks : (H,) this backend's array in the compute dtype, or None.
-    kv_schedule : ``AttentionOptions.schedule`` resolved (``"ring"``, ``"routed"`` or ``"auto"``).
+    kv_schedule : ``AttentionOptions.schedule`` resolved (``"ring"``, ``"routed"``, ``"allgather"`` or ``"auto"``).
     The other fields as :class:`LocalProblem`'s.
     """
 
@@ -131,7 +215,8 @@ class AgreedCall:
         return LocalProblem(self.comm, self.backend, self.compute_dtype, self.spec, self.scale,
                             kv_counts=self.place_kv.counts, q_pos=self.place_q.mine,
                             kv_pos=self.place_kv.mine, seg_q=self.seg_q, seg_kv=self.seg_kv,
-                            timeout=self.timeout, order=ring_order(self.comm), kv_schedule=self.kv_schedule)
+                            timeout=self.timeout, order=ring_order(self.comm), kv_schedule=self.kv_schedule,
+                            q_counts=self.place_q.counts, q_heads=self.heads)
 
 
 def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None, invariant=None):

@@ -1,0 +1,294 @@
+"""What a call will cost under each schedule: a model from a few measured (or described) parts.
+
+Pure arithmetic, no MPI: :mod:`ringmpi.parallel.cost_measure` fills a :class:`Machine` by
+measuring (the block op's rate, cached per machine; each link level's latency and
+bandwidth, measured once per communicator) and ``schedule="auto"`` takes the
+fastest prediction that fits the memory budget; ``ringmpi plan`` fills it from a
+description of a cluster.  The parts:
+
+* **compute** ``C``: the visible (query, key) pairs of the busiest rank times
+  ``2 (D + D_v)`` FLOPs (FlashAttention's count; the backward 2.5x), over the block
+  op's rate.  Every schedule computes the same pairs; they differ in what they move
+  and how much of it hides behind ``C``.
+* **ring** (P ranks, node-major order: one hop per node crosses the inter-node link
+  per step): the own block, then ``P - 1`` steps of
+  ``max(C / P, latency + shard bytes / bandwidth)``; the backward's dK/dV partial
+  sums travel with the K/V and take one more hop home.
+* **routed**: the rank's own block, then ``max(rest of C, transfer of the visible rows)``
+  (one message per sender that has rows to send).
+* **all-gather**: the own block, then ``max(rest of C, the gather + the last piece's
+  compute)``; the backward hands its partial sums back, the last piece's exposed.
+  The gather crosses the node boundary for ``(P - ranks per node) / (P - 1)`` of its
+  bytes, on a link every rank of the node shares.
+* **head x ring** with ``U`` ranks per group: an all-to-all over heads inside the
+  node before and after (exposed), then the schedule above over the ring of ``P / U``
+  groups, ``U`` rings sharing each node's link.
+
+Memory per rank: the ring's and routed's a fixed number of shards; the all-gather
+holds every K/V row (:func:`allgather_memory`).  :func:`hiding_length` is the shard
+length below which the ring cannot hide its transfers behind its compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import List, Optional, Sequence, Tuple
+
+SCHEDULES = ("ring", "routed", "allgather")
+MAX_PIECES = 4       # the all-gather's collectives per pass: its first piece's blocks start after 1/4
+MIN_PIECE_ROWS = 64  # no piece of a rank thinner than this (beyond the first)
+
+
+def piece_count(counts: Sequence[int]) -> int:
+    """How many pieces the all-gather cuts its transfer into, the same on every rank (from the
+    ranks' K/V row counts)."""
+    largest = max((int(c) for c in counts), default=0)
+    return max(1, min(MAX_PIECES, -(-largest // MIN_PIECE_ROWS)))
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the network: ``latency`` seconds per message, ``bandwidth`` bytes/s."""
+
+    latency: float
+    bandwidth: float
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.latency + max(nbytes, 0.0) / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a rank computes and how ranks talk: ``rate`` FLOP/s of one rank's block op (the
+    call's dtype and head dim), ``intra``/``inter`` the links inside a node and between
+    nodes, ``ranks_per_node``, ``memory`` bytes a rank may hold (None: unlimited)."""
+
+    rate: float
+    intra: Link
+    inter: Link
+    ranks_per_node: int = 1
+    memory: Optional[float] = None
+    ranks_per_nic: Optional[int] = None  # ranks of a node sharing one inter-node link (None: all of them)
+
+    @property
+    def nic_sharing(self) -> int:
+        return self.ranks_per_node if self.ranks_per_nic is None else self.ranks_per_nic
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One call's sizes: global ``n_q``, ``n_kv``, ``batch``, ``heads``, ``kv_heads``,
+    ``dim``, ``dim_v``; ``itemsize`` of the inputs (what travels), ``grad_itemsize`` of the
+    compute dtype (the backward's partial sums); ``density``: the share of (query, key)
+    pairs visible (1 dense, about 1/2 causal, less with windows or documents);
+    ``seen``: the share of the other ranks' K/V rows a rank's queries see (what the
+    routed schedule moves; 1 for dense and causal masks)."""
+
+    n_q: int
+    n_kv: int
+    batch: int = 1
+    heads: int = 1
+    kv_heads: int = 1
+    dim: int = 64
+    dim_v: int = 64
+    itemsize: int = 2
+    grad_itemsize: int = 4
+    density: float = 1.0
+    seen: float = 1.0
+
+    def kv_row(self, itemsize: Optional[int] = None) -> float:
+        """Bytes of one K/V row (all batch entries and K/V heads, K and V)."""
+        return self.batch * self.kv_heads * (self.dim + self.dim_v) * (itemsize or self.itemsize)
+
+    def flops(self, backward: bool = False) -> float:
+        """The whole call's FLOPs over its visible pairs (FlashAttention's count)."""
+        fwd = 2.0 * self.batch * self.heads * self.n_q * self.n_kv * (self.dim + self.dim_v) * self.density
+        return fwd * (2.5 if backward else 1.0)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One schedule's predicted cost on every rank (the busiest rank's): ``seconds`` in all,
+    ``compute`` of it, ``exposed`` communication (``seconds - compute``), ``bytes`` received
+    per rank, ``memory`` bytes a rank holds for the call (shards, buffers, accumulators)."""
+
+    schedule: str
+    head_parallel: int
+    seconds: float
+    compute: float
+    bytes: float
+    memory: float
+    fits: bool = True
+
+    @property
+    def exposed(self) -> float:
+        return max(self.seconds - self.compute, 0.0)
+
+    @property
+    def name(self) -> str:
+        return self.schedule if self.head_parallel == 1 else f"head x {self.schedule}, U={self.head_parallel}"
+
+
+def _spans(ranks: int, machine: Machine) -> bool:
+    return ranks > machine.ranks_per_node
+
+
+def _gather_seconds(nbytes: float, ranks: int, per_node: int, machine: Machine, messages: int,
+                    sharing: int) -> float:
+    """A transfer that reaches every other of ``ranks`` ring members (``per_node`` of them on a
+    node): the share from other nodes comes over the node's link, which ``sharing`` ranks of the
+    node use at once."""
+    if ranks <= 1:
+        return 0.0
+    rpn = min(per_node, ranks)
+    remote = (ranks - rpn) / (ranks - 1)
+    near = machine.intra.seconds(nbytes * (1 - remote), messages if remote < 1 else 0)
+    far = machine.inter.seconds(nbytes * remote * sharing, messages) if remote else 0.0
+    return max(near, far)
+
+
+def ring_memory(shape: Shape, ranks: int, backward: bool) -> float:
+    """Bytes a rank holds under the ring (or routed): two K/V slots each way, the resident
+    queries' accumulators; the backward two dK/dV buffers, ``dq`` and ``do``."""
+    s_kv, s_q = math.ceil(shape.n_kv / ranks), math.ceil(shape.n_q / ranks)
+    q_row = shape.batch * shape.heads * (shape.dim + shape.dim_v)
+    held = 4 * s_kv * shape.kv_row() + s_q * q_row * shape.grad_itemsize
+    if backward:
+        held += 2 * s_kv * shape.kv_row(shape.grad_itemsize) + 2 * s_q * q_row * shape.grad_itemsize
+    return float(held)
+
+
+def allgather_memory(shape: Shape, ranks: int, backward: bool) -> float:
+    """Bytes a rank holds under the all-gather: every K/V row, the accumulators; the backward
+    every row's partial sums and those of its own rows from every rank
+    (:func:`ringmpi.parallel.allgather_schedule.declared_bytes` plus the accumulators)."""
+    s_kv, s_q = math.ceil(shape.n_kv / ranks), math.ceil(shape.n_q / ranks)
+    q_row = shape.batch * shape.heads * (shape.dim + shape.dim_v)
+    sending = math.ceil(s_kv / piece_count([s_kv]))  # this rank's piece, packed
+    held = (shape.n_kv + sending) * shape.kv_row() + s_q * q_row * shape.grad_itemsize
+    if backward:
+        held += (shape.n_kv + ranks * s_kv) * shape.kv_row(shape.grad_itemsize) \
+            + 2 * s_q * q_row * shape.grad_itemsize
+    return float(held)
+
+
+def _inner(shape: Shape, machine: Machine, ranks: int, per_node: int, schedule: str, backward: bool,
+           compute: float, link: Link, sharing: int, routed_rows: Optional[float]) -> Tuple[float, float]:
+    """``(seconds, bytes received)`` of one K/V schedule over a ring of ``ranks`` members
+    (``per_node`` on a node) that each compute ``compute`` seconds; ``link``: the ring's slowest
+    hop; ``sharing``: how many rings share that link."""
+    if ranks <= 1:
+        return compute, 0.0
+    s_kv = math.ceil(shape.n_kv / ranks)
+    kv, grad = shape.kv_row(), shape.kv_row(shape.grad_itemsize)
+    own = compute / ranks
+    nic = min(machine.nic_sharing, ranks * sharing)  # every rank of a node moves at once
+    if schedule == "ring":
+        step_bytes = s_kv * (kv + (grad if backward else 0))
+        hop = replace(link, bandwidth=link.bandwidth / sharing)
+        step = max(own, hop.seconds(step_bytes))
+        seconds = own + (ranks - 1) * step + (hop.seconds(s_kv * grad) if backward else 0.0)
+        return seconds, (ranks - 1) * step_bytes + (s_kv * grad if backward else 0)
+    if schedule == "routed":
+        rows = (shape.n_kv - s_kv) * shape.seen if routed_rows is None else routed_rows
+        nbytes = rows * (kv + grad if backward else kv)  # backward: and the partial sums of its own rows
+        senders = ranks - 1 if rows else 0
+        move = _gather_seconds(nbytes, ranks, per_node, machine, senders, nic)
+        return own + max(compute - own, move), nbytes
+    if schedule == "allgather":
+        rows, pieces = shape.n_kv - s_kv, piece_count([s_kv])
+        gather = _gather_seconds(rows * kv, ranks, per_node, machine, pieces * math.ceil(math.log2(ranks)), nic)
+        last = (compute - own) / pieces
+        seconds = own + max(compute - own, gather + last)
+        nbytes = rows * kv
+        if backward:
+            back = _gather_seconds(rows * grad / pieces, ranks, per_node, machine, math.ceil(math.log2(ranks)),
+                                   nic)
+            seconds = own + max(compute - own, 2 * gather + last) + back
+            nbytes = 2 * rows * kv + rows * grad
+        return seconds, nbytes
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_parallel: int = 1,
+            backward: bool = False, routed_rows: Optional[float] = None) -> Prediction:
+    """The :class:`Prediction` of one schedule on ``ranks`` ranks (``head_parallel`` U ranks per
+    group; ``routed_rows``: K/V rows the busiest rank receives under the routed schedule, from
+    its plan, else ``shape.seen`` of the others'); ``backward``: the gradient pass."""
+    u = int(head_parallel)
+    compute = shape.flops(backward) / ranks / machine.rate
+    groups = ranks // u
+    spans = _spans(ranks, machine)
+    link = machine.inter if spans else machine.intra
+    inner_shape = replace(shape, heads=max(shape.heads // u, 1), kv_heads=max(shape.kv_heads // u, 1))
+    seconds, nbytes = _inner(inner_shape, machine, groups, max(machine.ranks_per_node // u, 1), schedule, backward,
+                             compute, link, min(u, machine.nic_sharing) if spans else 1, routed_rows)
+    memory = (allgather_memory if schedule == "allgather" else ring_memory)(inner_shape, groups, backward)
+    if u > 1:
+        s_q, s_kv = math.ceil(shape.n_q / ranks), math.ceil(shape.n_kv / ranks)
+        q_row = shape.batch * shape.heads * shape.dim * shape.itemsize
+        o_row = shape.batch * shape.heads * shape.dim_v * shape.itemsize
+        into = s_q * (q_row + (o_row * 2 if backward else 0)) + s_kv * shape.kv_row()
+        out = s_q * (q_row if backward else o_row) + (s_kv * shape.kv_row() if backward else 0)
+        share = (u - 1) / u
+        a2a = machine.intra.seconds(into * share, u - 1) + machine.intra.seconds(out * share, u - 1)
+        seconds += a2a
+        nbytes += (into + out) * share
+        memory += 2 * (into + out)
+    fits = machine.memory is None or memory <= machine.memory
+    return Prediction(schedule, u, seconds, compute, nbytes, memory, fits)
+
+
+def predict_all(shape: Shape, machine: Machine, ranks: int, schedules: Sequence[str] = SCHEDULES,
+                head_parallel: Sequence[int] = (1,), backward: bool = False,
+                routed_rows: Optional[float] = None) -> List[Prediction]:
+    """Every (schedule, U) that can run (``U`` divides the ranks and the query heads), fastest
+    first (ties: the ring, routed, the all-gather; smaller U)."""
+    out = []
+    for u in head_parallel:
+        if ranks % u or shape.heads % u:
+            continue
+        for schedule in schedules:
+            out.append(predict(shape, machine, ranks, schedule, u, backward, routed_rows))
+    return sorted(out, key=lambda p: (p.seconds, SCHEDULES.index(p.schedule), p.head_parallel))
+
+
+def choose(predictions: Sequence[Prediction]) -> Tuple[Optional[Prediction], Optional[Prediction]]:
+    """``(fastest that fits, runner-up that fits)``; None where there is none."""
+    fitting = [p for p in sorted(predictions, key=lambda p: p.seconds) if p.fits]
+    return (fitting[0] if fitting else None), (fitting[1] if len(fitting) > 1 else None)
+
+
+def mask_fractions(n: int, ranks: int, causal: bool = False, window=None,
+                   documents: Optional[Sequence[int]] = None) -> Tuple[float, float]:
+    """``(density, seen)`` of :class:`Shape` for a self-attention mask over ``n`` tokens on
+    ``ranks`` ranks: the visible share of the (query, key) pairs, and the share of the other
+    ranks' K/V rows a rank's queries see (what the routed schedule moves).  ``documents``:
+    packed document lengths (a rank sees other ranks' rows only of the documents cut at its
+    shard's edges: about ``E[L^2] / E[L]`` rows, the length-biased mean, each side); ``window``
+    ``(left, right)``, None for an unbounded side."""
+    shard = max(n / ranks, 1.0)
+    others = max(n - shard, 1.0)
+    density, seen = (0.5 if causal else 1.0), 1.0
+    if documents is not None and len(documents):
+        squares = float(sum(float(d) * d for d in documents))
+        density *= squares / (float(n) * n)
+        seen = min(1.0, squares / float(sum(documents)) / others)
+    if window is not None:
+        left, right = (n if w is None else int(w) for w in window)
+        right = 0 if causal else right
+        density = min(density, (left + right + 1) / n)
+        seen = min(seen, (left + right) / others)
+    return density, seen
+
+
+def hiding_length(shape: Shape, machine: Machine, ranks: int, backward: bool = False) -> float:
+    """The shard length (tokens per rank) below which the flat ring cannot hide a step's
+    transfer behind the step's compute: ``a S^2 = latency + b S`` with ``a`` the compute of a
+    (S x S) block per token pair and ``b`` the bytes of one K/V row over the ring's link."""
+    link = machine.inter if _spans(ranks, machine) else machine.intra
+    per_pair = shape.flops(backward) / (shape.n_q * shape.n_kv) / machine.rate
+    row = shape.kv_row() + (shape.kv_row(shape.grad_itemsize) if backward else 0)
+    b = row / link.bandwidth
+    return (b + math.sqrt(b * b + 4 * per_pair * link.latency)) / (2 * per_pair)

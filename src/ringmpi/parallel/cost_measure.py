@@ -1,0 +1,205 @@
+"""The cost model's parts measured on this machine, and ``schedule="auto"``'s choice from them.
+
+* :func:`block_rate` -- the block op's FLOP/s for a dtype and head dims: one dense
+  block timed (median of five) on every rank at once (ranks that share cores share them,
+  as in a call), the slowest rank's; measured once per machine and cached in
+  ``$RINGMPI_CACHE`` (default ``~/.cache/ringmpi``)/``block_rates.json`` under the
+  host name, backend, vector path, dtype, dims and ranks per node; rank 0 reads the
+  cache and broadcasts, so every rank predicts alike.
+* :func:`links` -- latency and bandwidth of each link level (inside a node, between
+  nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages,
+  ``Sendrecv``), the slowest figure of each level over all ranks; once per
+  communicator (kept on it).
+* :func:`choose_schedule` -- collective: the predictions of
+  :mod:`ringmpi.core.cost_model` for the call's shape on these parts, and the
+  fastest that fits every rank's memory budget (:mod:`ringmpi.runtime.memory`);
+  a ConfigError on every rank, naming each schedule's need, where none fits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..core.cost_model import Link, Machine, Shape, choose, predict_all
+from ..runtime.errors import ConfigError
+from ..runtime.watchdog import phase
+from .topology import cached_node_ids
+
+_LINKS_KEY = "cost_model_links"
+_RATES: dict = {}  # this process's measured rates (the file is the machine's)
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("RINGMPI_CACHE") or Path.home() / ".cache" / "ringmpi") / "block_rates.json"
+
+
+def _rate_key(backend, dtype, dim: int, dim_v: int) -> str:
+    path = ""
+    if backend.name == "numpy":
+        from ..backends.tile_pass import vector_path
+
+        path = vector_path() or ""
+    return f"{socket.gethostname()}|{backend.name}|{path}|{np.dtype(dtype).name}|{dim}|{dim_v}"
+
+
+def _measure_rate(backend, dtype, dim: int, dim_v: int) -> float:
+    from ..core.masks import BlockMask, ScoreSpec
+    from ..core.online_softmax import SoftmaxState
+
+    s = 1024 if backend.name == "numpy" else 4096
+    heads = 1 if backend.name == "numpy" else 8
+    ct = backend.compute_dtype(np.dtype(dtype))
+    rng = np.random.default_rng(0)
+    q = backend.asarray(rng.standard_normal((1, heads, s, dim)).astype(ct))
+    k = backend.asarray(rng.standard_normal((1, heads, s, dim)).astype(dtype))
+    v = backend.asarray(rng.standard_normal((1, heads, s, dim_v)).astype(dtype))
+    pos = np.arange(s, dtype=np.int64)
+    mask = BlockMask(ScoreSpec(), pos, pos, None, None)
+    times = []
+    for _ in range(5):
+        state = SoftmaxState(backend, (1, heads, s), dim_v, ct)
+        backend.synchronize()
+        start = time.perf_counter()
+        backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
+        backend.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2.0 * heads * s * s * (dim + dim_v) / sorted(times)[2]  # the median: ranks' blocks overlap
+
+
+def block_rate(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> float:
+    """FLOP/s of this machine's block op with as many ranks computing on a node as ``comm``
+    puts there, on every rank: rank 0 reads the cache; where it has no figure, every rank
+    times the block at once (ranks sharing cores share them, as in a call) and the slowest
+    rank's rate is kept and written."""
+    nodes = cached_node_ids(comm)
+    key = f"{_rate_key(backend, dtype, dim, dim_v)}|{max(nodes.count(n) for n in set(nodes))} ranks"
+    rate = _RATES.get(key)
+    if rate is not None:
+        return rate
+    table, path = {}, cache_path()
+    if comm.Get_rank() == 0:
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+    with phase("the cost model's block rate (bcast from rank 0)", timeout):
+        rate = comm.bcast(table.get(key), root=0)
+    if rate is None:
+        with phase("the cost model's block rate (every rank times one block; MIN)", timeout):
+            comm.Barrier()
+            rate = comm.allreduce(_measure_rate(backend, dtype, dim, dim_v), op=_min())
+        if comm.Get_rank() == 0:
+            table[key] = rate
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+                tmp.replace(path)
+            except OSError:
+                pass  # a read-only home: measured again by the next process
+    _RATES[key] = float(rate)
+    return float(rate)
+
+
+def _min():
+    from mpi4py import MPI
+
+    return MPI.MIN
+
+
+def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> float:
+    send = np.zeros(max(nbytes, 1), np.uint8)
+    recv = np.empty_like(send)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        comm.Sendrecv(send, dest=dest, sendtag=7190, recvbuf=recv, source=source, recvtag=7190)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def links(comm, timeout=None):
+    """``(intra, inter, ranks per node)``: each level's :class:`Link` (the slowest over the
+    ranks; a level no hop uses takes the other's figures), measured once per communicator."""
+    from .ring import Ring
+    from .topology import ring_order
+
+    attr = _attr(comm)
+    if _LINKS_KEY in attr:
+        return attr[_LINKS_KEY]
+    nodes = cached_node_ids(comm)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    ring = Ring(comm, order=ring_order(comm))
+    mine = None
+    with phase("the cost model's link measurement (Sendrecv with the ring neighbours)", timeout):
+        small = _exchange_seconds(comm, 8, 20, ring.next, ring.prev) if size > 1 else 0.0
+        large = _exchange_seconds(comm, 1 << 20, 3, ring.next, ring.prev) if size > 1 else 0.0
+        if size > 1:
+            mine = ("inter" if nodes[ring.next] != nodes[rank] else "intra", small,
+                    (1 << 20) / max(large - small, 1e-9))
+        every = comm.allgather(mine)
+    levels = {}
+    for level in ("intra", "inter"):
+        seen = [m for m in every if m is not None and m[0] == level]
+        if seen:
+            levels[level] = Link(max(m[1] for m in seen), min(m[2] for m in seen))
+    default = Link(1e-6, 1e10)
+    intra = levels.get("intra", levels.get("inter", default))
+    inter = levels.get("inter", intra)
+    per_node = max(nodes.count(n) for n in set(nodes))
+    attr[_LINKS_KEY] = (intra, inter, per_node)
+    return attr[_LINKS_KEY]
+
+
+_KEYVAL = None
+
+
+def _attr(comm) -> dict:
+    """A dict kept on ``comm`` (an MPI attribute: gone when ``comm`` is freed)."""
+    from mpi4py import MPI
+
+    global _KEYVAL
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval()
+    found = comm.Get_attr(_KEYVAL)
+    if found is None:
+        found = {}
+        comm.Set_attr(_KEYVAL, found)
+    return found
+
+
+def machine(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> Machine:
+    """This communicator's measured :class:`~ringmpi.core.cost_model.Machine` (memory: the
+    smallest budget over its ranks, None when unknown)."""
+    from ..runtime.memory import budget
+
+    rate = block_rate(comm, backend, dtype, dim, dim_v, timeout)
+    intra, inter, per_node = links(comm, timeout)
+    with phase("the ranks' memory budgets (allgather)", timeout):
+        budgets = comm.allgather(budget(on_device=backend.name == "cupy"))
+    known = [b for b in budgets if b is not None]
+    return Machine(rate=rate, intra=intra, inter=inter, ranks_per_node=per_node,
+                   memory=min(known) if known else None)
+
+
+def choose_schedule(comm, backend, dtype, shape: Shape, schedules: Sequence[str], backward: bool,
+                    routed_rows: Optional[float] = None, timeout=None):
+    """``(chosen, runner-up or None)`` :class:`~ringmpi.core.cost_model.Prediction` s among
+    ``schedules`` on this communicator, the same on every rank; ConfigError on every rank
+    where none fits the memory budget."""
+    found = machine(comm, backend, dtype, shape.dim, shape.dim_v, timeout)
+    predictions = predict_all(shape, found, comm.Get_size(), schedules, backward=backward,
+                              routed_rows=routed_rows)
+    best, runner = choose(predictions)
+    if best is None:
+        needs = ", ".join(f"{p.name} {p.memory / 2**20:.1f} MiB" for p in predictions)
+        raise ConfigError(f"no schedule fits the memory budget of {found.memory / 2**20:.1f} MiB per rank "
+                          f"(RINGMPI_MEMORY_BUDGET, else the free memory); each needs per rank: {needs}")
+    return best, runner

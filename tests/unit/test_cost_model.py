@@ -1,0 +1,105 @@
+"""The cost model (issue 53): each schedule's predicted time, bytes and memory, and auto's choice.
+
+Pure arithmetic (``ringmpi.core.cost_model``), checked against cases worked by hand: a
+compute-bound ring hides its transfers, a bandwidth-bound one pays them ``P - 1`` times,
+the all-gather holds every K/V row and is refused beyond a budget, a slow inter-node link
+shared by a node's ranks costs the all-gather and not the node-major ring.
+"""
+
+import math
+
+import pytest
+
+from ringmpi.core.cost_model import (Link, Machine, Shape, allgather_memory, choose, hiding_length, predict,
+                                     predict_all, ring_memory)
+from ringmpi.parallel.allgather_schedule import declared_bytes
+
+FAST = Link(latency=1e-6, bandwidth=1e12)
+SLOW = Link(latency=1e-6, bandwidth=1e6)
+SHAPE = Shape(n_q=8192, n_kv=8192, batch=1, heads=8, kv_heads=8, dim=64, dim_v=64, itemsize=2, grad_itemsize=4)
+
+
+def test_a_compute_bound_ring_hides_its_transfers():
+    machine = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8)
+    p = predict(SHAPE, machine, 8, "ring")
+    assert p.compute == pytest.approx(SHAPE.flops() / 8 / 1e12)
+    assert p.seconds == pytest.approx(p.compute, rel=1e-9)
+    assert p.exposed == pytest.approx(0, abs=1e-12)
+    assert p.bytes == 7 * 1024 * SHAPE.kv_row()
+
+
+def test_a_bandwidth_bound_ring_pays_each_step():
+    machine = Machine(rate=1e15, intra=SLOW, inter=SLOW, ranks_per_node=8)
+    p = predict(SHAPE, machine, 8, "ring")
+    step = 1e-6 + 1024 * SHAPE.kv_row() / 1e6
+    assert p.seconds == pytest.approx(p.compute / 8 + 7 * step)
+    back = predict(SHAPE, machine, 8, "ring", backward=True)
+    assert back.seconds > 2 * p.seconds  # K/V and float32 partial sums, and the hop home
+
+
+def test_allgather_memory_is_the_whole_kv_and_a_budget_refuses_it():
+    per_rank = ring_memory(SHAPE, 8, backward=False)
+    whole = allgather_memory(SHAPE, 8, backward=False)
+    assert whole > SHAPE.n_kv * SHAPE.kv_row() > per_rank
+    machine = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8, memory=(per_rank + whole) / 2)
+    best, runner = choose(predict_all(SHAPE, machine, 8))
+    assert best.schedule != "allgather" and (runner is None or runner.schedule != "allgather")
+    starved = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8, memory=1.0)
+    assert choose(predict_all(SHAPE, starved, 8)) == (None, None)
+
+
+def test_declared_memory_of_the_schedule_is_the_models_kv_share():
+    """What AllGatherSchedule declares is what the model counts for K/V and partial sums."""
+    counts = [1024] * 8
+    for backward, grad in ((False, 0), (True, 4)):
+        declared = declared_bytes(counts, 0, 1, 8, 64, 64, 2, grad)
+        accumulators = allgather_memory(SHAPE, 8, backward) - declared
+        s_q_row = 1024 * 8 * 128 * 4
+        assert accumulators == pytest.approx(s_q_row * (3 if backward else 1))
+
+
+def test_a_slow_shared_inter_node_link_costs_the_allgather_not_the_ring():
+    """Two nodes of 8 ranks, a slow link between them: the node-major ring crosses it once per
+    node and step; the all-gather sends half its bytes over it, shared by the node's 8 ranks."""
+    inter = Link(latency=5e-6, bandwidth=1e9)
+    machine = Machine(rate=2e11, intra=Link(1e-6, 1e11), inter=inter, ranks_per_node=8)
+    ring = predict(SHAPE, machine, 16, "ring")
+    gather = predict(SHAPE, machine, 16, "allgather")
+    assert ring.seconds < gather.seconds
+    # one node, the same ranks: the all-gather needs no slow link and fewer messages
+    one_node = Machine(rate=2e11, intra=Link(1e-6, 1e11), inter=inter, ranks_per_node=16)
+    assert predict(SHAPE, one_node, 16, "allgather").seconds <= predict(SHAPE, one_node, 16, "ring").seconds
+
+
+def test_latency_bound_small_calls_prefer_fewer_messages():
+    small = Shape(n_q=256, n_kv=256, heads=2, kv_heads=2, dim=16, dim_v=16)
+    machine = Machine(rate=1e12, intra=Link(50e-6, 1e10), inter=Link(50e-6, 1e10), ranks_per_node=16)
+    ordered = predict_all(small, machine, 16)
+    assert ordered[0].schedule == "allgather"
+    assert [p.seconds for p in ordered] == sorted(p.seconds for p in ordered)
+
+
+def test_routed_moves_what_its_plan_says():
+    machine = Machine(rate=1e15, intra=SLOW, inter=SLOW, ranks_per_node=8)
+    few = predict(SHAPE, machine, 8, "routed", routed_rows=100)
+    assert few.bytes == 100 * SHAPE.kv_row()
+    assert few.seconds < predict(SHAPE, machine, 8, "ring").seconds
+
+
+def test_head_parallel_adds_its_all_to_alls_and_shares_the_node_link():
+    machine = Machine(rate=1e12, intra=Link(1e-6, 1e11), inter=Link(5e-6, 1e9), ranks_per_node=4)
+    flat = predict(SHAPE, machine, 16, "ring")
+    grouped = predict(SHAPE, machine, 16, "ring", head_parallel=4)
+    assert grouped.head_parallel == 4 and grouped.name == "head x ring, U=4"
+    assert grouped.bytes > 0 and grouped.seconds > 0
+    assert {p.head_parallel for p in predict_all(SHAPE, machine, 16, head_parallel=(1, 2, 3, 4))} == {1, 2, 4}
+    assert grouped.compute == pytest.approx(flat.compute)
+
+
+def test_hiding_length_is_where_a_steps_compute_meets_its_transfer():
+    machine = Machine(rate=1e12, intra=Link(20e-6, 2e10), inter=Link(20e-6, 2e10), ranks_per_node=8)
+    s = hiding_length(SHAPE, machine, 8)
+    per_pair = SHAPE.flops() / (SHAPE.n_q * SHAPE.n_kv) / machine.rate
+    assert per_pair * s * s == pytest.approx(20e-6 + s * SHAPE.kv_row() / 2e10, rel=1e-9)
+    n = int(math.ceil(s)) * 8 * 2  # twice the length per rank: hidden
+    assert predict(Shape(**{**SHAPE.__dict__, "n_q": n, "n_kv": n}), machine, 8, "ring").exposed < 1e-9
