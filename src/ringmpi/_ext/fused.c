@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define X86_PATHS 1
@@ -183,6 +184,92 @@ fail:
 #define PATHS_OF "the tile pass"
 #include "vector_paths.h"
 
+/* ------------------------------------------------------------------ the FMA peak
+ * A loop of PEAK_CHAINS independent multiply-adds per vector width (the core's float32 peak:
+ * what the benchmark judges every result against).  avx512: 512-bit FMAs, avx2: 256-bit
+ * FMAs, plain: 128-bit multiplies and adds (2 FLOPs per lane per pair: the baseline has no
+ * FMA).  Returns the seconds of `iters` rounds; a round is PEAK_CHAINS vectors x 2 FLOPs x width. */
+#define PEAK_CHAINS 12
+static volatile float peak_sink;
+
+static double now_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+#ifdef X86_PATHS
+__attribute__((target("avx512f"))) static void peak_avx512(long iters)
+{
+    __m512 acc[PEAK_CHAINS];
+    const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-6f);
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+    }
+    float sum = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++) sum += _mm512_reduce_add_ps(acc[c]);
+    peak_sink = sum;
+}
+
+__attribute__((target("avx2,fma"))) static void peak_avx2(long iters)
+{
+    __m256 acc[PEAK_CHAINS];
+    const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-6f);
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_set1_ps((float)c);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+    }
+    float sum = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++)
+        for (int lane = 0; lane < 8; lane++) sum += acc[c][lane];
+    peak_sink = sum;
+}
+#endif
+
+static void peak_plain(long iters)
+{
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 acc[PEAK_CHAINS];
+    const v4 a = (v4){0} + 0.999999f, b = (v4){0} + 1e-6f;
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = (v4){0} + (float)c;
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = acc[c] * a + b;
+    }
+    float sum = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++)
+        for (int lane = 0; lane < 4; lane++) sum += acc[c][lane];
+    peak_sink = sum;
+}
+
+static PyObject *py_fma_peak(PyObject *self, PyObject *args)
+{
+    const char *name;
+    long iters;
+    if (!PyArg_ParseTuple(args, "sl", &name, &iters)) return NULL;
+    int saved = current;
+    if (use_path(name) < 0) return NULL;
+    int path = current;
+    current = saved;
+    void (*loop)(long) = peak_plain;
+    int width = 4;
+#ifdef X86_PATHS
+    if (PATHS[path].exp_rows == exp_rows_avx512) loop = peak_avx512, width = 16;
+    if (PATHS[path].exp_rows == exp_rows_avx2) loop = peak_avx2, width = 8;
+#endif
+    double seconds;
+    Py_BEGIN_ALLOW_THREADS
+    double start = now_seconds();
+    loop(iters);
+    seconds = now_seconds() - start;
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("dd", seconds, 2.0 * PEAK_CHAINS * width * (double)iters);
+}
+
 static PyMethodDef methods[] = {
     {"exp_tile", py_exp_tile, METH_VARARGS,
      "exp_tile(s, scale, bias, shift, sums=None): s = exp(s * scale + bias - shift[:, None]) in place, "
@@ -191,6 +278,9 @@ static PyMethodDef methods[] = {
     {"ds_tile", py_ds_tile, METH_VARARGS,
      "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
+    {"fma_peak", py_fma_peak, METH_VARARGS,
+     "fma_peak(path, rounds): (seconds, FLOPs) of a loop of independent float32 multiply-adds at the "
+     "vector width of ``path`` (the core's peak; the path in use is unchanged)"},
     {"path", py_path, METH_NOARGS, "path(): the vector path exp_tile runs"},
     {"use", py_use, METH_VARARGS, "use(name): exp_tile runs the vector path ``name`` (ValueError where this CPU cannot)"},
     {NULL, NULL, 0, NULL}};
