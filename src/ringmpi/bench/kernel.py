@@ -247,10 +247,11 @@ def pinned_env(path) -> dict:
     return env
 
 
-def fma_peak(path, repeat=5, rounds=2_000_000):
+def fma_peak(path, repeat=40, rounds=200_000):
     """float32 FLOP/s of a compiled loop of independent FMAs at ``path``'s vector width (512-bit
-    for avx512, 256-bit for avx2, 128-bit multiply + add for plain), best of ``repeat``; None
-    where the compiled tile pass is not built."""
+    for avx512, 256-bit for avx2, 128-bit multiply + add for plain), best of ``repeat`` short runs
+    (about a millisecond each: on a shared machine some run whole between other processes' turns);
+    None where the compiled tile pass is not built."""
     from ..backends import tile_pass
 
     if tile_pass.compiled is None or not hasattr(tile_pass.compiled, "fma_peak"):
