@@ -23,7 +23,8 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("ringmpi._ext._fused", ["src/ringmpi/_ext/fused.c"],
-                           depends=["src/ringmpi/_ext/exp_rows.h", "src/ringmpi/_ext/vector_paths.h"],
+                           depends=["src/ringmpi/_ext/exp_rows.h", "src/ringmpi/_ext/block_rows.h",
+                                    "src/ringmpi/_ext/path_end.h", "src/ringmpi/_ext/vector_paths.h"],
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]),
                  Extension("ringmpi._ext._fixed", ["src/ringmpi/_ext/fixed.c"],
                            depends=["src/ringmpi/_ext/vector_paths.h"],

@@ -19,13 +19,13 @@
 #define NB 8
 #include "exp_rows.h"
 #define PATH avx2
-#define PATH_ISA __attribute__((target("avx2")))
+#define PATH_ISA __attribute__((target("avx2,fma")))
 #define VW 8
 #define NB 8
 #include "exp_rows.h"
 #undef X86_PATHS
 #define PATH wide
-#define PATH_ISA __attribute__((target("avx2")))
+#define PATH_ISA __attribute__((target("avx2,fma")))
 #define VW 16
 #define NB 4
 #include "exp_rows.h"

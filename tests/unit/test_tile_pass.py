@@ -227,3 +227,84 @@ def test_every_vector_path_gives_the_same_bits():
     for path, got in results.items():
         differ = [cols for cols, (a, b) in enumerate(zip(got, results[first]), 1) if a != b]
         assert not differ, f"the {path} path differs from the {first} path at {differ} columns"
+
+
+def _block_paths():
+    """The vector paths this CPU runs that have the compiled forward block op."""
+    fused = tp.compiled
+    if fused is None or tp.block_op() is None:
+        return ()
+    before, out = fused.path(), []
+    try:
+        for path in fused.paths():
+            fused.use(path)
+            if fused.has_block():
+                out.append(path)
+    finally:
+        fused.use(before)
+    return tuple(out)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True)],
+                            ids=["full", "causal", "window", "causal-gqa"])
+def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
+    """The compiled forward block op (``_fused.fwd_chunk``: the common float32 forward) on every
+    vector path that has it: the same bits on each (every score and output is one chain of fused
+    multiply-adds in a fixed order, whatever the vector width), and within the tolerance rule of
+    the float64 reference, with query strips, key panels and key chunks that end inside the rows
+    (n = 173, chunks of 96 keys, D = 40, D_v = 24)."""
+    paths = _block_paths()
+    if not paths:
+        pytest.skip("no compiled block op (not built, RINGMPI_CPU_KERNEL=numpy or RINGMPI_CPU_BLOCK=tiles)")
+    monkeypatch.setattr(numpy_backend, "TILE_KV", 96)
+    rng = np.random.default_rng(11)
+    n, b, h = 173, 2, 4
+    hkv = 2 if kw.get("gqa") else h
+    q = rng.standard_normal((b, n, h, 40)).astype(np.float32)
+    k = rng.standard_normal((b, n, hkv, 40)).astype(np.float32)
+    v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
+    opts = dict(causal=kw.get("causal", False), window=kw.get("window"))
+    fused, before, runs = tp.compiled, tp.compiled.path(), {}
+    try:
+        for path in paths:
+            fused.use(path)
+            runs[path] = ringmpi.ring_attention(q, k, v, backend="numpy", **opts)
+    finally:
+        fused.use(before)
+    first = runs[paths[0]]
+    for path, (o, lse) in runs.items():
+        assert o.tobytes() == first[0].tobytes() and lse.tobytes() == first[1].tobytes(), \
+            f"the {path} path's block op differs from the {paths[0]} path's"
+    vis = reference.visible(n, n, opts["causal"], opts["window"], None, None)
+    scale = 1 / np.sqrt(40)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale)
+    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, vis=vis, scale=scale)
+    checks = [reference.tolerance_check("o", first[0], o64, o32), reference.tolerance_check("lse", first[1], lse64, lse32)]
+    assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+def test_block_op_takes_the_common_forward_only():
+    """Which forwards take the compiled block op: float32 without segment ids, softcap, dropout or
+    score modifiers; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
+    from ringmpi.core.masks import BlockMask, ScoreSpec
+
+    if tp.compiled is None or not tp.compiled.has_block():
+        pytest.skip("no compiled block op on this path")
+    pos = np.arange(8)
+    plain = BlockMask(ScoreSpec(causal=True), pos, pos)
+    assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, plain)
+    assert not numpy_backend.compiled_forward_ok(np.dtype(np.float64), 0.125, plain)
+    assert not numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(softcap=5.0), pos, pos))
+    seg = np.zeros((1, 8), np.int64)
+    assert not numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(), pos, pos, seg, seg))
+    import os
+    old = os.environ.get("RINGMPI_CPU_BLOCK")
+    os.environ["RINGMPI_CPU_BLOCK"] = "tiles"
+    try:
+        assert not numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, plain)
+    finally:
+        if old is None:
+            del os.environ["RINGMPI_CPU_BLOCK"]
+        else:
+            os.environ["RINGMPI_CPU_BLOCK"] = old

@@ -45,37 +45,135 @@ PINLINE VF FN(max)(VF lo, VF x) { VI m = lo > x; return (VF)(((VI)lo & m) | ((VI
 PINLINE VF FN(min)(VF hi, VF x) { VI m = hi < x; return (VF)(((VI)hi & m) | ((VI)x & ~m)); }
 #endif
 
+/* a vector of `a` in every lane, -0 kept (bc adds to a zero vector: -0 becomes +0), a broadcast
+ * the compiler folds into the instruction that reads it */
+#if defined(X86_PATHS) && VW == 16
+PINLINE VF FN(splat)(float a) { return (VF)_mm512_set1_ps(a); }
+#elif defined(X86_PATHS) && VW == 8
+PINLINE VF FN(splat)(float a) { return (VF)_mm256_set1_ps(a); }
+#elif defined(__SSE__) && VW == 4
+PINLINE VF FN(splat)(float a) { return (VF)_mm_set1_ps(a); }
+#else
+PINLINE VF FN(splat)(float a)
+{
+    VF v;
+    for (int lane = 0; lane < VW; lane++) v[lane] = a;
+    return v;
+}
+#endif
+
+/* the lanes' unsigned maximum */
+#if defined(X86_PATHS) && VW == 8
+PINLINE VU FN(umax)(VU a, VU b) { return (VU)_mm256_max_epu32((__m256i)a, (__m256i)b); }
+#else
+PINLINE VU FN(umax)(VU a, VU b) { VU m = (VU)(a > b); return (a & m) | (b & ~m); }
+#endif
+
+/* whether every lane of a comparison's result is true */
+#if defined(X86_PATHS) && VW == 8
+PINLINE int FN(all)(VI m) { return _mm256_movemask_ps((__m256)m) == 0xff; }
+#elif defined(__SSE__) && VW == 4
+PINLINE int FN(all)(VI m) { return _mm_movemask_ps((__m128)m) == 0xf; }
+#else
+PINLINE int FN(all)(VI m)
+{
+    int all = 1;
+    for (int lane = 0; lane < VW; lane++) all &= m[lane] != 0;
+    return all;
+}
+#endif
+
+/* a * b + c rounded once (a fused multiply-add) on every path: the x86 paths' FMA instruction,
+ * NEON's, else the C library's fmaf lane by lane (exact too, only slower) */
+#if defined(X86_PATHS) && VW == 16
+PINLINE VF FN(fma)(VF a, VF b, VF c) { return (VF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(X86_PATHS) && VW == 8
+PINLINE VF FN(fma)(VF a, VF b, VF c) { return (VF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#elif defined(X86_PATHS) && VW == 4 && defined(PATH_FMA128)
+PINLINE VF FN(fma)(VF a, VF b, VF c) { return (VF)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c); }
+#elif defined(__aarch64__) && VW == 4
+PINLINE VF FN(fma)(VF a, VF b, VF c) { return (VF)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b); }
+#else
+PINLINE VF FN(fma)(VF a, VF b, VF c)
+{
+    VF out;
+    for (int lane = 0; lane < VW; lane++) out[lane] = __builtin_fmaf(a[lane], b[lane], c[lane]);
+    return out;
+}
+#endif
+
 /* x[0..n) = exp(x), each step over the n vectors before the next (n <= NB, a constant).
- * x = k ln2 + r with |r| <= ln2 / 2 (k by the 1.5 * 2^23 rounding trick, read back from
- * its bits; ln2 in two parts, the first exact in k * ln2); exp(r) = 1 + r + r^2 Q(r) with Q
- * of degree 4, a minimax fit (relative error 5e-9 with its float32 coefficients, evaluated
- * by Estrin's scheme); 2^k in two factors, so k in [-150, 128] reaches the subnormals and
- * overflows to inf only by the final product.  x is clamped to [-104, 88.7228394]: -104
- * (and -inf) underflow to 0, 88.7228394, the first float32 past log(FLT_MAX), and all above
- * (+inf) to inf; NaN passes both clamps and the arithmetic unchanged. */
+ * x = k ln2 + r with |r| <= ln2 / 2 (k by the 1.5 * 2^23 rounding trick, ln2 in two parts,
+ * the first exact in k * ln2, each product fused with its sum); exp(r) = 1 + r + r^2 Q(r) with
+ * Q of degree 3, a minimax fit of the relative error, evaluated by Horner's scheme in fused
+ * multiply-adds (at most 2.1 ulp from exp(r) over the whole range, checked against float64 on
+ * 200001 points); then exp(x) = exp(r) 2^k rounded once.  The
+ * arithmetic up to exp(r) is the same on every path; 2^k is applied three ways, each the one
+ * correctly rounded product exp(r) * 2^k, so every path gives the same bits:
+ *   - avx512: x clamped to [-104, 88.7228394] first (-104 and -inf underflow to 0,
+ *     88.7228394, the first float32 past log(FLT_MAX), and all above overflow to inf; NaN
+ *     passes both clamps), then VSCALEFPS;
+ *   - the others, when every k of the n vectors lies in [-125, 127] (a finite normal result:
+ *     nearly always in a softmax): k added to exp(r)'s exponent field, exact;
+ *   - else those n vectors again with the clamps and 2^k in two factors 2^(k >> 1) and
+ *     2^(k - (k >> 1)), the first product exact, so k in [-150, 128] reaches the subnormals
+ *     and overflows to inf only by the final product (NaN, +-inf and far arguments come here). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_ROUND 12582912.0f /* 1.5 * 2^23: x * log2(e) + this rounds to an integer k */
+#define EXP_LN2_HI (-0.693359375f)
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_LO (-104.0f)
+#define EXP_HI 88.72283935546875f
+
+/* exp(r) for r = x - k ln2, from x and t = x log2(e) + EXP_ROUND */
+PINLINE VF FN(exp_reduced)(VF x, VF t)
+{
+#define bc FN(bc)
+    const VF kf = t - bc(EXP_ROUND);
+    VF r = FN(fma)(kf, bc(EXP_LN2_HI), x);
+    r = FN(fma)(kf, bc(EXP_LN2_LO), r);
+    VF q = FN(fma)(bc(0.008312530815601349f), r, bc(0.04189012199640274f));
+    q = FN(fma)(q, r, bc(0.16667114198207855f));
+    q = FN(fma)(q, r, bc(0.499992311000824f));
+    q = FN(fma)(q, r, bc(1.0f));
+    return FN(fma)(q, r, bc(1.0f));
+#undef bc
+}
+
 PINLINE void FN(exp_vecs)(VF *x, const int n)
 {
 #define bc FN(bc)
 #define bcu FN(bcu)
 #define EACH _Pragma("GCC unroll 16") for (int k = 0; k < n; k++)
-    VF xc[NB], t[NB], r[NB], r2[NB], q[NB], b[NB];
-    VU ni[NB];
-    EACH xc[k] = FN(min)(bc(88.72283935546875f), FN(max)(bc(-104.0f), x[k]));
-    EACH t[k] = xc[k] * bc(1.44269504088896341f) + bc(12582912.0f);
-    EACH ni[k] = (VU)t[k] - bcu(0x4b400000u);
-    EACH t[k] = t[k] - bc(12582912.0f);
-    EACH r[k] = xc[k] - t[k] * bc(0.693359375f);
-    EACH r[k] = r[k] - t[k] * bc(-2.12194440e-4f);
-    EACH r2[k] = r[k] * r[k];
-    EACH q[k] = r[k] * bc(0.008368747308850288f) + bc(0.04166839271783829f);
-    EACH b[k] = r[k] * bc(0.1666651964187622f) + bc(0.4999999403953552f);
-    EACH q[k] = r2[k] * bc(0.00138145184610039f) + q[k];
-    EACH q[k] = r2[k] * q[k] + b[k];
-    EACH q[k] = r2[k] * q[k] + r[k] + bc(1.0f);
+    VF t[NB];
+#if defined(X86_PATHS) && VW == 16
+    EACH x[k] = FN(min)(bc(EXP_HI), FN(max)(bc(EXP_LO), x[k]));
+    EACH t[k] = FN(fma)(x[k], bc(EXP_LOG2E), bc(EXP_ROUND));
+    EACH x[k] = (VF)_mm512_scalef_ps((__m512)FN(exp_reduced)(x[k], t[k]), (__m512)(t[k] - bc(EXP_ROUND)));
+#else
+    /* k's range: t's bits less those of EXP_ROUND - 125, unsigned, at most 252 exactly when k is
+     * in [-125, 127] (NaN, +-inf and far arguments give bits far outside) */
+    VF y[NB];
+    VU over = bcu(0);
     EACH {
-        VU n1 = (VU)((VI)ni[k] >> 1), n2 = ni[k] - n1;
-        x[k] = q[k] * (VF)((n1 + bcu(127)) << 23) * (VF)((n2 + bcu(127)) << 23);
+        t[k] = FN(fma)(x[k], bc(EXP_LOG2E), bc(EXP_ROUND));
+        const VU u = (VU)t[k] - bcu(0x4b400000u - 125u);
+        over = FN(umax)(over, u);
+        /* t's integer bits are EXP_ROUND's plus k, and EXP_ROUND's low 9 bits are 0: t << 23 is k << 23 */
+        y[k] = (VF)((VU)FN(exp_reduced)(x[k], t[k]) + ((VU)t[k] << 23));
     }
+    if (__builtin_expect(FN(all)((VI)(over <= bcu(252u))), 1)) {
+        EACH x[k] = y[k];
+    } else {
+        EACH {
+            const VF xc = FN(min)(bc(EXP_HI), FN(max)(bc(EXP_LO), x[k]));
+            const VF tc = FN(fma)(xc, bc(EXP_LOG2E), bc(EXP_ROUND));
+            const VF qc = FN(exp_reduced)(xc, tc);
+            const VU ni = (VU)tc - bcu(0x4b400000u), n1 = (VU)((VI)ni >> 1), n2 = ni - n1;
+            x[k] = qc * (VF)((n1 + bcu(127)) << 23) * (VF)((n2 + bcu(127)) << 23);
+        }
+    }
+#endif
 #undef EACH
 #undef bc
 #undef bcu
@@ -150,17 +248,6 @@ PATH_ISA static void FN(ds_rows)(float *dp, Py_ssize_t rows, Py_ssize_t cols, Py
     }
 }
 
-#undef FN
-#undef VF
-#undef VI
-#undef VU
-#undef LOAD
-#undef STORE
-#undef NVEC
-#undef PINLINE
-#undef CAT
-#undef CAT_
-#undef PATH
-#undef PATH_ISA
-#undef VW
-#undef NB
+#ifndef EXP_ROWS_KEEP /* else the includer's next header (block_rows.h) ends the path */
+#include "path_end.h"
+#endif

@@ -1,32 +1,43 @@
-/* ringmpi._fused: the CPU tile's elementwise passes, each in one sweep (float32).
+/* ringmpi._fused: the CPU tile's elementwise passes, each in one sweep (float32), and the compiled
+ * forward block op.
  *
  *   exp_tile:  s[i, j] = exp(((s[i, j] * scale) + bias[i, j]) - shift[i]),   sums[i] = sum_j s[i, j]
  *   ds_tile:   dp[i, j] = (dp[i, j] - dvec[i]) * p[i, j]                     (the backward's dS)
+ *   fwd_chunk: one packed key chunk folded into the online softmax of a run of query rows
+ *              (block_rows.h: Q K^T, mask, row max, exp with row sums, P V, no call out between)
+ *   fma_peak:  the core's float32 FMA peak at a path's vector width (the benchmark's yardstick)
  *
- * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off),
- * bias, shift and sums optional.  A row's sum adds its elements into LANES partial
- * sums (element j into lane j % LANES, in column order), then the lanes in order
- * 0..LANES-1, then the tail's elements in column order: fixed for a row's length (a NaN
+ * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off; the one fused
+ * multiply-adds are those written as such), bias, shift and sums optional.  A row's sum adds its
+ * elements into LANES partial sums (element j into lane j % LANES, in column order), then the lanes
+ * in order 0..LANES-1, then the tail's elements in column order: fixed for a row's length (a NaN
  * sum is the one quiet NaN: which NaN a sum of several would give depends on the compiler).
- * exp is a polynomial (max error 1 ulp, see exp_rows.h): exp(-inf) = 0, exp(+inf) = inf,
- * NaN stays NaN, overflow gives inf, subnormal results are kept, so the NumPy path's
- * finiteness checks see what they saw with np.exp.  An element depends on that element
+ * exp is a polynomial in fused multiply-adds (max error 2.1 ulp, see exp_rows.h): exp(-inf) = 0,
+ * exp(+inf) = inf, NaN stays NaN, overflow gives inf, subnormal results are kept, so the NumPy
+ * path's finiteness checks see what they saw with np.exp.  An element depends on that element
  * alone, a sum on its row alone.
  *
- * The pass is compiled once per vector path (AVX-512, AVX2, the baseline: SSE2 or NEON), from
- * one source (exp_rows.h) with the vector width as its parameter; every path does the same
- * float32 operations in the same order: the same bits on each.  paths() lists those this
- * CPU runs, use() picks one (ringmpi.backends.tile_pass chooses the fastest at first use,
- * or the one RINGMPI_CPU_VECTOR pins). */
+ * The passes are compiled once per vector path (AVX-512, AVX2 + FMA, the baseline: SSE2 or NEON,
+ * whose x86 build runs its 128-bit FMA twin where the CPU has FMA), from one source (exp_rows.h,
+ * block_rows.h) with the vector width as its parameter; every path does the same float32
+ * operations in the same order: the same bits on each.  The block op needs FMA instructions: the
+ * plain path has it only where the CPU has FMA (has_block()).  paths() lists the paths this CPU
+ * runs, use() picks one (ringmpi.backends.tile_pass chooses the fastest at first use, or the one
+ * RINGMPI_CPU_VECTOR pins). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
+#include <time.h>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define X86_PATHS 1
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 #define LANES 16 /* a row's sum adds into this many lanes, on every path */
 
@@ -36,34 +47,69 @@
 #define NB 8
 #include "exp_rows.h"
 #ifdef X86_PATHS
+/* the plain path again with 128-bit FMA instructions, which it runs where the CPU has them:
+ * the same bits (a fused multiply-add is one rounding either way), without a C library call
+ * per lane; with the block op, which needs FMA instructions to be worth running */
+#define EXP_ROWS_KEEP 1
+#define PATH plainfma
+#define PATH_ISA __attribute__((target("fma")))
+#define PATH_FMA128 1
+#define VW 4
+#define NB 8
+#include "exp_rows.h"
+#define QK_MR 4
+#define PV_MR 4
+#define PV_NV 2
+#define BQ 48
+#include "block_rows.h"
+#undef PATH_FMA128
 #define PATH avx2
-#define PATH_ISA __attribute__((target("avx2")))
+#define PATH_ISA __attribute__((target("avx2,fma")))
 #define VW 8
 #define NB 8
 #include "exp_rows.h"
+#define QK_MR 6
+#define PV_MR 6
+#define PV_NV 2
+#define BQ 48
+#include "block_rows.h"
 #define PATH avx512
 #define PATH_ISA __attribute__((target("avx512f")))
 #define VW 16
 #define NB 4
 #include "exp_rows.h"
+#define QK_MR 8
+#define PV_MR 6
+#define PV_NV 4
+#define BQ 48
+#include "block_rows.h"
+#undef EXP_ROWS_KEEP
 #endif
 
 typedef void (*exp_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float, const float *, Py_ssize_t,
                             const float *, float *);
 typedef void (*ds_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, const float *,
                            Py_ssize_t);
+typedef void (*scores_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t,
+                          float *, Py_ssize_t, float *);
+typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
+                             const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t, float *, float *, float,
+                             const int64_t *, const int64_t *, const int64_t *, float *);
 
 /* the paths, widest first; a path runs where the CPU has its extension */
-static const struct {
+static struct {
     const char *name;
     exp_rows_fn exp_rows;
     ds_rows_fn ds_rows;
+    fwd_chunk_fn fwd_chunk; /* the forward block op, or NULL where the path has no FMA */
+    scores_fn scores;       /* its Q K^T alone (the backward's scores) */
+    int bq;                 /* its strip rows */
 } PATHS[] = {
 #ifdef X86_PATHS
-    {"avx512", exp_rows_avx512, ds_rows_avx512},
-    {"avx2", exp_rows_avx2, ds_rows_avx2},
+    {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, 48},
+    {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, 48},
 #endif
-    {"plain", exp_rows_plain, ds_rows_plain},
+    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, 0},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -72,13 +118,28 @@ static int cpu_runs(int i)
 #ifdef X86_PATHS
     __builtin_cpu_init();
     if (PATHS[i].exp_rows == exp_rows_avx512) return __builtin_cpu_supports("avx512f");
-    if (PATHS[i].exp_rows == exp_rows_avx2) return __builtin_cpu_supports("avx2");
+    if (PATHS[i].exp_rows == exp_rows_avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
     (void)i;
     return 1; /* the baseline */
 }
 
 static int current = -1; /* index into PATHS, set at import */
+
+/* the plain path's FMA build where the CPU has FMA (see plainfma above) */
+static void plain_uses_fma(void)
+{
+#ifdef X86_PATHS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("fma")) {
+        PATHS[N_PATHS - 1].exp_rows = exp_rows_plainfma;
+        PATHS[N_PATHS - 1].ds_rows = ds_rows_plainfma; /* the same arithmetic (no FMA in dS) */
+        PATHS[N_PATHS - 1].fwd_chunk = fwd_chunk_plainfma;
+        PATHS[N_PATHS - 1].scores = scores_plainfma;
+        PATHS[N_PATHS - 1].bq = 48;
+    }
+#endif
+}
 
 /* a writable (or, for inputs, readable) float32 2-D buffer with unit column stride */
 static int get2d(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t *rows, Py_ssize_t *cols,
@@ -180,8 +241,213 @@ fail:
     return NULL;
 }
 
+/* a 1-D contiguous buffer of `n` items of `format` (NULL for None) */
+static int get1d(PyObject *obj, Py_buffer *view, const char *format, Py_ssize_t n, int writable, const char *what)
+{
+    if (obj == Py_None) { view->obj = NULL; view->buf = NULL; return 0; }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (view->ndim != 1 || strcmp(view->format, format) != 0 || view->shape[0] != n) {
+        PyErr_Format(PyExc_ValueError, "%s must be a contiguous (%zd,) array of format %s", what, n, format);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static void release(Py_buffer *views, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (views[i].obj) PyBuffer_Release(&views[i]);
+}
+
+/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos) */
+static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo;
+    Py_ssize_t nk;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo))
+        return NULL;
+    fwd_chunk_fn fn = PATHS[current].fwd_chunk;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[9];
+    memset(v, 0, sizeof v);
+    Py_ssize_t nq, dim, ldq, dk, kbp, ldk, nkr, dvp, ldv, oq, dv, ldo;
+    PyObject *out = NULL;
+    if (get2d(qo, &v[0], 0, &nq, &dim, &ldq) < 0) return NULL;
+    if (get2d(kpo, &v[1], 0, &dk, &kbp, &ldk) < 0) goto done;
+    if (get2d(vpo, &v[2], 0, &nkr, &dvp, &ldv) < 0) goto done;
+    if (get2d(oo, &v[3], 1, &oq, &dv, &ldo) < 0) goto done;
+    /* kp: the keys' panels, (panels * D, 32) contiguous; vp: (>= nk, dvp) contiguous, dvp % 16 == 0 */
+    if (kbp != 32 || ldk != 32 || dk % dim || dk / dim * 32 < nk || nk < 1 || ldv != dvp || dvp % 16 ||
+        nkr < nk || dv > dvp || oq != nq) {
+        PyErr_SetString(PyExc_ValueError, "fwd_chunk: operand shapes do not match");
+        goto done;
+    }
+    if (get1d(mo, &v[4], "f", nq, 1, "m") < 0 || get1d(lo_, &v[5], "f", nq, 1, "l") < 0) goto done;
+    if (get1d(loo, &v[6], "l", nq, 0, "lo") < 0 || get1d(hio, &v[7], "l", nq, 0, "hi") < 0 ||
+        get1d(kvo, &v[8], "l", nk, 0, "kvpos") < 0)
+        goto done;
+    if ((v[6].buf == NULL) != (v[8].buf == NULL) || (v[7].buf == NULL) != (v[8].buf == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "fwd_chunk: lo, hi and kvpos go together");
+        goto done;
+    }
+    const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (kbpad + dim + dvp + 1)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (const float *)v[2].buf, dvp,
+       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, (const int64_t *)v[6].buf,
+       (const int64_t *)v[7].buf, (const int64_t *)v[8].buf, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 9);
+    return out;
+}
+
+/* scores(q, k, out): out = q k^T with fwd_chunk's arithmetic */
+static PyObject *py_scores(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *ko, *so;
+    if (!PyArg_ParseTuple(args, "OOO", &qo, &ko, &so)) return NULL;
+    scores_fn fn = PATHS[current].scores;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    Py_ssize_t nq, dim, ldq, nk, dk, ldk, sr, sc, lds;
+    PyObject *out = NULL;
+    if (get2d(qo, &v[0], 0, &nq, &dim, &ldq) < 0) return NULL;
+    if (get2d(ko, &v[1], 0, &nk, &dk, &ldk) < 0) goto done;
+    if (get2d(so, &v[2], 1, &sr, &sc, &lds) < 0) goto done;
+    if (dk != dim || sr != nq || sc != nk) {
+        PyErr_SetString(PyExc_ValueError, "scores: operand shapes do not match");
+        goto done;
+    }
+    const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (kbpad * dim + bq * (dim + kbpad)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, ldk, nk, (float *)v[2].buf, lds, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 3);
+    return out;
+}
+
+static PyObject *py_has_block(PyObject *self, PyObject *noargs)
+{
+    return PyBool_FromLong(PATHS[current].fwd_chunk != NULL);
+}
+
 #define PATHS_OF "the tile pass"
 #include "vector_paths.h"
+
+/* ------------------------------------------------------------------ the FMA peak
+ * A loop of PEAK_CHAINS independent multiply-adds per vector width (the core's float32 peak:
+ * what the benchmark judges every result against).  avx512: 512-bit FMAs, avx2: 256-bit
+ * FMAs, plain: 128-bit multiplies and adds (2 FLOPs per lane per pair: the baseline has no
+ * FMA).  Returns the seconds of `iters` rounds; a round is PEAK_CHAINS vectors x 2 FLOPs x width. */
+#define PEAK_CHAINS 12
+static volatile float peak_sink;
+
+static double now_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+#ifdef X86_PATHS
+__attribute__((target("avx512f"))) static void peak_avx512(long iters)
+{
+    __m512 acc[PEAK_CHAINS];
+    const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-6f);
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+    }
+    float sum = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++) sum += _mm512_reduce_add_ps(acc[c]);
+    peak_sink = sum;
+}
+
+__attribute__((target("avx2,fma"))) static void peak_avx2(long iters)
+{
+    __m256 acc[PEAK_CHAINS];
+    const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-6f);
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_set1_ps((float)c);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+    }
+    float sum = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++)
+        for (int lane = 0; lane < 8; lane++) sum += acc[c][lane];
+    peak_sink = sum;
+}
+#endif
+
+static void peak_plain(long iters)
+{
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 acc[PEAK_CHAINS];
+    const v4 a = (v4){0} + 0.999999f, b = (v4){0} + 1e-6f;
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = (v4){0} + (float)c;
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = acc[c] * a + b;
+    }
+    float sum = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++)
+        for (int lane = 0; lane < 4; lane++) sum += acc[c][lane];
+    peak_sink = sum;
+}
+
+static PyObject *py_fma_peak(PyObject *self, PyObject *args)
+{
+    const char *name;
+    long iters;
+    if (!PyArg_ParseTuple(args, "sl", &name, &iters)) return NULL;
+    int saved = current;
+    if (use_path(name) < 0) return NULL;
+    int path = current;
+    current = saved;
+    void (*loop)(long) = peak_plain;
+    int width = 4;
+#ifdef X86_PATHS
+    if (PATHS[path].exp_rows == exp_rows_avx512) loop = peak_avx512, width = 16;
+    if (PATHS[path].exp_rows == exp_rows_avx2) loop = peak_avx2, width = 8;
+#endif
+    double seconds;
+    Py_BEGIN_ALLOW_THREADS
+    double start = now_seconds();
+    loop(iters);
+    seconds = now_seconds() - start;
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("dd", seconds, 2.0 * PEAK_CHAINS * width * (double)iters);
+}
 
 static PyMethodDef methods[] = {
     {"exp_tile", py_exp_tile, METH_VARARGS,
@@ -191,6 +457,16 @@ static PyMethodDef methods[] = {
     {"ds_tile", py_ds_tile, METH_VARARGS,
      "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
+    {"fwd_chunk", py_fwd_chunk, METH_VARARGS,
+     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos): fold one packed key chunk into the online "
+     "softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 position bounds "
+     "and key positions, or None)"},
+    {"scores", py_scores, METH_VARARGS,
+     "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
+    {"has_block", py_has_block, METH_NOARGS, "has_block(): whether the path in use has the compiled block op"},
+    {"fma_peak", py_fma_peak, METH_VARARGS,
+     "fma_peak(path, rounds): (seconds, FLOPs) of a loop of independent float32 multiply-adds at the "
+     "vector width of ``path`` (the core's peak; the path in use is unchanged)"},
     {"path", py_path, METH_NOARGS, "path(): the vector path exp_tile runs"},
     {"use", py_use, METH_VARARGS, "use(name): exp_tile runs the vector path ``name`` (ValueError where this CPU cannot)"},
     {NULL, NULL, 0, NULL}};
@@ -199,6 +475,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, m
 
 PyMODINIT_FUNC PyInit__fused(void)
 {
+    plain_uses_fma();
     use_widest();
     return PyModule_Create(&module);
 }

@@ -1,4 +1,7 @@
-"""CPU backend: tiled BLAS GEMMs and an in-place online softmax.
+"""CPU backend: the compiled forward block op, tiled BLAS GEMMs and an in-place online softmax.
+
+The common float32 forward runs through the compiled block op (``_fused.fwd_chunk``, see
+:func:`_compiled_forward`); every other forward and every backward through the BLAS tiles below.
 
 No ``S_q x S_kv`` matrix is ever built: a block is processed in tiles of at
 most ``TILE_Q x TILE_KV`` scores, held in one scratch buffer per call.  Tiles
@@ -19,6 +22,7 @@ from ..runtime.env import positive_int
 from ..core.masks import FULL, SKIP, BlockMask
 from ..core.modifiers import FIELDS as MODIFIER_FIELDS
 from .interface import HostMessage
+from . import tile_pass
 from .tile_pass import ds_pass, exp_pass
 
 TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
@@ -348,7 +352,8 @@ def _careful_forward_tile(q_t, k_t, v_t, s, pv, sums, bias, scale, m_rows, l_row
 
 
 def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale,
-                           dq_t, dk_t, dv_t, bad_rows, bad_cols, softcap=None, t=None, drop=None, extra=None):
+                           dq_t, dk_t, dv_t, bad_rows, bad_cols, softcap=None, t=None, drop=None, extra=None,
+                           scores=None):
     """One backward tile when its rows or columns hold non-finite values.
 
     ``bad_rows``: a NaN/Inf in q, do, lse or ``dvec``; ``bad_cols``: in k or v.
@@ -363,7 +368,7 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     clean = (clean_copy(q_t, bad_rows), clean_copy(do_t, bad_rows), clean_copy(k_t, bad_cols),
              clean_copy(v_t, bad_cols), lse_clean, dvec_clean, p, dp, _plus(bias, extra), scale, dq_t, dk_t, dv_t)
     if softcap is None:
-        _backward_tile(*clean, drop=drop)
+        _backward_tile(*clean, drop=drop, scores=scores)
     else:
         _softcap_backward_tile(*clean, softcap, t, drop=drop)
     if not redo.any():
@@ -390,12 +395,18 @@ def _careful_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
         dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
 
 
-def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t, drop=None):
+def _backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scale, dq_t, dk_t, dv_t, drop=None,
+                   scores=None):
     """One backward tile, accumulating into the ``dq_t``, ``dk_t``, ``dv_t`` views in place.
 
     With dropout (``drop``: the tile's keep/(1-p) factors) ``dv += (P Z)^T do`` and
-    ``dS = P * ((do v^T) Z - dvec)``."""
-    np.matmul(q_t, k_t.T, out=p)
+    ``dS = P * ((do v^T) Z - dvec)``.  ``scores(q, k, out)``, when given, computes the scores
+    in place of the BLAS product: the compiled block op's, so that ``P = exp(S - lse)`` sees
+    the very scores the forward's ``lse`` came from."""
+    if scores is not None:
+        scores(q_t, k_t, p)
+    else:
+        np.matmul(q_t, k_t.T, out=p)
     exp_pass(p, scale, bias, lse_t)
     if drop is None:
         dv_t += p.T @ do_t
@@ -433,6 +444,140 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
     dp *= t
     dq_t += dp @ k_t
     dk_t += dp.T @ q_t
+
+
+# ------------------------------------------------------------ the compiled forward block op
+# The common float32 forward (no segment ids, softcap, dropout or score modifiers) runs as one
+# compiled call per (batch entry, query head, key chunk of TILE_KV keys): ``_fused.fwd_chunk``
+# (src/ringmpi/_ext/block_rows.h), the key chunk's K and V packed once here and reused by every
+# query head of its K/V head; the call folds the chunk into the state of every query row, strip by
+# strip, with no Python between its tiles (its own register-blocked products, the exact online
+# softmax: each strip's row maximum taken before its exp).  Every other forward, and every backward,
+# takes the BLAS tiles below.
+
+PANEL = 32  # keys per packed K panel (block_rows.h's PANEL)
+
+
+def compiled_forward_ok(ct, scale, mask: BlockMask) -> bool:
+    """Whether this forward block takes the compiled block op: float32, a positive scale, and none
+    of the options it does not hold yet (segment ids, softcap, dropout, score modifiers)."""
+    spec = mask.spec
+    return (tile_pass.block_op() is not None and ct == np.float32 and np.isfinite(scale) and scale > 0
+            and mask.seg_q is None and spec.softcap is None and spec.dropout is None and not spec.modifiers)
+
+
+def _pack_keys(k, v, kp, vp):
+    """K ``(n, D)`` into panels of PANEL keys ``kp (panels * D, PANEL)`` (zero past ``n``), V ``(n, D_v)``
+    into ``vp (n, D_vp)`` (zero past ``D_v``): the layouts fwd_chunk reads."""
+    n, dim = k.shape
+    panels = -(-n // PANEL)
+    kp3 = kp[: panels * dim].reshape(panels, dim, PANEL)
+    full = n // PANEL
+    if full:
+        kp3[:full] = k[: full * PANEL].reshape(full, PANEL, dim).transpose(0, 2, 1)
+    if full < panels:
+        kp3[full] = 0
+        kp3[full, :, : n - full * PANEL] = k[full * PANEL:].T
+    vp[:n, : v.shape[1]] = v
+    return kp[: panels * dim], vp[:n]
+
+
+def _tile_counts(mask: BlockMask, sq: int, skv: int, batch: int):
+    """``(tiles computed, tiles skipped)`` as the BLAS tiles count them (one per TILE_Q x TILE_KV
+    tile and batch entry): what the compiled route reports too."""
+    computed = skipped = 0
+    for rows in _tiles(sq, TILE_Q):
+        for cols in _tiles(skv, TILE_KV):
+            if mask.spec.classify(mask.q_pos[rows], mask.kv_pos[cols]) == SKIP:
+                skipped += batch
+            else:
+                computed += batch
+    return computed, skipped
+
+
+def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old):
+    """Rows that see a non-finite value, over the whole block from their raw values and visible
+    keys only (as :func:`_careful_forward_tile` redoes them per tile): ``(m, l, o)`` after it."""
+    sc = (q_r @ k.T) * scale
+    sc = np.where(vis_r, sc, -np.inf).astype(q_r.dtype, copy=False)
+    m_new = np.maximum(m_old, sc.max(axis=1))
+    shift = np.where(np.isneginf(m_new), 0, m_new).astype(q_r.dtype, copy=False)
+    p = np.where(vis_r, np.exp(sc - shift[:, None]), 0).astype(q_r.dtype, copy=False)
+    alpha = np.exp(m_old - shift)
+    return m_new, l_old * alpha + p.sum(axis=1), o_old * alpha[:, None] + _visible_matmul(p, v, vis_r)
+
+
+def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: BlockMask, tick, resident,
+                      bad_q, bad_k, bad_v):
+    """:meth:`NumpyBackend.forward_block` through the compiled block op (see above).
+
+    Non-finite values: as the BLAS tiles, a query that sees none gets exactly a clean run's
+    arithmetic: the call runs on copies with the bad rows of q, k, v zeroed; the queries that see
+    a bad q/k value or start the block with a non-finite state are then redone from their raw
+    values over the block's visible keys (:func:`_redo_rows_forward`), and those that see a bad v
+    row only (their shift and sums are clean) gain ``p * v`` of those rows afterwards."""
+    fwd_chunk = tile_pass.block_op()
+    batch, heads, sq, dim = q_use.shape
+    kv_heads, skv, dim_v = k_use.shape[1], k_use.shape[2], v_use.shape[3]
+    group = heads // kv_heads
+    ct = q_use.dtype
+    spec = mask.spec
+    lo = hi = None
+    if spec.positional:
+        lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
+    chunk = min(skv, TILE_KV)
+    dvp = -(-dim_v // 16) * 16
+    kp_size = -(-chunk // PANEL) * PANEL * dim
+    kp = _scratch(resident, "kp", kp_size, ct)[:kp_size].reshape(-1, PANEL)
+    vp = _scratch(resident, "vp", chunk * dvp, ct)[: chunk * dvp].reshape(chunk, dvp)
+    vp[:, dim_v:] = 0
+    key_chunks = _tiles(skv, TILE_KV)
+    total = max(1, batch * heads * len(key_chunks))
+    done = 0
+    for b in range(batch):
+        for kvh in range(kv_heads):
+            bk, bv = bad_k[b, kvh], bad_v[b, kvh]
+            k_src = clean_copy(k_use[b, kvh], bk) if bk.any() else k_use[b, kvh]
+            v_src = clean_copy(v_use[b, kvh], bv) if bv.any() else v_use[b, kvh]
+            careful = {}
+            for h in range(kvh * group, (kvh + 1) * group):
+                rows_bad = bad_q[b, h] | np.isnan(l[b, h]) | np.isnan(m[b, h]) | np.isposinf(m[b, h])
+                if not (rows_bad.any() or bk.any() or bv.any()):
+                    continue
+                cols = np.flatnonzero(bk | bv)
+                vis_bad = spec.visible(mask.q_pos, mask.kv_pos[cols])
+                redo = rows_bad | vis_bad[:, bk[cols]].any(axis=1)
+                see_v = vis_bad[:, bv[cols]] & ~redo[:, None]
+                idx = np.flatnonzero(redo)
+                careful[h] = (idx, see_v, (m[b, h, idx].copy(), l[b, h, idx].copy(), o_acc[b, h, idx].copy()))
+                m[b, h, idx], l[b, h, idx], o_acc[b, h, idx] = -np.inf, 0, 0
+            q_src = {h: (clean_copy(q_use[b, h], np.isin(np.arange(sq), careful[h][0])) if h in careful and
+                         careful[h][0].size else q_use[b, h]) for h in range(kvh * group, (kvh + 1) * group)}
+            for cols in key_chunks:
+                nk = cols.stop - cols.start
+                kpc, vpc = _pack_keys(k_src[cols], v_src[cols], kp, vp)
+                kv_pos = np.ascontiguousarray(mask.kv_pos[cols]) if lo is not None else None
+                for h in range(kvh * group, (kvh + 1) * group):
+                    if lo is None or spec.classify(mask.q_pos, mask.kv_pos[cols]) != SKIP:
+                        fwd_chunk(q_src[h], kpc, vpc, nk, o_acc[b, h], m[b, h], l[b, h], scale, lo, hi, kv_pos)
+                    done += 1
+                    if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
+                        tick(done / total)
+            for h, (idx, see_v, (m_old, l_old, o_old)) in careful.items():
+                with np.errstate(invalid="ignore", over="ignore"):
+                    if idx.size:
+                        vis_r = spec.visible(mask.q_pos[idx], mask.kv_pos)
+                        m[b, h, idx], l[b, h, idx], o_acc[b, h, idx] = _redo_rows_forward(
+                            q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old)
+                    if see_v.any():  # clean m and l; the bad v rows' weights against the final shift
+                        rows = np.flatnonzero(see_v.any(axis=1))
+                        bad_cols = np.flatnonzero(bv)
+                        sc = (q_use[b, h, rows] @ k_use[b, kvh, bad_cols].T) * scale
+                        shift = np.where(np.isneginf(m[b, h, rows]), 0, m[b, h, rows]).astype(ct, copy=False)
+                        weights = np.exp(sc - shift[:, None]).astype(ct, copy=False)
+                        terms = weights[:, :, None] * v_use[b, kvh, bad_cols][None]
+                        o_acc[b, h, rows] += np.where(see_v[rows][:, :, None], terms, 0).sum(axis=1)
+    return _tile_counts(mask, sq, skv, batch)
 
 
 class _KeyTileSums:
@@ -570,14 +715,17 @@ class NumpyBackend:
         v_use = vh if vh.dtype == ct else vh.astype(ct)
         group = heads // kv_heads
         scale = ct.type(scale)
-        rows_max = min(sq, TILE_Q)
-        scratch = _scratch(resident, "s", rows_max * min(skv, TILE_KV), ct)
-        pv_scratch = _scratch(resident, "pv", rows_max * dim_v, ct)
-        sums_scratch = _scratch(resident, "sums", rows_max, ct)
         # the resident q is scanned once per call, the visiting block once per block:
         # rows with NaN/Inf (or a state made non-finite by them)
         bad_q = _once(resident, "bad_q", lambda: _bad_rows(qh)) | np.isnan(l) | np.isnan(m) | np.isposinf(m)
         bad_k, bad_v = _bad_rows(kh), _bad_rows(vh)
+        if compiled_forward_ok(ct, scale, mask):
+            return _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask, tick, resident,
+                                     bad_q, bad_k, bad_v)
+        rows_max = min(sq, TILE_Q)
+        scratch = _scratch(resident, "s", rows_max * min(skv, TILE_KV), ct)
+        pv_scratch = _scratch(resident, "pv", rows_max * dim_v, ct)
+        sums_scratch = _scratch(resident, "sums", rows_max, ct)
         careful = bool(bad_q.any() or bad_k.any() or bad_v.any())
         softcap = None if mask.spec.softcap is None else ct.type(mask.spec.softcap)
         exact = softcap is not None or mask.spec.exact_max  # no lagging shift: scores are capped first
@@ -660,6 +808,9 @@ class NumpyBackend:
         bad_cols = _bad_rows(kh) | _bad_rows(vh)
         careful = bool(bad_rows.any() or bad_cols.any())
         dropout = mask.spec.dropout
+        # where the forward took the compiled block op, the backward's scores are its scores, bit
+        # for bit (its P then matches the forward's lse; the rest stays on BLAS)
+        scores = tile_pass.compiled.scores if compiled_forward_ok(ct, scale, mask) else None
         tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
         sums = _KeyTileSums(dk, dv, ct, resident, kv_need, kv_done)
         for rows, cols, bsel, bias in tiles:
@@ -682,11 +833,11 @@ class NumpyBackend:
                     if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):
                             _careful_backward_tile(*operands, bias, *outs, bad_rows[b, h, rows],
-                                                   bad_cols[b, kvh, cols], softcap, t, drop, extra)
+                                                   bad_cols[b, kvh, cols], softcap, t, drop, extra, scores)
                     elif softcap is not None:
                         _softcap_backward_tile(*args, softcap, t, drop=drop)
                     else:
-                        _backward_tile(*args, drop=drop)
+                        _backward_tile(*args, drop=drop, scores=scores)
                     if tick is not None:
                         tick(tiles.share())
         sums.end(skv)

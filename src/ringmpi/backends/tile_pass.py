@@ -9,6 +9,9 @@ install`` from ``src/ringmpi/_ext/fused.c``), which is compiled once per vector 
 bits on each); other dtypes, and every dtype where the extension was not built or
 ``RINGMPI_CPU_KERNEL=numpy`` asks for it, take NumPy's passes.
 
+The same extension holds the compiled forward block op of the path (:func:`block_op`), which
+:mod:`ringmpi.backends.numpy_backend` runs for the common float32 forward.
+
 The path is chosen when this module is first imported: ``RINGMPI_CPU_VECTOR`` pins one (a
 ``ValueError`` naming the variable where this CPU or build cannot run it), else a short
 calibration times each path the CPU runs on one small tile and takes the fastest, not the
@@ -100,6 +103,15 @@ def calibration() -> dict:
     """Elements per second each path reached on the import's calibration tile (empty where
     none ran: one path, a pinned path or no compiled pass)."""
     return dict(_rates)
+
+
+def block_op():
+    """The compiled forward block op (``_fused.fwd_chunk``, see ``_ext/block_rows.h``) of the path in
+    use, or None: where the pass is not built, ``RINGMPI_CPU_KERNEL=numpy``, ``RINGMPI_CPU_BLOCK=tiles``
+    (the BLAS tiles, for comparison) or the path has no FMA instructions (plain on a CPU without FMA)."""
+    if compiled is None or os.environ.get("RINGMPI_CPU_BLOCK", "compiled") == "tiles":
+        return None
+    return compiled.fwd_chunk if compiled.has_block() else None
 
 
 def exp_pass(s, scale, bias=None, shift=None, sums=None) -> None:

@@ -1,0 +1,208 @@
+/* One vector path of the compiled forward block op, included by fused.c right after exp_rows.h
+ * (whose macros it uses and then undefines) once per path with FMA instructions, with
+ *
+ *   QK_MR   query rows of the Q K^T micro-kernel (its tile: QK_MR rows x 2 vectors of keys)
+ *   PV_MR   query rows of the P V micro-kernel (its tile: PV_MR rows x up to PV_NV vectors of D_v)
+ *   PV_NV   vectors of D_v columns the P V micro-kernel holds per row
+ *   BQ      query rows of a strip (a multiple of QK_MR and PV_MR): 48 on every path, since a
+ *           strip's clipped key range (below) depends on it, and with it a row sum's order
+ *
+ * fwd_chunk: one key chunk (at most a few hundred keys, packed once by the caller) folded into the
+ * online softmax of a run of query rows, strip by strip of BQ rows, with no call out between:
+ *
+ *   S = Q_strip K^T        register-blocked, the keys packed in panels of PANEL columns, each
+ *                          score one chain of fused multiply-adds over d = 0..D-1, from 0
+ *   mask                   positions (causal, window): scores outside [lo_i, hi_i] -> -inf; a strip
+ *                          the mask hides in part computes only the panels from the first key one of
+ *                          its rows may see to the last, one it hides whole is skipped
+ *   m' = max(m, scale * max_j S[i, j]), shift = m' (0 where m' = -inf)
+ *   P = exp(scale * S - shift) with its row sums (exp_rows.h's exp_row: the tile pass's exp)
+ *   alpha = exp(m - shift), l = l * alpha + sum, m = m'
+ *   O = O * alpha + P V    register-blocked, each output one product O * alpha then one chain of
+ *                          fused multiply-adds over the chunk's keys in order
+ *
+ * Every element's arithmetic is the same sequence of float32 operations on every path (the vector
+ * width only decides how many elements go side by side), so every path gives the same bits. */
+
+#define PANEL 32 /* keys per packed K panel: kp[panel][d][PANEL] */
+#define QK_NR 2  /* vectors of keys per Q K^T micro-kernel tile */
+#define JC 64    /* keys per run of the P V product */
+
+/* s[r * lds + c] = sum_d qs[r * D + d] * kp_panel[d * PANEL + c] for QK_MR rows, QK_NR * VW keys
+ * from column `col` of the panel */
+PINLINE void FN(qk_tile)(const float *qs, Py_ssize_t dim, const float *panel, float *s, Py_ssize_t lds)
+{
+    VF acc[QK_MR][QK_NR];
+    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(bc)(0.0f);
+    for (Py_ssize_t d = 0; d < dim; d++) {
+        VF kv[QK_NR];
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) kv[c] = LOAD(panel + d * PANEL + c * VW);
+        _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++) {
+            const VF qv = FN(splat)(qs[r * dim + d]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) STORE(s + r * lds + c * VW, acc[r][c]);
+}
+
+/* os[r * dvp + c..] = os (times alpha[r] when `first`) + sum_{j < nk} p[r * lds + j] * vp[j * dvp + c..]
+ * for PV_MR rows and nv vectors of columns */
+PINLINE void FN(pv_tile)(float *os, Py_ssize_t dvp, const float *alpha, int first, const float *p, Py_ssize_t lds,
+                         const float *vp, Py_ssize_t nk, const int nv)
+{
+    VF acc[PV_MR][PV_NV];
+    _Pragma("GCC unroll 16") for (int r = 0; r < PV_MR; r++) {
+        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = LOAD(os + r * dvp + c * VW);
+        if (first) {
+            const VF a = FN(splat)(alpha[r]);
+            _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = acc[r][c] * a;
+        }
+    }
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        VF vv[PV_NV];
+        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) vv[c] = LOAD(vp + j * dvp + c * VW);
+        _Pragma("GCC unroll 16") for (int r = 0; r < PV_MR; r++) {
+            const VF pv = FN(splat)(p[r * lds + j]);
+            _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = FN(fma)(pv, vv[c], acc[r][c]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < PV_MR; r++)
+        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) STORE(os + r * dvp + c * VW, acc[r][c]);
+}
+
+/* s[i * lds + j] = sum_d q[i * ldq + d] * k[j * ldk + d] for i < nq, j < nk: the scores fwd_chunk
+ * computes, bit for bit (each one chain of fused multiply-adds over d from 0), for the backward's
+ * tiles; k packed into panels and q copied a strip at a time into `scratch` */
+PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *k,
+                                Py_ssize_t ldk, Py_ssize_t nk, float *s, Py_ssize_t lds, float *scratch)
+{
+    const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
+    float *kp = scratch, *qs = kp + kbp * dim, *st = qs + BQ * dim;
+    for (Py_ssize_t j = 0; j < kbp; j++)
+        for (Py_ssize_t d = 0; d < dim; d++)
+            kp[(j / PANEL) * PANEL * dim + d * PANEL + j % PANEL] = j < nk ? k[j * ldk + d] : 0.0f;
+    for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
+        const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
+        for (Py_ssize_t r = 0; r < BQ; r++) {
+            if (r < rows) memcpy(qs + r * dim, q + (i0 + r) * ldq, dim * sizeof(float));
+            else memset(qs + r * dim, 0, dim * sizeof(float));
+        }
+        for (Py_ssize_t jb = 0; jb < kbp; jb += QK_NR * VW) {
+            const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
+            for (int r = 0; r < BQ; r += QK_MR) FN(qk_tile)(qs + r * dim, dim, panel, st + r * kbp + jb, kbp);
+        }
+        for (Py_ssize_t r = 0; r < rows; r++) memcpy(s + (i0 + r) * lds, st + r * kbp, nk * sizeof(float));
+    }
+}
+
+/* the scratch of one call: a strip's scores, its rows of Q and O, per-row alpha */
+PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *kp,
+                                   Py_ssize_t nk, const float *vp, Py_ssize_t dvp, float *o, Py_ssize_t ldo,
+                                   Py_ssize_t dv, float *m, float *l, float scale, const int64_t *lo,
+                                   const int64_t *hi, const int64_t *kvpos, float *scratch)
+{
+    const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL; /* score columns, whole panels */
+    float *s = scratch, *qs = s + BQ * kbp, *os = qs + BQ * dim, *alpha = os + BQ * dvp;
+    int64_t kmin = INT64_MAX, kmax = INT64_MIN;
+    if (kvpos)
+        for (Py_ssize_t j = 0; j < nk; j++) {
+            kmin = kvpos[j] < kmin ? kvpos[j] : kmin;
+            kmax = kvpos[j] > kmax ? kvpos[j] : kmax;
+        }
+    for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
+        const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
+        int partial = 0;
+        Py_ssize_t c0 = 0, c1 = nk; /* the keys the strip computes: [c0, c1) */
+        if (kvpos) { /* the strip's class: skipped (no change), full or partial (masked per score) */
+            int any = 0;
+            int64_t slo = INT64_MAX, shi = INT64_MIN;
+            for (Py_ssize_t i = i0; i < i0 + rows; i++) {
+                if (hi[i] >= kmin && lo[i] <= kmax) any = 1;
+                if (lo[i] > kmin || hi[i] < kmax) partial = 1;
+                slo = lo[i] < slo ? lo[i] : slo;
+                shi = hi[i] > shi ? hi[i] : shi;
+            }
+            if (!any) continue;
+            if (partial) { /* only the panels from the first key a row may see to the last */
+                Py_ssize_t first = nk, last = -1;
+                for (Py_ssize_t j = 0; j < nk; j++)
+                    if (kvpos[j] >= slo && kvpos[j] <= shi) {
+                        first = j < first ? j : first;
+                        last = j;
+                    }
+                if (last < 0) continue;
+                c0 = first / PANEL * PANEL;
+                c1 = last + 1;
+            }
+        }
+        const Py_ssize_t n = c1 - c0;
+        /* the strip's Q rows, padded with zero rows to BQ */
+        for (Py_ssize_t r = 0; r < BQ; r++) {
+            if (r < rows) memcpy(qs + r * dim, q + (i0 + r) * ldq, dim * sizeof(float));
+            else memset(qs + r * dim, 0, dim * sizeof(float));
+        }
+        for (Py_ssize_t jb = c0; jb < c1; jb += QK_NR * VW) {
+            const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
+            for (int r = 0; r < BQ; r += QK_MR) FN(qk_tile)(qs + r * dim, dim, panel, s + r * kbp + jb, kbp);
+        }
+        for (Py_ssize_t r = 0; r < BQ; r++) {
+            float *row = s + r * kbp + c0;
+            if (r >= rows) { /* a padding row: weights 0 */
+                memset(row, 0, n * sizeof(float));
+                alpha[r] = 0.0f;
+                continue;
+            }
+            const Py_ssize_t i = i0 + r;
+            if (partial) {
+                const int64_t a = lo[i], b = hi[i];
+                for (Py_ssize_t j = 0; j < n; j++)
+                    if (kvpos[c0 + j] < a || kvpos[c0 + j] > b) row[j] = -INFINITY;
+            }
+            VF vmx = FN(bc)(-INFINITY);
+            Py_ssize_t j = 0;
+            for (; j + VW <= n; j += VW) vmx = FN(max)(vmx, LOAD(row + j));
+            float mx = -INFINITY;
+            for (int lane = 0; lane < VW; lane++) mx = vmx[lane] > mx ? vmx[lane] : mx;
+            for (; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+            if (mx == 0.0f) mx = 0.0f; /* +0 whichever zero won: the same bits on every path */
+            const float m_old = m[i], scaled = mx * scale, m_new = scaled > m_old ? scaled : m_old;
+            const float shift = m_new == -INFINITY ? 0.0f : m_new;
+            const float sum = FN(exp_row)(row, n, scale, NULL, shift);
+            const float a = expf(m_old - shift);
+            alpha[r] = a;
+            l[i] = l[i] * a + sum;
+            m[i] = m_new;
+        }
+        for (Py_ssize_t r = 0; r < BQ; r++) {
+            if (r < rows) {
+                memcpy(os + r * dvp, o + (i0 + r) * ldo, dv * sizeof(float));
+                memset(os + r * dvp + dv, 0, (dvp - dv) * sizeof(float));
+            } else memset(os + r * dvp, 0, dvp * sizeof(float));
+        }
+        /* P V a run of JC keys at a time (their V rows stay in L1 across the strip's row groups) */
+        for (Py_ssize_t jc = c0; jc < c1; jc += JC) {
+            const Py_ssize_t nj = c1 - jc < JC ? c1 - jc : JC;
+            Py_ssize_t c = 0;
+            for (; c + PV_NV * VW <= dvp; c += PV_NV * VW)
+                for (int r = 0; r < BQ; r += PV_MR)
+                    FN(pv_tile)(os + r * dvp + c, dvp, alpha + r, jc == c0, s + r * kbp + jc, kbp, vp + jc * dvp + c,
+                                nj, PV_NV);
+            for (; c < dvp; c += VW)
+                for (int r = 0; r < BQ; r += PV_MR)
+                    FN(pv_tile)(os + r * dvp + c, dvp, alpha + r, jc == c0, s + r * kbp + jc, kbp, vp + jc * dvp + c,
+                                nj, 1);
+        }
+        for (Py_ssize_t r = 0; r < rows; r++) memcpy(o + (i0 + r) * ldo, os + r * dvp, dv * sizeof(float));
+    }
+}
+
+#undef PANEL
+#undef QK_NR
+#undef JC
+#undef QK_MR
+#undef PV_MR
+#undef PV_NV
+#undef BQ
+#include "path_end.h"
