@@ -38,7 +38,7 @@ LAYERS = (
     ("backends", ("ringmpi.backends",)),  # the block-op interface and its NumPy and CuPy backends
     ("parallel", ("ringmpi.parallel",)),  # communicators, topology, the ring, its schedule and passes
     ("public calls", ("ringmpi.attention", "ringmpi.decode", "ringmpi.kvcache")),
-    ("file job and bridges", ("ringmpi.filejob", "ringmpi.torch", "ringmpi.transformers",
+    ("file job and bridges", ("ringmpi.filejob", "ringmpi.torch", "ringmpi.transformers", "ringmpi.transformers_models",
                               "ringmpi.torch_distributed")),
     ("commands", ("ringmpi.cli", "ringmpi.bench", "ringmpi.__main__")),
 )
