@@ -178,14 +178,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None,
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                       s_aux: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                      ringmpi_context: Optional[ShardContext] = None, **kwargs):
+                      ringmpi_context: Optional[ShardContext] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                      **kwargs):
     """HF's attention function signature over ring attention; collective over the context's comm.
 
     ``query (B, H, S_local, D)``, ``key (B, H_kv, S_local, D)``, ``value (B, H_kv, S_local, D_v)``
     (head-major, GQA heads unrepeated, this rank's tokens) -> ``(attn_output (B, S_local, H, D_v),
     None)``.  Honours ``scaling``, ``is_causal`` (default ``module.is_causal``), ``sliding_window``
     (HF's: key ``j`` visible from query ``i`` iff ``i - window < j <= i``), ``softcap``, ``s_aux``
-    (sinks, a replicated parameter: its gradient is this rank's share) and ``dropout`` (seeded by
+    (sinks, a replicated parameter: its gradient is this rank's share), ``alibi_slopes (H,)`` (ringmpi's
+    ALiBi in global positions: what :mod:`~ringmpi.transformers_models` hands Bloom's) and ``dropout`` (seeded by
     :func:`dropout_seed` of the context's seed, step and ``module.layer_idx``).  HF's ``position_ids``
     restart per document and differ per batch entry, so they are not ringmpi's positions (one
     permutation of ``0 .. N-1`` per call): they are checked once per forward against the
@@ -221,7 +223,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            positions_q=positions, positions_kv=positions, causal=causal,
                            window=_window(sliding_window, causal),
                            segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
-                           softcap=softcap, schedule=ctx.schedule, invariant=ctx.invariant, **drop)
+                           softcap=softcap, schedule=ctx.schedule, invariant=ctx.invariant,
+                           alibi_slopes=alibi_slopes, **drop)
     return o, None
 
 

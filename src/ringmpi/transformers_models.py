@@ -12,9 +12,10 @@ forward passes through :func:`sharded_call` first:
   the sequence, token shift, recurrences), a layer type other than full or
   sliding attention (chunked, indexed, compressed attention, hybrids), an
   attention module that computes its scores itself instead of through
-  transformers' attention interface (Bloom's and MPT's own ALiBi, and the like;
-  ringmpi never sees those), a model with no attention at all, and a model
-  whose attention is not ``"ringmpi"``.  The verdict is a function of the
+  transformers' attention interface or folds its own ALiBi into a mask (MPT,
+  Falcon with ``alibi``, and the like; ringmpi never sees those), a model with no
+  attention at all, a model that computes its own loss when given labels (its
+  ``out.loss`` would be a per-shard mean), and a model whose attention is HF's own.  The verdict is a function of the
   model, the same on every rank, agreed with one allgather the first time a
   model meets a communicator; a refused model raises one ConfigError on every
   rank, naming the module and what to do, before the embedding runs.
@@ -26,6 +27,11 @@ forward passes through :func:`sharded_call` first:
   attention whose model drops the keyword arguments on their way down
   (StableLM, Falcon) finds the active context instead.
 * **Adaptations**, installed on the model by the check:
+
+  - *Bloom's attention*, which computes its scores itself with an ALiBi bias of
+    local key positions, runs through the attention interface with
+    ``alibi_slopes``: ringmpi's ALiBi in global positions, the same softmax under
+    the causal mask.
 
   - *Rotary embeddings whose frequencies depend on the sequence length* (HF's
     ``dynamic_rope_update``: dynamic NTK, LongRoPE, any rope type it
@@ -133,7 +139,7 @@ def model_problem(model: torch.nn.Module) -> Optional[str]:
     convs, mixers, own, dispatching = [], [], [], []
     for name, module in model.named_modules():
         cls = type(module)
-        if _dispatches(cls):
+        if _dispatches(cls) or _adapter(cls) is not None:
             dispatching.append(name)
             continue
         if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
@@ -187,6 +193,7 @@ def check(model: torch.nn.Module, comm) -> None:
     problem = model_problem(model)
     _verdicts[model] = (key, problem)
     agree(comm, problem)
+    _adapt_attention(model)
     _adapt_rotary(model)
     _adapt_router_losses(model)
 
@@ -209,6 +216,56 @@ def sharded_call(call, model, args, kwargs):
         return call(model, *args, **kwargs)
     finally:
         ACTIVE.reset(token)
+
+
+# ---- attention modules that compute their scores themselves, mapped onto ringmpi's
+
+def _adapter(cls):
+    """The sharded forward of an attention class that computes its own scores, or None."""
+    return _ADAPTERS.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _adapt_attention(model) -> None:
+    for module in model.modules():
+        adapter = _adapter(type(module))
+        if adapter is not None and "forward" not in module.__dict__:
+            module.forward = adapter(module, model.config, module.forward)
+
+
+def _bloom_attention(module, config, original):
+    """Bloom's attention through the attention interface, its ALiBi as ringmpi's in global positions.
+
+    Bloom scores ``inv_norm_factor * q.k + beta * slope_h * j`` (key position ``j``); under the causal
+    mask that is, row by row, ``-beta * slope_h * (i - j)`` plus a constant, which softmax drops:
+    ringmpi's ALiBi with slopes ``beta * slopes``."""
+    from transformers.models.bloom import modeling_bloom as bloom
+
+    def forward(hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        if ACTIVE.get() is None:
+            return original(hidden_states, residual, alibi, attention_mask, layer_past, use_cache,
+                            output_attentions, **kwargs)
+        batch, length, _ = hidden_states.shape
+        query, key, value = module._reshape(module.query_key_value(hidden_states))
+        slopes = bloom._get_alibi_slopes(module.num_heads, hidden_states.device) * module.beta
+        attend = transformers.AttentionInterface._global_mapping[config._attn_implementation]
+        out, _ = attend(module, query, key, value, None,
+                        dropout=module.attention_dropout.p if module.training else 0.0,
+                        scaling=module.inv_norm_factor, is_causal=True, alibi_slopes=slopes.float())
+        context = out.reshape(batch, length, module.num_heads * module.head_dim)
+        if module.pretraining_tp > 1 and module.slow_but_exact:
+            slices = module.hidden_size / module.pretraining_tp
+            output = torch.zeros_like(context)
+            for i in range(module.pretraining_tp):
+                cut = slice(int(i * slices), int((i + 1) * slices))
+                output = output + torch.nn.functional.linear(context[:, :, cut], module.dense.weight[:, cut])
+        else:
+            output = module.dense(context)
+        return bloom.dropout_add(output, residual, module.hidden_dropout, module.training), None
+    return forward
+
+
+_ADAPTERS = {"transformers.models.bloom.modeling_bloom.BloomAttention": _bloom_attention}
 
 
 # ---- rotary embeddings whose frequencies depend on the sequence length

@@ -180,7 +180,9 @@ def _sweep_case(comm, case):
         except Exception as plain:  # noqa: BLE001 - a config that does not build tiny is reported, not failed
             built = f"{type(plain).__name__}: {str(plain).splitlines()[0][:200] if str(plain) else ''}"
         else:  # a refusal before any compute
-            record.update(status="refused", detail=f"transformers: {str(exc).splitlines()[0][:300]}")
+            why = str(exc).splitlines()[0][:300] if str(exc) else ""
+            record.update(status="refused", detail=f"transformers refuses attn_implementation='ringmpi' at "
+                                                   f"from_config: {type(exc).__name__}: {why}")
             return finish(comm, record)
     if model is not None and rank == 0:
         try:  # the same weights with the architecture's eager attention, on one process
