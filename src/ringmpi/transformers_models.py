@@ -205,6 +205,13 @@ def sharded_call(call, model, args, kwargs):
     if ctx is None or ACTIVE.get() is not None:  # not sharded, or an inner model of a sharded forward
         return call(model, *args, **kwargs)
     check(model, ctx.comm)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing and model.training and any(
+            _adapter(type(m)) is not None for m in model.modules()):  # the same on every rank
+        raise ConfigError(f"{type(model).__name__} with gradient checkpointing would recompute its adapted "
+                          "attention in the backward, outside the sharded forward: turn gradient checkpointing off")
     if kwargs.get("labels") is not None and not _uses_loss_function(type(model)):  # the same on every rank
         raise ConfigError(f"{type(model).__name__} computes its loss itself, not with transformers' "
                           "loss_function (which takes shard_batch's num_items_in_batch and shift_labels), so its "

@@ -73,6 +73,9 @@ def tiny_config(model_type, **extra):
 def build(model_type, attn_implementation, seed=0, **extra):
     """(config, float64 model with ``attn_implementation``) of ``model_type``'s tiny config."""
     cfg = tiny_config(model_type, **extra)
+    towers = [name for name in ("vision_config", "audio_config") if getattr(cfg, name, None) is not None]
+    if towers:
+        raise ValueError(f"a multimodal config ({', '.join(towers)}): its towers are not made tiny")
     with torch.device("meta"):
         size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
     if size > MAX_PARAMETERS:
