@@ -56,6 +56,9 @@ def config_for(model: str):
     """(config, HF's reference attention) of one tiny model family."""
     if model in ("llama", "packed", "packed-rows", "left-padding", "dropout"):
         return transformers.LlamaConfig(**SMALL), "sdpa"
+    if model == "packed-dynamic":  # dynamic NTK rotary: frequencies from the longest document's length (issue 54)
+        return transformers.LlamaConfig(**dict(SMALL, max_position_embeddings=16), rope_parameters=dict(
+            rope_type="dynamic", factor=2.0, rope_theta=10000.0)), "sdpa"
     if model == "qwen2":
         return transformers.Qwen2Config(**SMALL, attention_bias=True), "sdpa"
     if model == "mistral":
@@ -94,7 +97,7 @@ def make_batch(case):
     b, n = case.get("B", 1), case["n"]
     ids = torch.from_numpy(rng.integers(1, 64, size=(b, n)))
     batch = {"input_ids": ids, "labels": ids.clone()}
-    if case["model"] == "packed":  # three documents in one row: position_ids restart
+    if case["model"] in ("packed", "packed-dynamic"):  # three documents in one row: position_ids restart
         cuts = [0, n // 3, n // 3 + n // 2, n]
         batch["position_ids"] = torch.cat([torch.arange(cuts[i + 1] - cuts[i]) for i in range(3)])[None]
     if case["model"] == "packed-rows":  # a different pack per row (one long document in row 0)
