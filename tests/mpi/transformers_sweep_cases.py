@@ -4,8 +4,8 @@
 
 A case is one architecture (``hf_architectures.decoder_types()``, plus variants
 with length-dependent rotary embeddings) as a tiny float64 config with random
-weights, router losses on where the config has them.  Rank 0 runs it on the whole
-sequence with the architecture's eager attention (the reference: logits, ``out.loss``
+weights, router losses on where the config has them.  One rank (they take turns) runs it on
+the whole sequence with the architecture's eager attention (the reference: logits, ``out.loss``
 with labels, every parameter's gradient of that loss); then every rank runs
 ``model(**shard_batch(batch, layout=...))`` with ``attn_implementation="ringmpi"``
 for the contiguous, zigzag and balanced layouts: logits gathered, ``out.loss`` and
@@ -21,6 +21,7 @@ README's table from it).
 """
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -134,7 +135,7 @@ def compare(ours, ref):
     return errs[worst][0] / errs[worst][1], f"worst {worst} {errs[worst][0]:.1e} (limit {errs[worst][1]:g})"
 
 
-def one_layout(comm, model, batch, layout, ref):
+def one_layout(comm, model, batch, layout, ref, ref_rank):
     """(status, detail) of one layout: "exact", "refused", or a failure."""
     first = FirstModule(model)
     try:
@@ -153,10 +154,11 @@ def one_layout(comm, model, batch, layout, ref):
             return "FAIL", f"not one ConfigError on every rank: {sorted(str(m) for m in msgs)}"
         late = max(c for _, c in every)  # a refusal of ringmpi's attention itself: before any ring transfer
         return ("refused at its first attention" if late else "refused"), problem[len("ConfigError: "):]
-    if comm.Get_rank() != 0:
-        return "exact", ""
-    ratio, detail = compare(ours, ref)
-    return ("exact" if ratio <= 1 else "WRONG"), detail
+    result = None
+    if ref is not None:  # the rank that ran the reference
+        ratio, detail = compare(ours, ref)
+        result = ("exact" if ratio <= 1 else "WRONG"), detail
+    return comm.bcast(result, root=ref_rank)
 
 
 def sweep_case(comm, case):
@@ -184,7 +186,8 @@ def _sweep_case(comm, case):
             record.update(status="refused", detail=f"transformers refuses attn_implementation='ringmpi' at "
                                                    f"from_config: {type(exc).__name__}: {why}")
             return finish(comm, record)
-    if model is not None and rank == 0:
+    ref_rank = next(COUNT) % comm.Get_size()  # the references take turns among the ranks
+    if model is not None and rank == ref_rank:
         try:  # the same weights with the architecture's eager attention, on one process
             plain = build(case, "eager")
             plain.load_state_dict(model.state_dict())
@@ -198,7 +201,7 @@ def _sweep_case(comm, case):
     batch = batch_for()
     layouts = {}
     for layout in LAYOUTS:
-        layouts[layout] = one_layout(comm, model, batch, layout, ref)
+        layouts[layout] = one_layout(comm, model, batch, layout, ref, ref_rank)
     record["layouts"] = layouts
     statuses = {s for s, _ in layouts.values()}
     if statuses == {"exact"}:
@@ -220,6 +223,7 @@ def finish(comm, record):
 
 
 RECORDS = []
+COUNT = itertools.count()
 STATUSES = ("exact", "refused", "refused at its first attention", "not buildable")  # the passing ones
 
 
