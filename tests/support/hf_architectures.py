@@ -40,6 +40,9 @@ MAX_PARAMETERS = 10_000_000  # a config whose model is bigger than this is not t
 # per model type: values TINY cannot guess (a layer pattern, a divisibility a model needs)
 OVERRIDES = {
     "mamba2": dict(num_heads=8),                      # hidden_size * expand = num_heads * head_dim
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # the hybrid, not two attention layers
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=7),
     "zaya": dict(num_experts_per_tok=1),
     "dots3_note_text": dict(num_key_value_heads=4),
