@@ -24,6 +24,16 @@ model to every attention call.  The gradients of the replicated parameters are
 this rank's own contributions (sinks included): sum them over the ranks (an
 Allreduce, DDP, FSDP) as for any data-parallel step.
 
+A sharded forward either computes what one process computes or is refused, on
+every rank and before the model's first module runs, by name: :func:`register`
+also installs the check of :mod:`ringmpi.transformers_models` on every model call
+that carries a ``ringmpi_context`` (sequence mixers ringmpi does not shard, such
+as Mamba, gated delta rules or short convolutions; attention that bypasses
+transformers' attention interface, such as Bloom's ALiBi; models without
+attention), and adapts what depends on the whole sequence: rotary embeddings whose
+frequencies depend on its length (dynamic NTK, LongRoPE) and MoE router
+load-balancing losses, computed from every rank's tokens.
+
 Importing this module imports torch and transformers; ``import ringmpi`` does not.
 """
 
@@ -44,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install 'ringmpi[transformers]'") from exc
 
 from . import torch as _rt
+from . import transformers_models as _models
 from .runtime.errors import ConfigError, agree
 from .core.layout import BALANCED, Layout
 from .parallel.comm import resolve_comm
@@ -52,8 +63,8 @@ from .runtime.watchdog import phase
 __all__ = ["NAME", "CONTEXT_KEY", "IGNORE_INDEX", "ShardContext", "register", "attention_forward",
            "shard_batch", "gather", "dropout_seed"]
 
-NAME = "ringmpi"
-CONTEXT_KEY = "ringmpi_context"
+NAME = _models.NAME
+CONTEXT_KEY = _models.CONTEXT_KEY
 IGNORE_INDEX = -100        # HF's label that predicts nothing
 PAD_SEGMENT = -1           # the segment id of padding tokens: no real token sees them
 
@@ -81,7 +92,19 @@ class ShardContext:
     step: int = 0
     schedule: Optional[str] = None
     invariant: bool = False
+    batch_shape: tuple = (1, 0)
+    position_max: Optional[int] = None
     _checked: set = field(default_factory=set, repr=False)
+
+    def global_padding_mask(self) -> Optional[torch.Tensor]:
+        """Collective: ``(B, N)`` 1 = token, 0 = padding, every rank's tokens rank after rank
+        (the order :mod:`~ringmpi.transformers_models` gathers router logits in), or None
+        without padding."""
+        if self.segment_ids is None:
+            return None
+        with phase("transformers: every rank's padding (allgather)"):
+            parts = self.comm.allgather(self.segment_ids.cpu())
+        return (torch.cat(parts, dim=1) != PAD_SEGMENT).to(torch.int64)
 
     def check_positions(self, position_ids: Optional[torch.Tensor]) -> None:
         """Collective: the ``position_ids (1 or B, S_local)`` the model uses (RoPE) must be the
@@ -91,12 +114,15 @@ class ShardContext:
         if position_ids is None or id(position_ids) in self._checked:
             return
         problem, offsets = _position_offsets(position_ids, self.positions, self.segment_ids)
+        top = int(position_ids.max()) if position_ids.numel() else None
         with phase("transformers: the ranks' position_ids check (allgather)"):
-            every = self.comm.allgather((problem, offsets))
-        problem = next((f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p), None)
+            every = self.comm.allgather((problem, offsets, top))
+        problem = next((f"rank {r}: {p}" for r, (p, _, _) in enumerate(every) if p), None)
+        tops = [t for _, _, t in every if t is not None]
+        self.position_max = max(tops) if tops else None
         if problem is None:
             seen: dict = {}
-            for r, (_, offs) in enumerate(every):
+            for r, (_, offs, _) in enumerate(every):
                 for key, off in offs.items():
                     if seen.setdefault(key, (off, r))[0] != off:
                         problem = (f"document {key[1]} of batch entry {key[0]} has position_ids - global position "
@@ -152,14 +178,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None,
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                       s_aux: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                      ringmpi_context: Optional[ShardContext] = None, **kwargs):
+                      ringmpi_context: Optional[ShardContext] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                      **kwargs):
     """HF's attention function signature over ring attention; collective over the context's comm.
 
     ``query (B, H, S_local, D)``, ``key (B, H_kv, S_local, D)``, ``value (B, H_kv, S_local, D_v)``
     (head-major, GQA heads unrepeated, this rank's tokens) -> ``(attn_output (B, S_local, H, D_v),
     None)``.  Honours ``scaling``, ``is_causal`` (default ``module.is_causal``), ``sliding_window``
     (HF's: key ``j`` visible from query ``i`` iff ``i - window < j <= i``), ``softcap``, ``s_aux``
-    (sinks, a replicated parameter: its gradient is this rank's share) and ``dropout`` (seeded by
+    (sinks, a replicated parameter: its gradient is this rank's share), ``alibi_slopes (H,)`` (ringmpi's
+    ALiBi in global positions: what :mod:`~ringmpi.transformers_models` hands Bloom's) and ``dropout`` (seeded by
     :func:`dropout_seed` of the context's seed, step and ``module.layer_idx``).  HF's ``position_ids``
     restart per document and differ per batch entry, so they are not ringmpi's positions (one
     permutation of ``0 .. N-1`` per call): they are checked once per forward against the
@@ -167,14 +195,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     passes as ``positions_q = positions_kv``, so masks, ALiBi and dropout use exactly the checked ones.  Refuses a mask
     (HF builds none for "ringmpi": padding arrives as segment ids) and a KV cache.
     """
-    ctx = ringmpi_context
+    ctx = ringmpi_context if ringmpi_context is not None else _models.ACTIVE.get()  # a model that drops kwargs
     if ctx is None:
         raise ConfigError("attn_implementation='ringmpi' needs the sharded batch: call "
                           "model(**ringmpi.transformers.shard_batch(batch, comm=comm, layout=...))")
     problem = None
-    if attention_mask is not None:
-        problem = ("ringmpi attention takes no attention_mask tensor: give the 2-D padding mask to "
-                   "shard_batch, which turns it into segment ids")
+    if attention_mask is not None:  # HF builds none for "ringmpi": the architecture made this one itself
+        problem = (f"{type(module).__name__} hands the attention a mask or bias tensor of its own making, which "
+                   "ringmpi cannot apply to sharded attention, so this architecture cannot run sharded; run it on "
+                   "one process (a padding mask goes to shard_batch, which turns it into segment ids)")
     elif query.shape[2] != key.shape[2]:
         problem = ("ringmpi attention runs on the sharded sequence, not from a KV cache "
                    "(shard_batch sets use_cache=False): decode with ringmpi.decode_attention")
@@ -194,7 +223,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            positions_q=positions, positions_kv=positions, causal=causal,
                            window=_window(sliding_window, causal),
                            segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
-                           softcap=softcap, schedule=ctx.schedule, invariant=ctx.invariant, **drop)
+                           softcap=softcap, schedule=ctx.schedule, invariant=ctx.invariant,
+                           alibi_slopes=alibi_slopes, **drop)
     return o, None
 
 
@@ -204,6 +234,22 @@ def register(name: str = NAME) -> None:
     registered: HF then builds no ``(N, N)`` mask, and masks come from the layout and
     segment ids instead."""
     transformers.AttentionInterface.register(name, attention_forward)
+    _install_model_check()
+
+
+def _install_model_check() -> None:
+    """Wrap ``transformers.PreTrainedModel.__call__`` once: a call with ``ringmpi_context`` is
+    checked before any compute and runs with the context active
+    (:func:`ringmpi.transformers_models.sharded_call`); any other call is untouched."""
+    base = transformers.PreTrainedModel
+    if getattr(base.__call__, "_ringmpi_checked", False):
+        return
+    call = base.__call__
+
+    def checked_call(self, *args, **kwargs):
+        return _models.sharded_call(call, self, args, kwargs)
+    checked_call._ringmpi_checked = True
+    base.__call__ = checked_call
 
 
 def _segments(position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor], shape):
@@ -304,7 +350,9 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     shard[CONTEXT_KEY] = ShardContext(comm=comm, layout=lay, positions=lay.indices(rank),
                                       segment_ids=None if seg is None else lay.shard(seg, rank),
                                       dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step),
-                                      schedule=schedule, invariant=bool(invariant))
+                                      schedule=schedule, invariant=bool(invariant),
+                                      batch_shape=(shard["input_ids" if "input_ids" in shard else "inputs_embeds"]
+                                                   .shape[0], len(lay.indices(rank))))
     return shard
 
 

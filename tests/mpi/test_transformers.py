@@ -3,6 +3,8 @@
 One launch per world size (P = 1, 2, 3; N = 61, not divisible by P) runs every
 case of ``transformers_cases.py``: Llama (GQA), Qwen2, Mistral (sliding window),
 Gemma 2 (softcap, non-default scale, alternating windows), gpt-oss (sinks, MoE),
+Mixtral with its router load-balancing loss over a left-padded batch, dynamic-NTK
+rotary over packed documents on the contiguous and balanced layouts (issue 54),
 a packed row of three documents, two rows of different packs on the balanced
 layout (flattened into one row) and a left-padded batch, in float64, float32
 and (Llama, gpt-oss) bfloat16; attention dropout equal across P;
@@ -37,6 +39,9 @@ def cases_for(p):
             add(f"{model}-{dtype}", model=model, dtype=dtype, B=2 if model == "left-padding" else 1)
     for model in ("llama", "gpt-oss"):
         add(f"{model}-bfloat16", model=model, dtype="bfloat16")
+    add("mixtral-padded-float64", model="mixtral-padded", dtype="float64", B=2)  # router loss over padding
+    for layout in ("contiguous", "balanced"):  # dynamic NTK over packed documents (explicit positions)
+        add(f"packed-dynamic-{layout}-float64", model="packed-dynamic", dtype="float64", layout=layout)
     if p == 3:  # packed rows flattened into one, on the balanced layout, K/V routed (issue 42)
         add("packed-rows-balanced-float64", model="packed-rows", dtype="float64", B=2, layout="balanced")
     for model in ("llama", "gemma2", "packed"):  # N = 384: whole 64-token tiles on 1, 2 and 3 contiguous shards

@@ -22,7 +22,8 @@ Case kinds:
              a one-rank ringmpi run (COMM_SELF) for one seed, and differ for
              another step.
 ``errors``   one ConfigError on every rank: position_ids that do not match the
-             layout, no shard context, dropout without a seed.
+             layout, no shard context, a shard given to HF's own attention, dropout
+             without a seed.
 ``invariant`` ``shard_batch(..., invariant=True)``: every attention call's ``o`` and the
              gradients of its ``q, k, v`` (gathered over the ranks) are bitwise what
              ``ringmpi.torch.ring_attention(invariant=True)`` gives on one rank for the same
@@ -55,6 +56,9 @@ def config_for(model: str):
     """(config, HF's reference attention) of one tiny model family."""
     if model in ("llama", "packed", "packed-rows", "left-padding", "dropout"):
         return transformers.LlamaConfig(**SMALL), "sdpa"
+    if model == "packed-dynamic":  # dynamic NTK rotary: frequencies from the longest document's length (issue 54)
+        return transformers.LlamaConfig(**dict(SMALL, max_position_embeddings=16), rope_parameters=dict(
+            rope_type="dynamic", factor=2.0, rope_theta=10000.0)), "sdpa"
     if model == "qwen2":
         return transformers.Qwen2Config(**SMALL, attention_bias=True), "sdpa"
     if model == "mistral":
@@ -68,6 +72,10 @@ def config_for(model: str):
         return transformers.GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=9,
                                          layer_types=["sliding_attention", "full_attention"],
                                          experts_implementation="eager"), "eager"
+    if model == "mixtral-padded":  # router load-balancing loss on: computed from every rank's tokens (issue 54)
+        return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                          output_router_logits=True, router_aux_loss_coef=0.5,
+                                          experts_implementation="eager"), "eager"
     raise ValueError(model)
 
 
@@ -89,14 +97,14 @@ def make_batch(case):
     b, n = case.get("B", 1), case["n"]
     ids = torch.from_numpy(rng.integers(1, 64, size=(b, n)))
     batch = {"input_ids": ids, "labels": ids.clone()}
-    if case["model"] == "packed":  # three documents in one row: position_ids restart
+    if case["model"] in ("packed", "packed-dynamic"):  # three documents in one row: position_ids restart
         cuts = [0, n // 3, n // 3 + n // 2, n]
         batch["position_ids"] = torch.cat([torch.arange(cuts[i + 1] - cuts[i]) for i in range(3)])[None]
     if case["model"] == "packed-rows":  # a different pack per row (one long document in row 0)
         rows = [[0, n - 9, n - 8, n], [0, 7, 8, 30, n]]
         batch["position_ids"] = torch.stack([torch.cat([torch.arange(c[i + 1] - c[i]) for i in range(len(c) - 1)])
                                              for c in rows[:b]])
-    if case["model"] == "left-padding":
+    if case["model"] in ("left-padding", "mixtral-padded"):
         mask = torch.ones(b, n, dtype=torch.int64)
         mask[1, :9] = 0
         batch["attention_mask"] = mask
@@ -309,6 +317,9 @@ def errors_case(comm, case):
         shard[rmt.CONTEXT_KEY].positions = shard[rmt.CONTEXT_KEY].layout.indices(comm.Get_rank())
         attempt("zigzag shards, contiguous attention", lambda: model(**shard), "do not match the contiguous")
     attempt("no shard context", lambda: model(input_ids=batch["input_ids"]), "needs the sharded batch")
+    sdpa = build(dict(case, model="llama"), "sdpa", "float64")
+    attempt("a shard for HF's own attention", lambda: sdpa(**rmt.shard_batch(batch, comm=comm, step=0)),
+            "but its attention is 'sdpa'")
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1

@@ -39,7 +39,7 @@ LAYERS = (
     ("parallel", ("ringmpi.parallel",)),  # communicators, topology, the ring, its schedule and passes
     ("public calls", ("ringmpi.attention", "ringmpi.decode", "ringmpi.kvcache", "ringmpi.linear_attention",
                       "ringmpi.causal_conv", "ringmpi.relayout")),
-    ("file job and bridges", ("ringmpi.filejob", "ringmpi.torch", "ringmpi.transformers",
+    ("file job and bridges", ("ringmpi.filejob", "ringmpi.torch", "ringmpi.transformers", "ringmpi.transformers_models",
                               "ringmpi.torch_distributed", "ringmpi.torch_linear")),
     ("commands", ("ringmpi.cli", "ringmpi.bench", "ringmpi.__main__")),
 )

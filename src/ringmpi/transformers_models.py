@@ -1,0 +1,355 @@
+"""Which Hugging Face models a sharded forward computes exactly: the check before it, and the adaptations.
+
+``ringmpi.transformers`` shards the attention and nothing else.  Whatever else in
+a model depends on the whole sequence would run on this rank's shard as if it
+were the whole sequence and give a silently wrong answer, so every sharded
+forward passes through :func:`sharded_call` first:
+
+* **The check, before any compute.**  :func:`model_problem` reads the model
+  (its config's ``layer_types`` and the modules actually present) and names what
+  ringmpi does not shard: a sequence mixer other than attention (state-space
+  and Mamba mixers, linear attention and gated delta rules, convolutions along
+  the sequence, token shift, recurrences), a layer type other than full or
+  sliding attention (chunked, indexed, compressed attention, hybrids), an
+  attention module that computes its scores itself instead of through
+  transformers' attention interface or folds its own ALiBi into a mask (MPT,
+  Falcon with ``alibi``, and the like; ringmpi never sees those), a model with no
+  attention at all, a model that computes its own loss when given labels (its
+  ``out.loss`` would be a per-shard mean), and a model whose attention is HF's own.  The verdict is a function of the
+  model, the same on every rank, agreed with one allgather the first time a
+  model meets a communicator; a refused model raises one ConfigError on every
+  rank, naming the module and what to do, before the embedding runs.
+* **Where it hooks in.**  ``ringmpi.transformers.register()`` wraps
+  ``transformers.PreTrainedModel.__call__`` (once, process-wide): a call that
+  carries ``ringmpi_context`` (what ``shard_batch`` adds) runs the check, then the
+  forward with that context *active* (a context variable), so even a plain
+  ``model(**shard)`` is checked, and a call without it is untouched.  An
+  attention whose model drops the keyword arguments on their way down
+  (StableLM, Falcon) finds the active context instead.
+* **Adaptations**, installed on the model by the check:
+
+  - *Bloom's attention*, which computes its scores itself with an ALiBi bias of
+    local key positions, runs through the attention interface with
+    ``alibi_slopes``: ringmpi's ALiBi in global positions, the same softmax under
+    the causal mask.
+
+  - *Rotary embeddings whose frequencies depend on the sequence length* (HF's
+    ``dynamic_rope_update``: dynamic NTK, LongRoPE, any rope type it
+    recomputes): the frequencies are computed from the global largest position
+    (agreed across the ranks with the position check), then the rotation of this
+    rank's positions, for every layout and explicit positions.
+  - *Router auxiliary losses* (a module's ``load_balancing_loss_func``: per-expert
+    token fractions times mean router probabilities, not a sum over tokens): the
+    router logits of every rank are gathered, the model's own function runs on the
+    whole sequence, and this rank keeps ``L - (P - 1)/P * L.detach()``: the shares
+    sum over the ranks to one process's loss and each rank's gradient flows through
+    its own tokens' logits, as one process's does.
+
+Importing this module imports torch and transformers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import re
+import sys
+import weakref
+from typing import Optional
+
+import torch
+import transformers
+from transformers import modeling_rope_utils
+
+from .runtime.errors import ConfigError, agree
+from .runtime.watchdog import phase
+
+CONTEXT_KEY = "ringmpi_context"
+NAME = "ringmpi"
+
+# the ShardContext of the sharded forward running now (None outside one)
+ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ringmpi_active_context", default=None)
+
+# config layer types the integration runs exactly: attention it shards, layers that mix no tokens
+SHARDED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "moe", "mlp", "sparse", "dense"})
+# modules that mix tokens along the sequence outside attention, by class name
+_MIXER = re.compile(r"mamba|mixer|ssm|deltanet|delta_?attention|linear_?attention|lightning|rwkv|lstm|recurrent"
+                    r"|rglru|retention|short_?conv|time_?mix|token_?shift|time_?shift", re.I)
+_ATTENTION = re.compile(r"attention|attn|mla$", re.I)
+_NOT_A_MIXER = re.compile(r"norm|embedding|rotary|mlp$|feedforward$|experts?$|gate$|router$", re.I)
+
+_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (key, problem)
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatches(cls) -> bool:
+    """Does ``cls.forward`` compute its attention through transformers' attention interface?"""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+def _layer_types(config) -> list:
+    """``layer_types`` of the model's (text) config, or []."""
+    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
+        types = getattr(cfg, "layer_types", None) if cfg is not None else None
+        if isinstance(types, (list, tuple)):
+            return list(types)
+    return []
+
+
+def _module_names(found: list, limit: int = 3) -> str:
+    shown = ", ".join(f"{name} ({cls})" for name, cls in found[:limit])
+    return shown + (f" and {len(found) - limit} more" if len(found) > limit else "")
+
+
+def _own_alibi(config) -> Optional[str]:
+    """The config field that turns on a model's own ALiBi, or None."""
+    for name, cfg in (("config", config), ("config.attn_config", getattr(config, "attn_config", None))):
+        if cfg is None:
+            continue
+        for field in ("alibi", "use_alibi"):
+            value = cfg.get(field) if isinstance(cfg, dict) else getattr(cfg, field, None)
+            if value is True:
+                return f"{name}.{field}"
+        if getattr(cfg, "position_embedding_type", None) == "alibi":
+            return f"{name}.position_embedding_type"
+    return None
+
+
+def model_problem(model: torch.nn.Module) -> Optional[str]:
+    """Why a sharded forward of ``model`` would not compute what one process computes, or None.
+
+    A pure function of the model (its config and modules): the same on every rank."""
+    arch = type(model).__name__
+    odd = sorted({t for t in _layer_types(model.config) if t not in SHARDED_LAYER_TYPES})
+    if odd:
+        layers = [i for i, t in enumerate(_layer_types(model.config)) if t in odd]
+        return (f"{arch} has {'/'.join(odd)} layers (layers {layers[:6]}{' ...' if len(layers) > 6 else ''} of "
+                "config.layer_types), which mix tokens along the sequence in a way ringmpi does not shard (it "
+                "shards full and sliding-window softmax attention only): run this model on one process, or "
+                "without those layers")
+    alibi = _own_alibi(model.config)
+    if alibi:
+        return (f"{arch} adds its own ALiBi position bias ({alibi}), built from each shard's local positions and "
+                "not handed to ringmpi's ALiBi: run it on one process")
+    convs, mixers, own, dispatching = [], [], [], []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if _dispatches(cls) or _adapter(cls) is not None:
+            dispatching.append(name)
+            continue
+        if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
+            convs.append((name, f"Conv1d, kernel {module.kernel_size[0]}"))
+        elif isinstance(module, transformers.PreTrainedModel) or _NOT_A_MIXER.search(cls.__name__):
+            continue
+        elif _MIXER.search(cls.__name__):
+            mixers.append((name, cls.__name__))
+        elif _ATTENTION.search(cls.__name__) and not any(
+                _dispatches(type(m)) for m in module.modules()):
+            own.append((name, cls.__name__))
+    if mixers or convs:
+        kind = "state-space / linear-attention / recurrent" if mixers else "convolution along the sequence"
+        return (f"{arch} contains a {kind} sequence mixer that ringmpi does not shard: "
+                f"{_module_names(mixers + convs)}; it would run on each rank's shard as if it were the whole "
+                "sequence. ringmpi shards softmax attention only: run this model on one process")
+    if own:
+        return (f"{arch}'s attention {_module_names(own)} computes its scores itself (its own position bias or "
+                "mask, e.g. ALiBi) instead of through transformers' attention interface, so ringmpi never sees "
+                "it: this architecture cannot run sharded; run it on one process")
+    if not dispatching:
+        return (f"{arch} has no attention layer that calls transformers' attention interface, so there is "
+                "nothing for ringmpi to shard and its sequence mixing would run per shard: run it on one process")
+    impl = getattr(model.config, "_attn_implementation", None)
+    function = transformers.AttentionInterface._global_mapping.get(impl) if isinstance(impl, str) else None
+    if function is None or getattr(function, "__module__", "").startswith("transformers"):  # HF's own (or eager)
+        return (f"{arch} got a ringmpi_context but its attention is {impl!r}: build it with "
+                f"attn_implementation='{NAME}' (after ringmpi.transformers.register())")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _uses_loss_function(cls) -> bool:
+    """Does ``cls.forward`` compute its loss with transformers' ``self.loss_function``?"""
+    try:
+        return "self.loss_function(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def check(model: torch.nn.Module, comm) -> None:
+    """Collective the first time ``model`` meets ``comm``: one ConfigError on every rank when
+    :func:`model_problem` finds one; else install the adaptations (idempotent)."""
+    key = (id(comm), getattr(model.config, "_attn_implementation", None))
+    seen = _verdicts.get(model)
+    if seen is not None and seen[0] == key:
+        problem = seen[1]
+        if problem is not None:
+            raise ConfigError(problem)
+        return
+    problem = model_problem(model)
+    _verdicts[model] = (key, problem)
+    agree(comm, problem)
+    _adapt_attention(model)
+    _adapt_rotary(model)
+    _adapt_router_losses(model)
+
+
+def sharded_call(call, model, args, kwargs):
+    """``call(model, *args, **kwargs)`` for a model call carrying a ringmpi_context: checked first
+    (:func:`check`, ``position_ids`` too), then run with the context active."""
+    ctx = kwargs.get(CONTEXT_KEY)
+    if ctx is None or ACTIVE.get() is not None:  # not sharded, or an inner model of a sharded forward
+        return call(model, *args, **kwargs)
+    check(model, ctx.comm)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing and model.training and any(
+            _adapter(type(m)) is not None for m in model.modules()):  # the same on every rank
+        raise ConfigError(f"{type(model).__name__} with gradient checkpointing would recompute its adapted "
+                          "attention in the backward, outside the sharded forward: turn gradient checkpointing off")
+    if kwargs.get("labels") is not None and not _uses_loss_function(type(model)):  # the same on every rank
+        raise ConfigError(f"{type(model).__name__} computes its loss itself, not with transformers' "
+                          "loss_function (which takes shard_batch's num_items_in_batch and shift_labels), so its "
+                          "out.loss would be a per-shard mean: drop labels and compute the loss from out.logits "
+                          "and shard['shift_labels'] / shard['num_items_in_batch']")
+    ctx.check_positions(kwargs.get("position_ids"))
+    token = ACTIVE.set(ctx)
+    try:
+        return call(model, *args, **kwargs)
+    finally:
+        ACTIVE.reset(token)
+
+
+# ---- attention modules that compute their scores themselves, mapped onto ringmpi's
+
+def _adapter(cls):
+    """The sharded forward of an attention class that computes its own scores, or None."""
+    return _ADAPTERS.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _adapt_attention(model) -> None:
+    for module in model.modules():
+        adapter = _adapter(type(module))
+        if adapter is not None and "forward" not in module.__dict__:
+            module.forward = adapter(module, model.config, module.forward)
+
+
+def _bloom_attention(module, config, original):
+    """Bloom's attention through the attention interface, its ALiBi as ringmpi's in global positions.
+
+    Bloom scores ``inv_norm_factor * q.k + beta * slope_h * j`` (key position ``j``); under the causal
+    mask that is, row by row, ``-beta * slope_h * (i - j)`` plus a constant, which softmax drops:
+    ringmpi's ALiBi with slopes ``beta * slopes``."""
+    from transformers.models.bloom import modeling_bloom as bloom
+
+    def forward(hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        if ACTIVE.get() is None:
+            return original(hidden_states, residual, alibi, attention_mask, layer_past, use_cache,
+                            output_attentions, **kwargs)
+        batch, length, _ = hidden_states.shape
+        query, key, value = module._reshape(module.query_key_value(hidden_states))
+        slopes = bloom._get_alibi_slopes(module.num_heads, hidden_states.device) * module.beta
+        attend = transformers.AttentionInterface._global_mapping[config._attn_implementation]
+        out, _ = attend(module, query, key, value, None,
+                        dropout=module.attention_dropout.p if module.training else 0.0,
+                        scaling=module.inv_norm_factor, is_causal=True, alibi_slopes=slopes.float())
+        context = out.reshape(batch, length, module.num_heads * module.head_dim)
+        if module.pretraining_tp > 1 and module.slow_but_exact:
+            slices = module.hidden_size / module.pretraining_tp
+            output = torch.zeros_like(context)
+            for i in range(module.pretraining_tp):
+                cut = slice(int(i * slices), int((i + 1) * slices))
+                output = output + torch.nn.functional.linear(context[:, :, cut], module.dense.weight[:, cut])
+        else:
+            output = module.dense(context)
+        return bloom.dropout_add(output, residual, module.hidden_dropout, module.training), None
+    return forward
+
+
+_ADAPTERS = {"transformers.models.bloom.modeling_bloom.BloomAttention": _bloom_attention}
+
+
+# ---- rotary embeddings whose frequencies depend on the sequence length
+
+_DYNAMIC_ROPE_CODE = modeling_rope_utils.dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+
+def _adapt_rotary(model) -> None:
+    """Every rotary module whose forward is HF's ``dynamic_rope_update`` wrapper computes its
+    frequencies from the global largest position during a sharded forward."""
+    for module in model.modules():
+        forward = type(module).__dict__.get("forward") or getattr(type(module), "forward", None)
+        if getattr(forward, "__code__", None) is not _DYNAMIC_ROPE_CODE or "forward" in module.__dict__:
+            continue
+        module.forward = _global_length_forward(module, forward)
+
+
+def _global_length_forward(module, wrapper):
+    rope_forward = wrapper.__wrapped__
+
+    def forward(x, position_ids, *args, **kwargs):
+        ctx = ACTIVE.get()
+        if ctx is None or ctx.position_max is None:
+            return wrapper(module, x, position_ids, *args, **kwargs)
+        last = torch.full((1, 1), ctx.position_max, dtype=position_ids.dtype, device=position_ids.device)
+        wrapper(module, x, last, *args, **kwargs)  # the frequency update, from the whole sequence's length
+        return rope_forward(module, x, position_ids, *args, **kwargs)
+    return forward
+
+
+# ---- router losses that are not sums over tokens
+
+def _adapt_router_losses(model) -> None:
+    """The model's modeling module's ``load_balancing_loss_func`` computes from every rank's
+    router logits during a sharded forward (wrapped once per module, a no-op outside one)."""
+    module = sys.modules.get(type(model).__module__)
+    original = getattr(module, "load_balancing_loss_func", None)
+    if original is None or getattr(original, "_ringmpi_global", False):
+        return
+    module.load_balancing_loss_func = _global_router_loss(original)
+
+
+def _global_router_loss(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def loss(*args, **kwargs):
+        ctx = ACTIVE.get()
+        bound = signature.bind(*args, **kwargs)
+        names = list(signature.parameters)
+        gate_logits = bound.arguments.get(names[0])
+        if ctx is None or not isinstance(gate_logits, (tuple, list)):
+            return original(*args, **kwargs)
+        bound.arguments[names[0]] = type(gate_logits)(
+            _gather_tokens(g, ctx) if isinstance(g, torch.Tensor) else g for g in gate_logits)
+        if "attention_mask" in signature.parameters:
+            bound.arguments["attention_mask"] = ctx.global_padding_mask()
+        whole = original(*bound.args, **bound.kwargs)
+        if not isinstance(whole, torch.Tensor):
+            return whole
+        size = ctx.comm.Get_size()
+        return whole - whole.detach() * ((size - 1) / size)
+    loss._ringmpi_global = True
+    return loss
+
+
+def _gather_tokens(logits, ctx):
+    """``(B * S_local, E)`` router logits of this rank -> ``(B * N, E)``: every rank's rows, rank
+    after rank (the losses are sums over tokens: order is free), this rank's still in the graph."""
+    batch, local = ctx.batch_shape
+    fits = logits.shape[0] == batch * local
+    rows = logits.reshape(batch, local, -1) if fits else None
+    with phase("transformers: every rank's router logits (allgather)"):
+        parts = ctx.comm.allgather(None if rows is None else rows.detach().cpu())
+    if any(p is None for p in parts):  # on every rank alike
+        raise ConfigError(f"rank {parts.index(None)}'s router logits are not one row per token: ringmpi cannot make this model's router loss global; set "
+                          "output_router_logits=False")
+    parts[ctx.comm.Get_rank()] = rows
+    whole = torch.cat([p.to(rows.device, rows.dtype) for p in parts], dim=1)
+    return whole.reshape(-1, whole.shape[-1])
