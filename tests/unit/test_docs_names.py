@@ -44,6 +44,9 @@ NOT_CODE = {
     "out.loss": "a Hugging Face model output's field",
     "out.logits": "a Hugging Face model output's field",
     "sinks.grad": "a torch tensor's gradient (the sinks a caller passes)",
+    "config.alibi": "a Hugging Face config's field (the sweep's refusal reasons)",
+    "config.attn_config.alibi": "a Hugging Face config's field (the sweep's refusal reasons)",
+    "config.layer_types": "a Hugging Face config's field",
 }
 REPO_DIRS = ("src", "tests", "jobs", "scripts", "data", "docs", ".ci")
 FILE_SUFFIXES = (".py", ".md", ".c", ".h", ".cu", ".cuh", ".sh", ".yml", ".toml", ".h5", ".sbatch", ".png")
