@@ -4,11 +4,21 @@ Used by the drivers that ``mpi_util.run_cases`` starts (``ring_cases.py``,
 ``decode_cases.py``, ``torch_cases.py``, ...): a case is ``call(case) -> (ok, msg)``;
 an exception is reported as that case's failure and the launch goes on, so one
 broken case cannot hide the others.
+
+A driver runs as a script (``mpirun python tests/mpi/ring_cases.py cases.json``), so its own
+folder is on the path and the drivers import each other by name; importing this module first
+puts ``tests/support`` beside it, as pyproject's ``pythonpath`` does under pytest: the one
+place a driver's path is set.
 """
 
 import json
 import sys
 import traceback
+from pathlib import Path
+
+SUPPORT = str(Path(__file__).resolve().parent.parent / "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(1, SUPPORT)
 
 
 def run_all(comm, cases, call):

@@ -12,19 +12,17 @@ reference on the gathered cache (docs/design.md's tolerance rule) and prints
 """
 
 import json
-import os
 import sys
 
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from case_driver import run_all  # noqa: E402
-import ringmpi  # noqa: E402
-import ringmpi.kvcache  # noqa: E402
-from ringmpi import Layout  # noqa: E402
+from case_driver import run_all
+import reference
+import ringmpi
+import ringmpi.kvcache
+from ringmpi import Layout
 
 
 def dtype_of(name):

@@ -22,12 +22,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import BACKEND, converters, make_inputs  # noqa: E402
-import ringmpi  # noqa: E402
-from ringmpi import Layout  # noqa: E402
+from case_driver import agreed_error, run_file
+import reference
+from finite_differences import ring_fd_worst
+from ring_cases import BACKEND, converters, make_inputs
+import ringmpi
+from ringmpi import Layout
 
 
 def _setup(comm, case):
@@ -82,33 +82,10 @@ def ref_case(comm, case):
 
 
 def fd_case(comm, case):
-    rank = comm.Get_rank()
     case = dict(case, dtype="float64")
     (q, k, v, do, _, _), (lay_q, lay_kv), _, kw = _setup(comm, case)
-    to_backend, to_host = converters()
-
-    def shards(qg, kg, vg):
-        return [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, qg), (lay_kv, kg), (lay_kv, vg))]
-
-    def loss(qg, kg, vg):
-        o, _ = ringmpi.ring_attention(*shards(qg, kg, vg), **kw)
-        return comm.allreduce(float(np.sum(to_host(o) * lay_q.shard(do, rank))))
-
-    args = shards(q, k, v)
-    o, lse = ringmpi.ring_attention(*args, **kw)
-    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, **kw)
-    full = [lay.unshard(comm.allgather(to_host(g)), axis=1) for lay, g in zip((lay_q, lay_kv, lay_kv), grads)]
-    rng = np.random.default_rng(7)
-    eps, worst = 1e-5, 0.0
-    for which in range(3):
-        for _ in range(3):
-            direction = rng.standard_normal((q, k, v)[which].shape)
-            plus, minus = [q, k, v], [q, k, v]
-            plus[which] = plus[which] + eps * direction
-            minus[which] = minus[which] - eps * direction
-            numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
-            analytic = float(np.sum(full[which] * direction))
-            worst = max(worst, abs(numeric - analytic) / max(1.0, abs(numeric)))
+    worst = ring_fd_worst(comm, lay_q, lay_kv, q, k, v, do, kw, converters(), np.random.default_rng(7),
+                          probes=3, eps=1e-5, directions=True)
     return worst < 1e-7, f"finite-difference worst relative error {worst:.3g}"
 
 

@@ -14,19 +14,16 @@ run ``decode_attention`` over a D_v-wide cache (given shards and a ``KVCache``);
 ``kind: "torch"`` cases compare ``ringmpi.torch`` with torch's SDPA.
 """
 
-import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-import ring_cases  # noqa: E402
-from case_driver import agreed_error, run_file  # noqa: E402
-import ringmpi  # noqa: E402
-import ringmpi.core.dtypes  # noqa: E402
-from ringmpi import Layout  # noqa: E402
+from case_driver import agreed_error, run_file
+import reference
+import ring_cases
+import ringmpi
+import ringmpi.core.dtypes
+from ringmpi import Layout
 
 
 def make_inputs(case):

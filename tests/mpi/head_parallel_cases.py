@@ -26,13 +26,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import ring_cases  # noqa: E402
-from case_driver import run_all  # noqa: E402
-import ringmpi  # noqa: E402
-from ringmpi import Layout  # noqa: E402
-from ringmpi.parallel.head_parallel import ExchangeRecord, kv_heads_of  # noqa: E402
-from ringmpi.parallel.topology import group_members, node_ids  # noqa: E402
+from case_driver import run_all
+import ring_cases
+import ringmpi
+from ringmpi import Layout
+from ringmpi.parallel.head_parallel import ExchangeRecord, kv_heads_of
+from ringmpi.parallel.topology import group_members, node_ids
 
 BACKEND = ring_cases.BACKEND
 

@@ -25,20 +25,18 @@ that is not whole tiles is one ConfigError on every rank.  A case's ``backend`` 
 import hashlib
 import json
 import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import Assignment, make_inputs  # noqa: E402
-from variant_cases import make_alibi, make_sinks  # noqa: E402
-import ringmpi  # noqa: E402
-from ringmpi import Layout  # noqa: E402
-from ringmpi.core.global_tiles import TILE, shard_problem  # noqa: E402
-from ringmpi.core.host import to_host  # noqa: E402
+from case_driver import agreed_error, run_file
+import reference
+from ring_cases import Assignment, make_inputs
+from variant_cases import make_alibi, make_sinks
+import ringmpi
+from ringmpi import Layout
+from ringmpi.core.global_tiles import TILE, shard_problem
+from ringmpi.core.host import to_host
 
 OUTPUTS = ("o", "lse", "max_logit", "dq", "dk", "dv", "dsinks")
 

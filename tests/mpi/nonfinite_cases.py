@@ -32,12 +32,12 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from random_inputs import attention_inputs  # noqa: E402
-import ringmpi  # noqa: E402
-from ringmpi import Layout  # noqa: E402
-from ringmpi.core.dtypes import BFLOAT16  # noqa: E402
+import case_driver  # noqa: F401 (puts tests/support on the path)
+import reference
+from random_inputs import attention_inputs
+import ringmpi
+from ringmpi import Layout
+from ringmpi.core.dtypes import BFLOAT16
 
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 

@@ -11,18 +11,17 @@ case: ``CASE <json>``.  The backend comes from ``RINGMPI_TEST_BACKEND``
 """
 
 import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from case_driver import agreed_error, run_file  # noqa: E402
-from random_inputs import attention_inputs  # noqa: E402
-import ringmpi  # noqa: E402
-import ringmpi.core.dtypes  # noqa: E402
-from ringmpi import Layout  # noqa: E402
+from case_driver import agreed_error, run_file
+import reference
+from finite_differences import ring_fd_worst
+from random_inputs import attention_inputs
+import ringmpi
+import ringmpi.core.dtypes
+from ringmpi import Layout
 
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 
@@ -260,39 +259,14 @@ def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window):
 
 def fd_case(comm, case):
     """Finite-difference check of the ring backward against the ring forward (float64)."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    size = comm.Get_size()
     case = dict(case, dtype="float64")
     q, k, v, do, _, _ = make_inputs(case)
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
     kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), backend=BACKEND)
-    to_backend, to_host = converters()
-
-    def loss(qg, kg, vg):
-        o, _ = ringmpi.ring_attention(*(to_backend(lay.shard(x, rank)) for lay, x in
-                                        ((lay_q, qg), (lay_kv, kg), (lay_kv, vg))), **kw)
-        return comm.allreduce(float(np.sum(to_host(o) * lay_q.shard(do, rank))))
-
-    args = [to_backend(x) for x in (lay_q.shard(q, rank), lay_kv.shard(k, rank), lay_kv.shard(v, rank))]
-    o, lse = ringmpi.ring_attention(*args, **kw)
-    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, **kw)
-    full = [lay.unshard(comm.allgather(to_host(g)), axis=1) for lay, g in zip((lay_q, lay_kv, lay_kv), grads)]
-    worst = fd_worst(loss, [q, k, v], full, np.random.default_rng(123), probes=4)
+    worst = ring_fd_worst(comm, lay_q, lay_kv, q, k, v, do, kw, converters(), np.random.default_rng(123),
+                          probes=4, eps=1e-6)
     return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
-
-
-def fd_worst(loss, base, full, rng, probes, eps=1e-6):
-    """The worst relative error of central differences of ``loss(*base)`` against the
-    gradients ``full``, at ``probes`` random entries of each array of ``base``."""
-    worst = 0.0
-    for which in range(len(base)):
-        for _ in range(probes):
-            idx = tuple(int(rng.integers(0, s)) for s in base[which].shape)
-            plus, minus = [x.copy() for x in base], [x.copy() for x in base]
-            plus[which][idx] += eps
-            minus[which][idx] -= eps
-            numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
-            worst = max(worst, abs(numeric - full[which][idx]) / max(1.0, abs(numeric)))
-    return worst
 
 
 def bf16_errors_case(comm, case):

@@ -17,31 +17,20 @@ Rank 0 prints one ``CASE <json>`` line per case (``case_driver.run_all``).
 
 import gc
 import json
-import os
 import sys
 import tracemalloc
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-from case_driver import run_all  # noqa: E402
-import reference  # noqa: E402
-from random_inputs import attention_inputs  # noqa: E402
-import ringmpi  # noqa: E402
-from ringmpi import Layout  # noqa: E402
-from ringmpi.parallel import channels  # noqa: E402
-from ringmpi.parallel import ring_schedule as schedule_mod  # noqa: E402
-from ringmpi.backends import numpy_backend  # noqa: E402
-
-
-def _inputs(case):
-    b, n, h, hkv, d = case["B"], case["N"], case["H"], case["Hkv"], case["D"]
-    q, k, v, do = (x.astype(np.float32) for x in attention_inputs(case["seed"], b, n, h, hkv, d))
-    seg = None
-    if case.get("segments"):
-        seg = np.broadcast_to(np.arange(n) * case["segments"] // n, (b, n)).astype(np.int64).copy()
-    return q, k, v, do, seg
+from case_driver import run_all
+import reference
+from random_inputs import attention_inputs
+import ringmpi
+from ringmpi import Layout
+from ringmpi.parallel import channels
+from ringmpi.parallel import ring_schedule as schedule_mod
+from ringmpi.backends import numpy_backend
 
 
 def _backward_peak(call):
@@ -56,7 +45,12 @@ def _backward_peak(call):
 
 def run_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
-    q_all, k_all, v_all, do_all, seg = _inputs(case)
+    b, n = case["B"], case["N"]
+    q_all, k_all, v_all, do_all = attention_inputs(case["seed"], b, n, case["H"], case["Hkv"], case["D"],
+                                                   dtype=np.float32)
+    seg = None  # contiguous runs of ids: documents
+    if case.get("segments"):
+        seg = np.broadcast_to(np.arange(n) * case["segments"] // n, (b, n)).astype(np.int64).copy()
     lay = Layout(case["layout"], q_all.shape[1], size)
     kw = dict(comm=comm, layout=case["layout"], causal=case["causal"], backend="numpy")
     if seg is not None:

@@ -76,14 +76,10 @@ def test_dv_case(results, launch, case):
 
 
 # ----------------------------------------------------------------- in-process (P = 1)
-def _inputs(d, dv, n=40, b=1, h=4, hkv=2, seed=3):
-    return attention_inputs(seed, b, n, h, hkv, d, dv=dv)
-
-
 def test_nan_in_v_reaches_only_its_column_and_the_queries_that_see_it():
     import ringmpi
 
-    q, k, v, _ = _inputs(24, 40)
+    q, k, v, _ = attention_inputs(3, 1, 40, 4, 2, 24, dv=40)
     j, col = 17, 33
     bad = v.copy()
     bad[0, j, 1, col] = np.nan
@@ -103,7 +99,7 @@ def test_default_path_unchanged_by_the_value_dim_plumbing():
     """D_v == D: the result is bitwise the one of the same call with D_v taken from v."""
     import ringmpi
 
-    q, k, v, do = _inputs(32, 32)
+    q, k, v, do = attention_inputs(3, 1, 40, 4, 2, 32, dv=32)
     o, lse = ringmpi.ring_attention(q, k, v, causal=True, backend="numpy")
     grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, causal=True, backend="numpy")
     ref_o, ref_lse = reference.dense_forward(q, k, v, reference.visible(40, 40, True), 1 / np.sqrt(32), np.float64)

@@ -15,7 +15,7 @@ import pytest
 
 from cli_util import RINGMPI
 from file_check import check_case
-from mpi_util import DRIVERS, mpirun
+from mpi_util import DRIVERS, launch_cache, mpirun
 
 WORLD_SIZES = (1, 3)
 NARROW = ["--n", "41", "--heads", "4", "--kv-heads", "2", "--dim", "24", "--dim-v", "8", "--with-do", "--seed", "5"]
@@ -30,16 +30,20 @@ CASES = [
                          "--dim-v", "128", "--with-do", "--dtype", "float16"], run=["--causal", "--backward"]),
     dict(id="forward-only", data=["--n", "20", "--heads", "2", "--dim", "16", "--dim-v", "12"], run=[]),
 ]
-_LAUNCHES = {}
+
+
+def _run(p, tmp_path_factory):
+    where = tmp_path_factory.mktemp(f"dv_files_P{p}")
+    spec = where / "cases.json"
+    spec.write_text(json.dumps(CASES))
+    return mpirun(p, [sys.executable, DRIVERS / "file_cases.py", spec, where], 240) + (where,)
+
+
+_runs = launch_cache(_run)
 
 
 def _launch(tmp_path_factory, p):
-    if p not in _LAUNCHES:
-        where = tmp_path_factory.mktemp(f"dv_files_P{p}")
-        spec = where / "cases.json"
-        spec.write_text(json.dumps(CASES))
-        _LAUNCHES[p] = mpirun(p, [sys.executable, DRIVERS / "file_cases.py", spec, where], 240) + (where,)
-    rc, out, err, _, where = _LAUNCHES[p]
+    rc, out, err, _, where = _runs(p, tmp_path_factory)
     assert rc == 0, f"mpirun -n {p} file_cases.py exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
     return where, out
 

@@ -20,7 +20,7 @@ import pytest
 import reference
 from cli_util import RINGMPI
 from file_check import check_case, load_file
-from mpi_util import DRIVERS, ROOT, mpirun, mpirun_env
+from mpi_util import DRIVERS, ROOT, launch_cache, mpirun, mpirun_env
 
 WORLD_SIZES = (1, 2, 3, 4)
 BASE = ["--n", "67", "--heads", "4", "--kv-heads", "2", "--dim", "8", "--with-do", "--seed", "7"]
@@ -67,19 +67,23 @@ def cases():
 
 
 CASES = cases()
-_LAUNCHES = {}
+
+
+def _run(p, tmp_path_factory):
+    where = tmp_path_factory.mktemp(f"files_P{p}")
+    spec = where / "cases.json"
+    spec.write_text(json.dumps(CASES))
+    rc, out, err, secs = mpirun(p, [sys.executable, DRIVERS / "file_cases.py", spec, where], 240)
+    return rc, out, err, where
+
+
+_runs = launch_cache(_run)  # (rc, out, err, where) per world size, started by the launch fixture
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     def get(p):
-        if p not in _LAUNCHES:
-            where = tmp_path_factory.mktemp(f"files_P{p}")
-            spec = where / "cases.json"
-            spec.write_text(json.dumps(CASES))
-            rc, out, err, secs = mpirun(p, [sys.executable, DRIVERS / "file_cases.py", spec, where], 240)
-            _LAUNCHES[p] = (rc, out, err, where)
-        rc, out, err, where = _LAUNCHES[p]
+        rc, out, err, where = _runs(p, tmp_path_factory)
         assert rc == 0, f"mpirun -n {p} file_cases.py exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
         return where
     return get
@@ -108,7 +112,7 @@ def test_balanced_layout_runs_the_schedule_auto_chose(launch):
     """``--layout balanced`` let ``schedule="auto"`` choose by predicted time (issue 53), and the
     summary says what it chose, its prediction and the runner-up's."""
     launch(3)
-    _, out, err, _ = _LAUNCHES[3]
+    _, out, err, _ = _runs(3)
     summary = out.split("layout balanced")[1].splitlines()
     assert any(re.match(r"  K/V schedule: [a-z, ]+ \(chosen by "
                         r"schedule auto: predicted [0-9.e+-]+ s, runner-up \w+ [0-9.e+-]+ s\); bytes received "
@@ -119,7 +123,7 @@ def test_balanced_layout_runs_the_schedule_auto_chose(launch):
 def test_passes_were_used(launch):
     """The "passes" case (B=3, two kv-head groups, a 1-byte budget) ran as six passes."""
     launch(2)
-    _, out, err, _ = _LAUNCHES[2]
+    _, out, err, _ = _runs(2)
     summary = [line for line in out.splitlines() if line.startswith("ringmpi run: N=40 B=3 ")]
     assert len(summary) == 1 and summary[0].endswith(", 6 pass(es)"), out[-3000:]
     assert "[ringmpi] 12/12 backward batch 2:3 kv heads 1:2" in err, err[-3000:]
@@ -143,7 +147,7 @@ def test_run_reports_progress_on_rank_0_and_quiet_silences_it(launch):
     pipe), once (rank 0 only), with the pass, the step of P, a share done that never goes back,
     and a rate and time left once a step has ended; ``--quiet`` prints no progress and no pass lines."""
     launch(3)
-    _, _, err, _ = _LAUNCHES[3]
+    _, _, err, _ = _runs(3)
     lines = case_messages(err, "progress")
     matched = [PROGRESS.match(x) for x in lines if PROGRESS.match(x)]
     assert matched, lines

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpi_util import DRIVERS, case_records, mpirun, mpirun_env
+from mpi_util import DRIVERS, case_records, launch_cache, mpirun, mpirun_env
 
 N, B, H, HKV, D = 23, 2, 4, 2, 8
 
@@ -32,20 +32,22 @@ def cases():
 CASES = cases()
 # one tile per block at P = 3; many small tiles per block (state turning NaN mid-block) at P = 4
 LAUNCHES = {"tiles-default-P3": (3, {}), "tiles-3x2-P4": (4, {"RINGMPI_TILE_Q": 3, "RINGMPI_TILE_KV": 2})}
-_RESULTS = {}
+
+
+def _launch(key, tmp_path_factory, p, cases, **env):
+    path = tmp_path_factory.mktemp("nonfinite") / "cases.json"
+    path.write_text(json.dumps(cases))
+    rc, out, err, _ = mpirun(p, [sys.executable, DRIVERS / "nonfinite_cases.py", path], 300, env=mpirun_env(**env))
+    return rc, {id_: (rec["ok"], rec["msg"]) for id_, rec in case_records(out).items()}, err
+
+
+_launches = launch_cache(_launch)  # shared with test_nonfinite_dtypes and the GPU's test_nonfinite_gpu
 
 
 def nonfinite_results(tmp_path_factory, key, p, cases, **env):
     """``(mpirun exit code, {id: (ok, msg)}, stderr)`` of ``cases`` in one launch of
     ``nonfinite_cases.py`` on ``p`` ranks, run the first time ``key`` is asked for."""
-    if key not in _RESULTS:
-        path = tmp_path_factory.mktemp("nonfinite") / "cases.json"
-        path.write_text(json.dumps(cases))
-        rc, out, err, _ = mpirun(p, [sys.executable, DRIVERS / "nonfinite_cases.py", path], 300,
-                                 env=mpirun_env(**env))
-        found = {id_: (rec["ok"], rec["msg"]) for id_, rec in case_records(out).items()}
-        _RESULTS[key] = (rc, found, err)
-    return _RESULTS[key]
+    return _launches(key, tmp_path_factory, p, cases, **env)
 
 
 def results(tmp_path_factory, launch):

@@ -24,8 +24,9 @@ B, N, H, HKV, D = 2, 37, 4, 2, 8
 SPLITS = (0, 11, 25, 37)  # three visiting blocks of uneven length
 
 
-def _inputs(seed, bad=None):
-    arrays = dict(zip(("q", "k", "v", "do"), (x.astype(np.float32) for x in attention_inputs(seed, B, N, H, HKV, D))))
+def _arrays(seed, bad=None):
+    """The float32 inputs by name, with ``bad = (name, value, token)`` written into one of them."""
+    arrays = dict(zip(("q", "k", "v", "do"), attention_inputs(seed, B, N, H, HKV, D, dtype=np.float32)))
     if bad is not None:
         name, value, token = bad
         arrays[name][1, token, 1 if name in ("q", "do") else 0, 3] = value
@@ -71,7 +72,7 @@ def test_resident_state_is_bitwise_the_per_block_computation(monkeypatch, bad, t
     monkeypatch.setattr(nb, "TILE_Q", tiles[0])
     monkeypatch.setattr(nb, "TILE_KV", tiles[1])
     be = NumpyBackend()
-    x = _inputs(1, bad)
+    x = _arrays(1, bad)
     spec = ScoreSpec(causal=True)
     resident = {}
     for got, want in zip(_forward(be, x, spec, resident), _forward(be, x, spec, None)):
@@ -92,7 +93,7 @@ def test_backward_key_tile_order_is_bitwise_the_query_tile_order(monkeypatch, ba
     monkeypatch.setattr(nb, "TILE_Q", 5)
     monkeypatch.setattr(nb, "TILE_KV", 4)
     be = NumpyBackend()
-    x = _inputs(2, bad)
+    x = _arrays(2, bad)
     finished = []
     spec = ScoreSpec(causal=True, window=(20, None))
     qh, doh = be.to_heads(x["q"], np.float32), be.to_heads(x["do"], np.float32)
@@ -132,7 +133,7 @@ def test_a_lone_rank_allocates_no_message_buffers():
     from ringmpi.parallel.ring_schedule import RingSchedule
 
     be = NumpyBackend()
-    x = _inputs(3)
+    x = _arrays(3)
     kh, vh = be.to_heads(x["k"], np.float32), be.to_heads(x["v"], np.float32)
     schedule = RingSchedule(MPI.COMM_SELF, be, kh, vh, kv_counts=[N], q_pos=np.arange(N),
                             kv_pos=np.arange(N), spec=ScoreSpec(), grad_dtype=np.float32)
@@ -146,7 +147,7 @@ def test_a_lone_rank_allocates_no_message_buffers():
 
 
 # ------------------------------------------------------------ the backward's gradient channels
-from mpi_util import run_cases  # noqa: E402
+from mpi_util import launch_cache, mpirun_env, run_cases  # noqa: E402
 
 PIECE_CASES = [
     dict(id="causal-zigzag-gqa", seed=1, B=2, N=45, H=4, Hkv=2, D=8, layout="zigzag", causal=True),
@@ -156,7 +157,15 @@ PIECE_CASES = [
 ]
 # one tile per block at P = 2; many tiles per block (many kv_need/kv_done calls) at P = 3
 PIECE_LAUNCHES = {"tiles-default-P2": (2, {}), "tiles-4x3-P3": (3, {"RINGMPI_TILE_Q": 4, "RINGMPI_TILE_KV": 3})}
-_PIECE_RESULTS = {}
+
+
+def _piece_launch(launch, tmp_path_factory):
+    p, env = PIECE_LAUNCHES[launch]
+    return run_cases(p, PIECE_CASES, tmp_path_factory.mktemp(launch), timeout=240, env=mpirun_env(**env),
+                     driver="speed_cases.py")
+
+
+_piece_results = launch_cache(_piece_launch)
 
 
 @pytest.mark.mpi
@@ -164,13 +173,7 @@ _PIECE_RESULTS = {}
 @pytest.mark.parametrize("case", [c["id"] for c in PIECE_CASES])
 def test_gradients_in_place_hold_a_buffer_less_and_agree(tmp_path_factory, launch, case):
     """Host memory's in-place dK/dV channel against the whole-message one (tests/mpi/speed_cases.py)."""
-    from mpi_util import mpirun_env
-
-    if launch not in _PIECE_RESULTS:
-        p, env = PIECE_LAUNCHES[launch]
-        _PIECE_RESULTS[launch] = run_cases(p, PIECE_CASES, tmp_path_factory.mktemp(launch), timeout=240,
-                                           env=mpirun_env(**env), driver="speed_cases.py")
-    ok, msg = _PIECE_RESULTS[launch][case]
+    ok, msg = _piece_results(launch, tmp_path_factory)[case]
     assert ok, msg
 
 
@@ -179,17 +182,18 @@ MEMORY_CASES = [dict(id="memory-causal", seed=5, B=1, N=1024, H=2, Hkv=2, D=64, 
 MEMORY_LAUNCHES = {"P2": 2, "P3": 3}  # key tiles of 64 rows: the scratch is 1/8 and 1/5 of a block
 
 
+def _memory_launch(launch, tmp_path_factory):
+    return run_cases(MEMORY_LAUNCHES[launch], MEMORY_CASES, tmp_path_factory.mktemp("memory-" + launch),
+                     timeout=240, driver="speed_cases.py", env=mpirun_env(RINGMPI_TILE_KV=64))
+
+
+_memory_results = launch_cache(_memory_launch)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("launch", sorted(MEMORY_LAUNCHES))
 def test_gradients_in_place_peak_a_buffer_lower(tmp_path_factory, launch):
     """At blocks of 512 and 342 rows the in-place channel's peak is one dK/dV buffer lower,
     less the block op's key tile of scratch."""
-    from mpi_util import mpirun_env
-
-    if "memory-" + launch not in _PIECE_RESULTS:
-        _PIECE_RESULTS["memory-" + launch] = run_cases(MEMORY_LAUNCHES[launch], MEMORY_CASES,
-                                                       tmp_path_factory.mktemp("memory-" + launch),
-                                                       timeout=240, driver="speed_cases.py",
-                                                       env=mpirun_env(RINGMPI_TILE_KV=64))
-    ok, msg = _PIECE_RESULTS["memory-" + launch]["memory-causal"]
+    ok, msg = _memory_results(launch, tmp_path_factory)["memory-causal"]
     assert ok, msg

@@ -35,13 +35,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from case_driver import run_all  # noqa: E402
-from ring_cases import make_inputs, placements, position_kw  # noqa: E402
-import ringmpi  # noqa: E402
-import ringmpi.torch as rt  # noqa: E402
-from ringmpi import ConfigError, Layout  # noqa: E402
+from case_driver import run_all
+import reference
+from ring_cases import make_inputs, placements, position_kw
+import ringmpi
+import ringmpi.torch as rt
+from ringmpi import ConfigError, Layout
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32, "float64": torch.float64}

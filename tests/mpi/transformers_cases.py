@@ -32,19 +32,16 @@ Case kinds:
 """
 
 import contextlib
-import os
-import sys
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from case_driver import agreed_error, run_file  # noqa: E402
-import ringmpi  # noqa: E402
-import ringmpi.transformers as rmt  # noqa: E402
-import transformers  # noqa: E402
+from case_driver import agreed_error, run_file
+import reference
+import ringmpi
+import ringmpi.transformers as rmt
+import transformers
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

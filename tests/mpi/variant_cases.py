@@ -18,12 +18,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import reference  # noqa: E402
-from case_driver import agreed_error, run_file  # noqa: E402
-from ring_cases import BACKEND, converters, fd_worst, make_inputs, placements, position_kw  # noqa: E402
-import ringmpi  # noqa: E402
-from ringmpi import Layout  # noqa: E402
+from case_driver import agreed_error, run_file
+import reference
+from finite_differences import ring_fd_worst
+from ring_cases import BACKEND, converters, make_inputs, placements, position_kw
+import ringmpi
+from ringmpi import Layout
 
 
 def make_sinks(case, heads):
@@ -173,21 +173,8 @@ def fd_case(comm, case):
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
     kw, _ = options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks)
     kw.pop("sinks", None)
-    to_backend, to_host = converters()
-
-    def shards(qg, kg, vg):
-        return [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, qg), (lay_kv, kg), (lay_kv, vg))]
-
-    def loss(qg, kg, vg, sg):
-        o, _ = ringmpi.ring_attention(*shards(qg, kg, vg), sinks=to_backend(sg), **kw)
-        return comm.allreduce(float(np.sum(to_host(o) * lay_q.shard(do, rank))))
-
-    o, lse = ringmpi.ring_attention(*shards(q, k, v), sinks=to_backend(sinks), **kw)
-    dq, dk, dv, dsinks = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *shards(q, k, v),
-                                                         o, lse, sinks=to_backend(sinks), **kw)
-    full = [lay.unshard(comm.allgather(to_host(g)), axis=1) for lay, g in ((lay_q, dq), (lay_kv, dk), (lay_kv, dv))]
-    full.append(np.asarray(dsinks))
-    worst = fd_worst(loss, [q, k, v, sinks], full, np.random.default_rng(321), probes=3)
+    worst = ring_fd_worst(comm, lay_q, lay_kv, q, k, v, do, kw, converters(), np.random.default_rng(321),
+                          probes=3, eps=1e-6, sinks=sinks)
     return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
 
 

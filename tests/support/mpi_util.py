@@ -82,14 +82,17 @@ def run_deadline(cmd, timeout, env=None, cwd=None, on_deadline=None, error=None)
 
 
 def launch_cache(launch):
-    """A lazy per-launch cache for a module fixture: ``get(key)`` runs ``launch(key)``
-    (one mpirun with many cases) the first time a test asks for ``key`` and returns
-    the same results afterwards, so a ``-k`` selection starts only the launches it needs."""
+    """A lazy per-launch cache: ``get(key, *args, **kwargs)`` runs ``launch(key, *args, **kwargs)``
+    (one mpirun with many cases) the first time a test asks for ``key`` and returns the same
+    results afterwards (the arguments of later calls are not used), so a ``-k`` selection starts
+    only the launches it needs.  The one cache of the suite's launches: in a module fixture, or
+    at module level where tests of several modules share a launch (``tmp_path_factory`` then
+    among the arguments)."""
     cache = {}
 
-    def get(key):
+    def get(key, *args, **kwargs):
         if key not in cache:
-            cache[key] = launch(key)
+            cache[key] = launch(key, *args, **kwargs)
         return cache[key]
     return get
 

@@ -3,13 +3,24 @@
 import numpy as np
 
 
-def attention_inputs(seed, b, n, h, hkv, d, n_kv=None, dv=None, do=True):
-    """``(q, k, v, do)`` in float64, drawn in that order from ``np.random.default_rng(seed)``
-    (a Generator given as ``seed`` is used and goes on): q ``(b, n, h, d)``, k ``(b, n_kv, hkv, d)``,
+def attention_inputs(seed, b, n, h, hkv, d, n_kv=None, dv=None, do=True, dtype=None, segments=None):
+    """``(q, k, v, do)`` drawn in that order from ``np.random.default_rng(seed)`` (a Generator
+    given as ``seed`` is used and goes on): q ``(b, n, h, d)``, k ``(b, n_kv, hkv, d)``,
     v ``(b, n_kv, hkv, dv)``, do ``(b, n, h, dv)``; ``n_kv`` is ``n`` and ``dv`` is ``d`` unless given;
-    without ``do``, ``(q, k, v)``.  Callers cast (bfloat16 with ``to_dtype``: rounded once)."""
+    without ``do``, ``(q, k, v)``.
+
+    float64 unless ``dtype`` is given (a NumPy dtype, or a name of ``ringmpi.core.dtypes``:
+    bfloat16 is rounded once from float64).  With ``segments``, one more array: ``(b, n)`` int64
+    segment ids, each row ``segments`` ids drawn next from the same generator, sorted."""
     rng = np.random.default_rng(seed)
     n_kv = n if n_kv is None else n_kv
     dv = d if dv is None else dv
     shapes = [(b, n, h, d), (b, n_kv, hkv, d), (b, n_kv, hkv, dv)] + ([(b, n, h, dv)] if do else [])
-    return tuple(rng.standard_normal(shape) for shape in shapes)
+    arrays = [rng.standard_normal(shape) for shape in shapes]
+    if dtype is not None:
+        from ringmpi.core.dtypes import to_dtype
+
+        arrays = [to_dtype(x, dtype) for x in arrays]
+    if segments is not None:
+        arrays.append(np.sort(rng.integers(0, segments, (b, n)), axis=1).astype(np.int64))
+    return tuple(arrays)

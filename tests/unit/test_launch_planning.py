@@ -228,6 +228,21 @@ def test_invariant_kernels_plan_within_every_device(name, acc):
         K.InvariantLaunch(name, K.F16)
 
 
+def test_invariant_constants_have_one_home():
+    """invariant.cu defines none of its tile constants: NVRTC gets them from Python as -D defines,
+    the tile being global_tiles' (the compile test builds the program with these options)."""
+    import re
+
+    from ringmpi.core.global_tiles import TILE
+
+    text = (K.KERNEL_DIR / K.INVARIANT_SOURCE).read_text()
+    options = K.compile_options(K.INVARIANT_SOURCE)
+    assert K.INVARIANT_DEFINES == {"INV_TILE": TILE, "INV_STRIDE": TILE + 1}
+    for name, value in K.INVARIANT_DEFINES.items():
+        assert f"-D{name}={value}" in options and name in text
+        assert not re.search(rf"^\s*#\s*define\s+{name}\b", text, flags=re.M), name
+
+
 def test_invariant_slot_maps_name_each_tile_slots_local_row():
     from ringmpi.backends.invariant_device import slot_map
     from ringmpi.core.global_tiles import TILE, Tiling

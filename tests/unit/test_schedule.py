@@ -13,11 +13,7 @@ from ringmpi.core.masks import ScoreSpec
 from ringmpi.parallel.ring_schedule import RingSchedule
 
 
-def _inputs(seed=0, b=2, s=11, h=4, hkv=2, d=6, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    q, k, v = (x.astype(dtype) for x in attention_inputs(rng, b, s, h, hkv, d, do=False))
-    seg = np.sort(rng.integers(0, 3, (b, s)), axis=1).astype(np.int64)
-    return q, k, v, seg
+SHAPE = (2, 11, 4, 2, 6)  # B, S, H, H_kv, D of attention_inputs
 
 
 def _schedule(k, v, seg, grad_dtype=None, **kw):
@@ -30,7 +26,7 @@ def _schedule(k, v, seg, grad_dtype=None, **kw):
 
 
 def test_yields_the_own_block_with_its_positions_and_segments_from_the_message():
-    q, k, v, seg = _inputs()
+    q, k, v, seg = attention_inputs(0, *SHAPE, do=False, dtype=np.float32, segments=3)
     schedule = _schedule(k, v, seg)
     blocks = list(schedule)
     assert [(b.step, b.src) for b in blocks] == [(0, 0)]
@@ -45,7 +41,7 @@ def test_yields_the_own_block_with_its_positions_and_segments_from_the_message()
 
 
 def test_forward_loop_over_the_schedule_equals_ring_attention_bitwise():
-    q, k, v, seg = _inputs(1)
+    q, k, v, seg = attention_inputs(1, *SHAPE, do=False, dtype=np.float32, segments=3)
     be = NumpyBackend()
     qh = be.to_heads(q, np.float32)
     o_acc = np.zeros(qh.shape, np.float32)
@@ -66,7 +62,7 @@ def test_forward_loop_over_the_schedule_equals_ring_attention_bitwise():
 
 
 def test_backward_schedule_brings_the_finished_grads_home():
-    q, k, v, seg = _inputs(2)
+    q, k, v, seg = attention_inputs(2, *SHAPE, do=False, dtype=np.float32, segments=3)
     be = NumpyBackend()
     o, lse = ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, causal=True,
                                     segment_ids_q=seg, segment_ids_kv=seg)
@@ -95,7 +91,7 @@ def test_backward_schedule_brings_the_finished_grads_home():
 
 def test_fault_points_fire_per_phase(monkeypatch):
     from ringmpi.runtime.faults import InjectedFault
-    q, k, v, seg = _inputs(4)
+    q, k, v, seg = attention_inputs(4, *SHAPE, do=False, dtype=np.float32, segments=3)
     monkeypatch.setenv("RINGMPI_FAULT", "raise:0:0:bwd")
     assert len(list(_schedule(k, v, seg))) == 1  # forward phase: no fault
     with pytest.raises(InjectedFault):
@@ -103,7 +99,7 @@ def test_fault_points_fire_per_phase(monkeypatch):
 
 
 def test_refuses_counts_that_do_not_match_the_ring():
-    q, k, v, seg = _inputs(5)
+    q, k, v, seg = attention_inputs(5, *SHAPE, do=False, dtype=np.float32, segments=3)
     be = NumpyBackend()
     with pytest.raises(ValueError, match="kv_counts"):
         RingSchedule(MPI.COMM_SELF, be, be.to_heads(k, k.dtype), be.to_heads(v, v.dtype), kv_counts=[5, 6],

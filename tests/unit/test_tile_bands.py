@@ -64,10 +64,6 @@ CASES = {
 VARIANTS = {"plain": {}, "softcap": dict(softcap=2.5), "dropout": dict(dropout_p=0.2, dropout_seed=77)}
 
 
-def _inputs(seed):
-    return tuple(x.astype(np.float32) for x in attention_inputs(seed, B, N, H, HKV, D))
-
-
 @pytest.fixture
 def banded(monkeypatch):
     """8 x 8 tiles in bands of 3 rows; yields the band counts of every banded tile."""
@@ -93,7 +89,7 @@ def test_banded_tiles_match_the_dense_reference(banded, case, variant):
     seg = SEG if kw.pop("segments", False) else None
     if seg is not None:
         kw.update(segment_ids_q=seg, segment_ids_kv=seg)
-    q, k, v, do = _inputs(3)
+    q, k, v, do = attention_inputs(3, B, N, H, HKV, D, dtype=np.float32)
     o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
     grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)
     assert any(len(widths) > 1 for widths in banded), "no tile ran as several bands"
@@ -120,7 +116,7 @@ def test_a_nan_under_bands_reaches_only_the_queries_that_see_it(banded, where):
     """Causal: a NaN in key or value ``j`` reaches the queries from ``j`` on (queries
     before it are bitwise the clean run's); a NaN in query ``j`` reaches that query only."""
     name, j = where
-    clean = _inputs(5)
+    clean = attention_inputs(5, B, N, H, HKV, D, dtype=np.float32)
     bad = [x.copy() for x in clean]
     bad["qkv".index(name)][1, j, 0, 3] = np.nan
     runs = []
@@ -153,7 +149,7 @@ def test_kv_done_reports_only_rows_no_later_band_changes(monkeypatch, tiles):
     monkeypatch.setattr(nb, "TILE_KV", tiles[1])
     monkeypatch.setattr(nb, "BAND_Q", tiles[2])
     be = nb.NumpyBackend()
-    q, k, v, do = _inputs(9)
+    q, k, v, do = attention_inputs(9, B, N, H, HKV, D, dtype=np.float32)
     qh, doh = be.to_heads(q, np.float32), be.to_heads(do, np.float32)
     kh, vh = be.to_heads(k, np.float32), be.to_heads(v, np.float32)
     rng = np.random.default_rng(1)

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ..core.global_tiles import TILE
 from ..runtime.device import MIN_CC
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -319,8 +320,10 @@ def backward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = Non
 
 # ------------------------------------------------------------ invariant=True
 INVARIANT_KERNELS = ("max", "forward", "backward")
-INVARIANT_TILE = 64      # global positions per tile (ringmpi.core.global_tiles.TILE); threads per CTA
-INVARIANT_STRIDE = 65    # the backward's shared tile row stride (INV_STRIDE in invariant.cu)
+INVARIANT_TILE = TILE    # global positions per tile; threads per CTA
+INVARIANT_STRIDE = TILE + 1  # the backward's shared tile row stride (no bank conflicts)
+# invariant.cu's constants, stated here only: compile_options passes them as -D defines
+INVARIANT_DEFINES = {"INV_TILE": INVARIANT_TILE, "INV_STRIDE": INVARIANT_STRIDE}
 
 
 @dataclass(frozen=True)
@@ -403,8 +406,11 @@ def instantiations(cc: Optional[int] = None):
 def compile_options(filename: Optional[str] = None):
     """NVRTC options of ``filename``'s program, shared by the runtime loader and the compile
     test: invariant.cu without contraction into FMA (``--fmad=false``: its passes must form a
-    score the same bits in every kernel that forms it)."""
-    return ("--std=c++14",) + (("--fmad=false",) if filename == INVARIANT_SOURCE else ())
+    score the same bits in every kernel that forms it) and with its constants
+    (:data:`INVARIANT_DEFINES`) as ``-D`` defines."""
+    if filename != INVARIANT_SOURCE:
+        return ("--std=c++14",)
+    return ("--std=c++14", "--fmad=false") + tuple(f"-D{name}={value}" for name, value in INVARIANT_DEFINES.items())
 
 
 @functools.lru_cache(maxsize=None)

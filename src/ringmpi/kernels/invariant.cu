@@ -21,8 +21,8 @@
 // backward so is every key such a pair holds, as invariant_tiles states.  The kernels have
 // one thread per tile slot (64 per CTA), no tensor cores: simple first, fast later.
 
-#define INV_TILE 64
-#define INV_STRIDE 65  // shared-memory row stride of the backward's 64 x 64 tile (no bank conflicts)
+// INV_TILE (64 global positions, one thread each) and INV_STRIDE (the shared-memory row stride of
+// the backward's 64 x 64 tile) come as -D defines from ringmpi.kernels.INVARIANT_DEFINES.
 
 // 2^62, 2^92 (the one- and two-word ranges), 2^-30 and 2^30 (the two-word split) as exact doubles
 __device__ __forceinline__ double inv_range(int limbs) {
