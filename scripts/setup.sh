@@ -137,7 +137,7 @@ if ! have mpi4py || ! stack_is_mpicc; then
             && pipq --only-binary=mpi4py 'mpi4py>=4.1' 2>/dev/null && stack_is_mpicc; then
         took "mpi4py: binary wheel, loading $mpi_file (linked from $wheel_link)"
     else
-        [ ! -s "$probe_dir/stack" ] || say "mpi4py's binary wheel does not load $mpi_file: building it from source"
+        [ ! -L "$wheel_link" ] || say "mpi4py's binary wheel does not load $mpi_file: building it from source"
         "$vpy" -m pip uninstall -y -q mpi4py 2>/dev/null || true
         rm -f "$wheel_link"
         say "building mpi4py against $MPICC"
@@ -156,6 +156,9 @@ if ! "$vpy" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' 2
     CC="$MPICC" HDF5_MPI=ON HDF5_DIR="$HDF5_DIR" \
         "$vpy" -m pip install -q --disable-pip-version-check --no-binary=h5py \
         --no-build-isolation --no-cache-dir 'h5py>=3.10'
+    stack_is_mpicc h5py || die "h5py built with $MPICC against $HDF5_DIR does not load $mpi_file only
+(is HDF5_DIR a parallel HDF5 built with another MPI?):
+$(cat "$probe_dir/stack")"
     took "built h5py with $MPICC against $HDF5_DIR"
 fi
 "$vpy" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' \

@@ -39,4 +39,5 @@ def test_info_names_the_library_files():
     rc, out, err, _ = mpirun(2, [RINGMPI, "info"], 60)
     assert rc == 0, err[-3000:]
     assert f"MPI library files: mpi4py loaded {library}, h5py loaded {library}" in out, out
+    assert "MPI: Open MPI (Open MPI v" in out or "MPI: MPICH (" in out, out
     assert "WARNING" not in out, out

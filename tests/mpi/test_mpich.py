@@ -31,7 +31,8 @@ MPICC = "/usr/bin/mpicc.mpich"
 MPIRUN = "/usr/bin/mpirun.mpich"
 HDF5_DIR = f"/usr/lib/{os.uname().machine}-linux-gnu/hdf5/mpich"
 VENV = ROOT / ".venv-mpich"
-LOCK = ROOT / ".venv-mpich.lock"  # one build at a time per checkout (flock)
+LOCK = ROOT / ".venv-mpich.lock"  # one build at a time per checkout
+FLOCK = ["flock", str(LOCK)] if shutil.which("flock") else []
 BUILD_DEADLINE = 1800  # a fresh build on a busy 2-core machine: ~10 min; this much is a hang
 LAUNCH_DEADLINE = 120
 SETUP_ENV = {"MPICC": MPICC, "HDF5_DIR": HDF5_DIR, "RINGMPI_VENV": str(VENV)}
@@ -59,10 +60,13 @@ def start_compiling(items=None):
     if items is not None and not any(getattr(item, "module", None) is sys.modules[__name__] for item in items):
         return
     log = ROOT / ".venv-mpich.log"
-    script = ("bash scripts/mpich-system.sh && RINGMPI_SETUP_MPI_ONLY=1 bash scripts/setup.sh")
-    env = dict(os.environ, **SETUP_ENV)
+    script = "bash scripts/mpich-system.sh && RINGMPI_SETUP_MPI_ONLY=1 bash scripts/setup.sh"
+    # mpi4py and h5py compiled without optimisation: under half the CPU time (about 120 s against
+    # 292 s with the default -O3), and what is tested here (which library each loads, the jobs'
+    # results) does not depend on it
+    env = dict(os.environ, **SETUP_ENV, CFLAGS="-O0 -g0")
     with open(log, "w") as out:
-        _build["proc"] = subprocess.Popen(["flock", str(LOCK), "bash", "-c", script], cwd=ROOT, env=env,
+        _build["proc"] = subprocess.Popen(FLOCK + ["bash", "-c", script], cwd=ROOT, env=env,
                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                           preexec_fn=lambda: os.nice(5))
     _build.update(log=log, start=time.monotonic())
@@ -96,7 +100,7 @@ def mpich_venv():
     assert proc.returncode == 0, f"MPICH or the venv's mpi4py and h5py did not build:\n{background[-5000:]}"
     # ringmpi's editable install rewrites the compiled passes in src/ in place: here, when no other
     # test's ranks have them loaded, not in the background
-    rc, out, err, seconds = run_deadline(["flock", str(LOCK), "bash", "scripts/setup.sh"], 600,
+    rc, out, err, seconds = run_deadline(FLOCK + ["bash", "scripts/setup.sh"], 600,
                                          env=dict(os.environ, **SETUP_ENV))
     assert rc == 0, f"scripts/setup.sh for MPICH failed:\n{out[-2000:]}\n{err[-5000:]}"
     return {"setup": background + err}
@@ -111,7 +115,7 @@ def test_setup_builds_one_mpich_stack(mpich_venv):
     assert f"one MPI library in mpi4py, h5py and ringmpi: {libmpich}" in mpich_venv["setup"], mpich_venv["setup"]
     rc, out, err, _ = mpich(4, [VENV / "bin" / "ringmpi", "info"])
     assert rc == 0, err[-3000:]
-    assert "MPI: MPICH Version:" in out and "world size: 4 rank(s)" in out, out
+    assert "MPI: MPICH (MPICH Version: 4" in out and "world size: 4 rank(s)" in out, out
     assert f"MPI library files: mpi4py loaded {libmpich}, h5py loaded {libmpich}" in out, out
     assert "WARNING" not in out, out
 

@@ -30,7 +30,7 @@ def info():
     from ..backends import gpu_available
     auto = "cupy" if gpu_available() else "numpy"
     from ..runtime.watchdog import phase
-    from ..runtime.mpi_library import mpi_library
+    from ..runtime.mpi_library import implementation, mpi_library
 
     with phase("ringmpi info: gathering the ranks' GPU counts and hosts (gather)"):
         gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
@@ -48,7 +48,7 @@ def info():
     library = mpi_library()
     lines = [
         f"ringmpi {__version__}",
-        f"MPI: {library} (MPI standard {version}), mpi4py {mpi4py.__version__}",
+        f"MPI: {implementation(library)} ({library}; MPI standard {version}), mpi4py {mpi4py.__version__}",
         *mpi_library_files(),
         f"world size: {comm.Get_size()} rank(s) on {len(set(hosts))} node(s)",
         f"CUDA-aware MPI: {aware_text}",
