@@ -36,9 +36,11 @@ def mpi_io_across_nodes() -> None:
     leaves one beside its input and its output.  HDF5 never uses the shared
     file pointer; ROMIO makes no such file.  Reads the launcher's environment
     (mpirun's world and node-local sizes, Slurm's node count) before MPI starts;
-    one node is left as it is.
+    one node is left as it is.  MPICH and its derivatives (Intel MPI, Cray MPICH,
+    MVAPICH) have ROMIO only, so there is nothing to choose under their launchers:
+    a PMI rank (``PMI_RANK``: Hydra, or srun's PMI-2) without a PMIx one.
     """
-    if "OMPI_MCA_io" in os.environ:
+    if "OMPI_MCA_io" in os.environ or ("PMI_RANK" in os.environ and "PMIX_RANK" not in os.environ):
         return
     size, local = (os.environ.get(f"OMPI_COMM_WORLD_{k}SIZE", "") for k in ("", "LOCAL_"))
     nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
@@ -124,11 +126,13 @@ def _main_or_usage_error(argv):
 
 
 def launcher_rank():
-    """This process's rank from the launcher's environment (mpirun, srun), or None
-    when there is no launcher; reads the environment only."""
+    """This process's rank from the launcher's environment, or None when there is no launcher;
+    reads the environment only: Open MPI's mpirun, a PMIx launcher (Open MPI 5, srun --mpi=pmix),
+    a PMI one (MPICH's Hydra ``mpirun``/``mpiexec``, Intel MPI, MVAPICH, srun --mpi=pmi2), Cray's
+    PALS, or srun."""
     import os
 
-    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "PALS_RANKID", "SLURM_PROCID"):
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)

@@ -30,7 +30,7 @@ def info():
     from ..backends import gpu_available
     auto = "cupy" if gpu_available() else "numpy"
     from ..runtime.watchdog import phase
-    from ..runtime.mpi_library import mpi_library
+    from ..runtime.mpi_library import implementation, mpi_library
 
     with phase("ringmpi info: gathering the ranks' GPU counts and hosts (gather)"):
         gpu_counts = comm.gather(None if gpus is None else gpus["count"], root=0)
@@ -48,7 +48,8 @@ def info():
     library = mpi_library()
     lines = [
         f"ringmpi {__version__}",
-        f"MPI: {library} (MPI standard {version}), mpi4py {mpi4py.__version__}",
+        f"MPI: {implementation(library)} ({library}; MPI standard {version}), mpi4py {mpi4py.__version__}",
+        *mpi_library_files(),
         f"world size: {comm.Get_size()} rank(s) on {len(set(hosts))} node(s)",
         f"CUDA-aware MPI: {aware_text}",
     ]
@@ -65,6 +66,28 @@ def info():
     lines += [f"HDF5: {h5}", f"backend 'auto' picks: {auto}", f"CPU vector paths: {cpu_paths()}",
               f"dtypes: {dtype_support()}"]
     click.echo("\n".join(lines))
+
+
+def mpi_library_files() -> list:
+    """The MPI library file that mpi4py and h5py each loaded, and a warning line when they (or
+    the libraries mapped into this process) are not one library: two MPIs in one process crash."""
+    from mpi4py import MPI
+
+    from ..runtime.mpi_library import library_file, mapped_libraries
+
+    users = {"mpi4py": library_file(MPI)}
+    try:
+        import h5py.defs
+        users["h5py"] = library_file(h5py.defs)
+    except Exception:  # noqa: BLE001 - reported on the HDF5 line
+        pass
+    mapped = mapped_libraries()
+    lines = ["MPI library files: " + ", ".join(f"{user} loaded {path or 'none'}" for user, path in users.items())]
+    if len(set(users.values())) > 1 or len(mapped) > 1:
+        listing = "; ".join(f"{path} ({name})" for path, name in mapped.items())
+        lines.append(f"WARNING: mpi4py and h5py do not load one MPI library (mapped: {listing}); "
+                     "rebuild the venv with scripts/setup.sh and MPICC naming the MPI you run")
+    return lines
 
 
 def cpu_paths() -> str:

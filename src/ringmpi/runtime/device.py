@@ -150,12 +150,13 @@ def select_device(comm) -> int:
     return device_id
 
 
+# environment settings that turn an MPI's CUDA support on, each read only under its own MPI
 _ENV_HINTS = (
-    ("MPICH_GPU_SUPPORT_ENABLED", ("1",)),          # Cray MPICH
-    ("OMPI_MCA_opal_cuda_support", ("1", "true")),  # Open MPI (smcuda / ob1)
-    ("MV2_USE_CUDA", ("1",)),                       # MVAPICH2-GDR
-    ("MPIR_CVAR_ENABLE_GPU", ("1",)),               # MPICH >= 4
-    ("I_MPI_OFFLOAD", ("1", "2")),                  # Intel MPI
+    ("MPICH_GPU_SUPPORT_ENABLED", ("1",), ("Cray MPICH",)),
+    ("OMPI_MCA_opal_cuda_support", ("1", "true"), ("Open MPI",)),  # smcuda / ob1
+    ("MV2_USE_CUDA", ("1",), ("MVAPICH",)),                          # MVAPICH2-GDR
+    ("MPIR_CVAR_ENABLE_GPU", ("1",), ("MPICH", "Cray MPICH", "MVAPICH", "Intel MPI")),  # MPICH >= 4
+    ("I_MPI_OFFLOAD", ("1", "2"), ("Intel MPI",)),
 )
 
 
@@ -181,8 +182,8 @@ def _info_memory_kinds(comm) -> Optional[str]:
 
 
 def _mpix_query_cuda_support() -> Optional[bool]:
-    """Open MPI's ``MPIX_Query_cuda_support()`` through ctypes (mpi4py does
-    not wrap it); None when the loaded MPI library lacks the symbol."""
+    """``MPIX_Query_cuda_support()`` (Open MPI; MPICH >= 4.0 and its derivatives) through ctypes
+    (mpi4py does not wrap it); None when the loaded MPI library lacks the symbol."""
     from mpi4py import MPI  # loads libmpi into the process
 
     fn = None
@@ -207,9 +208,10 @@ def cuda_aware_mpi(comm=None) -> Tuple[bool, str]:
     """Whether the MPI library accepts device pointers, and why we think so.
 
     Checked in order: the MPI 4.1 ``mpi_memory_alloc_kinds`` info key
-    (contains ``cuda``), Open MPI's ``MPIX_Query_cuda_support()``, then
-    environment hints (``MPICH_GPU_SUPPORT_ENABLED=1``,
-    ``OMPI_MCA_opal_cuda_support=true``, ...).  Needs MPI initialised.
+    (contains ``cuda``), ``MPIX_Query_cuda_support()`` (Open MPI, MPICH >= 4.0), then
+    the running MPI's own environment hints (``OMPI_MCA_opal_cuda_support=true`` under
+    Open MPI, ``MPIR_CVAR_ENABLE_GPU=1`` under MPICH, ``MPICH_GPU_SUPPORT_ENABLED=1``
+    under Cray MPICH, ...).  Needs MPI initialised.
     """
     try:
         kinds = _info_memory_kinds(comm)
@@ -220,9 +222,12 @@ def cuda_aware_mpi(comm=None) -> Tuple[bool, str]:
     support = _mpix_query_cuda_support()
     if support is not None:
         return support, f"MPIX_Query_cuda_support() returned {int(support)}"
-    for var, yes in _ENV_HINTS:
+    from .mpi_library import implementation
+
+    running = implementation()
+    for var, yes, implementations in _ENV_HINTS:
         value = os.environ.get(var, "")
-        if value.lower() in yes:
+        if running in implementations and value.lower() in yes:
             return True, f"{var}={value}"
     if kinds is not None:
         return False, f"mpi_memory_alloc_kinds={kinds} (no cuda)"
