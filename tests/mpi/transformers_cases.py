@@ -41,6 +41,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 import reference  # noqa: E402
+from linear_reference import float64_delta_rule  # noqa: E402
 from case_driver import agreed_error, run_file  # noqa: E402
 import ringmpi  # noqa: E402
 import ringmpi.transformers as rmt  # noqa: E402
@@ -183,30 +184,6 @@ def keep_float64_qwen3_next():
             torch.nn.functional.silu(gate))
     qwen3_next.Qwen3NextRMSNorm.forward = norm_forward
     qwen3_next.Qwen3NextRMSNormGated.forward = gated_forward
-
-
-@contextlib.contextmanager
-def float64_delta_rule():
-    """transformers' chunked gated delta rule computes in float32 whatever the dtype; a float64
-    reference runs the sequential recurrence (tests/support/linear_reference.py) in float64."""
-    from linear_reference import recurrence
-    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
-
-    def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
-             use_qk_l2norm_in_kernel=False, **_):
-        if query.dtype != torch.float64:
-            return real(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        if use_qk_l2norm_in_kernel:
-            query, key = (qwen3_next.l2norm(x, dim=-1, eps=1e-6) for x in (query, key))
-        o, final = recurrence(query, key, value, g.to(query.dtype), beta, query.shape[-1] ** -0.5, initial_state)
-        return o, final if output_final_state else None
-    real = qwen3_next.torch_chunk_gated_delta_rule
-    qwen3_next.torch_chunk_gated_delta_rule = rule
-    try:
-        yield
-    finally:
-        qwen3_next.torch_chunk_gated_delta_rule = real
 
 
 def run_reference(case, dtype):
