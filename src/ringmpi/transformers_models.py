@@ -33,6 +33,14 @@ forward passes through :func:`sharded_call` first:
     ``alibi_slopes``: ringmpi's ALiBi in global positions, the same softmax under
     the causal mask.
 
+  - *Qwen3-Next's Gated DeltaNet layers* (``linear_attention`` in its
+    ``layer_types``) run sharded: the short causal convolution with its halo from
+    the previous rank (``ringmpi.torch_linear.causal_conv1d``) and the gated delta
+    rule through ringmpi's state scan (``ringmpi.torch_linear.gated_delta_rule``), on
+    contiguous shards; under the zigzag and balanced layouts the layer's input and
+    output move to contiguous shards and back (``ringmpi.torch_linear.relayout``, one
+    Alltoallv each way).  Packed documents and padding (the context's segment ids)
+    are refused by name before compute, and so is a recurrent-state cache.
   - *Rotary embeddings whose frequencies depend on the sequence length* (HF's
     ``dynamic_rope_update``: dynamic NTK, LongRoPE, any rope type it
     recomputes): the frequencies are computed from the global largest position
@@ -125,7 +133,8 @@ def model_problem(model: torch.nn.Module) -> Optional[str]:
 
     A pure function of the model (its config and modules): the same on every rank."""
     arch = type(model).__name__
-    odd = sorted({t for t in _layer_types(model.config) if t not in SHARDED_LAYER_TYPES})
+    handled = _adapted_layer_types(model)
+    odd = sorted({t for t in _layer_types(model.config) if t not in SHARDED_LAYER_TYPES | handled})
     if odd:
         layers = [i for i, t in enumerate(_layer_types(model.config)) if t in odd]
         return (f"{arch} has {'/'.join(odd)} layers (layers {layers[:6]}{' ...' if len(layers) > 6 else ''} of "
@@ -136,9 +145,13 @@ def model_problem(model: torch.nn.Module) -> Optional[str]:
     if alibi:
         return (f"{arch} adds its own ALiBi position bias ({alibi}), built from each shard's local positions and "
                 "not handed to ringmpi's ALiBi: run it on one process")
-    convs, mixers, own, dispatching = [], [], [], []
+    convs, mixers, own, dispatching, adapted = [], [], [], [], []
     for name, module in model.named_modules():
         cls = type(module)
+        if any(name.startswith(prefix) for prefix in adapted):  # inside a module ringmpi runs sharded
+            continue
+        if _adapter(cls) is not None:
+            adapted.append(name + ".")
         if _dispatches(cls) or _adapter(cls) is not None:
             dispatching.append(name)
             continue
@@ -217,6 +230,13 @@ def sharded_call(call, model, args, kwargs):
                           "loss_function (which takes shard_batch's num_items_in_batch and shift_labels), so its "
                           "out.loss would be a per-shard mean: drop labels and compute the loss from out.logits "
                           "and shard['shift_labels'] / shard['num_items_in_batch']")
+    if ctx.segment_ids is not None:  # shard_batch's segments come from the global batch: alike on every rank
+        linear = _linear_modules(model)
+        if linear:
+            raise ConfigError(f"{type(model).__name__}'s {_module_names(linear)} run sharded on whole rows only: "
+                              "packed documents (restarting position_ids) and padding (an attention_mask, or "
+                              "several rows under layout='balanced') would carry its recurrent state across "
+                              "document boundaries; pass one unpadded sequence per row without packed documents")
     ctx.check_positions(kwargs.get("position_ids"))
     token = ACTIVE.set(ctx)
     try:
@@ -229,7 +249,7 @@ def sharded_call(call, model, args, kwargs):
 
 def _adapter(cls):
     """The sharded forward of an attention class that computes its own scores, or None."""
-    return _ADAPTERS.get(f"{cls.__module__}.{cls.__qualname__}")
+    return _ADAPTERS.get(_qualname(cls))
 
 
 def _adapt_attention(model) -> None:
@@ -272,7 +292,70 @@ def _bloom_attention(module, config, original):
     return forward
 
 
-_ADAPTERS = {"transformers.models.bloom.modeling_bloom.BloomAttention": _bloom_attention}
+def _gated_deltanet(module, config, original):
+    """Qwen3-Next's Gated DeltaNet on this rank's shard: its convolution with the previous rank's
+    halo and its gated delta rule from the state the earlier ranks' shards leave (ringmpi's scan),
+    on contiguous shards (other layouts move the layer's input and output there and back).
+
+    The same computation as the layer's own forward: projections, the causal convolution (SiLU),
+    q and k L2-normalised (the kernel's ``use_qk_l2norm_in_kernel``), the decay
+    ``g = -exp(A_log) softplus(a + dt_bias)`` in float32 as the layer computes it, ``beta = sigmoid(b)``,
+    the rule with scale ``1/sqrt(d_k)``, the gated RMSNorm and the output projection."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    from . import torch_linear
+    from .core.layout import Layout
+
+    def mix(hidden, comm):
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden), module.in_proj_ba(hidden))
+        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+        mixed = torch_linear.causal_conv1d(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias,
+                                           activation=module.activation, comm=comm)
+        q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        q, k = (qwen3_next.l2norm(x.reshape(x.shape[0], x.shape[1], -1, module.head_k_dim), dim=-1, eps=1e-6)
+                for x in (q, k))
+        v = v.reshape(v.shape[0], v.shape[1], -1, module.head_v_dim)
+        g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
+        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), b.sigmoid(), comm=comm)
+        o = module.norm(o.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(o.reshape(hidden.shape[0], hidden.shape[1], -1))
+
+    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+        ctx = ACTIVE.get()
+        if ctx is None:
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        cache = kwargs.pop("cache_params", cache)
+        if cache is not None:  # alike on every rank (the call's arguments)
+            raise ConfigError(f"{type(module).__name__} (layer {module.layer_idx}) runs sharded without a cache "
+                              "(shard_batch sets use_cache=False): do not pass a cache to a sharded forward")
+        hidden_states = qwen3_next.apply_mask_to_padding_states(hidden_states, attention_mask)
+        if ctx.layout.kind == "contiguous":
+            return mix(hidden_states, ctx.comm)
+        contiguous = Layout("contiguous", ctx.layout.n, ctx.layout.world_size)
+        hidden = torch_linear.relayout(hidden_states, ctx.layout, contiguous, comm=ctx.comm)
+        return torch_linear.relayout(mix(hidden, ctx.comm), contiguous, ctx.layout, comm=ctx.comm)
+    return forward
+
+
+_ADAPTERS = {"transformers.models.bloom.modeling_bloom.BloomAttention": _bloom_attention,
+             "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet": _gated_deltanet}
+# the config layer type each adapted sequence mixer runs sharded (attention adapters: none)
+_ADAPTED_LAYER_TYPES = {"transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet":
+                        "linear_attention"}
+
+
+def _qualname(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _adapted_layer_types(model) -> frozenset:
+    """The config layer types whose mixers in ``model`` ringmpi runs sharded."""
+    return frozenset(_ADAPTED_LAYER_TYPES[_qualname(type(m))] for m in model.modules()
+                     if _qualname(type(m)) in _ADAPTED_LAYER_TYPES)
+
+
+def _linear_modules(model) -> list:
+    """(name, class) of the adapted recurrent mixers in ``model``."""
+    return [(name, type(m).__name__) for name, m in model.named_modules() if _qualname(type(m)) in _ADAPTED_LAYER_TYPES]
 
 
 # ---- rotary embeddings whose frequencies depend on the sequence length

@@ -5,7 +5,8 @@ case of ``transformers_cases.py``: Llama (GQA), Qwen2, Mistral (sliding window),
 Gemma 2 (softcap, non-default scale, alternating windows), gpt-oss (sinks, MoE),
 Mixtral with its router load-balancing loss over a left-padded batch, dynamic-NTK
 rotary over packed documents on the contiguous and balanced layouts (issue 54),
-a packed row of three documents, two rows of different packs on the balanced
+Qwen3-Next (Gated DeltaNet layers on ringmpi's scan, attention on the ring;
+contiguous and zigzag), a packed row of three documents, two rows of different packs on the balanced
 layout (flattened into one row) and a left-padded batch, in float64, float32
 and (Llama, gpt-oss) bfloat16; attention dropout equal across P;
 ``shard_batch(..., invariant=True)``'s attention calls bitwise one rank's (Llama,
@@ -40,6 +41,8 @@ def cases_for(p):
     for model in ("llama", "gpt-oss"):
         add(f"{model}-bfloat16", model=model, dtype="bfloat16")
     add("mixtral-padded-float64", model="mixtral-padded", dtype="float64", B=2)  # router loss over padding
+    for layout in ("contiguous", "zigzag"):  # the hybrid: Gated DeltaNet on the scan, attention on the ring (issue 51)
+        add(f"qwen3-next-{layout}-float64", model="qwen3-next", dtype="float64", layout=layout)
     for layout in ("contiguous", "balanced"):  # dynamic NTK over packed documents (explicit positions)
         add(f"packed-dynamic-{layout}-float64", model="packed-dynamic", dtype="float64", layout=layout)
     if p == 3:  # packed rows flattened into one, on the balanced layout, K/V routed (issue 42)

@@ -23,7 +23,7 @@ Case kinds:
              another step.
 ``errors``   one ConfigError on every rank: position_ids that do not match the
              layout, no shard context, a shard given to HF's own attention, dropout
-             without a seed.
+             without a seed, packed documents through Qwen3-Next's Gated DeltaNet.
 ``invariant`` ``shard_batch(..., invariant=True)``: every attention call's ``o`` and the
              gradients of its ``q, k, v`` (gathered over the ranks) are bitwise what
              ``ringmpi.torch.ring_attention(invariant=True)`` gives on one rank for the same
@@ -38,11 +38,16 @@ import torch
 from mpi4py import MPI
 
 from case_driver import agreed_error, run_file
+from linear_reference import float64_delta_rule
 import reference
 import ringmpi
 import ringmpi.transformers as rmt
 import transformers
 
+# Qwen3-Next's Gated DeltaNet computes its decay from ``A_log.float()`` in any dtype, so A_log's gradient
+# is float32 arithmetic (each rank's share rounded to float32, then summed): float32's rounding, ~6e-8
+# relative per operation (measured 1.2e-7 at P = 2, 6.5e-8 at P = 3), bounds it, not float64's
+FLOAT32_DECAY = 1e-6
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
@@ -73,6 +78,12 @@ def config_for(model: str):
         return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
                                           output_router_logits=True, router_aux_loss_coef=0.5,
                                           experts_implementation="eager"), "eager"
+    if model == "qwen3-next":  # the hybrid: Gated DeltaNet layers (the scan) between attention layers (the ring)
+        return transformers.Qwen3NextConfig(**dict(SMALL, num_hidden_layers=4), layer_types=[
+            "linear_attention", "full_attention", "linear_attention", "full_attention"], linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            experts_implementation="eager"), "eager"
     raise ValueError(model)
 
 
@@ -85,6 +96,11 @@ def build(case, impl, dtype, dropout=0.0):
     if case["model"] == "gpt-oss":  # sinks well away from zero, so that a wrong gradient shows
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    if case["model"] == "qwen3-next":  # decays well inside (0, 1), as the Gated DeltaNet layer test's
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer, "linear_attn"):
+                    layer.linear_attn.A_log.copy_(torch.linspace(-2.0, 0.5, 4, dtype=torch.float64))
     return model.to(DTYPES[dtype])
 
 
@@ -149,13 +165,31 @@ def keep_float64_norms():
     gemma2.Gemma2RMSNorm.forward = forward
 
 
+def keep_float64_qwen3_next():
+    """Qwen3-Next's RMSNorms (plain and gated) compute in float32 whatever the dtype; in float64 runs
+    (ours and HF's alike) they keep float64, as Gemma 2's do."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    norm, gated = qwen3_next.Qwen3NextRMSNorm.forward, qwen3_next.Qwen3NextRMSNormGated.forward
+
+    def norm_forward(self, x):
+        return norm(self, x) if x.dtype != torch.float64 else self._norm(x) * (1.0 + self.weight)
+
+    def gated_forward(self, x, gate):
+        if x.dtype != torch.float64:
+            return gated(self, x, gate)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (
+            torch.nn.functional.silu(gate))
+    qwen3_next.Qwen3NextRMSNorm.forward = norm_forward
+    qwen3_next.Qwen3NextRMSNormGated.forward = gated_forward
+
+
 def run_reference(case, dtype):
     """HF's own attention on one process: logits, HF's out.loss, gradients of the mean loss."""
     batch = make_batch(case)
     labels, count = shifted(batch)
     model = build(case, "ref", dtype)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    with float64_softmax():
+    with float64_softmax(), float64_delta_rule():
         out = model(**inputs, labels=labels, shift_labels=labels, use_cache=False)
         mean_loss(out.logits, labels, count).backward()
     grads = {name: p.grad.double().numpy().copy() for name, p in model.named_parameters()}
@@ -169,7 +203,8 @@ def run_ringmpi(comm, case, dtype, layout="zigzag", dropout=0.0, seed=None, step
     model.train(train)
     layout = case.get("layout", layout)
     shard = rmt.shard_batch(batch, comm=comm, layout=layout, dropout_seed=seed, step=step)
-    out = model(**shard)
+    with float64_softmax():  # as the reference's: Qwen3-Next's router takes its softmax in float32 too
+        out = model(**shard)
     mean_loss(out.logits, shard["shift_labels"], shard["num_items_in_batch"]).backward()
     grads = {}
     for name, p in model.named_parameters():  # the README recipe: sum every gradient over the ranks
@@ -206,9 +241,11 @@ def compare_case(comm, case):
     errs = {"logits": rel(ours[0], ref[0], real)}
     errs.update({f"grad {n}": rel(ours[2][n], ref[2][n]) for n in ref[2]})
     loss_err = abs(ours[1] - ref[1]) / abs(ref[1])  # HF's out.loss is float32 (logits.float()) in any dtype
-    worst = max(errs, key=errs.get)
-    ok = errs[worst] <= tol and loss_err <= 1e-5 and sorted(ours[2]) == sorted(ref[2])
-    return ok, (f"logits and {len(errs) - 1} gradients, worst {worst}: {errs[worst]:.2e} relative (limit {tol:g}); "
+    limits = {name: max(tol, FLOAT32_DECAY) if name.endswith("A_log") else tol for name in errs}
+    worst = max(errs, key=lambda name: errs[name] / limits[name])
+    ok = all(errs[name] <= limits[name] for name in errs) and loss_err <= 1e-5 and sorted(ours[2]) == sorted(ref[2])
+    return ok, (f"logits and {len(errs) - 1} gradients, worst {worst}: {errs[worst]:.2e} relative "
+                f"(limit {limits[worst]:g}); "
                 f"logits {errs['logits']:.2e}; out.loss summed over ranks {ours[1]:.7f} vs HF {ref[1]:.7f}")
 
 
@@ -323,12 +360,17 @@ def errors_case(comm, case):
     model.train()
     attempt("dropout without a seed", lambda: model(**rmt.shard_batch(batch, comm=comm, step=0)),
             "needs shard_batch(..., dropout_seed=SEED)")
+    hybrid = build(dict(case, model="qwen3-next"), "ringmpi", "float64")
+    packed = make_batch(dict(case, model="packed"))  # the Gated DeltaNet's state would cross documents
+    attempt("packed documents through Gated DeltaNet", lambda: hybrid(**rmt.shard_batch(packed, comm=comm, step=0)),
+            "Qwen3NextGatedDeltaNet")
     return not problems, "; ".join(problems) or "errors raised alike on every rank"
 
 
 def main():
     rmt.register()
     keep_float64_norms()
+    keep_float64_qwen3_next()
     torch.set_num_threads(1)
     run_file(MPI.COMM_WORLD, {"dropout": dropout_case, "errors": errors_case, "invariant": invariant_case},
              compare_case)

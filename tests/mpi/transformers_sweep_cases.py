@@ -34,6 +34,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
 import hf_architectures as archs  # noqa: E402
 from case_driver import run_all  # noqa: E402
+from linear_reference import float64_delta_rule  # noqa: E402
 import ringmpi.transformers as rmt  # noqa: E402
 from ringmpi.runtime.errors import ConfigError  # noqa: E402
 
@@ -96,7 +97,7 @@ def batch_for():
 def reference(model, batch):
     """One process, eager attention: logits, out.loss, gradients of out.loss."""
     model.zero_grad(set_to_none=True)
-    with float64_softmax():
+    with float64_softmax(), float64_delta_rule():  # HF's float32 islands, float64 in the reference
         out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
         out.loss.backward()
     grads = {n: p.grad.double().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}

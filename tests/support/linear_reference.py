@@ -8,6 +8,8 @@ states ``(B or N_docs, HV, K, V)``; with ``cu_seqlens`` (B = 1) each document st
 initial state (zero when None) and ends in its own final state.
 """
 
+import contextlib
+
 import torch
 
 
@@ -43,3 +45,26 @@ def recurrence(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, del
     final = finals[0] if cu_seqlens is None else torch.cat(finals, dim=0)
     assert rows == final.shape[0]
     return o, final
+
+
+@contextlib.contextmanager
+def float64_delta_rule():
+    """transformers' chunked gated delta rule (Qwen3-Next's) computes in float32 whatever the dtype;
+    inside this context a float64 reference model runs :func:`recurrence` in float64 instead."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **_):
+        if query.dtype != torch.float64:
+            return real(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        if use_qk_l2norm_in_kernel:
+            query, key = (qwen3_next.l2norm(x, dim=-1, eps=1e-6) for x in (query, key))
+        o, final = recurrence(query, key, value, g.to(query.dtype), beta, query.shape[-1] ** -0.5, initial_state)
+        return o, final if output_final_state else None
+    real = qwen3_next.torch_chunk_gated_delta_rule
+    qwen3_next.torch_chunk_gated_delta_rule = rule
+    try:
+        yield
+    finally:
+        qwen3_next.torch_chunk_gated_delta_rule = real
