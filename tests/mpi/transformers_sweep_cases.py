@@ -23,7 +23,6 @@ README's table from it).
 import contextlib
 import itertools
 import json
-import os
 import sys
 import time
 
@@ -31,12 +30,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-import hf_architectures as archs  # noqa: E402
-from case_driver import run_all  # noqa: E402
-from linear_reference import float64_delta_rule  # noqa: E402
-import ringmpi.transformers as rmt  # noqa: E402
-from ringmpi.runtime.errors import ConfigError  # noqa: E402
+from case_driver import run_all  # first: it puts tests/support on the path
+import hf_architectures as archs
+from linear_reference import float64_delta_rule
+import ringmpi.transformers as rmt
+from ringmpi.runtime.errors import ConfigError
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 N = 20
