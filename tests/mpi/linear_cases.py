@@ -24,16 +24,14 @@ every rank.
 
 import functools
 import json
-import os
 import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))
-from case_driver import agreed_error, run_all  # noqa: E402
-import ringmpi  # noqa: E402
+from case_driver import agreed_error, run_all  # first: it puts tests/support on the path
+import ringmpi
 
 EXACT = 1e-10   # float64: relative to the tensor's largest entry
 DELTA = ("gdn", "kda")     # the delta rule: beta
