@@ -47,6 +47,7 @@ NOT_CODE = {
     "config.alibi": "a Hugging Face config's field (the sweep's refusal reasons)",
     "config.attn_config.alibi": "a Hugging Face config's field (the sweep's refusal reasons)",
     "config.layer_types": "a Hugging Face config's field",
+    "mpirun.mpich": "Debian's MPICH launcher, a command",
 }
 REPO_DIRS = ("src", "tests", "jobs", "scripts", "data", "docs", ".ci")
 FILE_SUFFIXES = (".py", ".md", ".c", ".h", ".cu", ".cuh", ".sh", ".yml", ".toml", ".h5", ".sbatch", ".png")
