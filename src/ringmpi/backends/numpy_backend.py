@@ -593,7 +593,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
 # the tile, so a query that sees none gets exactly a clean run's arithmetic; those rows' terms are
 # then added from their raw values over the tile's visible keys only (:func:`_redo_rows_backward`).
 
-BWD_CHUNK = positive_int("RINGMPI_BWD_CHUNK", 256)  # keys per bwd_chunk call (inside a TILE_KV key tile)
+BWD_CHUNK = positive_int("RINGMPI_BWD_CHUNK", 512)  # keys per bwd_chunk call (inside a TILE_KV key tile)
 
 
 def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t):
