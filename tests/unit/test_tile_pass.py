@@ -283,6 +283,54 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True)],
+                         ids=["full", "causal", "window", "causal-gqa"])
+def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
+    """The compiled backward block op (``_fused.bwd_chunk``: the common float32 backward) on every
+    vector path that has it: the same dq, dk, dv bits on each (every element one chain of fused
+    multiply-adds in a fixed order), within the tolerance rule of the float64 reference, and
+    different from nothing: the BLAS tiles' result agrees within the same rule.  Query strips, key
+    panels, calls (chunks of 40 keys) and key tiles (96) end inside the rows (n = 173, D = 40,
+    D_v = 24)."""
+    paths = _block_paths()
+    if not paths:
+        pytest.skip("no compiled block op (not built, RINGMPI_CPU_KERNEL=numpy or RINGMPI_CPU_BLOCK=tiles)")
+    monkeypatch.setattr(numpy_backend, "TILE_KV", 96)
+    monkeypatch.setattr(numpy_backend, "BWD_CHUNK", 40)
+    rng = np.random.default_rng(12)
+    n, b, h = 173, 2, 4
+    hkv = 2 if kw.get("gqa") else h
+    q = rng.standard_normal((b, n, h, 40)).astype(np.float32)
+    k = rng.standard_normal((b, n, hkv, 40)).astype(np.float32)
+    v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
+    do = rng.standard_normal((b, n, h, 24)).astype(np.float32)
+    opts = dict(causal=kw.get("causal", False), window=kw.get("window"))
+    calls = []
+    real = numpy_backend._compiled_backward
+    monkeypatch.setattr(numpy_backend, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
+    fused, before, runs = tp.compiled, tp.compiled.path(), {}
+    try:
+        for path in paths:
+            fused.use(path)
+            o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **opts)
+            runs[path] = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **opts)
+    finally:
+        fused.use(before)
+    assert len(calls) == len(paths), "the backward did not take the compiled block op"
+    first = runs[paths[0]]
+    for path, grads in runs.items():
+        for name, g, f in zip(("dq", "dk", "dv"), grads, first):
+            assert g.tobytes() == f.tobytes(), f"the {path} path's backward block op differs in {name}"
+    vis = reference.visible(n, n, opts["causal"], opts["window"], None, None)
+    scale = 1 / np.sqrt(40)
+    wide = [x.astype(np.float64) for x in (q, k, v, do)]
+    g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, vis=vis, scale=scale)
+    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, vis=vis, scale=scale)
+    checks = [reference.tolerance_check(name, g, r, nv, gradient=True)
+              for name, g, r, nv in zip(("dq", "dk", "dv"), first, g64, g32)]
+    assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
 def test_block_op_takes_the_common_forward_only():
     """Which forwards take the compiled block op: float32 without segment ids, softcap, dropout or
     score modifiers; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""

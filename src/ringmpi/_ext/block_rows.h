@@ -198,6 +198,195 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
     }
 }
 
+/* ------------------------------------------------------------ the backward block op
+ * bwd_chunk: one key chunk (K, V packed here) against every query row, FlashAttention-2's order:
+ * the chunk's dK, dV accumulators (padded copies in scratch) stay resident while the query strips
+ * of BQ rows stream past; per strip
+ *
+ *   S = Q_strip K^T, dP = dO_strip V^T   nt_tile: each one chain of fused multiply-adds from 0
+ *                                        (S bit for bit the forward's scores, so P matches its lse)
+ *   mask                                 as fwd_chunk: positions outside [lo_i, hi_i] -> -inf, a
+ *                                        strip computes only its clipped key range, skips a hidden one
+ *   P = exp(scale * S - lse_i)           exp_rows.h's exp_row (the tile pass's exp)
+ *   dS = (dP - dvec_i) * P               each step rounded (ds_rows's arithmetic)
+ *   dV += P^T dO, dK += dS^T Q           tn_tile: each element one chain over the strip's rows in order
+ *   dQ += dS K                           pv_tile: each element one chain over the keys in order
+ *
+ * so every element of dQ, dK, dV is one chain of fused multiply-adds in a fixed order (strips in
+ * order, rows or keys in order within one) on every path: the same bits on each. */
+
+/* s[r * lds + c] = sum_{d < dim} a[r * lda + d] * panel[d * PANEL + c]: qk_tile with a row stride */
+PINLINE void FN(nt_tile)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, float *s, Py_ssize_t lds)
+{
+    VF acc[QK_MR][QK_NR];
+    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(bc)(0.0f);
+    for (Py_ssize_t d = 0; d < dim; d++) {
+        VF kv[QK_NR];
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) kv[c] = LOAD(panel + d * PANEL + c * VW);
+        _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++) {
+            const VF qv = FN(splat)(a[r * lda + d]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) STORE(s + r * lds + c * VW, acc[r][c]);
+}
+
+/* acc[r * ldacc + c..] += sum_{i < rows} a[i * lda + r] * b[i * ldb + c..] for mr keys r, nv vectors c */
+PINLINE void FN(tn_tile)(float *accp, Py_ssize_t ldacc, const float *a, Py_ssize_t lda, const float *b,
+                         Py_ssize_t ldb, Py_ssize_t rows, const int mr, const int nv)
+{
+    VF acc[PV_MR][PV_NV];
+    _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = LOAD(accp + r * ldacc + c * VW);
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        VF bv[PV_NV];
+        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) bv[c] = LOAD(b + i * ldb + c * VW);
+        _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++) {
+            const VF av = FN(splat)(a[i * lda + r]);
+            _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = FN(fma)(av, bv[c], acc[r][c]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) STORE(accp + r * ldacc + c * VW, acc[r][c]);
+}
+
+/* acc (keys [c0, c1) of a (nkeys, w) padded accumulator) += a^T b over `rows` strip rows */
+PINLINE void FN(tn_block)(float *acc, Py_ssize_t w, const float *a, Py_ssize_t lda, const float *b,
+                          Py_ssize_t rows, Py_ssize_t c0, Py_ssize_t c1)
+{
+    Py_ssize_t c = 0;
+    for (; c + PV_NV * VW <= w; c += PV_NV * VW) {
+        Py_ssize_t j = c0;
+        for (; j + PV_MR <= c1; j += PV_MR) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, PV_MR, PV_NV);
+        for (; j < c1; j++) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, 1, PV_NV);
+    }
+    for (; c < w; c += VW) {
+        Py_ssize_t j = c0;
+        for (; j + PV_MR <= c1; j += PV_MR) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, PV_MR, 1);
+        for (; j < c1; j++) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, 1, 1);
+    }
+}
+
+/* pack (n, w) rows into panels of PANEL: out[panel][d][PANEL], zero past n */
+static inline void FN(pack_panels)(const float *x, Py_ssize_t ldx, Py_ssize_t n, Py_ssize_t w, float *out)
+{
+    const Py_ssize_t np_ = (n + PANEL - 1) / PANEL * PANEL;
+    for (Py_ssize_t j = 0; j < np_; j++)
+        for (Py_ssize_t d = 0; d < w; d++)
+            out[(j / PANEL) * PANEL * w + d * PANEL + j % PANEL] = j < n ? x[j * ldx + d] : 0.0f;
+}
+
+/* copy `rows` rows of width w (stride ldx) into (BQ or n, wp) zero-padded rows */
+static inline void FN(pad_rows)(const float *x, Py_ssize_t ldx, Py_ssize_t rows, Py_ssize_t w, float *out,
+                                Py_ssize_t wp, Py_ssize_t total)
+{
+    for (Py_ssize_t r = 0; r < total; r++) {
+        if (r < rows) {
+            memcpy(out + r * wp, x + r * ldx, w * sizeof(float));
+            memset(out + r * wp + w, 0, (wp - w) * sizeof(float));
+        } else memset(out + r * wp, 0, wp * sizeof(float));
+    }
+}
+
+PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *dout, Py_ssize_t lddo, Py_ssize_t nq,
+                                   Py_ssize_t dim, Py_ssize_t dvd, const float *k, Py_ssize_t ldk, const float *v,
+                                   Py_ssize_t ldv, Py_ssize_t nk, const float *lse, const float *dvec, float *dq,
+                                   Py_ssize_t lddq, float *dk, Py_ssize_t lddk, float *dv, Py_ssize_t lddv,
+                                   float scale, const int64_t *lo, const int64_t *hi, const int64_t *kvpos,
+                                   float *scratch)
+{
+    const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
+    const Py_ssize_t dpd = (dim + 15) / 16 * 16, dpv = (dvd + 15) / 16 * 16;
+    float *kp = scratch, *vpn = kp + kbp * dim, *kr = vpn + kbp * dvd, *dka = kr + kbp * dpd, *dva = dka + kbp * dpd;
+    float *s = dva + kbp * dpv, *dps = s + BQ * kbp, *qs = dps + BQ * kbp, *dos = qs + BQ * dpd, *dqs = dos + BQ * dpv;
+    FN(pack_panels)(k, ldk, nk, dim, kp);
+    FN(pack_panels)(v, ldv, nk, dvd, vpn);
+    FN(pad_rows)(k, ldk, nk, dim, kr, dpd, kbp);
+    FN(pad_rows)(dk, lddk, nk, dim, dka, dpd, kbp);
+    FN(pad_rows)(dv, lddv, nk, dvd, dva, dpv, kbp);
+    int64_t kmin = INT64_MAX, kmax = INT64_MIN;
+    if (kvpos)
+        for (Py_ssize_t j = 0; j < nk; j++) {
+            kmin = kvpos[j] < kmin ? kvpos[j] : kmin;
+            kmax = kvpos[j] > kmax ? kvpos[j] : kmax;
+        }
+    for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
+        const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
+        int partial = 0;
+        Py_ssize_t c0 = 0, c1 = nk;
+        if (kvpos) { /* the strip's class, as fwd_chunk's */
+            int any = 0;
+            int64_t slo = INT64_MAX, shi = INT64_MIN;
+            for (Py_ssize_t i = i0; i < i0 + rows; i++) {
+                if (hi[i] >= kmin && lo[i] <= kmax) any = 1;
+                if (lo[i] > kmin || hi[i] < kmax) partial = 1;
+                slo = lo[i] < slo ? lo[i] : slo;
+                shi = hi[i] > shi ? hi[i] : shi;
+            }
+            if (!any) continue;
+            if (partial) {
+                Py_ssize_t first = nk, last = -1;
+                for (Py_ssize_t j = 0; j < nk; j++)
+                    if (kvpos[j] >= slo && kvpos[j] <= shi) {
+                        first = j < first ? j : first;
+                        last = j;
+                    }
+                if (last < 0) continue;
+                c0 = first / PANEL * PANEL;
+                c1 = last + 1;
+            }
+        }
+        const Py_ssize_t n = c1 - c0;
+        FN(pad_rows)(q + i0 * ldq, ldq, rows, dim, qs, dpd, BQ);
+        FN(pad_rows)(dout + i0 * lddo, lddo, rows, dvd, dos, dpv, BQ);
+        for (Py_ssize_t jb = c0; jb < c1; jb += QK_NR * VW) {
+            const float *kpanel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
+            const float *vpanel = vpn + (jb / PANEL) * PANEL * dvd + jb % PANEL;
+            for (int r = 0; r < BQ; r += QK_MR) {
+                FN(nt_tile)(qs + r * dpd, dpd, dim, kpanel, s + r * kbp + jb, kbp);
+                FN(nt_tile)(dos + r * dpv, dpv, dvd, vpanel, dps + r * kbp + jb, kbp);
+            }
+        }
+        for (Py_ssize_t r = 0; r < BQ; r++) {
+            float *row = s + r * kbp + c0, *drow = dps + r * kbp + c0;
+            if (r >= rows) { /* a padding row: P = dS = 0 */
+                memset(row, 0, n * sizeof(float));
+                memset(drow, 0, n * sizeof(float));
+                continue;
+            }
+            const Py_ssize_t i = i0 + r;
+            if (partial) {
+                const int64_t a = lo[i], b = hi[i];
+                for (Py_ssize_t j = 0; j < n; j++)
+                    if (kvpos[c0 + j] < a || kvpos[c0 + j] > b) row[j] = -INFINITY;
+            }
+            FN(exp_row)(row, n, scale, NULL, lse[i]);
+            const float d = dvec[i];
+            for (Py_ssize_t j = 0; j < n; j++) drow[j] = (drow[j] - d) * row[j];
+        }
+        FN(tn_block)(dva, dpv, s, kbp, dos, rows, c0, c1);  /* dV += P^T dO */
+        FN(tn_block)(dka, dpd, dps, kbp, qs, rows, c0, c1); /* dK += dS^T Q */
+        FN(pad_rows)(dq + i0 * lddq, lddq, rows, dim, dqs, dpd, BQ);
+        for (Py_ssize_t jc = c0; jc < c1; jc += JC) { /* dQ += dS K */
+            const Py_ssize_t nj = c1 - jc < JC ? c1 - jc : JC;
+            Py_ssize_t c = 0;
+            for (; c + PV_NV * VW <= dpd; c += PV_NV * VW)
+                for (int r = 0; r < BQ; r += PV_MR)
+                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj, PV_NV);
+            for (; c < dpd; c += VW)
+                for (int r = 0; r < BQ; r += PV_MR)
+                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj, 1);
+        }
+        for (Py_ssize_t r = 0; r < rows; r++) memcpy(dq + (i0 + r) * lddq, dqs + r * dpd, dim * sizeof(float));
+    }
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        memcpy(dk + j * lddk, dka + j * dpd, dim * sizeof(float));
+        memcpy(dv + j * lddv, dva + j * dpv, dvd * sizeof(float));
+    }
+}
+
 #undef PANEL
 #undef QK_NR
 #undef JC

@@ -95,6 +95,10 @@ typedef void (*scores_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, con
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
                              const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t, float *, float *, float,
                              const int64_t *, const int64_t *, const int64_t *, float *);
+typedef void (*bwd_chunk_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
+                             const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, const float *,
+                             const float *, float *, Py_ssize_t, float *, Py_ssize_t, float *, Py_ssize_t, float,
+                             const int64_t *, const int64_t *, const int64_t *, float *);
 
 /* the paths, widest first; a path runs where the CPU has its extension */
 static struct {
@@ -102,14 +106,15 @@ static struct {
     exp_rows_fn exp_rows;
     ds_rows_fn ds_rows;
     fwd_chunk_fn fwd_chunk; /* the forward block op, or NULL where the path has no FMA */
-    scores_fn scores;       /* its Q K^T alone (the backward's scores) */
+    scores_fn scores;       /* its Q K^T alone (the backward's scores on the BLAS tiles) */
+    bwd_chunk_fn bwd_chunk; /* the backward block op */
     int bq;                 /* its strip rows */
 } PATHS[] = {
 #ifdef X86_PATHS
-    {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, 48},
-    {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, 48},
+    {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, bwd_chunk_avx512, 48},
+    {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, bwd_chunk_avx2, 48},
 #endif
-    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, 0},
+    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, 0},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -136,6 +141,7 @@ static void plain_uses_fma(void)
         PATHS[N_PATHS - 1].ds_rows = ds_rows_plainfma; /* the same arithmetic (no FMA in dS) */
         PATHS[N_PATHS - 1].fwd_chunk = fwd_chunk_plainfma;
         PATHS[N_PATHS - 1].scores = scores_plainfma;
+        PATHS[N_PATHS - 1].bwd_chunk = bwd_chunk_plainfma;
         PATHS[N_PATHS - 1].bq = 48;
     }
 #endif
@@ -355,6 +361,68 @@ done:
     return out;
 }
 
+/* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos) */
+static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale, &loo,
+                          &hio, &kvo))
+        return NULL;
+    bwd_chunk_fn fn = PATHS[current].bwd_chunk;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[12];
+    memset(v, 0, sizeof v);
+    Py_ssize_t nq, dim, ldq, r1, dvd, lddo, nk, c2, ldk, r3, c3, ldv, r4, c4, lddq, r5, c5, lddk, r6, c6, lddv;
+    PyObject *out = NULL;
+    if (get2d(qo, &v[0], 0, &nq, &dim, &ldq) < 0) return NULL;
+    if (get2d(doo, &v[1], 0, &r1, &dvd, &lddo) < 0 || get2d(ko, &v[2], 0, &nk, &c2, &ldk) < 0 ||
+        get2d(vo, &v[3], 0, &r3, &c3, &ldv) < 0 || get2d(dqo, &v[4], 1, &r4, &c4, &lddq) < 0 ||
+        get2d(dko, &v[5], 1, &r5, &c5, &lddk) < 0 || get2d(dvo, &v[6], 1, &r6, &c6, &lddv) < 0)
+        goto done;
+    if (r1 != nq || c2 != dim || r3 != nk || c3 != dvd || r4 != nq || c4 != dim || r5 != nk || c5 != dim ||
+        r6 != nk || c6 != dvd || nk < 1) {
+        PyErr_SetString(PyExc_ValueError, "bwd_chunk: operand shapes do not match");
+        goto done;
+    }
+    if (get1d(lseo, &v[7], "f", nq, 0, "lse") < 0 || get1d(dveco, &v[8], "f", nq, 0, "dvec") < 0 ||
+        get1d(loo, &v[9], "l", nq, 0, "lo") < 0 || get1d(hio, &v[10], "l", nq, 0, "hi") < 0 ||
+        get1d(kvo, &v[11], "l", nk, 0, "kvpos") < 0)
+        goto done;
+    if (!v[7].buf || !v[8].buf) {
+        PyErr_SetString(PyExc_ValueError, "bwd_chunk: lse and dvec are required");
+        goto done;
+    }
+    if ((v[9].buf == NULL) != (v[11].buf == NULL) || (v[10].buf == NULL) != (v[11].buf == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "bwd_chunk: lo, hi and kvpos go together");
+        goto done;
+    }
+    const Py_ssize_t bq = PATHS[current].bq, kbp = (nk + 31) / 32 * 32, dpd = (dim + 15) / 16 * 16,
+                     dpv = (dvd + 15) / 16 * 16;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64,
+                       sizeof(float) * (kbp * (dim + dvd + 2 * dpd + dpv) + bq * (2 * kbp + 2 * dpd + dpv)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, ldq, (const float *)v[1].buf, lddo, nq, dim, dvd, (const float *)v[2].buf, ldk,
+       (const float *)v[3].buf, ldv, nk, (const float *)v[7].buf, (const float *)v[8].buf, (float *)v[4].buf, lddq,
+       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, (const int64_t *)v[9].buf,
+       (const int64_t *)v[10].buf, (const int64_t *)v[11].buf, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 12);
+    return out;
+}
+
 static PyObject *py_has_block(PyObject *self, PyObject *noargs)
 {
     return PyBool_FromLong(PATHS[current].fwd_chunk != NULL);
@@ -463,6 +531,10 @@ static PyMethodDef methods[] = {
      "and key positions, or None)"},
     {"scores", py_scores, METH_VARARGS,
      "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
+    {"bwd_chunk", py_bwd_chunk, METH_VARARGS,
+     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos): add one key chunk's terms to dq and "
+     "the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, +inf on rows that saw "
+     "nothing; lo, hi, kvpos: int64 position bounds and key positions, or None)"},
     {"has_block", py_has_block, METH_NOARGS, "has_block(): whether the path in use has the compiled block op"},
     {"fma_peak", py_fma_peak, METH_VARARGS,
      "fma_peak(path, rounds): (seconds, FLOPs) of a loop of independent float32 multiply-adds at the "

@@ -580,6 +580,99 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
     return _tile_counts(mask, sq, skv, batch)
 
 
+# ------------------------------------------------------------ the compiled backward block op
+# The same common float32 case's backward (and only where no row or key of the call holds a NaN or
+# Inf) runs as one compiled call
+# per (key chunk of BWD_CHUNK keys, batch entry, query head): ``_fused.bwd_chunk``
+# (src/ringmpi/_ext/block_rows.h), FlashAttention-2's order: the chunk's dK, dV resident while the
+# query strips stream past, P = exp(S - lse) from the forward's very scores (the same Q K^T chain
+# as fwd_chunk), dS, and every product register-blocked, each element one chain of fused
+# multiply-adds in a fixed order: the same bits on every vector path.  Non-finite values as the BLAS
+# tiles' careful path handles them, per key tile: the calls run on copies with the bad rows of q, do,
+# k, v zeroed and P = 0 (lse = +inf, dvec = 0) on every query row that is bad or sees a bad key of
+# the tile, so a query that sees none gets exactly a clean run's arithmetic; those rows' terms are
+# then added from their raw values over the tile's visible keys only (:func:`_redo_rows_backward`).
+
+BWD_CHUNK = positive_int("RINGMPI_BWD_CHUNK", 512)  # keys per bwd_chunk call (inside a TILE_KV key tile)
+
+
+def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t):
+    """The terms of the query rows ``idx`` (bad, or seeing a bad key) over one key tile, from their
+    raw values and visible keys only (as :func:`_careful_backward_tile` adds them)."""
+    q_r, do_r = q[idx], do[idx]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p_r = np.where(vis_r, np.exp((q_r @ k.T) * scale - lse[idx, None]), 0).astype(q.dtype, copy=False)
+        dp_r = do_r @ v.T
+        ds = np.where(vis_r, p_r * (dp_r - dvec[idx, None]), 0).astype(q.dtype, copy=False)
+        dv_t += _visible_matmul(p_r.T, do_r, vis_r.T)
+        dq[idx] += _visible_matmul(ds, k, vis_r)
+        dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
+
+
+def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMask, tick, sums, bad_rows, bad_cols):
+    """:meth:`NumpyBackend.backward_block` through the compiled block op (see above)."""
+    bwd_chunk = tile_pass.backward_op()
+    batch, heads, sq, _ = qh.shape
+    kv_heads, skv = kh.shape[1], kh.shape[2]
+    group = heads // kv_heads
+    spec = mask.spec
+    lo = hi = None
+    if spec.positional:
+        lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
+    key_tiles = _tiles(skv, TILE_KV)
+    total = max(1, batch * heads * len(key_tiles))
+    done = 0
+    lse_c = [[np.ascontiguousarray(lse_use[b, h]) for h in range(heads)] for b in range(batch)]
+    dvec_c = [[np.ascontiguousarray(dvec[b, h]) for h in range(heads)] for b in range(batch)]
+    q_c = [[clean_copy(qh[b, h], bad_rows[b, h]) if bad_rows[b, h].any() else qh[b, h] for h in range(heads)]
+           for b in range(batch)]
+    do_c = [[clean_copy(doh[b, h], bad_rows[b, h]) if bad_rows[b, h].any() else doh[b, h] for h in range(heads)]
+            for b in range(batch)]
+    for tile in key_tiles:
+        sums.begin(tile)
+        # per (b, h): the rows redone from raw values over this key tile, and the lse, dvec the calls see
+        redo, row_terms, k_c, v_c = {}, {}, {}, {}
+        for b in range(batch):
+            for kvh in range(kv_heads):
+                bc = bad_cols[b, kvh, tile]
+                k_c[b, kvh] = clean_copy(kh[b, kvh, tile], bc) if bc.any() else kh[b, kvh, tile]
+                v_c[b, kvh] = clean_copy(vh[b, kvh, tile], bc) if bc.any() else vh[b, kvh, tile]
+            for h in range(heads):
+                bc = bad_cols[b, h // group, tile]
+                rows = bad_rows[b, h].copy()
+                if bc.any():
+                    rows |= spec.visible(mask.q_pos, mask.kv_pos[tile][bc]).any(axis=1)
+                if rows.any():
+                    redo[b, h] = np.flatnonzero(rows)
+                    row_terms[b, h] = (np.where(rows, np.inf, lse_c[b][h]).astype(lse_use.dtype),
+                                       np.where(rows, 0, dvec_c[b][h]).astype(dvec.dtype))
+        for start in range(tile.start, tile.stop, BWD_CHUNK):
+            cols = slice(start, min(start + BWD_CHUNK, tile.stop))
+            sub = slice(start - tile.start, cols.stop - tile.start)
+            kv_pos = np.ascontiguousarray(mask.kv_pos[cols]) if lo is not None else None
+            if lo is not None and spec.classify(mask.q_pos, mask.kv_pos[cols]) == SKIP:
+                continue
+            for b in range(batch):
+                for h in range(heads):
+                    kvh = h // group
+                    dk_t, dv_t = sums.views(b, kvh, cols)
+                    lse_h, dvec_h = row_terms.get((b, h), (lse_c[b][h], dvec_c[b][h]))
+                    bwd_chunk(q_c[b][h], do_c[b][h], k_c[b, kvh][sub], v_c[b, kvh][sub], lse_h, dvec_h,
+                              dq[b, h], dk_t, dv_t, scale, lo, hi, kv_pos)
+                    if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
+                        tick(min(1.0, (done + (b * heads + h + 1) * (cols.stop - tile.start) / (tile.stop - tile.start))
+                                 / total))
+        done += batch * heads
+        for (b, h), idx in redo.items():
+            kvh = h // group
+            dk_t, dv_t = sums.views(b, kvh, tile)
+            vis_r = spec.visible(mask.q_pos[idx], mask.kv_pos[tile])
+            _redo_rows_backward(idx, qh[b, h], doh[b, h], kh[b, kvh, tile], vh[b, kvh, tile], lse_c[b][h],
+                                dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t)
+    sums.end(skv)
+    return _tile_counts(mask, sq, skv, batch)
+
+
 class _KeyTileSums:
     """Where a backward block op adds its ``dK, dV`` terms, one key tile at a time.
 
@@ -797,20 +890,25 @@ class NumpyBackend:
         scale = ct.type(scale)
         # P = exp(S - lse) with lse = +inf on rows that saw nothing gives P = 0
         lse_use = _once(resident, "lse", lambda: np.where(np.isneginf(lse), np.inf, lse).astype(ct, copy=False))
-        size = min(sq, TILE_Q) * min(skv, TILE_KV)
-        scratch_p, scratch_dp = _scratch(resident, "p", size, ct), _scratch(resident, "dp", size, ct)
-        softcap = None if mask.spec.softcap is None else ct.type(mask.spec.softcap)
-        scratch_t = None if softcap is None else _scratch(resident, "t", size, ct)
         # rows with NaN/Inf in q, do, lse or dvec (scanned once per call); keys with NaN/Inf
         # in k or v (once per block)
         bad_rows = _once(resident, "bad_rows", lambda: _bad_rows(qh) | _bad_rows(doh) | np.isnan(lse_use)
                          | ~np.isfinite(dvec))
         bad_cols = _bad_rows(kh) | _bad_rows(vh)
         careful = bool(bad_rows.any() or bad_cols.any())
+        compiled = compiled_forward_ok(ct, scale, mask)
+        if compiled and tile_pass.backward_op() is not None and all(x.dtype == ct for x in (dq, dk, dv, dvec)):
+            sums = _KeyTileSums(dk, dv, ct, resident, kv_need, kv_done)
+            return _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask, tick, sums, bad_rows,
+                                      bad_cols)
+        size = min(sq, TILE_Q) * min(skv, TILE_KV)
+        scratch_p, scratch_dp = _scratch(resident, "p", size, ct), _scratch(resident, "dp", size, ct)
+        softcap = None if mask.spec.softcap is None else ct.type(mask.spec.softcap)
+        scratch_t = None if softcap is None else _scratch(resident, "t", size, ct)
         dropout = mask.spec.dropout
         # where the forward took the compiled block op, the backward's scores are its scores, bit
         # for bit (its P then matches the forward's lse; the rest stays on BLAS)
-        scores = tile_pass.compiled.scores if compiled_forward_ok(ct, scale, mask) else None
+        scores = tile_pass.compiled.scores if compiled else None
         tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
         sums = _KeyTileSums(dk, dv, ct, resident, kv_need, kv_done)
         for rows, cols, bsel, bias in tiles:

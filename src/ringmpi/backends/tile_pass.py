@@ -114,6 +114,12 @@ def block_op():
     return compiled.fwd_chunk if compiled.has_block() else None
 
 
+def backward_op():
+    """The compiled backward block op (``_fused.bwd_chunk``, see ``_ext/block_rows.h``) of the path in
+    use, or None where :func:`block_op` is None."""
+    return None if block_op() is None else compiled.bwd_chunk
+
+
 def exp_pass(s, scale, bias=None, shift=None, sums=None) -> None:
     """``s = exp(s * scale + bias - shift[:, None])`` in place (``bias``, ``shift`` optional),
     each step rounded in that order; ``sums (rows,)``, when given, receives the rows' sums of
