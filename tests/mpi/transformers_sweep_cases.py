@@ -20,7 +20,6 @@ record to RESULTS.json when given (``scripts/transformers_table.py`` makes the
 README's table from it).
 """
 
-import contextlib
 import itertools
 import json
 import sys
@@ -33,6 +32,7 @@ from mpi4py import MPI
 from case_driver import run_all  # first: it puts tests/support on the path
 import hf_architectures as archs
 from linear_reference import float64_delta_rule
+from transformers_cases import float64_softmax
 import ringmpi.transformers as rmt
 from ringmpi.runtime.errors import ConfigError
 
@@ -40,20 +40,6 @@ LAYOUTS = ("contiguous", "zigzag", "balanced")
 N = 20
 LOGIT_TOL, GRAD_TOL = 1e-6, 1e-5  # DESIGN.md's floors; float64's own error is ~1e-16
 ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5, router_z_loss_coef=0.1, z_loss_coefficient=0.1)
-
-
-@contextlib.contextmanager
-def float64_softmax():
-    """HF's eager attention takes its softmax in float32 whatever the dtype: keep float64."""
-    real = torch.nn.functional.softmax
-
-    def softmax(x, dim=None, _stacklevel=3, dtype=None):
-        return real(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
-    torch.nn.functional.softmax = softmax
-    try:
-        yield
-    finally:
-        torch.nn.functional.softmax = real
 
 
 class FirstModule:
