@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mpi_util import ROOT, run_deadline
+from ringmpi.bench.kernel import CORE_FLAGS, PINS, cpu_flags
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,23 +37,8 @@ BITWISE_CASES = (
 DEADLINE = 600
 
 # each tile-pass path with the OpenBLAS core of the same instructions, and the CPU flags that core needs
-OPENBLAS_CORE = {
-    "avx512": ("SkylakeX", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
-    "avx2": ("Haswell", {"avx2", "fma"}),
-    "plain": ("Nehalem", {"sse4_2", "popcnt"}),
-}
-
-
-def cpu_flags():
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+# (the pins of python -m ringmpi.bench.kernel --paths)
+OPENBLAS_CORE = {path: (pins["OPENBLAS_CORETYPE"], CORE_FLAGS[pins["OPENBLAS_CORETYPE"]]) for path, pins in PINS.items()}
 
 
 def openblas_core():

@@ -204,7 +204,8 @@ CORE_FLAGS = {"SkylakeX": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx51
               "Nehalem": {"sse4_2", "popcnt"}}
 
 
-def _cpu_flags() -> set:
+def cpu_flags() -> set:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -237,7 +238,7 @@ def pinned_env(path) -> dict:
     core = pins.pop("OPENBLAS_CORETYPE", None)
     env.update(pins)
     env.pop("OPENBLAS_CORETYPE", None)
-    if core is not None and CORE_FLAGS[core] <= _cpu_flags() and "openblas" in blas_name().lower():
+    if core is not None and CORE_FLAGS[core] <= cpu_flags() and "openblas" in blas_name().lower():
         env["OPENBLAS_CORETYPE"] = core
     above = _numpy_targets_above(path)
     if above:
