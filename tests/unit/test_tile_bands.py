@@ -66,7 +66,10 @@ VARIANTS = {"plain": {}, "softcap": dict(softcap=2.5), "dropout": dict(dropout_p
 
 @pytest.fixture
 def banded(monkeypatch):
-    """8 x 8 tiles in bands of 3 rows; yields the band counts of every banded tile."""
+    """8 x 8 tiles in bands of 3 rows; yields the band counts of every banded tile.  The BLAS
+    tiles run even where the compiled block ops would (``RINGMPI_CPU_BLOCK=tiles``): the bands
+    are theirs, and they still serve every call the compiled ops do not take."""
+    monkeypatch.setenv("RINGMPI_CPU_BLOCK", "tiles")
     monkeypatch.setattr(nb, "TILE_Q", 8)
     monkeypatch.setattr(nb, "TILE_KV", 8)
     monkeypatch.setattr(nb, "BAND_Q", 3)
