@@ -88,8 +88,9 @@ def main():
     rank = comm.Get_rank()
     torch.manual_seed(args.seed)  # the same initial parameters on every rank (and in either dtype)
     layout = ringmpi.Layout("zigzag", args.seq_len, comm.Get_size())
+    ring = ringmpi.RingContext(comm, layout="zigzag")        # where every attention call runs
     model = TinyLM(args.vocab, args.seq_len, args.dim, args.heads, args.kv_heads, args.layers,
-                   sinks=args.sinks, comm=comm, layout="zigzag").to(args.device, getattr(torch, args.dtype))
+                   sinks=args.sinks, context=ring).to(args.device, getattr(torch, args.dtype))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     tokens = synthetic_sequence(args.seq_len, args.vocab, args.seed)

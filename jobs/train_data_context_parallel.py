@@ -46,7 +46,7 @@ def main():
 
     torch.manual_seed(args.seed)  # the same initial parameters everywhere (DDP checks and broadcasts them)
     model = TinyLM(args.vocab, args.seq_len, args.dim, args.heads, args.kv_heads, args.layers,
-                   comm=cp_comm, layout="zigzag").to(getattr(torch, args.dtype))
+                   context=ringmpi.RingContext(cp_comm, layout="zigzag")).to(getattr(torch, args.dtype))
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_group)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
 

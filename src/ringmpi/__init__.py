@@ -28,7 +28,9 @@ _PUBLIC = {
     "abort_on_error": "runtime.errors",
     "decode_attention": "decode",
     "KVCache": "kvcache",
-    "AttentionOptions": "options",
+    "RingContext": "context",
+    "Attention": "context",
+    "Gradients": "context",
     "gated_delta_rule": "linear_attention",
     "gated_delta_rule_backward": "linear_attention",
     "simple_gla": "linear_attention",
@@ -65,7 +67,8 @@ class _PublicModules(_abc.MetaPathFinder, _abc.Loader):
 if not any(isinstance(f, _PublicModules) for f in _sys.meta_path):
     _sys.meta_path.insert(0, _PublicModules())
 
-__all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache", "AttentionOptions",
+__all__ = ["Layout", "ring_attention", "ring_attention_backward", "decode_attention", "KVCache",
+           "RingContext", "Attention", "Gradients",
            "gated_delta_rule", "gated_delta_rule_backward", "simple_gla", "simple_gla_backward",
            "kda", "kda_backward", "gla", "gla_backward",
            "causal_conv1d", "causal_conv1d_backward", "relayout",

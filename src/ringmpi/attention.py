@@ -32,6 +32,7 @@ from .core.layout import BALANCED, KINDS, Layout
 from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
+from .context import WINDOW_OFF, Attention, Gradients, RingContext, call_options, pair
 from .parallel.comm import resolve_comm
 from .parallel.topology import resolve_groups
 from .runtime.watchdog import deadline, phase
@@ -234,89 +235,101 @@ def _agree_finite(comm, named) -> None:
     agree(comm, problem)
 
 
-def ring_attention(q, k, v, *, comm=None, layout: Union[str, Layout] = "contiguous",
-                   causal: bool = False, window=None, segment_ids_q=None, segment_ids_kv=None,
-                   softmax_scale: Optional[float] = None, backend: str = "auto",
-                   timeout: Optional[float] = None, check_finite: bool = False,
-                   stats: Optional[list] = None, dtype: Optional[str] = None,
-                   head_parallel: Union[int, str, None] = None,
-                   sinks=None, softcap: Optional[float] = None, return_max_logit: bool = False,
-                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None, dropout_offsets=None,
-                   alibi_slopes=None, positions_q=None, positions_kv=None, schedule: Optional[str] = None,
-                   invariant: bool = False,
-                   options: Optional[AttentionOptions] = None):
-    """Exact softmax attention over a sequence sharded across the ranks of ``comm``.
+def ring_attention(q, k, v, *, causal: bool = False, window=WINDOW_OFF, softmax_scale: Optional[float] = None,
+                   softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+                   dropout_seed: Optional[int] = None, segment_ids=None, positions=None,
+                   return_max_logit: bool = False, context: Optional[RingContext] = None) -> Attention:
+    """Exact softmax attention over a sequence sharded across the ranks of ``context.comm``.
 
-    Collective: every rank of ``comm`` calls it with its own shard.
+    Collective: every rank of the communicator calls it with its own shard.  The attention's maths
+    are the keywords, with flash-attn's names and conventions; where and how it runs (the
+    communicator, layout, backend, schedule, deadline, checks, stats) is ``context``
+    (:class:`ringmpi.RingContext`; None: the default one).
 
     Parameters
     ----------
     q : (B, S_q_local, H, D) float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
         float64; NumPy on CPU, CuPy on GPU.  This rank's queries: the global
-        tokens ``Layout(layout, N_q, P).indices(rank)``.
+        tokens ``Layout(context.layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D) and (B, S_kv_local, H_kv, D_v), same dtype as
         ``q``; ``H % H_kv == 0`` (GQA/MQA).  The value head dim ``D_v`` may differ
         from ``D`` (as in MLA: D = 192, D_v = 128; on GPU see
         :func:`ringmpi.kernels.value_dim_problem`).
         This rank's keys/values, sharded like ``q`` by a layout of the same kind
         over their own global length ``N_kv`` (which may differ from ``N_q``).
-    comm : mpi4py communicator, optional
-        None means a library-owned duplicate of ``COMM_WORLD``.
-    layout : "contiguous" | "zigzag" | "striped" | Layout
-        How tokens are spread over ranks; a ``Layout`` must match ``N_q`` and ``P``.
-        ``Layout("balanced", N, P, documents=..., causal=..., window=...)`` places a
-        pack of documents so that every rank sees the same number of (query, key)
-        pairs (self-attention: ``N_kv = N_q``); shard the segment ids with it too
-        (``layout.segment_ids(rank)`` gives them without a global array).
-    segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) ints, optional
-        Packed documents: a query sees only keys with the same id.
-    backend : "auto" | "numpy" | "cupy"
-    stats : list, optional
-        When given, one :class:`ringmpi.parallel.ring.StepRecord` per ring step is appended
-        (with ``head_parallel`` U > 1, an :class:`ringmpi.parallel.head_parallel.ExchangeRecord`
-        before and after them, whose ``head_parallel`` is the U this call ran with).
-    causal, window, softmax_scale, timeout, check_finite, dtype, head_parallel, sinks, softcap,
-    return_max_logit, dropout_p, dropout_seed, dropout_offsets, alibi_slopes, schedule,
-    invariant
-        The attention options, each documented in :class:`ringmpi.options.AttentionOptions`
-        (the one place that defines and checks them).
-    positions_q, positions_kv : (S_q_local,), (S_kv_local,) ints, optional
+    causal : bool
+        Query ``i`` sees keys ``j <= i + N_kv - N_q`` (bottom-right aligned, as
+        FlashAttention >= 2.1; the usual causal mask when ``N_q == N_kv``).
+    window : (left, right)
+        Sliding window in global positions, ``i + off - left <= j <= i + off + right``
+        with ``off = N_kv - N_q``; -1 on a side is unbounded (flash-attn's ``window_size``).
+        Combined with ``causal`` when both are given.
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+    softcap : float >= 0
+        Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
+        before the mask; 0.0 is off.
+    alibi_slopes : (H,) float32, optional, the same on every rank
+        ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
+        ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
+        global positions (after scale and softcap, before the mask).
+    sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
+        Attention sinks (gpt-oss): every query's softmax denominator gains
+        ``exp(sinks[h])``, a virtual key with zero value that every query sees;
+        ``lse`` includes it.  Used in the compute dtype (float32 for 16-bit inputs).
+    dropout_p : float in [0, 1)
+        Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
+        scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
+        global i, global j)`` (:mod:`ringmpi.core.dropout`), so the same seed gives the
+        same mask for every number of ranks, layout and backend.  ``lse`` is the
+        one without dropout (as FlashAttention's).
+    dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
+    segment_ids : (B, S_local) ints, or a tuple ``(segment_ids_q, segment_ids_kv)``, optional
+        Packed documents: a query sees only keys with the same id.  One array serves
+        queries and keys alike (self-attention).
+    positions : (S_local,) ints, or a tuple ``(positions_q, positions_kv)``, optional
         This rank's tokens' global positions, in local order: any assignment of
-        tokens to ranks (whole documents per rank, a permutation), instead of
-        ``layout`` (which is then not used).  Over all ranks they must be
-        ``0 .. N-1`` once each (``N``: the sum of the shard lengths; shards may
-        have any lengths), checked inside the call's planning allgather (range,
-        repeats on a rank, counts and power sums across ranks: see
-        :mod:`ringmpi.core.positions`), a ConfigError on every rank otherwise.
-        Masks, ALiBi and dropout use them; ``positions_kv`` defaults to
-        ``positions_q`` (self-attention).  Give them on every rank or on none.
-    options : :class:`ringmpi.options.AttentionOptions`, optional
-        All of the options above (``causal`` ... ``dropout_offsets``, ``dtype``,
-        ``head_parallel``, ``timeout``, ``check_finite``) as one object, instead of
-        their keywords (giving both is a TypeError).
+        tokens to ranks (whole documents per rank, a permutation), instead of the
+        context's layout.  Over all ranks they must be ``0 .. N-1`` once each (``N``:
+        the sum of the shard lengths; shards may have any lengths), checked inside
+        the call's planning allgather (range, repeats on a rank, counts and power sums
+        across ranks: see :mod:`ringmpi.core.positions`), a ConfigError on every rank
+        otherwise.  Masks, ALiBi and dropout use them.  One array serves queries and
+        keys alike (self-attention).  Give them on every rank or on none.
+    return_max_logit : bool
+        Also compute ``max_logit`` (the NumPy tiles then keep an exact running
+        maximum instead of their lagging shift: a little slower).
+    context : :class:`ringmpi.RingContext`, optional
 
     Returns
     -------
+    :class:`ringmpi.Attention` ``(o, lse, max_logit)``:
+
     o : (B, S_q_local, H, D_v), the input dtype
     lse : (B, H, S_q_local) natural-log softmax normaliser, float32 (float64 for
         float64 inputs); ``-inf`` (and ``o = 0``) for a query that sees no key
         (with sinks: ``lse = sinks[h]``, ``o = 0``).
-    max_logit : (H,) NumPy array, float32 (float64 for float64 inputs), only with
-        ``return_max_logit``: per head, the largest score (after scale and
+    max_logit : (H,) NumPy array, float32 (float64 for float64 inputs), with
+        ``return_max_logit`` (else None): per head, the largest score (after scale and
         softcap, masked keys excluded, sinks not counted) over the batch and the
         whole sequence, the same on every rank; ``-inf`` for a head whose
         queries see no key.
     """
-    options = AttentionOptions.of_call(locals())
-    return _forward(q, k, v, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
-                   segment_ids_kv=segment_ids_kv, backend=backend, stats=stats,
-                   positions_q=positions_q, positions_kv=positions_kv)
+    ctx = RingContext.of(context)
+    options = call_options(ctx, causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                           return_max_logit=return_max_logit)
+    seg_q, seg_kv = pair(segment_ids, "segment_ids")
+    pos_q, pos_kv = pair(positions, "positions")
+    return forward(q, k, v, options, comm=ctx.comm, layout=ctx.layout, backend=ctx.backend, stats=ctx.stats,
+                   segment_ids_q=seg_q, segment_ids_kv=seg_kv, positions_q=pos_q, positions_kv=pos_kv)
 
 
-def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str, Layout] = "contiguous",
+def forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str, Layout] = "contiguous",
             segment_ids_q=None, segment_ids_kv=None, backend: str = "auto", stats: Optional[list] = None,
-            positions_q=None, positions_kv=None):
-    """:func:`ring_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
+            positions_q=None, positions_kv=None) -> Attention:
+    """:func:`ring_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`
+    (the file job's, the torch op's and the bench's entry)."""
     (q, k, v), bits = _dtypes.view_declared(options.dtype, q, k, v)
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
                  positions_q=positions_q, positions_kv=positions_kv)
@@ -338,67 +351,55 @@ def _forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str
     if stats is not None:
         stats.extend(records)
     o = o.view(np.uint16) if bits else o
-    return (o, lse, max_logit) if options.return_max_logit else (o, lse)
+    return Attention(o, lse, max_logit if options.return_max_logit else None)
 
 
-def ring_attention_backward(do, q, k, v, o, lse, *, comm=None,
-                            layout: Union[str, Layout] = "contiguous", causal: bool = False,
-                            window=None, segment_ids_q=None, segment_ids_kv=None,
-                            softmax_scale: Optional[float] = None, backend: str = "auto",
-                            timeout: Optional[float] = None, check_finite: bool = False,
-                            stats: Optional[list] = None, dtype: Optional[str] = None,
-                            head_parallel: Union[int, str, None] = None,
-                            sinks=None, softcap: Optional[float] = None,
-                            dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                            dropout_offsets=None, alibi_slopes=None, positions_q=None, positions_kv=None,
-                            schedule: Optional[str] = None, invariant: bool = False,
-                            options: Optional[AttentionOptions] = None,
-                            reduce_dsinks: bool = True):
+def ring_attention_backward(do, q, k, v, out, *, causal: bool = False, window=WINDOW_OFF,
+                            softmax_scale: Optional[float] = None, softcap: float = 0.0, alibi_slopes=None,
+                            sinks=None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                            segment_ids=None, positions=None, context: Optional[RingContext] = None) -> Gradients:
     """Gradients of :func:`ring_attention` with respect to ``q``, ``k``, ``v`` (and ``sinks``).
 
-    Collective; every keyword must match the forward call.
+    Collective; every keyword must be the forward's (the dropout mask is regenerated, never
+    stored).  The context may differ from the forward's in ``schedule`` (results agree to
+    rounding) and ``reduce_dsinks``.
 
     Parameters
     ----------
     do : (B, S_q_local, H, D_v), like ``o``: the gradient of the loss w.r.t. ``o``.
     q, k, v : as for :func:`ring_attention`.
-    o : (B, S_q_local, H, D_v), the forward output.
-    lse : (B, H, S_q_local), the forward's log-sum-exp.
-    dropout_p, dropout_seed, dropout_offsets, alibi_slopes, positions_q, positions_kv, schedule,
-    invariant :
-        the forward's values (the dropout mask is regenerated, never stored; the schedule
-        may differ from the forward's: results agree to rounding).
-    options : :class:`ringmpi.options.AttentionOptions`, optional
-        The options as one object instead of their keywords (the forward's may be
-        passed as they are: ``return_max_logit`` is ignored here).
-    reduce_dsinks : bool
-        True (the default): ``dsinks`` is summed over all ranks (the same on every
-        rank).  False: ``dsinks`` is this rank's own queries' contribution, so that
-        a framework's sum of replicated gradients over ranks (an Allreduce, DDP,
-        FSDP) gives the total; ``ringmpi.torch`` asks for this.
+    out : the forward's result (:class:`ringmpi.Attention`), or ``(o, lse)``:
+        ``o (B, S_q_local, H, D_v)`` and ``lse (B, H, S_q_local)``.
 
     Returns
     -------
+    :class:`ringmpi.Gradients` ``(dq, dk, dv, dsinks)``:
+
     dq : (B, S_q_local, H, D); dk : (B, S_kv_local, H_kv, D);
     dv : (B, S_kv_local, H_kv, D_v); all in the
     input dtype (``uint16`` bit patterns for ``dtype="bfloat16"`` with uint16
     inputs), for this rank's own shards.  K/V travel the ring in the input
     dtype (bfloat16: 2 bytes per element); their gradients are accumulated in
     float32 (float64 for float64 inputs) as they travel.
-    dsinks : (H,) NumPy array in ``sinks``' dtype, only when ``sinks`` is given:
+    dsinks : (H,) NumPy array in ``sinks``' dtype, when ``sinks`` is given (else None):
         the gradient w.r.t. the sinks, summed over the batch and all ranks (the
-        same on every rank), or this rank's share with ``reduce_dsinks=False``.
+        same on every rank), or this rank's share with ``context.reduce_dsinks=False``.
     """
-    options = AttentionOptions.of_call(locals())
-    return _backward(do, q, k, v, o, lse, options, comm=comm, layout=layout, segment_ids_q=segment_ids_q,
-                    segment_ids_kv=segment_ids_kv, backend=backend, stats=stats, reduce_dsinks=reduce_dsinks,
-                    positions_q=positions_q, positions_kv=positions_kv)
+    ctx = RingContext.of(context)
+    options = call_options(ctx, causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    seg_q, seg_kv = pair(segment_ids, "segment_ids")
+    pos_q, pos_kv = pair(positions, "positions")
+    o, lse = out[0], out[1]
+    return backward(do, q, k, v, o, lse, options, comm=ctx.comm, layout=ctx.layout, backend=ctx.backend,
+                    stats=ctx.stats, reduce_dsinks=ctx.reduce_dsinks, segment_ids_q=seg_q, segment_ids_kv=seg_kv,
+                    positions_q=pos_q, positions_kv=pos_kv)
 
 
-def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
+def backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
              layout: Union[str, Layout] = "contiguous", segment_ids_q=None, segment_ids_kv=None,
              backend: str = "auto", stats: Optional[list] = None, reduce_dsinks: bool = True,
-             positions_q=None, positions_kv=None):
+             positions_q=None, positions_kv=None) -> Gradients:
     """:func:`ring_attention_backward` with its options as one :class:`~ringmpi.options.AttentionOptions`."""
     (do, q, k, v, o), bits = _dtypes.view_declared(options.dtype, do, q, k, v, o)
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
@@ -429,4 +430,4 @@ def _backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
         result = tuple(g.view(np.uint16) for g in result)
     if stats is not None:
         stats.extend(records)
-    return result if dsinks is None else tuple(result) + (dsinks.astype(options.sinks.dtype),)
+    return Gradients(*result, None if dsinks is None else dsinks.astype(options.sinks.dtype))

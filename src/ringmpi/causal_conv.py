@@ -20,6 +20,7 @@ import numpy as np
 from .core import causal_conv as _conv
 from .core.host import to_host
 from .parallel import halo as _halo
+from .context import RingContext, comm_of
 from .parallel.comm import resolve_comm
 from .runtime.errors import ConfigError, agree_shards
 from .runtime.watchdog import phase
@@ -63,17 +64,18 @@ def _prepare(x, weight, bias, activation, cu_seqlens, comm, extra=None):
     return comm, lengths, x_ext, mask
 
 
-def causal_conv1d(x, weight, bias=None, *, activation: Optional[str] = None, cu_seqlens=None, comm=None):
+def causal_conv1d(x, weight, bias=None, *, activation: Optional[str] = None, cu_seqlens=None,
+                  context: Optional[RingContext] = None):
     """The causal depthwise convolution of this rank's contiguous shard ``x (B, T_local, D)``:
     ``y (B, T_local, D)``, as one process computes it on the whole sequence.  Collective."""
-    comm, _, x_ext, mask = _prepare(x, weight, bias, activation, cu_seqlens, comm)
+    comm, _, x_ext, mask = _prepare(x, weight, bias, activation, cu_seqlens, comm_of(context))
     y, _ = _conv.forward(x_ext, np.asarray(to_host(weight)), None if bias is None else np.asarray(to_host(bias)),
                          mask, activation)
     return y.astype(x_ext.dtype, copy=False)
 
 
 def causal_conv1d_backward(dy, x, weight, bias=None, *, activation: Optional[str] = None, cu_seqlens=None,
-                           comm=None, reduce_params: bool = True):
+                           context: Optional[RingContext] = None, reduce_params: bool = True):
     """``(dx, dweight, dbias)`` of :func:`causal_conv1d` (``dbias`` None without bias).  The halo's
     gradient goes back to the ranks that own those tokens, so ``dx`` is this shard's whole
     gradient.  ``dweight``/``dbias`` are summed over ranks, or with ``reduce_params=False`` this
@@ -82,7 +84,8 @@ def causal_conv1d_backward(dy, x, weight, bias=None, *, activation: Optional[str
 
     dy = np.asarray(to_host(dy))
     extra = None if dy.shape == np.shape(x) else f"dy must have x's shape {np.shape(x)}, got {dy.shape}"
-    comm, lengths, x_ext, mask = _prepare(x, weight, bias, activation, cu_seqlens, comm, extra)
+    comm, lengths, x_ext, mask = _prepare(x, weight, bias, activation, cu_seqlens, comm_of(context),
+                                          extra)
     weight = np.asarray(to_host(weight))
     bias = None if bias is None else np.asarray(to_host(bias))
     _, z = _conv.forward(x_ext, weight, bias, mask, activation)

@@ -31,7 +31,7 @@ the ring's causal mask; keys at positions ``>= L_b`` are not part of entry
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from .core.masks import BlockMask
 from .core.online_softmax import SoftmaxState
 from .core.shapes import qkv_problem
 from .options import AttentionOptions
+from .context import WINDOW_OFF, Attention, RingContext, call_options
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 
@@ -174,12 +175,19 @@ def _positions(layout, comm, n_local, positions_kv=None):
     return int(layout.n), np.asarray(layout.indices(rank), dtype=np.int64), None
 
 
-def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layout="contiguous",
-                     causal: bool = True, window=None, softmax_scale: Optional[float] = None, sinks=None,
-                     softcap: Optional[float] = None, root: Optional[int] = None, backend: str = "auto",
-                     stats: Optional[dict] = None, alibi_slopes=None, positions_kv=None,
-                     invariant: bool = False, options: Optional[AttentionOptions] = None):
-    """Attention of ``S_new`` new tokens over a KV cache sharded across the ranks of ``comm``.
+class DecodeRecord(NamedTuple):
+    """One decode call's times, appended to ``context.stats``: ``compute_s`` (local attention) and
+    ``merge_s`` (packing, the collective, unpacking; it includes waiting for the slowest rank)."""
+
+    compute_s: float
+    merge_s: float
+
+
+def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal: bool = False, window=WINDOW_OFF,
+                     softmax_scale: Optional[float] = None, softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                     positions=None, root: Optional[int] = None,
+                     context: Optional[RingContext] = None) -> Attention:
+    """Attention of ``S_new`` new tokens over a KV cache sharded across the ranks of ``context.comm``.
 
     Collective.  No K/V leaves its rank: each rank attends to its own shard and
     the partial results are merged in one ``Allreduce``.
@@ -195,70 +203,65 @@ def decode_attention(q, k_cache, v_cache, *, comm=None, cache_lengths=None, layo
         dtype; ``H % H_kv == 0``.  This rank's cache shard, rows in ascending
         global position.  ``D_v`` sizes the collective like q's shape: the same
         on every rank.
-    comm : mpi4py communicator, optional (None: a library-owned dup of COMM_WORLD).
     cache_lengths : (B,) ints in ``[0, N_cache]``, optional
         Ragged caches: entry ``b`` holds positions ``< L_b`` (its new tokens
         included) and its new token ``t`` sits at ``L_b - S_new + t``.
         Default: every entry is ``N_cache`` long.
-    layout : "contiguous" | "zigzag" | "striped" | Layout | KVCache placement
-        Which global positions this rank's rows are.  A kind name spreads
-        ``N_cache = sum of the shard lengths`` (one extra allgather of the
-        lengths); an object with ``n``, ``world_size`` and ``indices(rank)``
-        (a :class:`~ringmpi.core.layout.Layout`, ``KVCache.placement``) costs nothing.
-    positions_kv : (S_cache_local,) ascending ints, optional
-        This rank's cache rows' global positions, any assignment of the ``N_cache``
-        positions to ranks (``layout`` is then not used): over all ranks ``0 ..
-        N_cache-1`` once each, checked in one allgather (:mod:`ringmpi.core.positions`),
-        a ConfigError on every rank otherwise.  The new tokens' positions follow
-        from ``cache_lengths`` as always, so there is no ``positions_q``.
     causal : bool
-        Query ``i`` sees keys ``j <= i`` (default True).
-    window : (left, right) or None
-        Keys ``i - left <= j <= i + right``; None on a side is unbounded.
+        New token ``i`` sees keys ``j <= i``.
+    window : (left, right)
+        Keys ``i - left <= j <= i + right``; -1 on a side is unbounded.
     softmax_scale : float, optional (default ``1 / sqrt(D)``).
+    softcap : float >= 0
+        Logit softcap: scores become ``softcap * tanh(scale * q.k / softcap)``; 0.0 is off.
+    alibi_slopes : (H,) float32, optional
+        ALiBi: the score of query ``i`` and key ``j`` gains ``-alibi_slopes[h] * |i - j|``
+        (global positions, as :func:`ringmpi.ring_attention`).
     sinks : (H,) floats, optional
         One extra logit per head in every softmax denominator (attention sink,
         no value): the result is ``o * 1 / (1 + e^(sink - lse))`` and ``lse``
         includes the sink.
-    softcap : float > 0, optional
-        Logit softcap: scores become ``softcap * tanh(scale * q.k / softcap)``.
-    alibi_slopes : (H,) float32, optional
-        ALiBi: the score of query ``i`` and key ``j`` gains ``-alibi_slopes[h] * |i - j|``
-        (global positions, as :func:`ringmpi.ring_attention`).
-    invariant : bool
-        The bits :func:`ringmpi.ring_attention` with ``invariant=True`` gives these rows in a
-        ring over the entry's ``L_b`` tokens (any P, layout, head x ring), so generation and
-        training agree exactly; every cache shard must be whole 64-token tiles of global
-        positions (``KVCache`` shards of a contiguous layout with ``N / P`` a multiple of 64).
-        It selects the collectives, so like ``q``'s shape it must be the same on every rank.
-        Each new token costs the GEMMs of a whole 64-row query tile, and the call two
-        collectives after the checks (:func:`ringmpi.parallel.invariant_passes.decode`).
-        NumPy and CuPy backends (each its own bits).
+    positions : (S_cache_local,) ascending ints, optional
+        This rank's cache rows' global positions, any assignment of the ``N_cache``
+        positions to ranks (the context's layout is then not used): over all ranks ``0 ..
+        N_cache-1`` once each, checked in one allgather (:mod:`ringmpi.core.positions`),
+        a ConfigError on every rank otherwise.  The new tokens' positions follow
+        from ``cache_lengths`` as always.
     root : int, optional
-        Return the result on ``root`` only (``(None, None)`` elsewhere).
-    backend : "auto" | "numpy" | "cupy"
-    stats : dict, optional
-        Filled with ``compute_s`` (local attention) and ``merge_s`` (packing,
-        the collective, unpacking; it includes waiting for the slowest rank).
-    options : :class:`ringmpi.options.AttentionOptions`, optional
-        ``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes``,
-        ``invariant`` as one object instead of their keywords (giving both is a TypeError).
+        Return the result on ``root`` only (``Attention(None, None)`` elsewhere).
+    context : :class:`ringmpi.RingContext`, optional
+        Its ``layout`` places the cache: a kind name spreads ``N_cache = sum of the shard
+        lengths`` (one extra allgather of the lengths); an object with ``n``, ``world_size``
+        and ``indices(rank)`` (a :class:`~ringmpi.core.layout.Layout`, ``KVCache.placement``)
+        costs nothing.  With ``invariant``, the bits :func:`ringmpi.ring_attention` with
+        ``invariant`` gives these rows in a ring over the entry's ``L_b`` tokens (any P,
+        layout, head x ring), so generation and training agree exactly; every cache shard
+        must be whole 64-token tiles of global positions (``KVCache`` shards of a contiguous
+        layout with ``N / P`` a multiple of 64).  It selects the collectives, so like ``q``'s
+        shape it must be the same on every rank.  Each new token then costs the GEMMs of a
+        whole 64-row query tile, and the call two collectives after the checks
+        (:func:`ringmpi.parallel.invariant_passes.decode`).  Its ``stats`` receive one
+        :class:`DecodeRecord` per call.
 
     Returns
     -------
+    :class:`ringmpi.Attention` ``(o, lse, None)``:
+
     o : (B, S_new, H, D_v), q's dtype
     lse : (B, H, S_new), float32 (float64 for float64 inputs); ``-inf`` and
         ``o = 0`` for a query that sees no key (and no sink).
     Identical bits on every rank.
     """
-    options = AttentionOptions.of_call(locals(), AttentionOptions(causal=True))
-    return decode(q, k_cache, v_cache, options, comm=comm, cache_lengths=cache_lengths, layout=layout,
-                  root=root, backend=backend, stats=stats, positions_kv=positions_kv)
+    ctx = RingContext.of(context)
+    options = call_options(ctx, causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks)
+    return decode(q, k_cache, v_cache, options, comm=ctx.comm, cache_lengths=cache_lengths, layout=ctx.layout,
+                  root=root, backend=ctx.backend, stats=ctx.stats, positions_kv=positions)
 
 
 def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_lengths=None,
            layout="contiguous", root: Optional[int] = None, backend: str = "auto",
-           stats: Optional[dict] = None, positions_kv=None):
+           stats: Optional[list] = None, positions_kv=None) -> Attention:
     """:func:`decode_attention` with its options as one :class:`~ringmpi.options.AttentionOptions`
     (``causal``, ``window``, ``softmax_scale``, ``sinks``, ``softcap``, ``alibi_slopes`` are read)."""
     comm = resolve_comm(comm)
@@ -295,12 +298,11 @@ def decode(q, k_cache, v_cache, options: AttentionOptions, *, comm=None, cache_l
     merge_start = time.perf_counter()
     merged = _merge(comm, q, o_part, lse_part, options, lengths, n_cache, problem, dim)
     if stats is not None:
-        stats["compute_s"] = merge_start - start
-        stats["merge_s"] = time.perf_counter() - merge_start
+        stats.append(DecodeRecord(compute_s=merge_start - start, merge_s=time.perf_counter() - merge_start))
     if root is not None and rank != root:
-        return None, None
+        return Attention(None, None)
     o = be.from_heads(be.asarray(merged[..., :dim]).transpose(0, 2, 1, 3), q.dtype)
-    return o, be.asarray(np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1)))
+    return Attention(o, be.asarray(np.ascontiguousarray(merged[..., dim].transpose(0, 2, 1))))
 
 
 def _invariant(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, problem, root, stats, start):
@@ -316,11 +318,10 @@ def _invariant(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, pr
     sig = float(options.digest(to_host(q), lengths, extra=(tuple(q.shape), str(q.dtype), n_cache)) & 0xFFFFFF)
     o, lse = invariant_passes.decode(comm, be, q, k_cache, v_cache, options, pos, n_cache, lengths, sig)
     if stats is not None:
-        stats["compute_s"] = time.perf_counter() - start
-        stats["merge_s"] = 0.0
+        stats.append(DecodeRecord(compute_s=time.perf_counter() - start, merge_s=0.0))
     if root is not None and comm.Get_rank() != root:
-        return None, None
-    return be.asarray(o), be.asarray(lse)
+        return Attention(None, None)
+    return Attention(be.asarray(o), be.asarray(lse))
 
 
 def _local_part(be, q, k_cache, v_cache, options, pos, n_cache, lengths, dim, run: bool):

@@ -25,6 +25,7 @@ from typing import Optional
 
 import numpy as np
 
+from .context import RingContext
 from .runtime.errors import ConfigError
 from .core.layout import KINDS, Layout
 from .parallel.comm import resolve_comm
@@ -74,8 +75,10 @@ class KVCache:
     dim_v : int, optional
         The value head dim ``D_v`` (default ``dim``): values are ``(B, N, H_kv, D_v)``.
     dtype : float16 | bfloat16 | float32 | float64
-    comm : mpi4py communicator, optional (only its rank and size are used).
-    layout : "contiguous" | "zigzag" | "striped"
+    context : :class:`ringmpi.RingContext`, optional
+        Its communicator (only its rank and size are used here) and its layout, a kind
+        ("contiguous" | "zigzag" | "striped"); the decode calls over this cache run in it
+        (:meth:`ring_context`).
     capacity : int
         Local rows allocated up front.
     chunk : int
@@ -83,14 +86,17 @@ class KVCache:
     xp : array module (numpy, or cupy for a GPU cache).
     """
 
-    def __init__(self, batch: int, kv_heads: int, dim: int, dtype="float32", *, comm=None,
-                 layout: str = "contiguous", capacity: int = 0, chunk: int = 1024, xp=np,
+    def __init__(self, batch: int, kv_heads: int, dim: int, dtype="float32", *,
+                 context: Optional[RingContext] = None, capacity: int = 0, chunk: int = 1024, xp=np,
                  dim_v: Optional[int] = None):
+        context = RingContext.of(context)
+        layout = context.layout
         if layout not in KINDS:
             raise ConfigError(f"unknown layout {layout!r}: expected one of {', '.join(KINDS)}")
         if chunk < 1 or capacity < 0:
             raise ConfigError(f"need chunk >= 1 and capacity >= 0, got {chunk}, {capacity}")
-        self.comm = resolve_comm(comm)
+        self.comm = resolve_comm(context.comm)
+        self.context = context.replace(comm=self.comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.batch, self.kv_heads, self.dim, self.chunk, self.xp = batch, kv_heads, dim, chunk, xp
         self.dim_v = dim if dim_v is None else int(dim_v)
@@ -127,10 +133,16 @@ class KVCache:
         return self._v[:, :, :self.local_rows].transpose(0, 2, 1, 3)
 
     def views(self) -> dict:
-        """The keywords :func:`decode_attention` needs: ``k_cache, v_cache, layout, cache_lengths``."""
+        """The arrays :func:`decode_attention` needs: ``k_cache, v_cache, cache_lengths``; its
+        context is :meth:`ring_context`."""
         ragged = bool((self.lengths != self.n).any())
-        return dict(k_cache=self.k, v_cache=self.v, layout=self.placement,
-                    cache_lengths=self.lengths.copy() if ragged else None)
+        return dict(k_cache=self.k, v_cache=self.v, cache_lengths=self.lengths.copy() if ragged else None)
+
+    def ring_context(self, **changes) -> RingContext:
+        """The cache's context with its placement as the layout (and ``changes``: ``backend``,
+        ``invariant``, ``stats``, ...): ``decode_attention(q, **cache.views(),
+        context=cache.ring_context())``."""
+        return self.context.replace(layout=self.placement, **changes)
 
     # ---------------------------------------------------------------- growth
     def _reserve(self, rows: int) -> None:

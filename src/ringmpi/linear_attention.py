@@ -36,6 +36,7 @@ from .core import linear_recurrence as _rec
 from .core.host import to_host
 from .core.state_maps import StateMap, apply_m, identity, reset, transposed
 from .core.state_segments import Segment, empty_documents, segments
+from .context import RingContext, comm_of
 from .parallel.comm import resolve_comm
 from .parallel.state_scan import exclusive_scan
 from .runtime.errors import ConfigError, agree_shards
@@ -328,7 +329,7 @@ def _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqle
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None,
-                     output_final_state: bool = False, cu_seqlens=None, comm=None):
+                     output_final_state: bool = False, cu_seqlens=None, context: Optional[RingContext] = None):
     """The gated delta rule over the sequence sharded across ``comm``'s ranks; collective.
 
     ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T (scale q_t)``,
@@ -343,11 +344,12 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: Optional[float] = None, initial
     Returns ``(o, final_state)``: o (B, T_local, HV, V); final_state like initial_state, on every
     rank, or None unless ``output_final_state``.
     """
-    return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm, True)
+    return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm_of(context), True)
 
 
 def gated_delta_rule_backward(do, q, k, v, g, beta, *, dfinal_state=None, scale: Optional[float] = None,
-                              initial_state=None, cu_seqlens=None, comm=None, reduce_dinitial: bool = True):
+                              initial_state=None, cu_seqlens=None, context: Optional[RingContext] = None,
+                              reduce_dinitial: bool = True):
     """Gradients of :func:`gated_delta_rule`: ``(dq, dk, dv, dg, dbeta, dinitial_state)``.
 
     ``do`` (B, T_local, HV, V) is this rank's outputs' gradient, ``dfinal_state`` the final
@@ -356,59 +358,64 @@ def gated_delta_rule_backward(do, q, k, v, g, beta, *, dfinal_state=None, scale:
     whole gradient on every rank, or with ``reduce_dinitial=False`` this rank's share (what a
     framework bridge gives a replicated input: the sum over ranks is the gradient).
     """
-    grads, dinitial = _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqlens, comm,
+    grads, dinitial = _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqlens, comm_of(context),
                                 True, reduce_dinitial)
     return grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], dinitial
 
 
 def simple_gla(q, k, v, g=None, *, scale: Optional[float] = None, initial_state=None,
-               output_final_state: bool = False, cu_seqlens=None, comm=None):
+               output_final_state: bool = False, cu_seqlens=None, context: Optional[RingContext] = None):
     """Scalar-decay linear attention (Mamba-2's SSD form, RetNet, flash-linear-attention's
     ``chunk_simple_gla``) over the sharded sequence; ``g=None``: plain linear attention.
 
     ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T (scale q_t)``; shapes and returns as
     :func:`gated_delta_rule` (no beta).  Collective.
     """
-    return _forward(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, comm, False)
+    return _forward(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, comm_of(context), False)
 
 
 def simple_gla_backward(do, q, k, v, g=None, *, dfinal_state=None, scale: Optional[float] = None,
-                        initial_state=None, cu_seqlens=None, comm=None, reduce_dinitial: bool = True):
+                        initial_state=None, cu_seqlens=None, context: Optional[RingContext] = None,
+                        reduce_dinitial: bool = True):
     """Gradients of :func:`simple_gla`: ``(dq, dk, dv, dg, dinitial_state)`` (dg None without g),
     as :func:`gated_delta_rule_backward`."""
-    grads, dinitial = _backward(do, q, k, v, g, None, scale, initial_state, dfinal_state, cu_seqlens, comm,
+    grads, dinitial = _backward(do, q, k, v, g, None, scale, initial_state, dfinal_state, cu_seqlens, comm_of(context),
                                 False, reduce_dinitial)
     return grads["q"], grads["k"], grads["v"], grads["g"], dinitial
 
 
 def kda(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=None, output_final_state: bool = False,
-        cu_seqlens=None, comm=None):
+        cu_seqlens=None, context: Optional[RingContext] = None):
     """Kimi Delta Attention (flash-linear-attention's ``chunk_kda``): :func:`gated_delta_rule` with a
     decay per key, ``S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``;
     ``g (B, T_local, HV, K)``, everything else as :func:`gated_delta_rule`.  Collective."""
-    return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm, True, True)
+    return _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm_of(context),
+                    True, True)
 
 
 def kda_backward(do, q, k, v, g, beta, *, dfinal_state=None, scale: Optional[float] = None, initial_state=None,
-                 cu_seqlens=None, comm=None, reduce_dinitial: bool = True):
+                 cu_seqlens=None, context: Optional[RingContext] = None,
+                 reduce_dinitial: bool = True):
     """Gradients of :func:`kda`: ``(dq, dk, dv, dg, dbeta, dinitial_state)``, as
     :func:`gated_delta_rule_backward`."""
-    grads, dinitial = _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqlens, comm,
+    grads, dinitial = _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqlens, comm_of(context),
                                 True, reduce_dinitial, per_key=True)
     return grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], dinitial
 
 
 def gla(q, k, v, g, *, scale: Optional[float] = None, initial_state=None, output_final_state: bool = False,
-        cu_seqlens=None, comm=None):
+        cu_seqlens=None, context: Optional[RingContext] = None):
     """Gated linear attention (flash-linear-attention's ``chunk_gla``): a decay per key,
     ``S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T``; ``g (B, T_local, HV, K)``, everything else as
     :func:`simple_gla`.  Collective."""
-    return _forward(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, comm, False, True)
+    return _forward(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, comm_of(context),
+                    False, True)
 
 
 def gla_backward(do, q, k, v, g, *, dfinal_state=None, scale: Optional[float] = None, initial_state=None,
-                 cu_seqlens=None, comm=None, reduce_dinitial: bool = True):
+                 cu_seqlens=None, context: Optional[RingContext] = None,
+                 reduce_dinitial: bool = True):
     """Gradients of :func:`gla`: ``(dq, dk, dv, dg, dinitial_state)``."""
-    grads, dinitial = _backward(do, q, k, v, g, None, scale, initial_state, dfinal_state, cu_seqlens, comm,
+    grads, dinitial = _backward(do, q, k, v, g, None, scale, initial_state, dfinal_state, cu_seqlens, comm_of(context),
                                 False, reduce_dinitial, per_key=True)
     return grads["q"], grads["k"], grads["v"], grads["g"], dinitial

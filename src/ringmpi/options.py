@@ -2,8 +2,9 @@
 
 Every entry point (:func:`ringmpi.ring_attention`, :func:`ringmpi.ring_attention_backward`,
 :func:`ringmpi.decode_attention`, :mod:`ringmpi.torch`, the file job, ``ringmpi
-bench``) builds one :class:`AttentionOptions` from its keywords; inside, that
-object travels and nothing else checks what it checks:
+bench``) builds one :class:`AttentionOptions` (the public calls from their maths keywords
+and their :class:`~ringmpi.context.RingContext`, :func:`ringmpi.context.call_options`); inside,
+that object travels and nothing else checks what it checks:
 
 * :meth:`AttentionOptions.problem` -- this rank's problem with its options (a
   message, or None), for the caller to agree on across ranks (``errors.agree``);
@@ -46,7 +47,7 @@ def window_problem(window) -> Optional[str]:
         ok = len(window) == 2 and all(w is None or (int(w) == w and w >= 0) for w in window)
     except TypeError:
         ok = False
-    return None if ok else f"window must be (left, right) with non-negative ints or None, got {window!r}"
+    return None if ok else f"window must be (left, right), each an int >= 0 or -1 (unbounded), got {window!r}"
 
 
 def softcap_problem(softcap) -> Optional[str]:
@@ -56,9 +57,9 @@ def softcap_problem(softcap) -> Optional[str]:
     try:
         value = float(softcap)
     except (TypeError, ValueError):
-        return f"softcap must be a number > 0, got {softcap!r}"
+        return f"softcap must be a number >= 0 (0.0: off), got {softcap!r}"
     if not (math.isfinite(value) and value > 0):
-        return f"softcap must be finite and > 0, got {softcap!r}"
+        return f"softcap must be finite and >= 0 (0.0: off), got {softcap!r}"
     return None
 
 
@@ -140,8 +141,10 @@ def option_edge(name: str) -> dict:
 class AttentionOptions:
     """Everything about one attention call except its arrays, communicator, layout and backend.
 
-    The keywords of :func:`ringmpi.ring_attention` (and of the other entry points) are
-    these fields; each is documented here, where it is defined and checked:
+    The maths keywords of :func:`ringmpi.ring_attention` (and of the other entry points) and
+    the fields of :class:`ringmpi.RingContext` are these fields; each is documented here,
+    where it is defined and checked (``window`` sides of -1 and ``softcap`` 0.0, flash-attn's
+    "off", are held as None):
 
     causal : bool
         Query ``i`` sees keys ``j <= i + N_kv - N_q`` (bottom-right aligned, as
@@ -279,27 +282,21 @@ class AttentionOptions:
                                    "(every rank's shard whole 64-token tiles of global positions; a "
                                    "forward makes two passes over the ring).")
 
-    @classmethod
-    def of_call(cls, keywords: dict, defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
-        """The options of a public call from its keywords (``locals()`` at its start: every field
-        it takes is a keyword named as the field, with the field's default), or its ``options=``
-        object when that is given (then no option keyword may differ from ``defaults``)."""
-        mine = cls(**{name: keywords[name] for name in FIELD_NAMES if name in keywords})
-        return mine.given_once(keywords.get("options"), defaults)
-
-    def given_once(self, options: Optional["AttentionOptions"],
-                   defaults: Optional["AttentionOptions"] = None) -> "AttentionOptions":
-        """``options`` when given (then these, built from an entry point's keywords, must
-        equal that entry point's ``defaults``, by default the class's), else these."""
-        if options is None:
-            return self
-        defaults = AttentionOptions() if defaults is None else defaults
-        for f in fields(self):
-            mine, default = getattr(self, f.name), getattr(defaults, f.name)
-            if mine is not default and not (isinstance(mine, (bool, int, float, str)) and mine == default):
-                raise TypeError("give the attention options either as keywords or as options=, not both "
-                                f"({f.name}={mine!r} and options= were given)")
-        return options
+    def __post_init__(self):
+        # flash-attn's conventions, as the public calls take them: softcap 0.0 is off, a window side
+        # of -1 is unbounded (held as None, so that digests and specs are those of an option not given)
+        try:
+            if self.softcap is not None and float(self.softcap) == 0.0:
+                object.__setattr__(self, "softcap", None)
+        except (TypeError, ValueError):
+            pass  # softcap_problem names it
+        try:
+            left, right = self.window
+            sides = tuple(None if isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w == -1 else w
+                          for w in (left, right))
+            object.__setattr__(self, "window", None if sides == (None, None) else sides)
+        except (TypeError, ValueError):
+            pass  # None, or window_problem names it
 
     def for_heads(self, first: int, count: int) -> "AttentionOptions":
         """These options for a call over the query heads ``[first, first + count)`` of this one
@@ -430,4 +427,4 @@ class AttentionOptions:
         return crc
 
 
-FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(AttentionOptions))  # (a constant: torch.compile traces of_call)
+FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(AttentionOptions))

@@ -14,6 +14,7 @@ import numpy as np
 
 from .core.host import to_host
 from .core.layout import Layout
+from .context import RingContext, comm_of
 from .parallel.comm import resolve_comm
 from .runtime.errors import agree_shards
 from .runtime.watchdog import phase
@@ -26,12 +27,12 @@ def _owners(layout: Layout) -> np.ndarray:
     return owner
 
 
-def relayout(x, source: Layout, target: Layout, *, comm=None, axis: int = 1) -> np.ndarray:
+def relayout(x, source: Layout, target: Layout, *, context: Optional[RingContext] = None, axis: int = 1) -> np.ndarray:
     """This rank's tokens under ``target``, from its tokens ``x`` under ``source`` (along ``axis``,
     the token axis: 1 for ``(B, T, ...)``).  Collective; NumPy arrays (any dtype)."""
     from mpi4py import MPI
 
-    comm = resolve_comm(comm)
+    comm = resolve_comm(comm_of(context))
     x = np.asarray(to_host(x))
     rank, size = comm.Get_rank(), comm.Get_size()
     problem = None

@@ -1,10 +1,10 @@
 """PyTorch interop: ring attention as a differentiable function on torch tensors.
 
-``ring_attention(q, k, v, comm=..., layout=..., causal=...)`` takes this
+``ring_attention(q, k, v, causal=..., context=...)`` takes this
 rank's shards as torch tensors in the flash-attention layout
-``(B, S_local, H, D)`` and returns ``o`` on the same device and dtype; it is
-one ``torch.library`` custom op with an autograd formula: the forward calls
-:func:`ringmpi.ring_attention`, the backward :func:`ringmpi.ring_attention_backward`
+``(B, S_local, H, D)`` and returns ``Attention(o, lse, None)`` on the same device and dtype; it is
+one ``torch.library`` custom op with an autograd formula: the forward runs
+:func:`ringmpi.attention.forward`, the backward :func:`ringmpi.attention.backward`
 with the saved ``o`` and ``lse``, both with one
 :class:`~ringmpi.options.AttentionOptions` rebuilt from the op's typed arguments
 (its scalar fields; ``sinks`` and ``alibi_slopes`` are tensor arguments).  Both
@@ -44,7 +44,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
-import ringmpi
+from .attention import backward as ring_backward, forward as ring_forward
+from .context import WINDOW_OFF, Attention, RingContext, call_options, pair
+from .core import dtypes as _dtypes
 from .core.host import to_host
 from .core.layout import BALANCED, Layout
 from .core.modifiers import FIELDS as MODIFIER_FIELDS
@@ -312,7 +314,8 @@ class _Args(NamedTuple):
         return self.per_head[0] if self.present & 1 else None
 
     def library_call(self, q, k, v) -> dict:
-        """The library's keywords (``options=`` included) for these arguments."""
+        """The library's keywords (``options`` included) for these arguments: those of
+        :func:`ringmpi.attention.forward` and :func:`ringmpi.attention.backward`."""
         return dict(options=_options_of(self.options, self.per_head, self.present),
                     **_Where(*self.where).library_kwargs(q, k, v, self.seg_q, self.seg_kv, self.pos_q, self.pos_kv))
 
@@ -335,7 +338,7 @@ torch.library.define("ringmpi::ring_attention_backward",
 @torch.library.impl("ringmpi::ring_attention", "CompositeExplicitAutograd")
 def _forward_op(q, k, v, *args):
     with _on_torch_stream(q.device):
-        o, lse = ringmpi.ring_attention(to_array(q), to_array(k), to_array(v), **_Args.of(args).library_call(q, k, v))
+        o, lse, _ = ring_forward(to_array(q), to_array(k), to_array(v), **_Args.of(args).library_call(q, k, v))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
 
@@ -350,11 +353,11 @@ def _backward_op(do, q, k, v, o, lse, *args):
     """dq, dk, dv and dsinks (this rank's share; ``(0,)`` without sinks)."""
     a = _Args.of(args)
     with _on_torch_stream(q.device):
-        grads = ringmpi.ring_attention_backward(*(to_array(x) for x in (do, q, k, v, o, lse)),
-                                                **a.library_call(q, k, v), reduce_dsinks=False)
+        grads = ring_backward(*(to_array(x) for x in (do, q, k, v, o, lse)), **a.library_call(q, k, v),
+                              reduce_dsinks=False)
         dq, dk, dv = (to_tensor(g, q.device) for g in grads[:3])
         sinks = a.sinks()
-        dsinks = q.new_empty((0,)) if sinks is None else to_tensor(np.ascontiguousarray(grads[3]), sinks.device)
+        dsinks = q.new_empty((0,)) if sinks is None else to_tensor(np.ascontiguousarray(grads.dsinks), sinks.device)
         return dq, dk, dv, dsinks
 
 
@@ -412,70 +415,57 @@ class _NotDifferentiable(torch.autograd.Function):
                            "(ringmpi.ring_attention_backward) has no derivative of its own")
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=None,
-                   layout: Union[str, Layout] = "contiguous", causal: bool = False, window=None,
-                   segment_ids_q=None, segment_ids_kv=None, softmax_scale: Optional[float] = None,
-                   return_lse: bool = False, backend: str = "auto", timeout: Optional[float] = None,
-                   check_finite: bool = False, stats: Optional[list] = None,
-                   head_parallel: Union[int, str, None] = None, sinks: Optional[torch.Tensor] = None,
-                   softcap: Optional[float] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                   dropout_offsets=None, alibi_slopes=None, positions_q=None, positions_kv=None,
-                   schedule: Optional[str] = None, invariant: bool = False):
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   window=WINDOW_OFF, softmax_scale: Optional[float] = None, softcap: float = 0.0,
+                   alibi_slopes=None, sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                   dropout_seed: Optional[int] = None, segment_ids=None, positions=None,
+                   context: Optional[RingContext] = None) -> Attention:
     """Exact softmax attention over a sequence sharded across ranks, differentiable.
 
-    Collective over ``comm``, in the forward and in the backward: every rank
+    Collective over ``context.comm``, in the forward and in the backward: every rank
     calls it with its own shard, and every rank backpropagates through it.
 
     Parameters
     ----------
     q : (B, S_q_local, H, D) tensor, float16/bfloat16/float32/float64, CPU or CUDA
-        This rank's queries: the global tokens ``Layout(layout, N_q, P).indices(rank)``.
+        This rank's queries: the global tokens ``Layout(context.layout, N_q, P).indices(rank)``.
     k, v : (B, S_kv_local, H_kv, D), (B, S_kv_local, H_kv, D_v) tensors, same dtype and
         device; ``H % H_kv == 0``; ``D_v`` may differ from ``D`` (as in torch's SDPA).
-    comm, layout, causal, window, softmax_scale, timeout, check_finite, head_parallel, dropout_p, dropout_seed,
-    dropout_offsets, schedule, invariant
-        As in :func:`ringmpi.ring_attention` (``comm=None``: a library-owned
-        duplicate of ``COMM_WORLD``); the backward regenerates the dropout mask
-        from the seed.  A ``"balanced"`` :class:`~ringmpi.Layout` reaches the op as
-        the positions it gives this rank (``positions_q``), with its default
-        schedule (``"auto"``).  With ``invariant`` the forward and the gradients of ``q, k, v``
-        are the same bits for any P, layout and ``head_parallel``; ``sinks.grad`` is
-        this rank's share (exact on its own rows), so its sum over ranks is the
-        framework's (an Allreduce of floats).
-    segment_ids_q, segment_ids_kv : (B, S_q_local), (B, S_kv_local) integer tensors or arrays, optional
-        Packed documents: a query sees only keys with the same id.
-    return_lse : bool
-        Also return ``lse``.  It is not differentiable: no gradient flows back through it.
-    backend : "auto" | "numpy" | "cupy"
-        "auto" follows the device (NumPy for CPU tensors, CuPy for CUDA); a
-        name that does not fit the device is an error.
-    stats : list, optional
-        Ring step records of the forward are appended to it, and those of the
-        backward when it runs.
+    causal, window, softmax_scale, softcap, alibi_slopes, dropout_p, dropout_seed, segment_ids, positions
+        As in :func:`ringmpi.ring_attention` (segment ids, positions and ALiBi slopes as integer or
+        float tensors or arrays; no gradient flows to them); the backward regenerates the dropout
+        mask from the seed.
     sinks : (H,) float16/bfloat16/float32/float64 tensor, optional, the same on every rank
         Attention sinks (see :func:`ringmpi.ring_attention`), used in the compute
-        dtype (float32 for 16-bit inputs, float64 for float64).  A replicated parameter: when it requires a
-        gradient, ``sinks.grad`` receives this rank's own contribution (from its
-        own queries; ``ring_attention_backward(..., reduce_dsinks=False)``), in the
-        sinks' dtype, like every other parameter's gradient, so summing gradients
-        over the ranks (``comm.Allreduce``, DDP, FSDP) gives the total.
-    softcap : float > 0, optional
-        Logit softcap, as in :func:`ringmpi.ring_attention`.
-    alibi_slopes : (H,) float32 tensor or array, optional
-        ALiBi, as in :func:`ringmpi.ring_attention` (no gradient flows to it).
-    positions_q, positions_kv : (S_q_local,), (S_kv_local,) integer tensors or arrays, optional
-        This rank's tokens' global positions (any assignment of tokens to ranks),
-        instead of ``layout``: as in :func:`ringmpi.ring_attention`, checked there.
+        dtype (float32 for 16-bit inputs, float64 for float64).  A replicated parameter: when it
+        requires a gradient, ``sinks.grad`` receives this rank's own contribution (from its
+        own queries), in the sinks' dtype, like every other parameter's gradient, so summing
+        gradients over the ranks (``comm.Allreduce``, DDP, FSDP) gives the total (the context's
+        ``reduce_dsinks`` is not used here).
+    context : :class:`ringmpi.RingContext`, optional
+        As in :func:`ringmpi.ring_attention`.  ``backend="auto"`` follows the tensors' device
+        (NumPy for CPU tensors, CuPy for CUDA); a name that does not fit the device is an error.
+        ``stats`` receives the forward's ring step records, and the backward's when it runs.  A
+        ``"balanced"`` :class:`~ringmpi.Layout` reaches the op as the positions it gives this
+        rank, with its default schedule (``"auto"``).  With ``invariant`` the forward and the
+        gradients of ``q, k, v`` are the same bits for any P, layout and ``head_parallel``.
 
     Returns
     -------
-    o : (B, S_q_local, H, D_v) tensor, the input dtype and device.
-    lse : (B, H, S_q_local) float32 tensor (float64 for float64 inputs), with ``return_lse``.
+    :class:`ringmpi.Attention` ``(o, lse, None)``: ``o (B, S_q_local, H, D_v)`` tensor, the input
+    dtype and device; ``lse (B, H, S_q_local)`` float32 tensor (float64 for float64 inputs), not
+    differentiable: no gradient flows back through it.
 
     The custom op, its copies (none), stream and gradients: the module docstring.
     """
-    options = AttentionOptions.of_call(locals())
-    comm = resolve_comm(comm)
+    ctx = RingContext.of(context)
+    options = call_options(ctx, causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    segment_ids_q, segment_ids_kv = pair(segment_ids, "segment_ids")
+    positions_q, positions_kv = pair(positions, "positions")
+    comm, layout, backend, stats = resolve_comm(ctx.comm), ctx.layout, ctx.backend, ctx.stats
+    if isinstance(layout, Layout) and layout.kind == BALANCED and positions_q is not None:
+        layout = "contiguous"  # given positions place the tokens: the layout is not used (nor carried)
     if isinstance(layout, Layout) and layout.kind == BALANCED and positions_q is None:
         # the op's arguments name a layout by kind and length: a balanced one travels as its positions,
         # with the schedule it defaults to
@@ -483,6 +473,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
         options = replace(options, schedule=options.kv_schedule(balanced=True))
         layout = "contiguous"
     args, per_head, present, problem = _op_arguments(options, q)
+    problem = problem or _declared_dtype_problem(options.dtype, q, k, v)
     if not torch.compiler.is_compiling():  # MPI cannot be traced: compiled code checks inside the op
         agree(comm, _backend_problem(backend, q, k, v)[1] or problem)
     elif problem:
@@ -494,26 +485,45 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm=No
     o, lse = torch.ops.ringmpi.ring_attention(q, k, v, *op_args.flat())
     if stats is not None and not o.requires_grad:  # no backward will append to stats
         _STATS.pop(where.stats, None)
-    return (o, lse) if return_lse else o
+    return Attention(o, lse)
 
 
-def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                                 is_causal: bool = False, scale: Optional[float] = None, **options):
-    """:func:`ring_attention` shaped like ``torch.nn.functional.scaled_dot_product_attention``.
+def _declared_dtype_problem(declared, *tensors) -> Optional[str]:
+    """The problem with the context's ``dtype`` for these tensors (a tensor carries its dtype, so
+    the declared one must be it), or None."""
+    if declared is None:
+        return None
+    name = _dtypes.declared_name(declared)
+    if name is None:
+        return f"dtype={declared!r} is not one of {', '.join(_dtypes.NAMES)}"
+    for label, t in zip("qkv", tensors):
+        if str(t.dtype).removeprefix("torch.") != name:
+            return f"{label} has dtype {t.dtype} but the context's dtype={declared!r}"
+    return None
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+                                 *, context: Optional[RingContext] = None) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``'s signature over :func:`ring_attention`.
 
     ``query (B, H, S_q_local, D)``, ``key (B, H_kv, S_kv_local, D)``, ``value (B, H_kv,
-    S_kv_local, D_v)`` -> ``(B, H, S_q_local, D_v)``: this rank's shards, head-major.  Equivalent to
-    ``ring_attention(query.transpose(1, 2), key.transpose(1, 2),
-    value.transpose(1, 2), causal=is_causal, softmax_scale=scale,
-    **options).transpose(1, 2)``: one copy of each input (the transpose made
-    contiguous), none of the output (a transposed view).  ``options`` are
-    :func:`ring_attention`'s keywords (``comm``, ``layout``, ``window``,
-    segment ids, ``dropout_p`` with ``dropout_seed``, ...) except ``return_lse``.
-    GQA needs no flag.  There is no ``attn_mask``; ``is_causal`` is bottom-right aligned (the same as
-    torch's when ``N_q == N_kv``) and uses global positions.
+    S_kv_local, D_v)`` -> ``(B, H, S_q_local, D_v)``: this rank's shards, head-major, spread by
+    ``context`` (:class:`ringmpi.RingContext`).  One copy of each input (the transpose made
+    contiguous), none of the output (a transposed view).  ``attn_mask`` must be None (masks are
+    ``ring_attention``'s keywords: ``window``, ``segment_ids``, ...); ``is_causal`` is bottom-right
+    aligned (the same as torch's when ``N_q == N_kv``) and uses global positions; GQA needs no
+    flag (``enable_gqa`` is accepted and not needed).  ``dropout_p > 0`` draws the mask's seed
+    from torch's default generator (one ``torch.randint``), so ranks whose generators are seeded
+    alike draw the same mask (ranks that disagree get a ConfigError).
     """
-    o = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                       causal=is_causal, softmax_scale=scale, return_lse=False, **options)
+    if attn_mask is not None:
+        raise ValueError("ringmpi.torch.scaled_dot_product_attention takes no attn_mask: pass the mask as "
+                         "ringmpi.torch.ring_attention's keywords (causal, window, segment_ids, positions)")
+    seed = int(torch.randint(0, 1 << 62, (1,)).item()) if dropout_p > 0 else None
+    o, _, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=is_causal,
+                             softmax_scale=scale, dropout_p=dropout_p, dropout_seed=seed, context=context)
     return o.transpose(1, 2)
 
 
@@ -527,12 +537,13 @@ class RingSelfAttention(torch.nn.Module):
     ranks after the backward (``comm.Allreduce``), as
     ``jobs/train_context_parallel.py`` does.  ``sinks=True`` adds a learned
     attention sink per head (``self.sinks (H,)``, zeros at first), a replicated
-    parameter like the others.  Keywords after ``sinks`` go to
-    :func:`ring_attention` (``comm``, ``layout``, ``causal``, ``window``, ...).
+    parameter like the others.  ``causal``, ``window`` and ``softcap`` are
+    :func:`ring_attention`'s; ``context`` (:class:`ringmpi.RingContext`) says where it runs.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 bias: bool = False, sinks: bool = False, **options):
+                 bias: bool = False, sinks: bool = False, causal: bool = False, window=WINDOW_OFF,
+                 softcap: float = 0.0, context: Optional[RingContext] = None):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads or num_heads % num_kv_heads:
@@ -543,12 +554,12 @@ class RingSelfAttention(torch.nn.Module):
         self.kv_proj = torch.nn.Linear(embed_dim, 2 * num_kv_heads * self.head_dim, bias=bias)
         self.out_proj = torch.nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
         self.sinks = torch.nn.Parameter(torch.zeros(num_heads)) if sinks else None
-        self.options = options
+        self.causal, self.window, self.softcap, self.context = causal, window, softcap, context
 
     def forward(self, x: torch.Tensor, segment_ids=None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
         k, v = self.kv_proj(x).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
-        o = ring_attention(q, k, v, segment_ids_q=segment_ids, segment_ids_kv=segment_ids, sinks=self.sinks,
-                           **self.options)
+        o, _, _ = ring_attention(q, k, v, causal=self.causal, window=self.window, softcap=self.softcap,
+                                 segment_ids=segment_ids, sinks=self.sinks, context=self.context)
         return self.out_proj(o.reshape(b, s, self.heads * self.head_dim))

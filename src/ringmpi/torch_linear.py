@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from . import causal_conv as _conv
 from . import linear_attention as _linear
 from .relayout import relayout as _relayout_call
+from .context import RingContext, comm_of
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 
@@ -66,7 +67,7 @@ class _LinearFunction(torch.autograd.Function):
         extra = (_numpy(beta),) if delta else ()
         o, final = run(_numpy(q), _numpy(k), _numpy(v), _numpy(g), *extra, scale=scale,
                        initial_state=_numpy(initial_state), output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, comm=comm)
+                       cu_seqlens=cu_seqlens, context=RingContext(comm))
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.options = (delta, scale, output_final_state, cu_seqlens, comm)
         ctx.final_shape = None if final is None else final.shape
@@ -82,7 +83,7 @@ class _LinearFunction(torch.autograd.Function):
         do = np.zeros(v.shape, dt) if do is None else _numpy(do)
         total = (_summed_over_ranks(comm, dfinal, ctx.final_shape, dt) if output_final_state else None)
         common = dict(dfinal_state=total, scale=scale, initial_state=_numpy(initial_state),
-                      cu_seqlens=cu_seqlens, comm=comm, reduce_dinitial=False)
+                      cu_seqlens=cu_seqlens, context=RingContext(comm), reduce_dinitial=False)
         per_key = g is not None and g.dim() == 4
         if delta:
             backward = _linear.kda_backward if per_key else _linear.gated_delta_rule_backward
@@ -98,25 +99,25 @@ class _LinearFunction(torch.autograd.Function):
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                      scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-                     output_final_state: bool = False, cu_seqlens=None, comm=None):
+                     output_final_state: bool = False, cu_seqlens=None, context: Optional[RingContext] = None):
     """:func:`ringmpi.gated_delta_rule` on torch tensors, differentiable in q, k, v, g, beta and
     initial_state.  q, k: (B, T_local, H, K); v: (B, T_local, HV, V); g, beta: (B, T_local, HV);
     initial_state (B or N_docs, HV, K, V).  Returns ``(o, final_state or None)``.  A per-key
     ``g (B, T_local, HV, K)`` is :func:`ringmpi.kda`."""
     return _LinearFunction.apply(q, k, v, g, beta, initial_state, True, scale, output_final_state,
                                  None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
-                                 comm)
+                                 comm_of(context))
 
 
 def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor] = None, *,
                scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
-               output_final_state: bool = False, cu_seqlens=None, comm=None):
+               output_final_state: bool = False, cu_seqlens=None, context: Optional[RingContext] = None):
     """:func:`ringmpi.simple_gla` (scalar decay; ``g=None``: plain linear attention) on torch
     tensors, differentiable in q, k, v, g and initial_state; shapes as :func:`gated_delta_rule`.
     A per-key ``g (B, T_local, HV, K)`` is :func:`ringmpi.gla`."""
     return _LinearFunction.apply(q, k, v, g, None, initial_state, False, scale, output_final_state,
                                  None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
-                                 comm)
+                                 comm_of(context))
 
 
 class _CausalConv(torch.autograd.Function):
@@ -124,7 +125,7 @@ class _CausalConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias, activation, cu_seqlens, comm):
         comm = resolve_comm(comm)
         y = _conv.causal_conv1d(_numpy(x), _numpy(weight), _numpy(bias), activation=activation,
-                                cu_seqlens=cu_seqlens, comm=comm)
+                                cu_seqlens=cu_seqlens, context=RingContext(comm))
         ctx.save_for_backward(x, weight, bias)
         ctx.options = (activation, cu_seqlens, comm)
         return _tensor(y, x)
@@ -134,17 +135,20 @@ class _CausalConv(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         activation, cu_seqlens, comm = ctx.options
         dx, dweight, dbias = _conv.causal_conv1d_backward(_numpy(dy), _numpy(x), _numpy(weight), _numpy(bias),
-                                                          activation=activation, cu_seqlens=cu_seqlens, comm=comm,
+                                                          activation=activation, cu_seqlens=cu_seqlens,
+                                                          context=RingContext(comm),
                                                           reduce_params=False)
         return _tensor(dx, x), _tensor(dweight, x), _tensor(dbias, x), None, None, None
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                  activation: Optional[str] = None, cu_seqlens=None, comm=None) -> torch.Tensor:
+                  activation: Optional[str] = None, cu_seqlens=None,
+                  context: Optional[RingContext] = None) -> torch.Tensor:
     """:func:`ringmpi.causal_conv1d` on torch tensors (x (B, T_local, D), weight (D, W), bias (D,)),
     differentiable in all three; the halo's gradient reaches the rank that owns those tokens."""
     return _CausalConv.apply(x, weight, bias, activation,
-                             None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))), comm)
+                             None if cu_seqlens is None else np.asarray(_numpy(torch.as_tensor(cu_seqlens))),
+                             comm_of(context))
 
 
 class _Relayout(torch.autograd.Function):
@@ -152,14 +156,15 @@ class _Relayout(torch.autograd.Function):
     def forward(ctx, x, source, target, axis, comm):
         comm = resolve_comm(comm)
         ctx.options = (source, target, axis, comm)
-        return _tensor(_relayout_call(_numpy(x), source, target, comm=comm, axis=axis), x)
+        return _tensor(_relayout_call(_numpy(x), source, target, context=RingContext(comm), axis=axis), x)
 
     @staticmethod
     def backward(ctx, dy):
         source, target, axis, comm = ctx.options
-        return _tensor(_relayout_call(_numpy(dy), target, source, comm=comm, axis=axis), dy), None, None, None, None
+        dx = _relayout_call(_numpy(dy), target, source, context=RingContext(comm), axis=axis)
+        return _tensor(dx, dy), None, None, None, None
 
 
-def relayout(x: torch.Tensor, source, target, *, comm=None, axis: int = 1) -> torch.Tensor:
+def relayout(x: torch.Tensor, source, target, *, context: Optional[RingContext] = None, axis: int = 1) -> torch.Tensor:
     """:func:`ringmpi.relayout` on a torch tensor; its gradient goes back the other way."""
-    return _Relayout.apply(x, source, target, axis, comm)
+    return _Relayout.apply(x, source, target, axis, comm_of(context))

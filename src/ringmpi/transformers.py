@@ -5,16 +5,17 @@
     import ringmpi.transformers as rmt
     rmt.register()
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ringmpi")
+    ring = ringmpi.RingContext(comm, layout="zigzag")
     shard = rmt.shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels},
-                            comm=comm, layout="zigzag")   # (B, N) tensors -> this rank's (B, S_local)
+                            context=ring)                 # (B, N) tensors -> this rank's (B, S_local)
     out = model(**shard)                                  # out.loss summed over ranks: the global mean
-    logits = rmt.gather(out.logits, comm=comm, layout="zigzag")   # (B, N, vocab), every rank
+    logits = rmt.gather(out.logits, context=ring)         # (B, N, vocab), every rank
 
-With ``layout="balanced"`` a batch of packed rows is flattened into one row of
+With ``RingContext(layout="balanced")`` a batch of packed rows is flattened into one row of
 ``B * N`` tokens (each row's documents, and the rows themselves, kept apart by
 segment ids) placed so that every rank sees the same number of (query, key)
-pairs, and K/V move by the routed schedule; ``gather(..., layout=
-shard["ringmpi_context"].layout)`` then gives ``(1, B * N, ...)``.
+pairs, and K/V move by the routed schedule; ``gather(..., context=
+shard["ringmpi_context"].ring)`` then gives ``(1, B * N, ...)``.
 
 Every rank holds the same model and the same global batch; :func:`shard_batch`
 keeps this rank's tokens and adds what the attention needs (a
@@ -56,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from . import torch as _rt
 from . import transformers_models as _models
 from .runtime.errors import ConfigError, agree
+from .context import WINDOW_OFF, RingContext, window_sides
 from .core.layout import BALANCED, Layout
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
@@ -79,19 +81,18 @@ class ShardContext:
     (``layout.indices(rank)``); ``segment_ids (B, S_local)`` int64 or None:
     documents (from restarting ``position_ids``) and padding (``PAD_SEGMENT``);
     ``dropout_seed``: the user's seed; ``step``: which batch this is (dropout
-    masks differ per step and per layer, :func:`dropout_seed`); ``schedule``: the
-    attention's K/V schedule (``"auto"`` for the balanced layout, else None: the ring); ``invariant``: the
-    attention runs with ``invariant=True``.
+    masks differ per step and per layer, :func:`dropout_seed`); ``ring``: the
+    :class:`ringmpi.RingContext` every attention call runs in (the caller's, with the schedule
+    ``"auto"`` for the balanced layout unless it names one).
     """
 
     comm: object
     layout: Layout
     positions: np.ndarray
     segment_ids: Optional[torch.Tensor]
+    ring: RingContext
     dropout_seed: Optional[int] = None
     step: int = 0
-    schedule: Optional[str] = None
-    invariant: bool = False
     batch_shape: tuple = (1, 0)
     position_max: Optional[int] = None
     _checked: set = field(default_factory=set, repr=False)
@@ -165,10 +166,10 @@ def dropout_seed(seed: int, step: int, layer: int) -> int:
 
 
 def _window(sliding_window, causal: bool):
-    """HF's sliding window as ringmpi's ``(left, right)``: causal ``i - w < j <= i``,
+    """HF's sliding window as ringmpi's ``(left, right)`` (-1 unbounded): causal ``i - w < j <= i``,
     bidirectional ``|i - j| <= w``."""
     if sliding_window is None:
-        return None
+        return WINDOW_OFF
     w = int(sliding_window)
     return (w - 1, 0) if causal else (w, w)
 
@@ -198,7 +199,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ctx = ringmpi_context if ringmpi_context is not None else _models.ACTIVE.get()  # a model that drops kwargs
     if ctx is None:
         raise ConfigError("attn_implementation='ringmpi' needs the sharded batch: call "
-                          "model(**ringmpi.transformers.shard_batch(batch, comm=comm, layout=...))")
+                          "model(**ringmpi.transformers.shard_batch(batch, context=ringmpi.RingContext(...)))")
     problem = None
     if attention_mask is not None:  # HF builds none for "ringmpi": the architecture made this one itself
         problem = (f"{type(module).__name__} hands the attention a mask or bias tensor of its own making, which "
@@ -219,12 +220,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         drop = dict(dropout_p=float(dropout), dropout_seed=dropout_seed(ctx.dropout_seed, ctx.step, module.layer_idx))
     seg = ctx.segment_ids
     positions = torch.from_numpy(ctx.positions)  # the ones position_ids were checked against
-    o = _rt.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), comm=ctx.comm,
-                           positions_q=positions, positions_kv=positions, causal=causal,
-                           window=_window(sliding_window, causal),
-                           segment_ids_q=seg, segment_ids_kv=seg, softmax_scale=scaling, sinks=s_aux,
-                           softcap=softcap, schedule=ctx.schedule, invariant=ctx.invariant,
-                           alibi_slopes=alibi_slopes, **drop)
+    o, _, _ = _rt.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                 positions=positions, causal=causal, window=_window(sliding_window, causal),
+                                 segment_ids=seg, softmax_scale=scaling, sinks=s_aux,
+                                 softcap=0.0 if softcap is None else softcap, alibi_slopes=alibi_slopes, **drop,
+                                 context=ctx.ring)
     return o, None
 
 
@@ -270,10 +270,8 @@ def _segments(position_ids: Optional[torch.Tensor], attention_mask: Optional[tor
     return None if seg is None else seg.to(torch.int64)
 
 
-def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag",
-                dropout_seed: Optional[int] = None, step: Optional[int] = None, causal: bool = True,
-                window=None, schedule: Optional[str] = None,
-                invariant: bool = False) -> dict:
+def shard_batch(batch: dict, *, context: Optional[RingContext] = None, dropout_seed: Optional[int] = None,
+                step: Optional[int] = None, causal: bool = True, window=WINDOW_OFF) -> dict:
     """This rank's part of a global batch, ready for ``model(**shard)``; call it on every rank.
 
     Parameters
@@ -284,26 +282,24 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
         ``position_ids (1 or B, N)`` (packed documents restart them; default
         ``arange(N)``), ``labels (B, N)`` (HF's: the model shifts them), and any other
         ``(B, N, ...)`` tensor.  Other entries pass through unchanged.
-    comm : mpi4py communicator, optional (None: a library-owned duplicate of ``COMM_WORLD``)
-    layout : "contiguous" | "zigzag" | "striped" | "balanced"
+    context : :class:`ringmpi.RingContext`, optional
+        Where every attention call of the forward runs (None: ``RingContext(layout="zigzag")``).
+        Its ``layout`` ("contiguous", "zigzag", "striped" or "balanced") cuts the batch;
         ``"balanced"``: the batch is flattened into one row of ``B * N`` tokens (a
         document never crosses a row), whose documents (restarting ``position_ids``;
         padding counts as one) are placed with balanced attention work
         (:class:`~ringmpi.core.layout.Layout` ``"balanced"``, ``causal`` and ``window`` the
         model's mask as ``ring_attention`` takes it); every ``(B, N, ...)`` tensor is cut
-        from the flattened ``(1, B * N, ...)``.
+        from the flattened ``(1, B * N, ...)``, and the schedule defaults to ``"auto"``.
+        With ``invariant``, every attention call of the forward (and its backward) gives the
+        same bits for any number of ranks and layout (each shard must be whole 64-token
+        tiles: ``N / P``, or ``N / (2P)`` for zigzag, a multiple of 64).
+    causal, window : the model's mask as :func:`ringmpi.ring_attention` takes it, for the
+        balanced layout's placement.
     dropout_seed : int, optional
         Needed for attention dropout: masks are drawn from it, this ``step`` and the layer.
     step : int, optional
         Default: how many times this process called ``shard_batch`` before.
-    schedule : "auto" | "ring" | "routed", optional
-        The attention's K/V schedule (``ring_attention(schedule=)``); default ``"auto"``
-        with the balanced layout, else the ring.
-    invariant : bool
-        Every attention call of the forward (and its backward) runs with
-        ``invariant=True``: the same bits for any number of ranks and layout
-        (each shard must be whole 64-token tiles: ``N / P``, or ``N / (2P)`` for
-        zigzag, a multiple of 64).
 
     Returns
     -------
@@ -315,7 +311,8 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     summed over ranks is the global mean loss.  ``attention_mask`` is consumed (into
     segment ids); ``use_cache=False``; ``ringmpi_context``: a :class:`ShardContext`.
     """
-    comm = resolve_comm(comm)
+    ring = RingContext(layout="zigzag") if context is None else RingContext.of(context)
+    comm, layout, schedule = resolve_comm(ring.comm), ring.layout, ring.schedule
     rank, size = comm.Get_rank(), comm.Get_size()
     batch = dict(batch)
     lead = batch.get("input_ids", batch.get("inputs_embeds"))
@@ -338,7 +335,7 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
         batch["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
     if kind == BALANCED:
         batch, seg, n = _flattened(batch, seg, shape)
-        lay = Layout(BALANCED, n, size, documents=_documents(seg, n), causal=causal, window=window)
+        lay = Layout(BALANCED, n, size, documents=_documents(seg, n), causal=causal, window=window_sides(window))
         schedule = "auto" if schedule is None else schedule
     else:
         lay = Layout(kind, n, size)
@@ -349,8 +346,8 @@ def shard_batch(batch: dict, *, comm=None, layout: Union[str, Layout] = "zigzag"
     shard["use_cache"] = False
     shard[CONTEXT_KEY] = ShardContext(comm=comm, layout=lay, positions=lay.indices(rank),
                                       segment_ids=None if seg is None else lay.shard(seg, rank),
+                                      ring=ring.replace(comm=comm, layout=lay, schedule=schedule),
                                       dropout_seed=dropout_seed, step=next(_steps) if step is None else int(step),
-                                      schedule=schedule, invariant=bool(invariant),
                                       batch_shape=(shard["input_ids" if "input_ids" in shard else "inputs_embeds"]
                                                    .shape[0], len(lay.indices(rank))))
     return shard
@@ -382,12 +379,14 @@ def _documents(seg, n: int):
     return np.diff(np.concatenate([[0], cut, [n]])).tolist()
 
 
-def gather(x: torch.Tensor, *, comm=None, layout: Union[str, Layout] = "zigzag", axis: int = 1) -> torch.Tensor:
+def gather(x: torch.Tensor, *, context: Optional[RingContext] = None, axis: int = 1) -> torch.Tensor:
     """Every rank's ``(B, S_local, ...)`` shard of ``x`` in global token order ``(B, N, ...)``,
-    on every rank, on ``x``'s device; collective over ``comm``.  Not differentiable.  For the
-    balanced layout pass the Layout object (``shard["ringmpi_context"].layout``): the result is
-    the flattened ``(1, B * N, ...)``."""
-    comm = resolve_comm(comm)
+    on every rank, on ``x``'s device; collective over ``context.comm``.  Not differentiable.
+    ``context``: the one given to :func:`shard_batch` (None: its default, zigzag); for the
+    balanced layout pass ``shard["ringmpi_context"].ring`` (whose layout is the Layout object):
+    the result is the flattened ``(1, B * N, ...)``."""
+    ring = RingContext(layout="zigzag") if context is None else RingContext.of(context)
+    comm, layout = resolve_comm(ring.comm), ring.layout
     with phase("transformers.gather: every rank's shard (allgather)"):
         parts = comm.allgather(x.detach().cpu())
     if isinstance(layout, Layout) and layout.kind == BALANCED:  # its documents: the object itself

@@ -70,6 +70,7 @@ import torch
 import transformers
 from transformers import modeling_rope_utils
 
+from .context import RingContext
 from .runtime.errors import ConfigError, agree
 from .runtime.watchdog import phase
 
@@ -309,13 +310,13 @@ def _gated_deltanet(module, config, original):
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden), module.in_proj_ba(hidden))
         mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
         mixed = torch_linear.causal_conv1d(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias,
-                                           activation=module.activation, comm=comm)
+                                           activation=module.activation, context=RingContext(comm))
         q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
         q, k = (qwen3_next.l2norm(x.reshape(x.shape[0], x.shape[1], -1, module.head_k_dim), dim=-1, eps=1e-6)
                 for x in (q, k))
         v = v.reshape(v.shape[0], v.shape[1], -1, module.head_v_dim)
         g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
-        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), b.sigmoid(), comm=comm)
+        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), b.sigmoid(), context=RingContext(comm))
         o = module.norm(o.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(o.reshape(hidden.shape[0], hidden.shape[1], -1))
 
@@ -331,8 +332,8 @@ def _gated_deltanet(module, config, original):
         if ctx.layout.kind == "contiguous":
             return mix(hidden_states, ctx.comm)
         contiguous = Layout("contiguous", ctx.layout.n, ctx.layout.world_size)
-        hidden = torch_linear.relayout(hidden_states, ctx.layout, contiguous, comm=ctx.comm)
-        return torch_linear.relayout(mix(hidden, ctx.comm), contiguous, ctx.layout, comm=ctx.comm)
+        hidden = torch_linear.relayout(hidden_states, ctx.layout, contiguous, context=ctx.ring)
+        return torch_linear.relayout(mix(hidden, ctx.comm), contiguous, ctx.layout, context=ctx.ring)
     return forward
 
 

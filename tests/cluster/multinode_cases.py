@@ -60,9 +60,10 @@ def ring_case(comm, case):
         stats = []
         comm.Barrier()
         before = link_tx_bytes() if leader else 0
-        o, lse = ringmpi.ring_attention(local["q"], local["k"], local["v"], stats=stats, **kw)
-        grads = ringmpi.ring_attention_backward(local["do"], local["q"], local["k"], local["v"], o, lse,
-                                                stats=stats, **kw)
+        call = ring_cases.with_context(kw, stats=stats)
+        o, lse, _ = ringmpi.ring_attention(local["q"], local["k"], local["v"], **call)
+        grads = ringmpi.ring_attention_backward(local["do"], local["q"], local["k"], local["v"], (o, lse),
+                                                **call)[:3]
         comm.Barrier()
         if measured:
             link = comm.allreduce(link_tx_bytes() - before if leader else 0)
@@ -79,7 +80,8 @@ def head_parallel_case(comm, case):
     result = head_parallel_cases.run_case(comm, case)
     _, _, kw, local = ring_cases.shard_case(comm, case)
     stats = []
-    ringmpi.ring_attention(local["q"], local["k"], local["v"], stats=stats, head_parallel=case["U"], **kw)
+    ringmpi.ring_attention(local["q"], local["k"], local["v"],
+                           **ring_cases.with_context(kw, stats=stats, head_parallel=case["U"]))
     chosen = next((r.head_parallel for r in stats if isinstance(r, ExchangeRecord)), 1)
     every = comm.allgather(chosen)
     if comm.Get_rank() != 0:

@@ -48,12 +48,12 @@ def test_public_api_bfloat16_cupy(mask, d):
     seg = None
     if kw.pop("segments", False):
         seg = np.repeat(np.arange(q.shape[1]) // 37, 1)[None].repeat(q.shape[0], 0)
-        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
-    call = dict(comm=MPI.COMM_SELF, backend="cupy", **kw)
+        kw.update(segment_ids=seg)
+    ring = ringmpi.RingContext(MPI.COMM_SELF, backend="cupy")
     args = [cp.asarray(x) for x in (q, k, v)]
     assert all(a.dtype == BF16 for a in args)
-    o, lse = ringmpi.ring_attention(*args, **call)
-    dq, dk, dv = ringmpi.ring_attention_backward(cp.asarray(do), *args, o, lse, **call)
+    o, lse, _ = ringmpi.ring_attention(*args, **kw, context=ring)
+    dq, dk, dv, _ = ringmpi.ring_attention_backward(cp.asarray(do), *args, (o, lse), **kw, context=ring)
     assert o.dtype == BF16 and lse.dtype == np.float32 and all(g.dtype == BF16 for g in (dq, dk, dv))
     vis = reference.visible(q.shape[1], k.shape[1], kw.get("causal", False), kw.get("window"), seg, seg)
     scale = 1 / np.sqrt(d)
@@ -69,7 +69,7 @@ def test_public_api_bfloat16_cupy(mask, d):
 
     # the same bits as uint16, declared: uint16 results, bit for bit the same
     bits = [a.view(cp.uint16) for a in args]
-    o_bits, lse_bits = ringmpi.ring_attention(*bits, dtype="bfloat16", **call)
+    o_bits, lse_bits, _ = ringmpi.ring_attention(*bits, **kw, context=ring.replace(dtype="bfloat16"))
     assert o_bits.dtype == np.uint16
     assert cp.array_equal(o_bits, o.view(cp.uint16)) and cp.array_equal(lse_bits, lse)
 
@@ -84,10 +84,11 @@ def test_uint16_needs_declaration_and_nan_is_named():
     q, k, v, _ = _inputs(64, n=50)
     args = [cp.asarray(x) for x in (q, k, v)]
     with pytest.raises(ConfigError, match="unsupported dtype uint16"):
-        ringmpi.ring_attention(*(a.view(cp.uint16) for a in args), comm=MPI.COMM_SELF, backend="cupy")
+        ringmpi.ring_attention(*(a.view(cp.uint16) for a in args),
+                               context=ringmpi.RingContext(MPI.COMM_SELF, backend="cupy"))
     args[0][1, 17, 3, 5] = cp.asarray(np.array(np.nan, dtype=BF16))
     with pytest.raises(ConfigError, match=r"q has a non-finite value \(nan\) at global index \[1, 17, 3, 5\]"):
-        ringmpi.ring_attention(*args, comm=MPI.COMM_SELF, backend="cupy", check_finite=True)
+        ringmpi.ring_attention(*args, context=ringmpi.RingContext(MPI.COMM_SELF, backend="cupy", check_finite=True))
 
 
 def _bf16_ring_cases(p):

@@ -1,4 +1,4 @@
-"""invariant=True on the GPU (invariant.cu, ringmpi.backends.invariant_device): the bitwise
+"""RingContext(invariant=True) on the GPU (invariant.cu, ringmpi.backends.invariant_device): the bitwise
 matrix of ``tests/mpi/test_invariant.py`` with ``backend="cupy"``.  Needs a CUDA GPU; skipped,
 with the reason shown, where none is visible.
 
@@ -9,7 +9,7 @@ ring U = 2 over it at even P) gives
 one sha256 per output (``o, lse, max_logit, dq, dk, dv, dsinks``), and all must be equal
 across placements and launches.  The P = 1 launch holds each case to the float64 dense
 reference under the tolerance rule (and the NaN/Inf case to its rows), and
-``decode_attention(invariant=True)`` must give its new tokens the ring's bits.  The bits are
+``decode_attention`` with ``invariant=True`` in its context must give its new tokens the ring's bits.  The bits are
 the GPU's own, not the CPU's.
 """
 

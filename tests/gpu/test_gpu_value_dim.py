@@ -44,11 +44,11 @@ def test_value_dim_cupy(mask, dtype, d, d_v):
     seg = None
     if kw.pop("segments", False):
         seg = (np.arange(n) // 37)[None].repeat(b, 0)
-        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
-    call = dict(comm=MPI.COMM_SELF, backend="cupy", **kw)
+        kw.update(segment_ids=seg)
+    ring = ringmpi.RingContext(MPI.COMM_SELF, backend="cupy")
     args = [cp.asarray(x) for x in (q, k, v)]
-    o, lse = ringmpi.ring_attention(*args, **call)
-    dq, dk, dv = ringmpi.ring_attention_backward(cp.asarray(do), *args, o, lse, **call)
+    o, lse, _ = ringmpi.ring_attention(*args, **kw, context=ring)
+    dq, dk, dv, _ = ringmpi.ring_attention_backward(cp.asarray(do), *args, (o, lse), **kw, context=ring)
     assert o.shape == (b, n, h, d_v) and dv.shape == v.shape and dk.shape == k.shape
     vis = reference.visible(n, n, kw.get("causal", False), kw.get("window"), seg, seg)
     scale = 1 / np.sqrt(d)
@@ -73,7 +73,8 @@ def test_unsupported_pair_is_refused():
     rng = np.random.default_rng(1)
     q, k = (cp.asarray(rng.standard_normal((1, 8, 2, 24)).astype(np.float32)) for _ in range(2))
     v = cp.asarray(rng.standard_normal((1, 8, 2, 40)).astype(np.float32))
+    ring = ringmpi.RingContext(MPI.COMM_SELF, backend="cupy")
     with pytest.raises(ConfigError, match="D=24 with value head dim D_v=40"):
-        ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, backend="cupy")
+        ringmpi.ring_attention(q, k, v, context=ring)
     with pytest.raises(ConfigError, match="D=24 with value head dim D_v=40"):
-        ringmpi.decode_attention(q[:, :1], k, v, comm=MPI.COMM_SELF, backend="cupy")
+        ringmpi.decode_attention(q[:, :1], k, v, causal=True, context=ring)

@@ -40,11 +40,11 @@ def test_sinks_softcap_max_logit(dtype, d):
     dt = reference.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
     q, k, v, do, seg, sinks = _inputs(dt, 2, 150, 6, 2, d, seed=d)
     window, softcap, scale = (40, 0), 5.0, 1 / np.sqrt(d)
-    kw = dict(comm=MPI.COMM_SELF, causal=True, window=window, backend="cupy", softcap=softcap,
-              sinks=cupy.asarray(sinks), segment_ids_q=seg, segment_ids_kv=seg)
+    kw = dict(causal=True, window=window, softcap=softcap, sinks=cupy.asarray(sinks), segment_ids=seg,
+              context=ringmpi.RingContext(MPI.COMM_SELF, backend="cupy"))
     up = [cupy.asarray(x) for x in (q, k, v)]
     o, lse, ml = ringmpi.ring_attention(*up, return_max_logit=True, **kw)
-    dq, dk, dv, dsinks = ringmpi.ring_attention_backward(cupy.asarray(do), *up, o, lse, **kw)
+    dq, dk, dv, dsinks = ringmpi.ring_attention_backward(cupy.asarray(do), *up, (o, lse), **kw)
     vis = reference.visible(q.shape[1], k.shape[1], True, window, seg, seg)
     opts = dict(sinks=sinks, softcap=softcap)
     ref = reference.dense_forward(q, k, v, vis, scale, np.float64, **opts)
@@ -79,11 +79,11 @@ def test_alibi_with_softcap_sinks_window_segments(dtype, d):
     q, do, seg_q = q[:, 30:], do[:, 30:], seg[:, 30:]
     slopes = (2.0 ** (-8.0 * np.arange(1, 7) / 6)).astype(np.float32)
     window, softcap, scale = (40, 0), 5.0, 1 / np.sqrt(d)
-    kw = dict(comm=MPI.COMM_SELF, causal=True, window=window, backend="cupy", softcap=softcap,
-              sinks=cupy.asarray(sinks), segment_ids_q=seg_q, segment_ids_kv=seg, alibi_slopes=slopes)
+    kw = dict(causal=True, window=window, softcap=softcap, sinks=cupy.asarray(sinks), segment_ids=(seg_q, seg),
+              alibi_slopes=slopes, context=ringmpi.RingContext(MPI.COMM_SELF, backend="cupy"))
     up = [cupy.asarray(x) for x in (q, k, v)]
     o, lse, ml = ringmpi.ring_attention(*up, return_max_logit=True, **kw)
-    dq, dk, dv, dsinks = ringmpi.ring_attention_backward(cupy.asarray(do), *up, o, lse, **kw)
+    dq, dk, dv, dsinks = ringmpi.ring_attention_backward(cupy.asarray(do), *up, (o, lse), **kw)
     vis = reference.visible(q.shape[1], k.shape[1], True, window, seg_q, seg)
     opts = dict(sinks=sinks, softcap=softcap, alibi=slopes)
     ref, naive = (reference.dense_forward(q, k, v, vis, scale, t, **opts) for t in (np.float64, dt))
@@ -99,7 +99,7 @@ def test_alibi_with_softcap_sinks_window_segments(dtype, d):
 
 
 def test_no_cap_is_bitwise_unchanged():
-    """softcap=None and an absent option launch the same kernels with c = 0: same bits."""
+    """softcap=0.0 (off) and an absent option launch the same kernels with c = 0: same bits."""
     import cupy
     from mpi4py import MPI
 
@@ -107,10 +107,10 @@ def test_no_cap_is_bitwise_unchanged():
 
     q, k, v, _, _, _ = _inputs(np.dtype("float16"), 1, 100, 4, 4, 64, seed=3)
     up = [cupy.asarray(x) for x in (q, k, v)]
-    a = ringmpi.ring_attention(*up, comm=MPI.COMM_SELF, causal=True, backend="cupy")
-    b = ringmpi.ring_attention(*up, comm=MPI.COMM_SELF, causal=True, backend="cupy", softcap=None,
-                               return_max_logit=True)
-    assert all(cupy.array_equal(x, y) for x, y in zip(a, b[:2]))
+    ring = ringmpi.RingContext(MPI.COMM_SELF, backend="cupy")
+    a = ringmpi.ring_attention(*up, causal=True, context=ring)
+    b = ringmpi.ring_attention(*up, causal=True, softcap=0.0, return_max_logit=True, context=ring)
+    assert all(cupy.array_equal(x, y) for x, y in zip(a[:2], b[:2]))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])

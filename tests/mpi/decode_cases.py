@@ -20,9 +20,10 @@ from mpi4py import MPI
 
 from case_driver import run_all
 import reference
+from ring_cases import Assignment, split_tokens, window_of
 import ringmpi
 import ringmpi.kvcache
-from ringmpi import Layout
+from ringmpi import Layout, RingContext
 
 
 def dtype_of(name):
@@ -55,13 +56,15 @@ def check(case, gathered, q, k, v, lengths, sinks, label=""):
     root = case.get("root")
     results = [g for g in gathered if g is not None]
     ok, msgs = True, []
+    if any(len(g) != 3 or g[2] is not None for g in results):  # Attention(o, lse, None) on every rank
+        return False, f"{label}a rank returned {[type(g).__name__ for g in results]}"
     if root is not None:
         others = [g for r, g in enumerate(gathered) if r != root]
-        if any(g != (None, None) for g in others):
+        if any(tuple(g) != (None, None, None) for g in others):
             return False, f"{label}non-root ranks returned a result"
         results = [gathered[root]]
-    o, lse = results[0]
-    for r, (o_r, lse_r) in enumerate(results[1:], 1):
+    o, lse, _ = results[0]
+    for r, (o_r, lse_r, _) in enumerate(results[1:], 1):
         if o_r.tobytes() != o.tobytes() or lse_r.tobytes() != lse.tobytes():
             ok = False
             msgs.append(f"rank {r} differs bitwise from rank 0")
@@ -86,10 +89,9 @@ def make(case, rng, shape):
     return rng.standard_normal(shape).astype(dtype_of(case.get("dtype", "float32")))
 
 
-def kwargs(case, comm):
-    return dict(comm=comm, causal=case.get("causal", True),
-                window=None if case.get("window") is None else tuple(case["window"]),
-                softmax_scale=case.get("scale"), root=case.get("root"), backend="numpy")
+def kwargs(case):
+    return dict(causal=case.get("causal", True), window=window_of(case), softmax_scale=case.get("scale"),
+                root=case.get("root"))
 
 
 def static_case(comm, case):
@@ -100,21 +102,21 @@ def static_case(comm, case):
     sinks = rng.standard_normal(h).astype(np.float32) * 2 if case.get("sinks") else None
     lengths = np.asarray(case["lengths"]) if case.get("lengths") is not None else None
     lay = Layout(case["layout"], n, size)
-    kw = kwargs(case, comm)
+    kw = kwargs(case)
     if case.get("positions"):  # explicit cache positions: a random assignment, ascending on each rank
-        from ring_cases import Assignment, split_tokens
         lay = Assignment(np.sort(part) for part in split_tokens(np.random.default_rng(case["seed"] + 5),
                                                           np.random.default_rng(case["seed"] + 6).permutation(n), size))
-        kw["positions_kv"] = lay.indices(rank)
+        kw["positions"] = lay.indices(rank)
     if case.get("root") is not None and rank != case["root"]:
         q_in = None
     else:
         q_in = q
+    context = RingContext(comm, layout=case["layout"], backend="numpy")
     res = ringmpi.decode_attention(q_in, lay.shard(k, rank), lay.shard(v, rank), sinks=sinks,
-                                   cache_lengths=lengths, layout=lay if case.get("layout_obj") else case["layout"],
-                                   **kw)
+                                   cache_lengths=lengths, **kw,
+                                   context=context.replace(layout=lay) if case.get("layout_obj") else context)
     again = ringmpi.decode_attention(q_in, lay.shard(k, rank), lay.shard(v, rank), sinks=sinks,
-                                     cache_lengths=lengths, layout=case["layout"], **kw)
+                                     cache_lengths=lengths, context=context, **kw)
     repeat_same = all((x is None and y is None) or x.tobytes() == y.tobytes() for x, y in zip(res, again))
     gathered = comm.gather(res, root=0)
     same = comm.gather(repeat_same, root=0)
@@ -131,7 +133,7 @@ def cache_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(case["seed"])
     b, h, hkv, d = (case[x] for x in ("B", "H", "Hkv", "D"))
-    cache = ringmpi.KVCache(b, hkv, d, case.get("dtype", "float32"), comm=comm, layout=case["layout"],
+    cache = ringmpi.KVCache(b, hkv, d, case.get("dtype", "float32"), context=RingContext(comm, layout=case["layout"]),
                             capacity=case.get("capacity", 0), chunk=case.get("chunk", 4))
     total = case["prefill"] + sum(case["steps"]) + 1
     k_all, v_all = np.zeros((b, total, hkv, d), dtype=cache.dtype), np.zeros((b, total, hkv, d), dtype=cache.dtype)
@@ -146,7 +148,7 @@ def cache_case(comm, case):
         lay = Layout(case["layout"], n0, size)
         cache.load_shard(lay.shard(k_all[:, :n0], rank), lay.shard(v_all[:, :n0], rank), n0, lengths)
     sinks = rng.standard_normal(h).astype(np.float32) if case.get("sinks") else None
-    kw = kwargs(case, comm)
+    kw = kwargs(case)
     oks, msgs = [], []
     for step, s_new in enumerate(case["steps"]):
         k_new, v_new = make(case, rng, (b, s_new, hkv, d)), make(case, rng, (b, s_new, hkv, d))
@@ -160,7 +162,7 @@ def cache_case(comm, case):
         if not (np.shares_memory(views["k_cache"], cache._k) or cache.local_rows == 0):
             oks.append(False)
             msgs.append(f"step {step}: the cache view is a copy")
-        res = ringmpi.decode_attention(q, sinks=sinks, **views, **kw)
+        res = ringmpi.decode_attention(q, sinks=sinks, **views, **kw, context=cache.ring_context(backend="numpy"))
         gathered = comm.gather(res, root=0)
         if rank == 0:
             if not np.array_equal(cache.lengths, lengths):
@@ -198,7 +200,7 @@ def error_case(comm, case):
     q, k, v = (rng.standard_normal(x).astype(np.float32) for x in ((b, s, h, d), (b, n, hkv, d), (b, n, hkv, d)))
     lay = Layout("contiguous", n, size)
     kl, vl = lay.shard(k, rank), lay.shard(v, rank)
-    kw = dict(comm=comm, layout="contiguous", backend="numpy")
+    kw = dict(causal=True, context=RingContext(comm, layout="contiguous", backend="numpy"))
     what = case["what"]
     if what == "softcap":
         kw["softcap"] = -1.0
@@ -211,11 +213,11 @@ def error_case(comm, case):
     elif what == "lengths":
         kw["cache_lengths"] = [n + 1]
     elif what == "positions_repeated":  # rank 0's first position on every rank
-        kw["positions_kv"] = np.concatenate([[0], lay.indices(rank)[1:]]) if rank else lay.indices(rank)
+        kw["positions"] = np.concatenate([[0], lay.indices(rank)[1:]]) if rank else lay.indices(rank)
         if size == 1:
-            kw["positions_kv"] = np.array([0, 0, 2, 3, 4, 5, 6])
+            kw["positions"] = np.array([0, 0, 2, 3, 4, 5, 6])
     elif what == "positions_range":
-        kw["positions_kv"] = lay.indices(rank) + 1
+        kw["positions"] = lay.indices(rank) + 1
     try:
         ringmpi.decode_attention(q, kl, vl, **kw)
         mine = "no error"

@@ -25,7 +25,7 @@ from mpi4py import MPI
 from case_driver import agreed_error, run_file
 import reference
 from finite_differences import ring_fd_worst
-from ring_cases import BACKEND, converters, make_inputs
+from ring_cases import BACKEND, converters, make_inputs, window_of
 import ringmpi
 from ringmpi import Layout
 
@@ -34,11 +34,12 @@ def _setup(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = make_inputs(case)
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
-    window = None if case.get("window") is None else tuple(case["window"])
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
-              backend=BACKEND, dropout_p=case["p"], dropout_seed=case["dropout_seed"])
+    window = window_of(case)
+    kw = dict(causal=case.get("causal", False), window=window, dropout_p=case["p"],
+              dropout_seed=case["dropout_seed"],
+              context=ringmpi.RingContext(comm=comm, layout=case["layout"], backend=BACKEND))
     if seg_q is not None:
-        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
+        kw.update(segment_ids=(lay_q.shard(seg_q, rank), lay_kv.shard(seg_kv, rank)))
     return (q, k, v, do, seg_q, seg_kv), (lay_q, lay_kv), window, kw
 
 
@@ -47,9 +48,9 @@ def ref_case(comm, case):
     (q, k, v, do, seg_q, seg_kv), (lay_q, lay_kv), window, kw = _setup(comm, case)
     to_backend, to_host = converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
-    o, lse = ringmpi.ring_attention(*args, **kw)
-    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, **kw)
-    mine = [to_host(x) for x in (o, lse) + tuple(grads)]
+    o, lse, _ = ringmpi.ring_attention(*args, **kw)
+    dq, dk, dv, _ = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, (o, lse), **kw)
+    mine = [to_host(x) for x in (o, lse, dq, dk, dv)]
     gathered = comm.gather(mine, root=0)
     if rank != 0:
         return None
@@ -99,11 +100,11 @@ def torch_case(comm, case):
     case = dict(case, dtype="float64")
     (q, k, v, do, _, _), (lay_q, lay_kv), _, kw = _setup(comm, case)
     local = [lay.shard(x, rank) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
-    o, lse = ringmpi.ring_attention(*local, **kw)
-    want = (o,) + tuple(ringmpi.ring_attention_backward(lay_q.shard(do, rank), *local, o, lse, **kw))
+    o, lse, _ = ringmpi.ring_attention(*local, **kw)
+    want = (o,) + tuple(ringmpi.ring_attention_backward(lay_q.shard(do, rank), *local, (o, lse), **kw)[:3])
     tensors = [torch.tensor(x, requires_grad=True) for x in local]
-    kw.pop("backend")
-    out = rt.ring_attention(*tensors, **kw)
+    kw["context"] = kw["context"].replace(backend="auto")  # the tensors' device
+    out = rt.ring_attention(*tensors, **kw).o
     out.backward(torch.tensor(lay_q.shard(do, rank)))
     got = [out.detach().numpy()] + [t.grad.numpy() for t in tensors]
     same = all(np.array_equal(a, b) for a, b in zip(got, want))
@@ -130,7 +131,7 @@ def errors_case(comm, case):
         if what == "seeds differ" and size == 1:
             continue
         problem = agreed_error(comm, lambda: ringmpi.ring_attention(
-            *args, comm=comm, layout=case["layout"], backend=BACKEND, **extra), want)
+            *args, context=ringmpi.RingContext(comm=comm, layout=case["layout"], backend=BACKEND), **extra), want)
         if problem:
             problems.append(f"{what}: {problem}")
     return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"

@@ -23,7 +23,7 @@ import reference
 import ring_cases
 import ringmpi
 import ringmpi.core.dtypes
-from ringmpi import Layout
+from ringmpi import Layout, RingContext
 
 
 def make_inputs(case):
@@ -42,17 +42,17 @@ def run_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = make_inputs(case)
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
-    window = None if case.get("window") is None else tuple(case["window"])
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
-              softmax_scale=case.get("scale"), backend=ring_cases.BACKEND)
+    window = ring_cases.window_of(case)
+    context = RingContext(comm, layout=case["layout"], backend=ring_cases.BACKEND)
+    kw = dict(causal=case.get("causal", False), window=window, softmax_scale=case.get("scale"))
     if seg_q is not None:
-        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
+        kw["segment_ids"] = (lay_q.shard(seg_q, rank), lay_kv.shard(seg_kv, rank))
     to_backend, to_host = ring_cases.converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     fwd_stats, bwd_stats = [], []
-    o, lse = ringmpi.ring_attention(*args, stats=fwd_stats, **kw)
-    dq, dk, dv = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse,
-                                                 stats=bwd_stats, **kw)
+    o, lse, _ = ringmpi.ring_attention(*args, context=context.replace(stats=fwd_stats), **kw)
+    dq, dk, dv, _ = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, (o, lse),
+                                                    context=context.replace(stats=bwd_stats), **kw)
     results = {name: to_host(x) for name, x in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))}
     # K travels D wide and V D_v wide (P-1 hops), dK/dV likewise in the compute dtype (P hops)
     sent = [comm.allreduce(sum(r.bytes_sent for r in st)) for st in (fwd_stats, bwd_stats)]
@@ -76,14 +76,16 @@ def errors_case(comm, case):
     lay = Layout(case["layout"], q.shape[1], size)
     to_backend, _ = ring_cases.converters()
     qs, ks, vs, dos = (to_backend(lay.shard(x, rank)) for x in (q, k, v, do))
-    kw = dict(comm=comm, layout=case["layout"], backend=ring_cases.BACKEND)
-    o, lse = ringmpi.ring_attention(qs, ks, vs, **kw)
+    kw = dict(context=RingContext(comm, layout=case["layout"], backend=ring_cases.BACKEND))
+    o, lse, _ = ringmpi.ring_attention(qs, ks, vs, **kw)
     attempts = {
         "v with other heads": (lambda: ringmpi.ring_attention(qs, ks, vs[:, :, :1], **kw),
                                "k and v must agree on (B, S_kv_local, H_kv)"),
-        "do D wide": (lambda: ringmpi.ring_attention_backward(to_backend(lay.shard(q, rank)), qs, ks, vs, o, lse, **kw),
+        "do D wide": (lambda: ringmpi.ring_attention_backward(to_backend(lay.shard(q, rank)), qs, ks, vs, (o, lse),
+                                                              **kw),
                       "do must have shape (B, S_q_local, H, D_v)"),
-        "o D wide": (lambda: ringmpi.ring_attention_backward(dos, qs, ks, vs, to_backend(lay.shard(q, rank)), lse, **kw),
+        "o D wide": (lambda: ringmpi.ring_attention_backward(dos, qs, ks, vs, (to_backend(lay.shard(q, rank)), lse),
+                                                             **kw),
                      "o must have shape (B, S_q_local, H, D_v)"),
     }
     problems = []
@@ -105,15 +107,17 @@ def decode_case(comm, case):
     k = rng.standard_normal((b, n, hkv, d)).astype(np.float32)
     v = rng.standard_normal((b, n, hkv, dv)).astype(np.float32)
     lay = Layout(case["layout"], n, size)
-    kw = dict(comm=comm, backend=ring_cases.BACKEND)
-    o_static, lse_static = ringmpi.decode_attention(q, lay.shard(k, rank), lay.shard(v, rank),
-                                                    layout=case["layout"], **kw)
-    cache = ringmpi.KVCache(b, hkv, d, "float32", comm=comm, layout=case["layout"], dim_v=dv, chunk=3)
+    context = RingContext(comm, layout=case["layout"], backend=ring_cases.BACKEND)
+    o_static, lse_static, _ = ringmpi.decode_attention(q, lay.shard(k, rank), lay.shard(v, rank), causal=True,
+                                                       context=context)
+    cache = ringmpi.KVCache(b, hkv, d, "float32", context=RingContext(comm, layout=case["layout"]), dim_v=dv,
+                            chunk=3)
     n0 = n - s_new
     lay0 = Layout(case["layout"], n0, size)
     cache.load_shard(lay0.shard(k[:, :n0], rank), lay0.shard(v[:, :n0], rank), n0)
     cache.append(k[:, n0:], v[:, n0:])
-    o_cache, lse_cache = ringmpi.decode_attention(q, **cache.views(), **kw)
+    o_cache, lse_cache, _ = ringmpi.decode_attention(q, **cache.views(), causal=True,
+                                                     context=cache.ring_context(backend=ring_cases.BACKEND))
     gathered = comm.gather([np.asarray(x) for x in (o_static, lse_static, o_cache, lse_cache)], root=0)
     if rank != 0:
         return None
@@ -146,10 +150,11 @@ def torch_case(comm, case):
     causal = case.get("causal", False)
     local = [torch.from_numpy(lay.shard(x, rank)).requires_grad_(True)
              for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
-    o = rt.ring_attention(*local, comm=comm, layout=case["layout"], causal=causal)
+    context = RingContext(comm, layout=case["layout"])
+    o = rt.ring_attention(*local, causal=causal, context=context).o
     o.backward(torch.from_numpy(lay_q.shard(do, rank)))
     o_sdpa = rt.scaled_dot_product_attention(*(t.detach().transpose(1, 2) for t in local), is_causal=causal,
-                                             comm=comm, layout=case["layout"]).transpose(1, 2)
+                                             context=context).transpose(1, 2)
     mine = [o.detach().numpy(), o_sdpa.numpy()] + [t.grad.numpy() for t in local]
     gathered = comm.gather(mine, root=0)
     if rank != 0:

@@ -36,21 +36,23 @@ def main():
     rng = np.random.default_rng(7)
     q, k, v, do = (rng.standard_normal((2, args.n, 4, 32)).astype(np.float32) for _ in range(4))
     lay = Layout("zigzag", args.n, size)
-    kw = dict(comm=comm, layout="zigzag", causal=True, timeout=args.timeout, backend="numpy", schedule=args.schedule)
+    run = dict(comm=comm, layout="zigzag", timeout=args.timeout, backend="numpy", schedule=args.schedule)
+    kw = dict(causal=True)
     if args.packed:  # a long document over every rank and short ones: every rank reads from others
         docs = [args.n // 2] + [10] * ((args.n - args.n // 2) // 10)
         docs[-1] += args.n - sum(docs)
         lay = Layout("balanced", args.n, size, documents=docs, causal=True)
-        kw.update(layout=lay, schedule="routed", segment_ids_q=lay.segment_ids(rank, 2),
-                  segment_ids_kv=lay.segment_ids(rank, 2))
+        run.update(layout=lay, schedule="routed")
+        kw.update(segment_ids=lay.segment_ids(rank, 2))
+    kw["context"] = ringmpi.RingContext(**run)
     local = [lay.shard(x, rank) for x in (q, k, v, do)]
     digests = []
     with ringmpi.abort_on_error():
         for _ in range(args.repeat):
-            o, lse = ringmpi.ring_attention(*local[:3], **kw)
+            o, lse, _ = ringmpi.ring_attention(*local[:3], **kw)
             outs = [o, lse]
             if args.backward:
-                outs += ringmpi.ring_attention_backward(local[3], *local[:3], o, lse, **kw)
+                outs += ringmpi.ring_attention_backward(local[3], *local[:3], (o, lse), **kw)[:3]
             digests.append(b"".join(np.ascontiguousarray(x).tobytes() for x in outs))
     same = comm.gather(all(d == digests[0] for d in digests), root=0)
     if rank == 0:

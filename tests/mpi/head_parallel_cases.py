@@ -4,18 +4,18 @@
 
 Case kinds:
 
-* (default) ``ring_attention`` and its backward with ``head_parallel=case["U"]``
+* (default) ``ring_attention`` and its backward in a context of ``head_parallel=case["U"]``
   against the float64 dense reference of ``reference.py`` under the tolerance
   rule (the checks of ``ring_cases.check``), plus the bytes that travelled:
   all-to-all records and ring records apart, the ring's K/V bytes from the
   group sizes.
-* ``bitwise``: ``head_parallel=1``, ``RINGMPI_HEAD_PARALLEL=1`` and ``"auto"``
-  with one rank per node give bitwise the flat ring's outputs and gradients.
+* ``bitwise``: ``head_parallel=1``, ``RINGMPI_HEAD_PARALLEL=1`` (read when the context is
+  built) and ``"auto"`` with one rank per node give bitwise the flat ring's outputs and gradients.
 * ``errors``: unusable choices raise one ConfigError, the same on every rank.
-* ``torch``: ``ringmpi.torch.ring_attention(..., head_parallel=U)`` with autograd.
+* ``torch``: ``ringmpi.torch.ring_attention`` in a context of ``head_parallel=U``, with autograd.
 
 ``case["env"]`` is set in ``os.environ`` on every rank for the case only
-(``RINGMPI_NODE_SIZE``, ``RINGMPI_HEAD_PARALLEL``).
+(``RINGMPI_NODE_SIZE``, ``RINGMPI_HEAD_PARALLEL``), before the case builds its contexts.
 """
 
 import contextlib
@@ -28,6 +28,7 @@ from mpi4py import MPI
 
 from case_driver import run_all
 import ring_cases
+from ring_cases import with_context
 import ringmpi
 from ringmpi import Layout
 from ringmpi.parallel.head_parallel import ExchangeRecord, kv_heads_of
@@ -73,17 +74,17 @@ def run_case(comm, case):
     rank = comm.Get_rank()
     (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = ring_cases.shard_case(comm, case)
     to_backend, to_host = ring_cases.converters(case.get("bits", False))
-    if case.get("bits"):
-        kw["dtype"] = "bfloat16"
+    u = case["U"]  # None: the context's default, RINGMPI_HEAD_PARALLEL (case["env"])
+    kw = with_context(kw, head_parallel=u, **({"dtype": "bfloat16"} if case.get("bits") else {}))
     args = [to_backend(local[n]) for n in ("q", "k", "v")]
-    u = case["U"]
     fwd_stats, bwd_stats = [], []
-    o, lse = ringmpi.ring_attention(*args, stats=fwd_stats, head_parallel=u, **kw)
+    o, lse, _ = ringmpi.ring_attention(*args, **with_context(kw, stats=fwd_stats))
     results = {"o": to_host(o), "lse": to_host(lse)}
     returned = [o]
     if case.get("backward"):
-        grads = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, stats=bwd_stats,
-                                                head_parallel=u, **kw)
+        dq, dk, dv, _ = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, (o, lse),
+                                                        **with_context(kw, stats=bwd_stats))
+        grads = (dq, dk, dv)
         results.update(zip(("dq", "dk", "dv"), (to_host(g) for g in grads)))
         returned += list(grads)
     if case.get("bits") and any(str(x.dtype) != "uint16" for x in returned):
@@ -116,14 +117,18 @@ def bitwise_case(comm, case):
     args = [local[n] for n in ("q", "k", "v")]
 
     def both(**extra):
-        o, lse = ringmpi.ring_attention(*args, **kw, **extra)
-        return [o, lse, *ringmpi.ring_attention_backward(local["do"], *args, o, lse, **kw, **extra)]
+        """Forward and backward in the case's context with ``extra`` (a context built here, so
+        that it reads the environment of the moment for what ``extra`` leaves None)."""
+        call = with_context(kw, **extra)
+        o, lse, _ = ringmpi.ring_attention(*args, **call)
+        dq, dk, dv, _ = ringmpi.ring_attention_backward(local["do"], *args, (o, lse), **call)
+        return [o, lse, dq, dk, dv]
 
     flat = both()
     spellings = {"head_parallel=1": dict(head_parallel=1)}
     runs = {name: both(**extra) for name, extra in spellings.items()}
     with environment({"RINGMPI_HEAD_PARALLEL": "1"}):
-        runs["RINGMPI_HEAD_PARALLEL=1"] = both()
+        runs["RINGMPI_HEAD_PARALLEL=1"] = both(head_parallel=None)
     with environment({"RINGMPI_NODE_SIZE": "1"}):
         runs["auto, one rank per node"] = both(head_parallel="auto")
     bad = [name for name, got in runs.items()
@@ -141,7 +146,8 @@ def errors_case(comm, case):
     args = [local[n] for n in ("q", "k", "v")]
     size, heads = comm.Get_size(), case["H"]
     attempts = [(dict(head_parallel=u), want, {}) for u, want in case["attempts"]]
-    attempts.append(({}, "head_parallel must be a positive integer or 'auto', got 'two'",
+    # head_parallel=None: the context, built under the environment, reads RINGMPI_HEAD_PARALLEL
+    attempts.append((dict(head_parallel=None), "head_parallel must be a positive integer or 'auto', got 'two'",
                      {"RINGMPI_HEAD_PARALLEL": "two"}))
     attempts.append((dict(head_parallel="auto"), "RINGMPI_NODE_SIZE must be a positive integer",
                      {"RINGMPI_NODE_SIZE": "0"}))
@@ -152,22 +158,23 @@ def errors_case(comm, case):
             with environment(env):
                 try:
                     if call == "forward":
-                        ringmpi.ring_attention(*args, **kw, **extra)
+                        ringmpi.ring_attention(*args, **with_context(kw, **extra))
                     else:
-                        ringmpi.ring_attention_backward(local["do"], *args, local["q"],
-                                                        np.zeros((1, heads, args[0].shape[1]), np.float32),
-                                                        **kw, **extra)
+                        ringmpi.ring_attention_backward(local["do"], *args,
+                                                        (local["q"], np.zeros((1, heads, args[0].shape[1]),
+                                                                              np.float32)),
+                                                        **with_context(kw, **extra))
                 except ConfigError as exc:
                     got = str(exc)
             every = comm.allgather(got)
             if got is None or want not in got or len(set(every)) != 1:
-                problems.append(f"{call} {extra or env}: wanted one ConfigError containing {want!r}, "
+                problems.append(f"{call} {env or extra}: wanted one ConfigError containing {want!r}, "
                                 f"ranks got {every}")
     return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
 
 
 def torch_case(comm, case):
-    """``ringmpi.torch.ring_attention(..., head_parallel=U)``: forward and autograd backward on CPU
+    """``ringmpi.torch.ring_attention`` with ``head_parallel=U``: forward and autograd backward on CPU
     tensors against the float64 reference (``torch_cases.attn_case``)."""
     import torch
     import torch_cases

@@ -3,8 +3,8 @@
     mpirun -n P python tests/mpi/invariant_cases.py CASES.json
 
 Every rank builds a case's global inputs (``ring_cases.make_inputs``, plus sinks, ALiBi
-slopes, NaN/Inf where asked), then runs ``ring_attention(..., invariant=True,
-return_max_logit=True)`` and its backward under every placement that applies at this P:
+slopes, NaN/Inf where asked), then runs ``ring_attention(..., return_max_logit=True)`` (a
+context with ``invariant=True``) and its backward under every placement that applies at this P:
 each layout whose shards are whole 64-token tiles (:func:`placements_at`), a random
 placement of whole tiles by explicit positions (tiles shuffled over the ranks, rows shuffled
 inside each), and head x ring ``U = 2`` over such a placement.  Rank 0 gathers ``o, lse, dq,
@@ -14,7 +14,7 @@ of this launch disagree.  ``tests/mpi/test_invariant.py`` compares the hashes ac
 (P = 1, 2, 3, 4, 6, 8).  With ``check`` rank 0 also holds the first placement's outputs to
 the float64 dense reference under the tolerance rule (and, with ``nonfinite``, checks which
 rows are NaN).  A case may add entry points that must give the same bits as the library
-calls of the same launch: ``decode`` (``decode_attention(invariant=True)`` for the last
+calls of the same launch: ``decode`` (``decode_attention`` with ``invariant=True`` for the last
 ``decode`` tokens over the sharded cache: their ``o, lse`` rows), ``torch`` (``ringmpi.torch``
 with autograd: ``o, lse, dq, dk, dv``; where ``torch`` lists this P) and ``file`` (``ringmpi run
 --invariant --backward`` on an HDF5 file: ``o, lse, dq, dk, dv``).  Kind ``errors``: a shard
@@ -31,10 +31,10 @@ from mpi4py import MPI
 
 from case_driver import agreed_error, run_file
 import reference
-from ring_cases import Assignment, make_inputs
+from ring_cases import Assignment, make_inputs, position_kw, window_of
 from variant_cases import make_alibi, make_sinks
 import ringmpi
-from ringmpi import Layout
+from ringmpi import Layout, RingContext
 from ringmpi.core.global_tiles import TILE, shard_problem
 from ringmpi.core.host import to_host
 
@@ -87,17 +87,12 @@ def inputs(case):
 
 
 def call_kw(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks, alibi, u):
-    kw = dict(comm=comm, causal=case.get("causal", False), backend=case.get("backend", "numpy"), invariant=True,
-              head_parallel=u,
-              softcap=case.get("softcap"), softmax_scale=case.get("scale"))
-    if case.get("window") is not None:
-        kw["window"] = tuple(case["window"])
-    if isinstance(lay_q, Assignment):
-        kw.update(positions_q=lay_q.indices(rank), positions_kv=lay_kv.indices(rank))
-    else:
-        kw["layout"] = lay_q.kind
+    layout = "contiguous" if isinstance(lay_q, Assignment) else lay_q.kind  # positions place an Assignment
+    context = RingContext(comm, layout=layout, backend=case.get("backend", "numpy"), invariant=True, head_parallel=u)
+    kw = dict(causal=case.get("causal", False), window=window_of(case), softcap=case.get("softcap") or 0.0,
+              softmax_scale=case.get("scale"), context=context, **position_kw(lay_q, lay_kv, rank))
     if seg_q is not None:
-        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
+        kw["segment_ids"] = (lay_q.shard(seg_q, rank), lay_kv.shard(seg_kv, rank))
     if case.get("dropout"):
         kw.update(dropout_p=case["dropout"], dropout_seed=case["dropout_seed"])
     if sinks is not None:
@@ -118,7 +113,7 @@ def run_placement(comm, case, data, lay_q, lay_kv, u):
     kw = call_kw(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks, alibi, u)
     args = [lay.shard(x, rank) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     o, lse, max_logit = ringmpi.ring_attention(*args, return_max_logit=True, **kw)
-    grads = ringmpi.ring_attention_backward(lay_q.shard(do, rank), *args, o, lse, **kw)
+    grads = ringmpi.ring_attention_backward(lay_q.shard(do, rank), *args, (o, lse), **kw)
     mine = {name: to_host(x) for name, x in dict(o=o, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]).items()}
     every = comm.gather(mine, root=0)
     if rank != 0:
@@ -181,21 +176,23 @@ def nonfinite_rows(case, data, got):
 
 
 def decode_entry(comm, case, data, lay_kv):
-    """``decode_attention(invariant=True)`` of the last ``case["decode"]`` tokens over the cache
+    """``decode_attention`` (``invariant=True``) of the last ``case["decode"]`` tokens over the cache
     sharded as ``lay_kv`` (ascending rows): their ``o, lse`` in global order (rank 0)."""
     rank = comm.Get_rank()
     q, k, v, _, _, _, sinks, alibi = data
     s_new = case["decode"]
     rows = np.sort(lay_kv.indices(rank))
-    kw = dict(causal=case.get("causal", True), sinks=sinks, alibi_slopes=alibi, softcap=case.get("softcap"),
-              window=None if case.get("window") is None else tuple(case["window"]), softmax_scale=case.get("scale"))
-    o, lse = ringmpi.decode_attention(q[:, -s_new:], k[:, rows], v[:, rows], comm=comm, positions_kv=rows,
-                                      backend=case.get("backend", "numpy"), invariant=True, **kw)
+    kw = dict(causal=case.get("causal", True), sinks=sinks, alibi_slopes=alibi, softcap=case.get("softcap") or 0.0,
+              window=window_of(case), softmax_scale=case.get("scale"))
+    o, lse, _ = ringmpi.decode_attention(q[:, -s_new:], k[:, rows], v[:, rows], positions=rows,
+                                         context=RingContext(comm, backend=case.get("backend", "numpy"),
+                                                             invariant=True), **kw)
     return dict(o_new=to_host(o), lse_new=to_host(lse)) if rank == 0 else None
 
 
 def torch_entry(comm, case, data, lay_q, lay_kv):
-    """``ringmpi.torch.ring_attention(invariant=True, return_lse=True)``, autograd for ``dq, dk, dv``."""
+    """``ringmpi.torch.ring_attention`` (a context with ``invariant=True``): ``o, lse``, autograd for
+    ``dq, dk, dv``."""
     import torch
 
     import ringmpi.torch as rt
@@ -203,11 +200,16 @@ def torch_entry(comm, case, data, lay_q, lay_kv):
     rank = comm.Get_rank()
     q, k, v, do, seg_q, seg_kv, sinks, alibi = data
     kw = call_kw(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks, alibi, 1)
-    kw = {n: torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) and n != "alibi_slopes" else x
-          for n, x in kw.items() if n != "backend"}
+    def tensor(n, x):
+        if isinstance(x, tuple):
+            return tuple(tensor(n, y) for y in x)
+        return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) and n != "alibi_slopes" else x
+
+    kw = {n: tensor(n, x) for n, x in kw.items()}
+    kw["context"] = kw["context"].replace(backend="auto")  # the tensors' device
     leaves = [torch.from_numpy(np.ascontiguousarray(lay.shard(x, rank))).requires_grad_(True)
               for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
-    o, lse = rt.ring_attention(*leaves, return_lse=True, **kw)
+    o, lse, _ = rt.ring_attention(*leaves, **kw)
     (o * torch.from_numpy(np.ascontiguousarray(lay_q.shard(do, rank)))).sum().backward()
     mine = dict(o=o.detach().numpy(), lse=lse.numpy(), dq=leaves[0].grad.numpy(), dk=leaves[1].grad.numpy(),
                 dv=leaves[2].grad.numpy())
@@ -303,8 +305,8 @@ def errors_case(comm, case):
     size = comm.Get_size()
     rng = np.random.default_rng(case["seed"])
     q = rng.standard_normal((1, case["n_q"] // size, 2, 8)).astype(np.float32)
-    problem = agreed_error(comm, lambda: ringmpi.ring_attention(q, q[:, :, :1], q[:, :, :1], comm=comm,
-                                                                 invariant=True, backend="numpy"),
+    context = RingContext(comm, invariant=True, backend="numpy")
+    problem = agreed_error(comm, lambda: ringmpi.ring_attention(q, q[:, :, :1], q[:, :, :1], context=context),
                            "whole 64-token tiles")
     return problem is None, problem or "ConfigError on every rank"
 

@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from case_driver import agreed_error, run_all  # first: it puts tests/support on the path
 import ringmpi
+from ringmpi import RingContext
 
 EXACT = 1e-10   # float64: relative to the tensor's largest entry
 DELTA = ("gdn", "kda")     # the delta rule: beta
@@ -68,7 +69,8 @@ def run_numpy(comm, case, x, dtype):
     cast = (lambda a: None if a is None else a.astype(dtype))
     lengths, rank = case["lengths"], comm.Get_rank()
     mine = {name: cast(shard(x[name], lengths, rank)) for name in ("q", "k", "v", "g", "beta", "do")}
-    common = dict(scale=case.get("scale"), initial_state=cast(x["s0"]), cu_seqlens=case.get("cu"), comm=comm)
+    common = dict(scale=case.get("scale"), initial_state=cast(x["s0"]), cu_seqlens=case.get("cu"),
+                  context=RingContext(comm))
     forward, backward = (getattr(ringmpi, CALLS[case["kind"]] + s) for s in ("", "_backward"))
     inputs = ("q", "k", "v", "g", "beta") if case["kind"] in DELTA else ("q", "k", "v", "g")
     o, final = forward(*(mine[n] for n in inputs), output_final_state=bool(case.get("final")), **common)
@@ -90,7 +92,7 @@ def run_torch(comm, case, x):
                                                                              requires_grad=True))
             for n in ("q", "k", "v", "g", "beta")}
     s0 = None if x["s0"] is None else torch.tensor(x["s0"], requires_grad=True)
-    common = dict(scale=case.get("scale"), initial_state=s0, cu_seqlens=case.get("cu"), comm=comm,
+    common = dict(scale=case.get("scale"), initial_state=s0, cu_seqlens=case.get("cu"), context=RingContext(comm),
                   output_final_state=bool(case.get("final")))
     if case["kind"] in DELTA:
         o, final = tl.gated_delta_rule(*(leaf[n] for n in ("q", "k", "v", "g", "beta")), **common)
@@ -225,15 +227,16 @@ def run_conv(comm, case):
         import ringmpi.torch_linear as tl
 
         xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (shard(x, lengths, rank), w, bias))
-        y = tl.causal_conv1d(xt, wt, bt, activation=act, cu_seqlens=cu, comm=comm)
+        y = tl.causal_conv1d(xt, wt, bt, activation=act, cu_seqlens=cu, context=RingContext(comm))
         (y * torch.tensor(shard(dy, lengths, rank))).sum().backward()
         y, dx, dw, db = y.detach().numpy(), xt.grad.numpy(), wt.grad.numpy().copy(), bt.grad.numpy().copy()
         comm.Allreduce(MPI.IN_PLACE, dw, op=MPI.SUM)  # the replicated parameters' shares
         comm.Allreduce(MPI.IN_PLACE, db, op=MPI.SUM)
     else:
-        y = ringmpi.causal_conv1d(shard(x, lengths, rank), w, bias, activation=act, cu_seqlens=cu, comm=comm)
+        context = RingContext(comm)
+        y = ringmpi.causal_conv1d(shard(x, lengths, rank), w, bias, activation=act, cu_seqlens=cu, context=context)
         dx, dw, db = ringmpi.causal_conv1d_backward(shard(dy, lengths, rank), shard(x, lengths, rank), w, bias,
-                                                    activation=act, cu_seqlens=cu, comm=comm)
+                                                    activation=act, cu_seqlens=cu, context=context)
     same = same_on_every_rank(comm, dw) & same_on_every_rank(comm, db)
     shards = comm.gather((y, dx), root=0)
     if rank != 0:
@@ -253,14 +256,15 @@ def run_relayout(comm, case):
     x = np.random.default_rng(case["seed"]).standard_normal((2, n, 3)).astype(np.float32)
     kinds = [Layout("contiguous", n, size), Layout("zigzag", n, size), Layout("striped", n, size),
              Layout("balanced", n, size, documents=case["documents"], causal=True)]
+    context = RingContext(comm)
     wrong = [(a, b) for a in kinds for b in kinds
-             if not np.array_equal(ringmpi.relayout(a.shard(x, rank), a, b, comm=comm), b.shard(x, rank))]
+             if not np.array_equal(ringmpi.relayout(a.shard(x, rank), a, b, context=context), b.shard(x, rank))]
     import torch
     import ringmpi.torch_linear as tl
 
     a, b = kinds[0], kinds[1]
     xt = torch.tensor(a.shard(x, rank), requires_grad=True)
-    (tl.relayout(xt, a, b, comm=comm) * torch.tensor(b.shard(x, rank))).sum().backward()
+    (tl.relayout(xt, a, b, context=context) * torch.tensor(b.shard(x, rank))).sum().backward()
     grad_ok = np.array_equal(xt.grad.numpy(), a.shard(x, rank))  # the gradient comes back to the source layout
     bad = comm.gather((wrong, grad_ok), root=0)
     if rank != 0:
@@ -299,12 +303,12 @@ def sharded_gated_deltanet(layer, hidden, comm):
     q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(hidden), layer.in_proj_ba(hidden))
     mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
     mixed = tl.causal_conv1d(mixed, layer.conv1d.weight[:, 0, :], layer.conv1d.bias, activation=layer.activation,
-                             comm=comm)
+                             context=RingContext(comm))
     q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     q, k = (l2norm(x.reshape(x.shape[0], x.shape[1], -1, layer.head_k_dim), dim=-1, eps=1e-6) for x in (q, k))
     v = v.reshape(v.shape[0], v.shape[1], -1, layer.head_v_dim)
     g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).to(hidden.dtype)  # as the layer does
-    o, _ = tl.gated_delta_rule(q, k, v, g, b.sigmoid(), comm=comm)
+    o, _ = tl.gated_delta_rule(q, k, v, g, b.sigmoid(), context=RingContext(comm))
     o = layer.norm(o.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(o.reshape(hidden.shape[0], hidden.shape[1], -1))
 
@@ -381,13 +385,14 @@ def run_error(comm, case):
         q = q.astype(np.float32)
     if what == "conv_width_one_rank":
         w = np.ones((3, 4 if rank < size - 1 else 3))
-        call = lambda: ringmpi.causal_conv1d(np.ones((1, n, 3)), w, comm=comm)  # noqa: E731
+        call = lambda: ringmpi.causal_conv1d(np.ones((1, n, 3)), w, context=RingContext(comm))  # noqa: E731
     elif what == "relayout_rows_one_rank":
         layout = ringmpi.Layout("contiguous", size * n, size)
         rows = n + (rank == size - 1)
-        call = lambda: ringmpi.relayout(np.ones((1, rows)), layout, layout, comm=comm)  # noqa: E731
+        call = lambda: ringmpi.relayout(np.ones((1, rows)), layout, layout, context=RingContext(comm))  # noqa: E731
     else:
-        call = lambda: ringmpi.gated_delta_rule(q, q, v, g, beta, cu_seqlens=cu, comm=comm)  # noqa: E731
+        call = lambda: ringmpi.gated_delta_rule(q, q, v, g, beta, cu_seqlens=cu,  # noqa: E731
+                                                context=RingContext(comm))
     problem = agreed_error(comm, call, case["expect"])
     return problem is None, problem or ""
 

@@ -104,12 +104,12 @@ def run(comm, case, tensors, seg, lay):
     rank = comm.Get_rank()
     q, k, v, do = (lay.shard(x, rank) for x in tensors)
     mask = dict(causal=case["mask"] in ("causal", "segments"),
-                window=(3, 1) if case["mask"] == "window" else None)
+                window=(3, 1) if case["mask"] == "window" else (-1, -1))
     if seg is not None:
-        mask.update(segment_ids_q=lay.shard(seg, rank), segment_ids_kv=lay.shard(seg, rank))
-    kw = dict(comm=comm, layout=case["layout"], backend=BACKEND, **mask)
-    o, lse = ringmpi.ring_attention(q, k, v, **kw)
-    grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, **kw)
+        mask.update(segment_ids=lay.shard(seg, rank))
+    kw = dict(context=ringmpi.RingContext(comm=comm, layout=case["layout"], backend=BACKEND), **mask)
+    o, lse, _ = ringmpi.ring_attention(q, k, v, **kw)
+    grads = ringmpi.ring_attention_backward(do, q, k, v, (o, lse), **kw)[:3]
     host = (lambda x: x.get()) if BACKEND == "cupy" else np.asarray
     if case.get("dtype", "float32") != "float32":  # compare 16-bit outputs as float32 (exact)
         host = (lambda get: lambda x: np.asarray(get(x), dtype=np.float32))(host)

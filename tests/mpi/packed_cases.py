@@ -35,7 +35,7 @@ import numpy as np
 
 import reference
 import ringmpi
-from ring_cases import BACKEND, Assignment, converters, make_inputs, split_tokens
+from ring_cases import BACKEND, Assignment, converters, make_inputs, split_tokens, window_of, with_context
 from ringmpi import Layout
 from variant_cases import check, make_alibi, make_sinks
 
@@ -139,8 +139,9 @@ def _nonfinite(comm, case, lay, kw, args, whole, docs, causal, window):
     j = sum(docs[:longest]) + docs[longest] // 3
     k_bad = whole[1].copy()
     k_bad[0, j, 0, 0] = np.nan
-    clean = [to_host(x) for x in ringmpi.ring_attention(*args, **kw)]
-    bad = [to_host(x) for x in ringmpi.ring_attention(args[0], to_backend(lay.shard(k_bad, rank)), args[2], **kw)]
+    clean = [to_host(x) for x in ringmpi.ring_attention(*args, **kw)[:2]]
+    bad = [to_host(x) for x in ringmpi.ring_attention(args[0], to_backend(lay.shard(k_bad, rank)), args[2],
+                                                      **kw)[:2]]
     n = sum(docs)
     seg = np.repeat(np.arange(len(docs)), docs)[None]
     sees = reference.visible(n, n, causal, window, seg, seg)[0][:, j][np.asarray(lay.indices(rank))]
@@ -170,11 +171,11 @@ def _beyond_budget(comm, args, kw):
         problems = [agreed_error(comm, lambda: ringmpi.ring_attention(*args, **kw),
                                  "beyond this rank's memory budget of 0.0 MiB"),
                     # schedule="auto" where nothing fits: each schedule's need named (issue 53)
-                    agreed_error(comm, lambda: ringmpi.ring_attention(*args, **dict(kw, schedule="auto")),
+                    agreed_error(comm, lambda: ringmpi.ring_attention(*args, **with_context(kw, schedule="auto")),
                                  "no schedule fits the memory budget of 0.0 MiB per rank")]
         if problems[1] is None and comm.Get_size() > 1:
             try:
-                ringmpi.ring_attention(*args, **dict(kw, schedule="auto"))
+                ringmpi.ring_attention(*args, **with_context(kw, schedule="auto"))
             except ringmpi.ConfigError as exc:
                 if not all(f"{s} " in str(exc) for s in ("ring", "allgather")):
                     problems.append(f"the refusal does not name each schedule's need: {exc}")
@@ -191,38 +192,40 @@ def packed_case(comm, case):
     batch, heads, kv_heads, dim = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
     seg = np.ascontiguousarray(np.broadcast_to(np.repeat(np.arange(len(docs)), docs), (batch, n)))
     sinks = make_sinks(case, heads)
-    window = None if case.get("window") is None else tuple(case["window"])
+    window = window_of(case)
     causal = case.get("causal", False)
     placement = case["placement"]
     to_backend, to_host = converters()
-    kw = dict(comm=comm, causal=causal, window=window, backend=BACKEND, softcap=case.get("softcap"),
-              alibi_slopes=make_alibi(case, heads), head_parallel=case.get("head_parallel", 1),
-              schedule=case.get("schedule"))
+    run = dict(comm=comm, backend=BACKEND, head_parallel=case.get("head_parallel", 1),
+               schedule=case.get("schedule"))
+    kw = dict(causal=causal, window=window, softcap=case.get("softcap") or 0.0,
+              alibi_slopes=make_alibi(case, heads))
     if placement == "balanced":
         lay = Layout("balanced", n, size, documents=docs, causal=causal, window=window)
-        kw["layout"] = lay
-        kw.update(segment_ids_q=lay.segment_ids(rank, batch), segment_ids_kv=lay.segment_ids(rank, batch))
+        run["layout"] = lay
+        kw.update(segment_ids=lay.segment_ids(rank, batch))
     else:
         if placement == "permutation":
             rng = np.random.default_rng(case["seed"] + 5)
             lay = Assignment(split_tokens(rng, rng.permutation(n), size) if size > 1 else [np.arange(n)])
-            kw.update(positions_q=lay.indices(rank), positions_kv=lay.indices(rank))
+            kw.update(positions=lay.indices(rank))
         else:
             lay = Layout(placement, n, size)
-            kw["layout"] = placement
-        kw.update(segment_ids_q=lay.shard(seg, rank), segment_ids_kv=lay.shard(seg, rank))
+            run["layout"] = placement
+        kw.update(segment_ids=lay.shard(seg, rank))
+    kw["context"] = ringmpi.RingContext(**run)
     if case.get("dropout"):
         kw.update(dropout_p=case["dropout"], dropout_seed=case["dropout_seed"])
     if sinks is not None:
         kw["sinks"] = to_backend(sinks)
     args = [to_backend(lay.shard(x, rank)) for x in (q, k, v)]
     fwd, bwd = [], []
-    o, lse, max_logit = ringmpi.ring_attention(*args, return_max_logit=True, stats=fwd, **kw)
+    o, lse, max_logit = ringmpi.ring_attention(*args, return_max_logit=True, **with_context(kw, stats=fwd))
     again = ringmpi.ring_attention(*args, return_max_logit=True, **kw)
-    o2, _ = ringmpi.ring_attention(*args, **kw)
+    o2, _, _ = ringmpi.ring_attention(*args, **kw)
     do_local = to_backend(lay.shard(do, rank))
-    grads = ringmpi.ring_attention_backward(do_local, *args, o, lse, stats=bwd, **kw)
-    grads2 = ringmpi.ring_attention_backward(do_local, *args, o, lse, **kw)
+    grads = ringmpi.ring_attention_backward(do_local, *args, (o, lse), **with_context(kw, stats=bwd))
+    grads2 = ringmpi.ring_attention_backward(do_local, *args, (o, lse), **kw)
     results = dict(o=to_host(o), lse=to_host(lse), max_logit=np.asarray(max_logit),
                    same_without_max=bool(np.allclose(to_host(o2), to_host(o), rtol=1e-5, atol=1e-6)),
                    dq=to_host(grads[0]), dk=to_host(grads[1]), dv=to_host(grads[2]))
@@ -230,7 +233,7 @@ def packed_case(comm, case):
         results["dsinks"] = np.asarray(grads[3])
     problems = []
     if not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip((o, lse, max_logit), again)) or \
-            not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(grads, grads2)):
+            not all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(grads, grads2) if a is not None):
         problems.append(f"rank {rank}: repeated calls differ bitwise")
     steps = [r for r in fwd + bwd if not hasattr(r, "stage")]
     named = {r.schedule for r in steps}

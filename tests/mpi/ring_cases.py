@@ -66,7 +66,7 @@ def ring_traffic(size, kv_bytes, grad_bytes, backward=True):
 
 
 class Assignment:
-    """Tokens placed on ranks by explicit positions (``ring_attention(positions_q=, positions_kv=)``):
+    """Tokens placed on ranks by explicit positions (``ring_attention(positions=(pos_q, pos_kv))``):
     the tests' stand-in for a Layout, with its ``n``, ``indices``, ``shard`` and ``unshard``."""
 
     def __init__(self, parts):
@@ -119,8 +119,8 @@ def placements(case, n_q, n_kv, size, seg_q=None):
     if kind == "balanced":  # the balanced Layout of batch entry 0's documents (issue 42)
         cut = np.flatnonzero(np.diff(seg_q[0]) != 0) + 1
         docs = np.diff(np.concatenate([[0], cut, [n_q]])).tolist()
-        window = None if case.get("window") is None else tuple(case["window"])
-        lay = Layout("balanced", n_q, size, documents=docs, causal=case.get("causal", False), window=window)
+        lay = Layout("balanced", n_q, size, documents=docs, causal=case.get("causal", False),
+                     window=window_of(case))
         return lay, lay
     rng = np.random.default_rng(case.get("seed", 0) + 5)
     if kind == "documents":
@@ -132,24 +132,40 @@ def placements(case, n_q, n_kv, size, seg_q=None):
 
 
 def position_kw(lay_q, lay_kv, rank):
-    """The call's ``positions_q``/``positions_kv`` for explicit placements, else nothing."""
+    """The call's ``positions=(pos_q, pos_kv)`` for explicit placements, else nothing."""
     if not isinstance(lay_q, Assignment):
         return {}
-    return dict(positions_q=lay_q.indices(rank), positions_kv=lay_kv.indices(rank))
+    return dict(positions=(lay_q.indices(rank), lay_kv.indices(rank)))
+
+
+def window_of(case):
+    """The case's window as the calls take it: flash-attn's ``(left, right)``, -1 an unbounded
+    side (``(-1, -1)`` without one)."""
+    if case.get("window") is None:
+        return (-1, -1)
+    return tuple(-1 if w is None else int(w) for w in case["window"])
+
+
+def with_context(kw, **changes):
+    """The call's keywords ``kw`` with its ``context`` changed (``RingContext.replace``): e.g. the
+    ``stats`` list of one call."""
+    return dict(kw, context=kw["context"].replace(**changes))
 
 
 def shard_case(comm, case):
     """One case's global inputs and this rank's part of them:
     ``(q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local`` with ``kw``
-    the call's keywords (segment ids sharded) and ``local`` this rank's q, k, v, do."""
+    the call's keywords (segment ids sharded; ``context``: the case's communicator, layout and
+    backend) and ``local`` this rank's q, k, v, do."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = make_inputs(case)
     lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size, seg_q)
-    window = None if case.get("window") is None else tuple(case["window"])
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
-              softmax_scale=case.get("scale"), backend=BACKEND, **position_kw(lay_q, lay_kv, rank))
+    window = window_of(case)
+    kw = dict(causal=case.get("causal", False), window=window, softmax_scale=case.get("scale"),
+              context=ringmpi.RingContext(comm=comm, layout=case["layout"], backend=BACKEND),
+              **position_kw(lay_q, lay_kv, rank))
     if seg_q is not None:
-        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
+        kw.update(segment_ids=(lay_q.shard(seg_q, rank), lay_kv.shard(seg_kv, rank)))
     local = dict(q=lay_q.shard(q, rank), k=lay_kv.shard(k, rank), v=lay_kv.shard(v, rank),
                  do=lay_q.shard(do, rank))
     return (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local
@@ -160,18 +176,19 @@ def run_case(comm, case):
     (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = shard_case(comm, case)
     to_backend, to_host = converters(case.get("bits", False))
     if case.get("bits"):  # bfloat16 passed as uint16 bit patterns, declared with dtype=
-        kw["dtype"] = "bfloat16"
+        kw["context"] = kw["context"].replace(dtype="bfloat16")
     args = [to_backend(local[n]) for n in ("q", "k", "v")]
     fwd_stats, bwd_stats = [], []
-    o, lse = ringmpi.ring_attention(*args, stats=fwd_stats, **kw)
+    o, lse, _ = ringmpi.ring_attention(*args, **with_context(kw, stats=fwd_stats))
     results = {"o": to_host(o), "lse": to_host(lse)}
     repeat = case.get("repeat", 1)
     for _ in range(repeat - 1):
-        o2, lse2 = ringmpi.ring_attention(*args, **kw)
+        o2, lse2, _ = ringmpi.ring_attention(*args, **kw)
         if not (np.array_equal(to_host(o2), results["o"]) and np.array_equal(to_host(lse2), results["lse"])):
             results["not_bitwise"] = True
     if case.get("backward"):
-        dq, dk, dv = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, stats=bwd_stats, **kw)
+        dq, dk, dv, _ = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, (o, lse),
+                                                        **with_context(kw, stats=bwd_stats))
         results.update(dq=to_host(dq), dk=to_host(dk), dv=to_host(dv))
         returned = (o, dq, dk, dv)
     else:
@@ -179,7 +196,7 @@ def run_case(comm, case):
     if case.get("bits") and any(str(x.dtype) != "uint16" for x in returned):
         results["not_bits"] = [str(x.dtype) for x in returned]
         for _ in range(repeat - 1):
-            again = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, o, lse, **kw)
+            again = ringmpi.ring_attention_backward(to_backend(local["do"]), *args, (o, lse), **kw)
             if not all(np.array_equal(to_host(a), results[n]) for a, n in zip(again, ("dq", "dk", "dv"))):
                 results["not_bitwise"] = True
     # what travelled: K/V in the input dtype (P-1 hops each), dK/dV in the compute dtype (P hops)
@@ -263,7 +280,8 @@ def fd_case(comm, case):
     case = dict(case, dtype="float64")
     q, k, v, do, _, _ = make_inputs(case)
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), backend=BACKEND)
+    kw = dict(causal=case.get("causal", False),
+              context=ringmpi.RingContext(comm=comm, layout=case["layout"], backend=BACKEND))
     worst = ring_fd_worst(comm, lay_q, lay_kv, q, k, v, do, kw, converters(), np.random.default_rng(123),
                           probes=4, eps=1e-6)
     return worst < 1e-6, f"finite-difference worst relative error {worst:.3g}"
@@ -291,15 +309,15 @@ def bf16_errors_case(comm, case):
     }
     problems = []
     for what, (args, extra, want) in attempts.items():
-        problem = agreed_error(comm, lambda: ringmpi.ring_attention(
-            *args, comm=comm, layout=case["layout"], backend=BACKEND, **extra), want)
+        problem = agreed_error(comm, lambda: ringmpi.ring_attention(*args, context=ringmpi.RingContext(
+            comm=comm, layout=case["layout"], backend=BACKEND, **extra)), want)
         if problem:
             problems.append(f"{what}: {problem}")
     return not problems, "; ".join(problems) or f"{len(attempts)} errors raised alike on {size} ranks"
 
 
 def positions_errors_case(comm, case):
-    """Bad positions_q/positions_kv: one ConfigError, the same on every rank, before any compute."""
+    """Bad positions: one ConfigError, the same on every rank, before any compute."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, _, _ = make_inputs(case)
     lay = Layout(case["layout"], q.shape[1], size)
@@ -320,12 +338,13 @@ def positions_errors_case(comm, case):
         attempts["held twice, one missing"] = (swapped, "are not a permutation of 0 .. ")
         attempts["given on one rank only"] = (mine if rank == 0 else None, "on every rank or on none")
     problems = []
+    ctx = ringmpi.RingContext(comm=comm, backend=BACKEND)
     for what, (pos, want) in attempts.items():
         lse0 = np.zeros((q.shape[0], q.shape[2], len(mine)), np.float32)
         for call, fn in (("forward", lambda: ringmpi.ring_attention(
-                *args, comm=comm, backend=BACKEND, causal=True, positions_q=pos)),
+                *args, causal=True, positions=pos, context=ctx)),
                 ("backward", lambda: ringmpi.ring_attention_backward(
-                    args[0], *args, args[0], lse0, comm=comm, backend=BACKEND, causal=True, positions_q=pos))):
+                    args[0], *args, (args[0], lse0), causal=True, positions=pos, context=ctx))):
             problem = agreed_error(comm, fn, want)
             if problem:
                 problems.append(f"{what} ({call}): {problem}")

@@ -52,14 +52,14 @@ def run_case(comm, case):
     if case.get("segments"):
         seg = np.broadcast_to(np.arange(n) * case["segments"] // n, (b, n)).astype(np.int64).copy()
     lay = Layout(case["layout"], q_all.shape[1], size)
-    kw = dict(comm=comm, layout=case["layout"], causal=case["causal"], backend="numpy")
+    kw = dict(causal=case["causal"], context=ringmpi.RingContext(comm=comm, layout=case["layout"], backend="numpy"))
     if seg is not None:
-        kw.update(segment_ids_q=lay.shard(seg, rank), segment_ids_kv=lay.shard(seg, rank))
+        kw.update(segment_ids=lay.shard(seg, rank))
     q, k, v, do = (lay.shard(x, rank) for x in (q_all, k_all, v_all, do_all))
-    o, lse = ringmpi.ring_attention(q, k, v, **kw)
+    out = ringmpi.ring_attention(q, k, v, **kw)
 
     def backward():
-        return ringmpi.ring_attention_backward(do, q, k, v, o, lse, **kw)
+        return ringmpi.ring_attention_backward(do, q, k, v, out, **kw)
 
     calls = {"kv_need": 0, "kv_done": 0}
     originals = {name: getattr(channels.HostGradChannel, name) for name in calls}

@@ -16,7 +16,7 @@ import pytest
 from cli_util import RINGMPI, leftovers, ringmpi, write_input
 from mpi_util import DRIVERS, ROOT, case_records, mpirun, mpirun_env
 
-JOB_SCRIPTS = sorted(p for p in (ROOT / "jobs").glob("*") if p.suffix != ".py") + [ROOT / "scripts" / "main.sh", ROOT / "data" / "make_sample.sh"]
+JOB_SCRIPTS = sorted(p for p in (ROOT / "jobs").glob("*") if p.is_file() and p.suffix not in (".py", ".pyc")) + [ROOT / "scripts" / "main.sh", ROOT / "data" / "make_sample.sh"]
 
 
 def digest(path):

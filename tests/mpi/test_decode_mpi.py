@@ -49,8 +49,8 @@ def cases_for(p):
             lengths=[61, 30, 5], positions=True)
     add("cache-contiguous-owner", "cache", layout="contiguous", prefill=10, steps=[2, 3],
         expect_rows=[10 // p + (r < 10 % p) + 5 * (r == p - 1) for r in range(p)])  # appends: last rank
-    for what, expect in (("softcap", "softcap must be finite and > 0"), ("softcap_one_rank", "ranks disagree"),
-                         ("dtype_one_rank", "k_cache dtype"),
+    for what, expect in (("softcap", "softcap must be finite and >= 0 (0.0: off)"),
+                         ("softcap_one_rank", "ranks disagree"), ("dtype_one_rank", "k_cache dtype"),
                          ("q_differs", "ranks disagree"), ("lengths", "cache_lengths"),
                          ("positions_repeated", "positions_kv"), ("positions_range", "positions_kv must lie in")):
         if p > 1 or what not in ("q_differs", "softcap_one_rank"):

@@ -83,8 +83,9 @@ def test_nan_in_v_reaches_only_its_column_and_the_queries_that_see_it():
     j, col = 17, 33
     bad = v.copy()
     bad[0, j, 1, col] = np.nan
-    clean_o, clean_lse = ringmpi.ring_attention(q, k, v, causal=True, backend="numpy")
-    o, lse = ringmpi.ring_attention(q, k, bad, causal=True, backend="numpy")
+    context = ringmpi.RingContext(backend="numpy")
+    clean_o, clean_lse, _ = ringmpi.ring_attention(q, k, v, causal=True, context=context)
+    o, lse, _ = ringmpi.ring_attention(q, k, bad, causal=True, context=context)
     ref_o, _ = reference.dense_forward(q, k, bad, reference.visible(40, 40, True), 1 / np.sqrt(24), np.float64)
     heads = [2, 3]  # the query heads of kv head 1
     assert np.array_equal(o[:, :j], clean_o[:, :j]) and np.array_equal(lse, clean_lse)
@@ -100,10 +101,12 @@ def test_default_path_unchanged_by_the_value_dim_plumbing():
     import ringmpi
 
     q, k, v, do = attention_inputs(3, 1, 40, 4, 2, 32, dv=32)
-    o, lse = ringmpi.ring_attention(q, k, v, causal=True, backend="numpy")
-    grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, causal=True, backend="numpy")
+    context = ringmpi.RingContext(backend="numpy")
+    o, lse, _ = ringmpi.ring_attention(q, k, v, causal=True, context=context)
+    grads = ringmpi.ring_attention_backward(do, q, k, v, (o, lse), causal=True, context=context)
     ref_o, ref_lse = reference.dense_forward(q, k, v, reference.visible(40, 40, True), 1 / np.sqrt(32), np.float64)
-    assert o.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert o.shape == q.shape and [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    assert grads.dsinks is None
     assert np.abs(o - ref_o).max() < 1e-12 and np.abs(lse - ref_lse).max() < 1e-12
 
 

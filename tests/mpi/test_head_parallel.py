@@ -13,6 +13,7 @@ import pytest
 
 import packed_cases
 from mpi_util import CaseLaunches
+from ringmpi import RingContext
 from ringmpi.parallel.head_parallel import kv_heads_of, replicated
 from ringmpi.parallel.topology import (auto_head_parallel, group_members, head_parallel_problem,
                               head_parallel_setting, spans_nodes)
@@ -135,10 +136,14 @@ def test_problems_and_settings(monkeypatch):
     assert head_parallel_problem(2, 4, 6) is None
     monkeypatch.delenv("RINGMPI_HEAD_PARALLEL", raising=False)
     assert head_parallel_setting(None) == 1
+    assert head_parallel_setting(RingContext().head_parallel) == 1
     assert head_parallel_setting("AUTO") == "auto"
     assert head_parallel_setting("3") == 3
+    # the environment is read when a context is built (its default), not by the setting itself
     monkeypatch.setenv("RINGMPI_HEAD_PARALLEL", "auto")
-    assert head_parallel_setting(None) == "auto"
+    assert head_parallel_setting(None) == 1
+    assert head_parallel_setting(RingContext().head_parallel) == "auto"
+    assert RingContext(head_parallel=2).head_parallel == 2
     assert head_parallel_setting(2) == 2
     for bad in (0, -1, 1.5, "x", True):
         with pytest.raises(ValueError):

@@ -247,6 +247,7 @@ def test_invariant_backends():
     from ringmpi.backends.cupy_backend import CupyBackend
 
     q = np.zeros((1, 64, 2, 8), np.float32)
-    o, lse = ringmpi.ring_attention(q, q, q, comm=MPI.COMM_SELF, invariant=True, backend="numpy")
+    o, lse, _ = ringmpi.ring_attention(q, q, q, context=ringmpi.RingContext(MPI.COMM_SELF, invariant=True,
+                                                                            backend="numpy"))
     assert o.shape == q.shape and np.isfinite(lse).all()
     assert CupyBackend.INVARIANT

@@ -43,7 +43,7 @@ def cases_for(p, small_tiles=False):
     for layout in LAYOUTS:
         add(f"window-causal-{layout}", n_q=257, layout=layout, causal=True, window=[16, 0])
         add(f"window-both-{layout}", n_q=200, layout=layout, window=[8, 8])
-        add(f"window-right-{layout}", n_q=97, layout=layout, window=[None, 5])
+        add(f"window-right-{layout}", n_q=97, layout=layout, window=[-1, 5])
         add(f"segments-{layout}", n_q=256, layout=layout, segments=5, B=2)
         add(f"segments-causal-{layout}", n_q=257, layout=layout, causal=True, segments=3)
         add(f"qlong-causal-{layout}", n_q=256, n_kv=97, layout=layout, causal=True)  # rows see nothing

@@ -9,7 +9,7 @@ Qwen3-Next (Gated DeltaNet layers on ringmpi's scan, attention on the ring;
 contiguous and zigzag), a packed row of three documents, two rows of different packs on the balanced
 layout (flattened into one row) and a left-padded batch, in float64, float32
 and (Llama, gpt-oss) bfloat16; attention dropout equal across P;
-``shard_batch(..., invariant=True)``'s attention calls bitwise one rank's (Llama,
+``shard_batch`` with ``RingContext(invariant=True)``'s attention calls bitwise one rank's (Llama,
 Gemma 2, packed); the errors.
 """
 

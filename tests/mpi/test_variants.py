@@ -173,8 +173,8 @@ def test_bench_takes_softcap_and_sinks():
     rc, out, err, _ = mpirun(2, base + ["--softcap", "30", "--sinks", "--backward"], 120, cwd=ROOT)
     assert rc == 0, err[-2000:]
     assert "softcap 30.0, sinks" in out and "backward" in out
-    rc, out, err, _ = mpirun(2, base + ["--softcap", "0"], 120, cwd=ROOT)
-    assert rc == 2 and "--softcap: softcap must be finite and > 0" in err
+    rc, out, err, _ = mpirun(2, base + ["--softcap", "-1"], 120, cwd=ROOT)
+    assert rc == 2 and "--softcap: softcap must be finite and >= 0 (0.0: off)" in err
 
 
 @pytest.mark.mpi
@@ -257,8 +257,8 @@ def nonfinite_max_logit_problems(backend, dtype, to_device=lambda x: x, to_host=
     import ringmpi
 
     q, k, v = nonfinite_max_logit_inputs(dtype)
-    o, lse, ml = ringmpi.ring_attention(*(to_device(x) for x in (q, k, v)), comm=MPI.COMM_SELF, causal=True,
-                                        backend=backend, return_max_logit=True)
+    o, lse, ml = ringmpi.ring_attention(*(to_device(x) for x in (q, k, v)), causal=True, return_max_logit=True,
+                                        context=ringmpi.RingContext(MPI.COMM_SELF, backend=backend))
     o, lse = to_host(o).astype(np.float64), to_host(lse)
     vis = reference.visible(NF_N, NF_N, True, None, None, None)
     scale = 1 / np.sqrt(NF_D)

@@ -37,10 +37,9 @@ from mpi4py import MPI
 
 from case_driver import run_all
 import reference
-from ring_cases import make_inputs, placements, position_kw
-import ringmpi
+from ring_cases import make_inputs, placements
 import ringmpi.torch as rt
-from ringmpi import ConfigError, Layout
+from ringmpi import ConfigError, Layout, RingContext
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32, "float64": torch.float64}
@@ -96,8 +95,15 @@ def global_inputs(case):
     return tuple(torch.from_numpy(x) for x in (q, k, v, do)) + (seg_q, seg_kv)
 
 
+def positions_of(lay_q, lay_kv, rank, device):
+    """The call's ``positions`` (a tuple for q and kv) for explicit placements, else nothing."""
+    if isinstance(lay_q, Layout):
+        return {}
+    return dict(positions=tuple(torch.from_numpy(lay.indices(rank)).to(device) for lay in (lay_q, lay_kv)))
+
+
 def local(comm, case, dtype, device, requires_grad=True):
-    """This rank's shards: (q, k, v, do) tensors and the ring keywords."""
+    """This rank's shards: (q, k, v, do) tensors and the ring keywords (``context`` among them)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, do, seg_q, seg_kv = global_inputs(case)
     lay_q, lay_kv = placements(case, q.shape[1], k.shape[1], size, seg_q)
@@ -107,16 +113,17 @@ def local(comm, case, dtype, device, requires_grad=True):
         shards[:3] = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in shards[:3]]
     for x in shards[:3]:
         x.requires_grad_(requires_grad)
-    window = None if case.get("window") is None else tuple(case["window"])
     balanced = getattr(lay_q, "kind", None) == "balanced"  # passed as the Layout object itself
-    kw = dict(comm=comm, layout=lay_q if balanced else case["layout"], causal=case.get("causal", False),
-              window=window, softmax_scale=case.get("scale"))
-    kw.update({n: torch.from_numpy(x).to(device) for n, x in position_kw(lay_q, lay_kv, rank).items()})
+    ring = RingContext(comm, layout=lay_q if balanced else case["layout"])
     if case.get("head_parallel") is not None:
-        kw["head_parallel"] = case["head_parallel"]
+        ring = ring.replace(head_parallel=case["head_parallel"])
+    kw = dict(causal=case.get("causal", False), softmax_scale=case.get("scale"), context=ring)
+    if case.get("window") is not None:
+        kw["window"] = tuple(case["window"])
+    kw.update(positions_of(lay_q, lay_kv, rank, device))
     if seg_q is not None:  # as tensors on the device: the wrapper takes them anywhere
-        kw.update(segment_ids_q=torch.from_numpy(lay_q.shard(seg_q, rank)).to(device),
-                  segment_ids_kv=torch.from_numpy(lay_kv.shard(seg_kv, rank)).to(device))
+        kw["segment_ids"] = (torch.from_numpy(lay_q.shard(seg_q, rank)).to(device),
+                             torch.from_numpy(lay_kv.shard(seg_kv, rank)).to(device))
     return shards, kw, (lay_q, lay_kv)
 
 
@@ -138,7 +145,8 @@ def attn_case(comm, case, device):
             big = torch.randn(4096, 4096, device=device)
             q = (q + 0 * (big @ big).sum()).detach().requires_grad_(True)
         stats = [] if case.get("expect_schedule") else None
-        o, lse = rt.ring_attention(q, k, v, return_lse=True, stats=stats, **kw)
+        kw["context"] = kw["context"].replace(stats=stats)
+        o, lse, _ = rt.ring_attention(q, k, v, **kw)
         (o * do).sum().backward()
         mine = [host64(x) for x in (o, lse, q.grad, k.grad, v.grad)]
     ran = None if stats is None else {r.schedule for r in stats}
@@ -233,14 +241,14 @@ def gradcheck_case(comm, case, device):
     q, k, v, _, seg_q, seg_kv = global_inputs(case)
     lay_q, lay_kv = Layout(case["layout"], q.shape[1], size), Layout(case["layout"], k.shape[1], size)
     iq, ikv = (torch.from_numpy(lay.indices(rank)).to(device) for lay in (lay_q, lay_kv))
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False))
+    kw = dict(causal=case.get("causal", False), context=RingContext(comm, layout=case["layout"]))
     if seg_q is not None:
-        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
+        kw["segment_ids"] = (lay_q.shard(seg_q, rank), lay_kv.shard(seg_kv, rank))
 
     def global_attention(qg, kg, vg):
         ql, kl, vl = (_Replicated.apply(x, comm).index_select(1, idx)
                       for x, idx in ((qg, iq), (kg, ikv), (vg, ikv)))
-        ol = rt.ring_attention(ql, kl, vl, **kw)
+        ol = rt.ring_attention(ql, kl, vl, **kw).o
         scattered = torch.zeros(ol.shape[0], qg.shape[1], *ol.shape[2:], dtype=ol.dtype, device=device)
         return _SumOverRanks.apply(scattered.index_copy(1, iq, ol), comm)
 
@@ -259,18 +267,18 @@ def autograd_case(comm, case, device):
             failures.append(what)
 
     with torch.no_grad():
-        o = rt.ring_attention(q, k, v, **kw)
+        o, _, _ = rt.ring_attention(q, k, v, **kw)
     expect(o.grad_fn is None and not o.requires_grad, "no_grad forward built a graph")
-    o = rt.ring_attention(q.detach(), k.detach(), v.detach(), **kw)
+    o, _, _ = rt.ring_attention(q.detach(), k.detach(), v.detach(), **kw)
     expect(o.grad_fn is None, "a forward without inputs requiring grad built a graph")
-    o, lse = rt.ring_attention(q, k, v, return_lse=True, **kw)
+    o, lse, _ = rt.ring_attention(q, k, v, **kw)
     expect(o.grad_fn is not None and not lse.requires_grad, "o not differentiable or lse differentiable")
     full = torch.autograd.grad((o * do).sum(), (q, k, v))
     k_only = k.detach().requires_grad_(True)
-    o = rt.ring_attention(q.detach(), k_only, v.detach(), **kw)
+    o, _, _ = rt.ring_attention(q.detach(), k_only, v.detach(), **kw)
     (o * do).sum().backward()
     expect(k_only.grad is not None and torch.equal(k_only.grad, full[1]), "k-only gradient differs")
-    o = rt.ring_attention(q, k, v, **kw)
+    o, _, _ = rt.ring_attention(q, k, v, **kw)
     (dq,) = torch.autograd.grad((o * do).sum(), (q,), create_graph=True)
     try:
         dq.sum().backward()
@@ -289,11 +297,12 @@ def _pointer(a):
 
 
 def shares_case(comm, case, device):
-    """The arrays the backend reads and writes are the caller's tensors' memory."""
+    """The arrays the backend reads and writes are the caller's tensors' memory (the op's calls of
+    :func:`ringmpi.attention.forward` and :func:`ringmpi.attention.backward`, spied on)."""
     dtype = DTYPES[case.get("dtype", "float32")]
     (q, k, v, do), kw, _ = local(comm, case, dtype, device)
     seen = {}
-    real_fwd, real_bwd = ringmpi.ring_attention, ringmpi.ring_attention_backward
+    real_fwd, real_bwd = rt.ring_forward, rt.ring_backward  # the library calls the op makes
 
     def spy(name, real):
         def call(*args, **kwargs):
@@ -302,14 +311,14 @@ def shares_case(comm, case, device):
             return out
         return call
 
-    ringmpi.ring_attention = spy("fwd", real_fwd)
-    ringmpi.ring_attention_backward = spy("bwd", real_bwd)
+    rt.ring_forward = spy("fwd", real_fwd)
+    rt.ring_backward = spy("bwd", real_bwd)
     try:
-        o, lse = rt.ring_attention(q, k, v, return_lse=True, **kw)
+        o, lse, _ = rt.ring_attention(q, k, v, **kw)
         grads = torch.autograd.grad(o, (q, k, v), do)
     finally:
-        ringmpi.ring_attention, ringmpi.ring_attention_backward = real_fwd, real_bwd
-    (fq, fk, fv), (fo, flse) = seen["fwd"]
+        rt.ring_forward, rt.ring_backward = real_fwd, real_bwd
+    (fq, fk, fv), (fo, flse, _) = seen["fwd"]
     (bdo, bq, bk, bv, bo, blse), bgrads = seen["bwd"]
     pairs = [("q in", q, fq), ("k in", k, fk), ("v in", v, fv), ("o out", o, fo), ("lse out", lse, flse),
              ("do in", do, bdo), ("o saved", o, bo), ("lse saved", lse, blse)]
@@ -327,13 +336,13 @@ def shares_case(comm, case, device):
 
 def errors_case(comm, case, device):
     (q, k, v, _), kw, _ = local(comm, case, torch.float32, device)
-    results = []
+    results, ring = [], kw["context"]
     attempts = [("a NumPy q on rank 1", dict(q=q.detach().cpu().numpy() if comm.Get_rank() == 1 else q)),
                 ("a backend that does not fit the device",
-                 dict(backend="numpy" if device.type == "cuda" else "cupy")),
+                 dict(context=ring.replace(backend="numpy" if device.type == "cuda" else "cupy"))),
                 ("a window the op's int arguments cannot hold, on rank 1",  # AttentionOptions names it
-                 dict(window=(1.5, 0) if comm.Get_rank() == 1 else None)),
-                ("head_parallel=2.5 on every rank", dict(head_parallel=2.5))]
+                 dict(window=(1.5, 0) if comm.Get_rank() == 1 else (-1, -1))),
+                ("head_parallel=2.5 on every rank", dict(context=ring.replace(head_parallel=2.5)))]
     for what, change in attempts:
         args = dict(q=q, k=k, v=v, **kw)
         args.update(change)
@@ -358,15 +367,33 @@ def compile_case(comm, case, device):
     rank, size = comm.Get_rank(), comm.Get_size()
     n, dim = case["n_q"], 16
     lay, _ = placements(case, n, n, size)
-    positions = {name: torch.from_numpy(x) for name, x in position_kw(lay, lay, rank).items()}
+    positions = None if isinstance(lay, Layout) else torch.from_numpy(lay.indices(rank))
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float32)
+    ring = RingContext(comm, layout=case["layout"])
+
+    class PlacedSelfAttention(rt.RingSelfAttention):
+        """RingSelfAttention whose ring call also takes ALiBi slopes and explicit positions
+        (ring_attention's keywords that the module does not take)."""
+
+        def __init__(self, *args, alibi_slopes=None, **kw):
+            super().__init__(*args, **kw)
+            self.alibi_slopes = alibi_slopes
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+            k, v = self.kv_proj(x).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
+            o, _, _ = rt.ring_attention(q, k, v, causal=self.causal, window=self.window, softcap=self.softcap,
+                                        sinks=self.sinks, alibi_slopes=self.alibi_slopes, positions=positions,
+                                        context=self.context)
+            return self.out_proj(o.reshape(b, s, self.heads * self.head_dim))
 
     class TwoLayers(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = torch.nn.ModuleList(
-                rt.RingSelfAttention(dim, 4, 2, sinks=i == 1, comm=comm, layout=case["layout"], causal=True,
-                                     alibi_slopes=slopes if i == 0 else None, **positions)
+                PlacedSelfAttention(dim, 4, 2, sinks=i == 1, causal=True, context=ring,
+                                    alibi_slopes=slopes if i == 0 else None)
                 for i in range(2))
 
         def forward(self, x):

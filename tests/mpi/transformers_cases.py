@@ -24,9 +24,9 @@ Case kinds:
 ``errors``   one ConfigError on every rank: position_ids that do not match the
              layout, no shard context, a shard given to HF's own attention, dropout
              without a seed, packed documents through Qwen3-Next's Gated DeltaNet.
-``invariant`` ``shard_batch(..., invariant=True)``: every attention call's ``o`` and the
-             gradients of its ``q, k, v`` (gathered over the ranks) are bitwise what
-             ``ringmpi.torch.ring_attention(invariant=True)`` gives on one rank for the same
+``invariant`` ``shard_batch(..., context=RingContext(..., invariant=True))``: every attention call's
+             ``o`` and the gradients of its ``q, k, v`` (gathered over the ranks) are bitwise what
+             ``ringmpi.torch.ring_attention`` with ``invariant=True`` gives on one rank for the same
              ``q, k, v`` and upstream gradient.  The rest of the model is torch's, whose bits
              may move with P, so each layer is checked on the inputs it got.
 """
@@ -43,6 +43,7 @@ import reference
 import ringmpi
 import ringmpi.transformers as rmt
 import transformers
+from ringmpi import RingContext
 
 # Qwen3-Next's Gated DeltaNet computes its decay from ``A_log.float()`` in any dtype, so A_log's gradient
 # is float32 arithmetic (each rank's share rounded to float32, then summed): float32's rounding, ~6e-8
@@ -127,7 +128,7 @@ def make_batch(case):
 
 def shifted(batch):
     """What shard_batch predicts: the globally shifted labels (padding predicts nothing)."""
-    full = rmt.shard_batch(batch, comm=MPI.COMM_SELF, layout="contiguous", step=0)
+    full = rmt.shard_batch(batch, context=RingContext(MPI.COMM_SELF, layout="contiguous"), step=0)
     return full["shift_labels"], full["num_items_in_batch"]
 
 
@@ -202,7 +203,7 @@ def run_ringmpi(comm, case, dtype, layout="zigzag", dropout=0.0, seed=None, step
     model = build(case, "ringmpi", dtype, dropout)
     model.train(train)
     layout = case.get("layout", layout)
-    shard = rmt.shard_batch(batch, comm=comm, layout=layout, dropout_seed=seed, step=step)
+    shard = rmt.shard_batch(batch, context=RingContext(comm, layout=layout), dropout_seed=seed, step=step)
     with float64_softmax():  # as the reference's: Qwen3-Next's router takes its softmax in float32 too
         out = model(**shard)
     mean_loss(out.logits, shard["shift_labels"], shard["num_items_in_batch"]).backward()
@@ -212,10 +213,10 @@ def run_ringmpi(comm, case, dtype, layout="zigzag", dropout=0.0, seed=None, step
         comm.Allreduce(MPI.IN_PLACE, g)
         grads[name] = g
     if layout == "balanced":  # one flattened row (1, B * N) placed by the balanced Layout
-        logits = rmt.gather(out.logits, comm=comm, layout=shard[rmt.CONTEXT_KEY].layout)
+        logits = rmt.gather(out.logits, context=shard[rmt.CONTEXT_KEY].ring)
         logits = logits.reshape(*batch["input_ids"].shape, -1).double().numpy()
     else:
-        logits = rmt.gather(out.logits, comm=comm, layout=layout).double().numpy()
+        logits = rmt.gather(out.logits, context=RingContext(comm, layout=layout)).double().numpy()
     return logits, comm.allreduce(out.loss.item()), grads
 
 
@@ -298,15 +299,17 @@ def invariant_case(comm, case):
     transformers.AttentionInterface.register("ringmpi-capture", capture)
     batch = make_batch(case)
     model = build(case, "ringmpi-capture", case["dtype"])
-    shard = rmt.shard_batch(batch, comm=comm, layout=case["layout"], step=0, invariant=True)
+    ring = RingContext(comm, layout=case["layout"], invariant=True)
+    shard = rmt.shard_batch(batch, context=ring, step=0)
     out = model(**shard)
     mean_loss(out.logits, shard["shift_labels"], shard["num_items_in_batch"]).backward()
 
     def gathered(x, axis):
         """``x`` of this rank's tokens (sequence along ``axis``) as the whole sequence."""
-        return rmt.gather(x, comm=comm, layout=case["layout"], axis=axis).numpy()
+        return rmt.gather(x, context=ring, axis=axis).numpy()
 
-    one = rmt.shard_batch(batch, comm=MPI.COMM_SELF, layout="contiguous", step=0, invariant=True)[rmt.CONTEXT_KEY]
+    one = rmt.shard_batch(batch, context=RingContext(MPI.COMM_SELF, layout="contiguous", invariant=True),
+                          step=0)[rmt.CONTEXT_KEY]
     problems = []
     for i, seen in enumerate(calls):
         got = dict(o=gathered(seen["o"], 1), do=gathered(seen["do"], 1))
@@ -343,27 +346,29 @@ def errors_case(comm, case):
             problems.append(f"{what}: {problem}")
 
     if size > 1:  # RoPE positions that are not the layout's (what HF makes without shard_batch's)
-        shard = rmt.shard_batch(batch, comm=comm, layout="zigzag", step=0)
+        shard = rmt.shard_batch(batch, context=RingContext(comm, layout="zigzag"), step=0)
         shard["position_ids"] = torch.arange(shard["input_ids"].shape[1])[None]
         attempt("local position_ids", lambda: model(**shard), "position_ids do not match the zigzag layout")
-        shard = rmt.shard_batch(batch, comm=comm, layout="zigzag", step=0)
+        shard = rmt.shard_batch(batch, context=RingContext(comm, layout="zigzag"), step=0)
         shard[rmt.CONTEXT_KEY].layout = ringmpi.Layout("contiguous", case["n"], size)
         shard[rmt.CONTEXT_KEY].positions = shard[rmt.CONTEXT_KEY].layout.indices(comm.Get_rank())
+        shard[rmt.CONTEXT_KEY].ring = shard[rmt.CONTEXT_KEY].ring.replace(layout=shard[rmt.CONTEXT_KEY].layout)
         attempt("zigzag shards, contiguous attention", lambda: model(**shard), "do not match the contiguous")
     attempt("no shard context", lambda: model(input_ids=batch["input_ids"]), "needs the sharded batch")
+    zigzag = RingContext(comm, layout="zigzag")  # shard_batch's default layout
     sdpa = build(dict(case, model="llama"), "sdpa", "float64")
-    attempt("a shard for HF's own attention", lambda: sdpa(**rmt.shard_batch(batch, comm=comm, step=0)),
+    attempt("a shard for HF's own attention", lambda: sdpa(**rmt.shard_batch(batch, context=zigzag, step=0)),
             "but its attention is 'sdpa'")
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
     model.train()
-    attempt("dropout without a seed", lambda: model(**rmt.shard_batch(batch, comm=comm, step=0)),
+    attempt("dropout without a seed", lambda: model(**rmt.shard_batch(batch, context=zigzag, step=0)),
             "needs shard_batch(..., dropout_seed=SEED)")
     hybrid = build(dict(case, model="qwen3-next"), "ringmpi", "float64")
     packed = make_batch(dict(case, model="packed"))  # the Gated DeltaNet's state would cross documents
-    attempt("packed documents through Gated DeltaNet", lambda: hybrid(**rmt.shard_batch(packed, comm=comm, step=0)),
-            "Qwen3NextGatedDeltaNet")
+    attempt("packed documents through Gated DeltaNet",
+            lambda: hybrid(**rmt.shard_batch(packed, context=zigzag, step=0)), "Qwen3NextGatedDeltaNet")
     return not problems, "; ".join(problems) or "errors raised alike on every rank"
 
 

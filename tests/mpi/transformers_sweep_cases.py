@@ -7,7 +7,7 @@ with length-dependent rotary embeddings) as a tiny float64 config with random
 weights, router losses on where the config has them.  One rank (they take turns) runs it on
 the whole sequence with the architecture's eager attention (the reference: logits, ``out.loss``
 with labels, every parameter's gradient of that loss); then every rank runs
-``model(**shard_batch(batch, layout=...))`` with ``attn_implementation="ringmpi"``
+``model(**shard_batch(batch, context=RingContext(comm, layout=...)))`` with ``attn_implementation="ringmpi"``
 for the contiguous, zigzag and balanced layouts: logits gathered, ``out.loss`` and
 every gradient summed over the ranks.  Each layout must be **exact** (DESIGN.md's
 rule in float64: max error <= 1e-6 for logits and loss, <= 1e-5 for gradients) or
@@ -34,6 +34,7 @@ import hf_architectures as archs
 from linear_reference import float64_delta_rule
 from transformers_cases import float64_softmax
 import ringmpi.transformers as rmt
+from ringmpi import RingContext
 from ringmpi.runtime.errors import ConfigError
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
@@ -91,7 +92,7 @@ def reference(model, batch):
 def sharded(comm, model, batch, layout):
     """ringmpi on comm: gathered logits, out.loss and gradients summed over the ranks."""
     model.zero_grad(set_to_none=True)
-    shard = rmt.shard_batch(batch, comm=comm, layout=layout, step=0)
+    shard = rmt.shard_batch(batch, context=RingContext(comm, layout=layout), step=0)
     out = model(**shard)
     out.loss.backward()
     params = list(model.named_parameters())
@@ -102,8 +103,8 @@ def sharded(comm, model, batch, layout):
     for name, p in params:
         grads[name] = flat[at:at + p.numel()].reshape(p.shape)
         at += p.numel()
-    lay = shard[rmt.CONTEXT_KEY].layout
-    logits = rmt.gather(out.logits, comm=comm, layout=lay).double().numpy().reshape(1, N, -1)
+    ring = shard[rmt.CONTEXT_KEY].ring  # its layout: the Layout object (the balanced one's documents)
+    logits = rmt.gather(out.logits, context=ring).double().numpy().reshape(1, N, -1)
     return logits, float(flat[-1]), grads
 
 

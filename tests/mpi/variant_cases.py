@@ -21,9 +21,9 @@ from mpi4py import MPI
 from case_driver import agreed_error, run_file
 import reference
 from finite_differences import ring_fd_worst
-from ring_cases import BACKEND, converters, make_inputs, placements, position_kw
+from ring_cases import BACKEND, converters, make_inputs, placements, position_kw, window_of
 import ringmpi
-from ringmpi import Layout
+from ringmpi import Layout, RingContext
 
 
 def make_sinks(case, heads):
@@ -48,14 +48,14 @@ def inputs(case):
 
 
 def options(case, comm, rank, lay_q, lay_kv, seg_q, seg_kv, sinks):
-    window = None if case.get("window") is None else tuple(case["window"])
-    kw = dict(comm=comm, layout=case["layout"], causal=case.get("causal", False), window=window,
-              softmax_scale=case.get("scale"), backend=BACKEND, softcap=case.get("softcap"),
-              head_parallel=case.get("head_parallel", 1), **position_kw(lay_q, lay_kv, rank))
+    window = window_of(case)
+    context = RingContext(comm, layout=case["layout"], backend=BACKEND, head_parallel=case.get("head_parallel", 1))
+    kw = dict(causal=case.get("causal", False), window=window, softmax_scale=case.get("scale"),
+              softcap=case.get("softcap") or 0.0, context=context, **position_kw(lay_q, lay_kv, rank))
     if case.get("dropout"):
         kw.update(dropout_p=case["dropout"], dropout_seed=case["dropout_seed"])
     if seg_q is not None:
-        kw.update(segment_ids_q=lay_q.shard(seg_q, rank), segment_ids_kv=lay_kv.shard(seg_kv, rank))
+        kw["segment_ids"] = (lay_q.shard(seg_q, rank), lay_kv.shard(seg_kv, rank))
     if sinks is not None:
         kw["sinks"] = converters()[0](sinks)
     if case.get("alibi"):
@@ -71,21 +71,22 @@ def run_case(comm, case):
     to_backend, to_host = converters()
     args = [to_backend(lay.shard(x, rank)) for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     o, lse, max_logit = ringmpi.ring_attention(*args, return_max_logit=True, **kw)
-    o2, lse2 = ringmpi.ring_attention(*args, **kw)  # without the max logit: the same o, lse
+    o2, lse2, no_max = ringmpi.ring_attention(*args, **kw)  # without the max logit: the same o, lse
     results = dict(o=to_host(o), lse=to_host(lse), max_logit=np.asarray(max_logit))
-    results["same_without_max"] = bool(np.allclose(to_host(o2), results["o"], rtol=1e-5, atol=1e-6, equal_nan=True))
-    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, **kw)
-    want_len = 4 if sinks is not None else 3
-    if len(grads) != want_len:
-        results["grads_len"] = len(grads)
-    results.update(dq=to_host(grads[0]), dk=to_host(grads[1]), dv=to_host(grads[2]))
-    if sinks is not None and len(grads) == 4:
-        results["dsinks"] = np.asarray(grads[3])
+    results["same_without_max"] = bool(np.allclose(to_host(o2), results["o"], rtol=1e-5, atol=1e-6, equal_nan=True)
+                                       and no_max is None)
+    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, (o, lse), **kw)
+    if len(grads) != 4 or (grads.dsinks is None) != (sinks is None):  # dsinks None exactly without sinks
+        results["grads_len"] = f"{len(grads)} fields, dsinks {type(grads[-1]).__name__}"
+    results.update(dq=to_host(grads.dq), dk=to_host(grads.dk), dv=to_host(grads.dv))
+    if sinks is not None and grads.dsinks is not None:
+        results["dsinks"] = np.asarray(grads.dsinks)
     if case.get("own_share"):  # reduce_dsinks=False: this rank's share of dsinks, dq/dk/dv unchanged
-        own = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, o, lse, reduce_dsinks=False,
-                                              **kw)
-        results["dsinks_share"] = np.asarray(own[3])
-        results["same_grads_own"] = all(to_host(a).tobytes() == to_host(b).tobytes() for a, b in zip(own[:3], grads))
+        own = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *args, (o, lse),
+                                              **dict(kw, context=kw["context"].replace(reduce_dsinks=False)))
+        results["dsinks_share"] = np.asarray(own.dsinks)
+        results["same_grads_own"] = all(to_host(a).tobytes() == to_host(b).tobytes()
+                                        for a, b in zip(own[:3], grads[:3]))
     gathered = comm.gather(results, root=0)
     if rank != 0:
         return None
@@ -103,10 +104,10 @@ def sink_naive(naive, sinks):
 def check(case, gathered, lay_q, lay_kv, q, k, v, do, seg_q, seg_kv, window, sinks):
     messages, ok = [], True
     if any("grads_len" in g for g in gathered):
-        return False, f"backward returned {gathered[0]['grads_len']} arrays"
+        return False, f"backward returned {gathered[0]['grads_len']} (sinks given: {sinks is not None})"
     if not all(g["same_without_max"] for g in gathered):
         ok = False
-        messages.append("return_max_logit changed o")
+        messages.append("return_max_logit changed o (or max_logit not None without it)")
     dtype = q.dtype
     softcap = case.get("softcap")
     scale = case.get("scale") or 1.0 / np.sqrt(q.shape[3])
@@ -184,13 +185,13 @@ def decode_case(comm, case):
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, _, _, _, sinks = inputs(case)
     lay = Layout(case["layout"], k.shape[1], size)
-    window = None if case.get("window") is None else tuple(case["window"])
+    window = window_of(case)
     to_backend, to_host = converters()
-    o, lse = ringmpi.decode_attention(to_backend(q), to_backend(lay.shard(k, rank)), to_backend(lay.shard(v, rank)),
-                                      comm=comm, layout=case["layout"], causal=True, window=window,
-                                      softcap=case.get("softcap"), backend=BACKEND,
-                                      sinks=None if sinks is None else to_backend(sinks),
-                                      alibi_slopes=make_alibi(case, q.shape[2]))
+    o, lse, _ = ringmpi.decode_attention(to_backend(q), to_backend(lay.shard(k, rank)), to_backend(lay.shard(v, rank)),
+                                         causal=True, window=window, softcap=case.get("softcap") or 0.0,
+                                         sinks=None if sinks is None else to_backend(sinks),
+                                         alibi_slopes=make_alibi(case, q.shape[2]),
+                                         context=RingContext(comm, layout=case["layout"], backend=BACKEND))
     o, lse = to_host(o), to_host(lse)
     same = comm.allgather(o.tobytes() + lse.tobytes())
     if rank != 0:
@@ -303,9 +304,10 @@ def torch_case(comm, case):
               for lay, x in ((lay_q, q), (lay_kv, k), (lay_kv, v))]
     # 16-bit sinks (bfloat16 has no NumPy view in torch): through float32, exact
     sinks_t = torch.from_numpy(sinks.astype(np.float32)).to(getattr(torch, str(sinks.dtype))).requires_grad_(True)
-    o = rt.ring_attention(*leaves, comm=comm, layout=case["layout"], causal=case.get("causal", False),
-                          sinks=sinks_t, softcap=case["softcap"], alibi_slopes=make_alibi(case, q.shape[2]),
-                          **{n: torch.from_numpy(x) for n, x in position_kw(lay_q, lay_kv, rank).items()})
+    positions = {n: tuple(torch.from_numpy(x) for x in pair) for n, pair in position_kw(lay_q, lay_kv, rank).items()}
+    o = rt.ring_attention(*leaves, causal=case.get("causal", False), sinks=sinks_t, softcap=case["softcap"],
+                          alibi_slopes=make_alibi(case, q.shape[2]), context=RingContext(comm, layout=case["layout"]),
+                          **positions).o
     (o * torch.from_numpy(np.ascontiguousarray(lay_q.shard(do, rank)))).sum().backward()
     mine = dict(o=o.detach().numpy(), dq=leaves[0].grad.numpy(), dk=leaves[1].grad.numpy(),
                 dv=leaves[2].grad.numpy(), dsinks=sinks_t.grad.float().numpy(),
@@ -345,7 +347,8 @@ def torch_case(comm, case):
 
 
 def errors_case(comm, case):
-    """Bad sinks/softcap: one ConfigError with the same message on every rank, before any compute."""
+    """Bad sinks/softcap: one ConfigError with the same message on every rank, before any compute;
+    softcap=0.0 is off (the bits of a call without softcap)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     q, k, v, _, _, _, _ = inputs(dict(case, sinks=False))
     lay = Layout(case["layout"], q.shape[1], size)
@@ -361,27 +364,33 @@ def errors_case(comm, case):
         "sinks dtype": (dict(sinks=np.zeros(heads, np.int32)), "sinks must be one of float16, bfloat16"),
         "sinks NaN on one rank": (dict(sinks=nan_on_last), "sinks must be finite"),
         "sinks differ": (dict(sinks=good + rank), "ranks disagree on sinks or softcap"),
-        "softcap zero": (dict(softcap=0.0), "softcap must be finite and > 0"),
-        "softcap inf": (dict(softcap=float("inf")), "softcap must be finite and > 0"),
+        "softcap negative": (dict(softcap=-1.0), "softcap must be finite and >= 0 (0.0: off)"),
+        "softcap inf": (dict(softcap=float("inf")), "softcap must be finite and >= 0 (0.0: off)"),
         "softcap differs": (dict(softcap=1.0 + rank), "ranks disagree on sinks or softcap"),
     }
     if size == 1:
         for what in ("sinks NaN on one rank", "sinks differ", "softcap differs"):
             attempts.pop(what)
         attempts["sinks NaN"] = (dict(sinks=np.full(heads, np.nan, np.float32)), "sinks must be finite")
-    problems = []
+    context = RingContext(comm, layout=case["layout"], backend=BACKEND)
+    off = ringmpi.ring_attention(*args, softcap=0.0, context=context)
+    plain = ringmpi.ring_attention(*args, context=context)
+    problems = [] if all(_bits(a) == _bits(b) for a, b in zip(off, plain)) else ["softcap=0.0 is not off"]
     for what, (extra, want) in attempts.items():
         extra = {n: (to_backend(x) if isinstance(x, np.ndarray) else x) for n, x in extra.items()}
         lse0 = to_backend(np.zeros((q.shape[0], heads, args[0].shape[1]), np.float32))
-        calls = {"forward": lambda: ringmpi.ring_attention(
-                     *args, comm=comm, layout=case["layout"], backend=BACKEND, **extra),
+        calls = {"forward": lambda: ringmpi.ring_attention(*args, context=context, **extra),
                  "backward": lambda: ringmpi.ring_attention_backward(
-                     args[0], *args, args[0], lse0, comm=comm, layout=case["layout"], backend=BACKEND, **extra)}
+                     args[0], *args, (args[0], lse0), context=context, **extra)}
         for call, fn in calls.items():
             problem = agreed_error(comm, fn, want)
             if problem:
                 problems.append(f"{what} ({call}): {problem}")
     return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
+
+
+def _bits(x):
+    return None if x is None else converters()[1](x).tobytes()
 
 
 def nan_max_case(comm, case):

@@ -13,7 +13,7 @@ def ring_fd_worst(comm, lay_q, lay_kv, q, k, v, do, kw, converters, rng, probes,
                   directions=False):
     """The worst relative error ``|numeric - analytic| / max(1, |numeric|)`` of central differences
     of the loss through ``ringmpi.ring_attention(**kw)`` against the gathered gradients of
-    ``ringmpi.ring_attention_backward(**kw)``: ``dq, dk, dv`` and, given ``sinks`` (replicated,
+    ``ringmpi.ring_attention_backward(**kw)`` (``kw``: the calls' keywords, ``context`` among them): ``dq, dk, dv`` and, given ``sinks`` (replicated,
     passed as ``sinks=``), ``dsinks``.
 
     ``q, k, v, do`` are global arrays, placed by ``lay_q`` / ``lay_kv``; ``converters`` is the
@@ -31,11 +31,11 @@ def ring_fd_worst(comm, lay_q, lay_kv, q, k, v, do, kw, converters, rng, probes,
         return {} if sg is None else {"sinks": to_backend(sg)}
 
     def loss(qg, kg, vg, sg=None):
-        o, _ = ringmpi.ring_attention(*shards(qg, kg, vg), **extra(sg), **kw)
+        o = ringmpi.ring_attention(*shards(qg, kg, vg), **extra(sg), **kw).o
         return comm.allreduce(float(np.sum(to_host(o) * lay_q.shard(do, rank))))
 
-    o, lse = ringmpi.ring_attention(*shards(q, k, v), **extra(sinks), **kw)
-    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *shards(q, k, v), o, lse,
+    out = ringmpi.ring_attention(*shards(q, k, v), **extra(sinks), **kw)
+    grads = ringmpi.ring_attention_backward(to_backend(lay_q.shard(do, rank)), *shards(q, k, v), out,
                                             **extra(sinks), **kw)
     full = [lay.unshard(comm.allgather(to_host(g)), axis=1) for lay, g in zip((lay_q, lay_kv, lay_kv), grads)]
     base = [q, k, v]

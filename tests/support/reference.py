@@ -27,7 +27,8 @@ def _mm(a, b, dtype):
 
 
 def visible(n_q, n_kv, causal=False, window=None, seg_q=None, seg_kv=None):
-    """(B or 1, n_q, n_kv) bool visibility, bottom-right aligned."""
+    """(B or 1, n_q, n_kv) bool visibility, bottom-right aligned.  ``window``: ``(left, right)``,
+    a side of -1 (flash-attn's convention) or None unbounded; None: no window."""
     i = np.arange(n_q)[:, None] + (n_kv - n_q)
     j = np.arange(n_kv)[None, :]
     vis = np.ones((n_q, n_kv), dtype=bool)
@@ -35,9 +36,9 @@ def visible(n_q, n_kv, causal=False, window=None, seg_q=None, seg_kv=None):
         vis &= j <= i
     if window is not None:
         left, right = window
-        if left is not None:
+        if left is not None and left != -1:
             vis &= j >= i - left
-        if right is not None:
+        if right is not None and right != -1:
             vis &= j <= i + right
     vis = vis[None]
     if seg_q is not None:

@@ -97,8 +97,11 @@ def test_balanced_layout_refuses_bad_documents():
         Layout("balanced", 4, 2, documents=[4, 0])
     with pytest.raises(ValueError, match="for the balanced layout"):
         Layout("zigzag", 4, 2, documents=[4])
-    with pytest.raises(ValueError, match="window must be"):
-        Layout("balanced", 4, 2, documents=[4], window=(-1, 0))
+    with pytest.raises(ValueError, match=r"window must be \(left, right\), each an int >= 0 or -1"):
+        Layout("balanced", 4, 2, documents=[4], window=(-2, 0))
+    # flash-attn's convention: -1 is an unbounded side, (-1, -1) no window at all
+    assert Layout("balanced", 4, 2, documents=[4], window=(-1, 0)).window == (None, 0)
+    assert Layout("balanced", 4, 2, documents=[4], window=(-1, -1)).window is None
     lay = Layout("balanced", 10 ** 4, 2, documents=[1] * 10 ** 4)
     assert "<10000 documents>" in repr(lay) and len(repr(lay)) < 200
 

@@ -16,7 +16,7 @@ from test_passes import spec
     (dict(window=(2, -2)), "--window sides must be >= 0 (or -1 for unbounded), got 2 -2"),
     (dict(timeout=0.0), "--timeout must be positive, got 0.0"),
     (dict(softmax_scale=float("nan")), "--scale must be a positive finite number, got nan"),
-    (dict(softcap=-1.0), "--softcap: softcap must be finite and > 0"),
+    (dict(softcap=-1.0), "--softcap: softcap must be finite and >= 0 (0.0: off)"),
     (dict(dropout_p=0.5), "--seed"),
 ])
 def test_bad_options_are_config_errors(options, message):

@@ -33,7 +33,8 @@ LAYERS = (
     ("package root", ("ringmpi",)),  # __version__ and lazy public names (counted as their modules)
     ("runtime", ("ringmpi.runtime",)),  # errors, abort, watchdog, faults, env, GPU binding: the process
     ("core", ("ringmpi.core",)),  # pure math: dtypes, masks, modifiers, dropout, layouts, softmax state
-    ("options", ("ringmpi.options",)),  # one call's options and the mask spec they imply
+    ("options", ("ringmpi.options", "ringmpi.context")),  # one call's options, the mask spec they imply;
+    # where and how calls run (RingContext) and what they return
     ("block ops", ("ringmpi.kernels", "ringmpi._ext")),  # CUDA sources and their loader; the compiled CPU pass
     ("backends", ("ringmpi.backends",)),  # the block-op interface and its NumPy and CuPy backends
     ("parallel", ("ringmpi.parallel",)),  # communicators, topology, the ring, its schedule and passes

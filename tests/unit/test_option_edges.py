@@ -1,6 +1,7 @@
 """Options stated once at every edge: every field of AttentionOptions reaches every public entry point
-(a keyword of each call that lists options by name, a typed argument of the torch op, a flag of the
-commands that map it one to one), unless the entry point says here why it cannot take it."""
+(a maths keyword of each call, flash-attn's convention, or a field of the ``context=`` RingContext it
+takes for where and how it runs; a typed argument of the torch op; a flag of the commands that map it
+one to one), unless the entry point says here why it cannot take it or does not use it."""
 
 import inspect
 from dataclasses import fields
@@ -9,11 +10,15 @@ import click
 import pytest
 
 import ringmpi
+from ringmpi.context import RUN_FIELDS, RingContext
 from ringmpi.options import AttentionOptions, option_edge, option_fields
 
 FIELDS = {f.name: f.default for f in fields(AttentionOptions)}
+RUN = set(RUN_FIELDS)  # the fields a call's context carries: never its keywords
+MATHS = set(FIELDS) - RUN
 
-# what an entry point does not take, and why (anything else missing fails)
+# what an entry point does not take, and why (anything else missing fails); for a call, a field of
+# its context listed here is one it does not use
 NOT_TAKEN = {
     "ring_attention": {},
     "ring_attention_backward": {"return_max_logit": "the backward returns no max logit"},
@@ -51,16 +56,31 @@ def _commands():
 
 @pytest.mark.parametrize("name", ["ring_attention", "ring_attention_backward", "decode_attention",
                                   "torch.ring_attention"])
-def test_every_field_is_a_keyword_of_every_public_call(name):
+def test_every_field_is_a_keyword_or_the_context_of_every_public_call(name):
     pytest.importorskip("torch")
     params = inspect.signature(_calls()[name]).parameters
-    missing = {f for f in FIELDS if f not in params}
-    assert missing == set(NOT_TAKEN[name]), f"{name}: give these a keyword (or a reason here): " \
-        f"{sorted(missing - set(NOT_TAKEN[name]))}; not missing: {sorted(set(NOT_TAKEN[name]) - missing)}"
-    for f in FIELDS.keys() & params.keys():
+    assert RUN <= {f.name for f in fields(RingContext)}
+    assert "context" in params and params["context"].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert params["context"].default is None, name
+    assert not RUN & params.keys(), f"{name}: one way to pass each thing: {sorted(RUN & params.keys())} " \
+        "are the context's"
+    not_taken = set(NOT_TAKEN[name])
+    missing = {f for f in MATHS if f not in params}
+    assert missing == not_taken - RUN, f"{name}: give these a keyword (or a reason here): " \
+        f"{sorted(missing - not_taken)}; not missing: {sorted(not_taken - RUN - missing)}"
+    for f in MATHS & params.keys():
         assert params[f].kind is inspect.Parameter.KEYWORD_ONLY, (name, f)
-        if not (name == "decode_attention" and f == "causal"):  # decode is causal by default
-            assert params[f].default == FIELDS[f] or params[f].default is FIELDS[f], (name, f)
+        # the call's default (flash-attn's: window (-1, -1), softcap 0.0) is the field's default
+        meant = getattr(AttentionOptions(**{f: params[f].default}), f)
+        assert meant == FIELDS[f] or meant is FIELDS[f], (name, f, params[f].default)
+
+
+def test_the_context_defaults_are_the_options_defaults(monkeypatch):
+    monkeypatch.delenv("RINGMPI_HEAD_PARALLEL", raising=False)
+    monkeypatch.delenv("RINGMPI_TIMEOUT", raising=False)
+    ctx = RingContext()
+    for f in RUN:
+        assert getattr(ctx, f) == FIELDS[f] or getattr(ctx, f) is FIELDS[f], f
 
 
 @pytest.mark.parametrize("name", ["run", "bench"])

@@ -13,8 +13,8 @@ def test_rules_name_the_bad_option():
     heads = 4
     assert AttentionOptions().problem(heads) is None
     bad = {
-        "window must be (left, right)": dict(window=(1, -2)),
-        "softcap must be finite and > 0": dict(softcap=0.0),
+        "window must be (left, right), each an int >= 0 or -1 (unbounded)": dict(window=(1, -2)),
+        "softcap must be finite and >= 0 (0.0: off)": dict(softcap=-1.0),
         "sinks must have shape (H,) = (4,)": dict(sinks=np.zeros(3, np.float32)),
         "alibi_slopes must be float32": dict(alibi_slopes=np.zeros(heads, np.float64)),
         "alibi_slopes must have shape": dict(alibi_slopes=np.zeros((heads, 1), np.float32)),
@@ -28,6 +28,15 @@ def test_rules_name_the_bad_option():
     for want, kw in bad.items():
         problem = AttentionOptions(**kw).problem(heads)
         assert problem is not None and want in problem, (kw, problem)
+    # flash-attn's conventions: softcap 0.0 is off and a window side of -1 unbounded, held as the
+    # options not given (the same digest and spec)
+    for off in (dict(softcap=0.0), dict(window=(-1, -1)), dict(softcap=0, window=[-1, -1])):
+        assert AttentionOptions(**off).problem(heads) is None, off
+        assert (AttentionOptions(**off).softcap, AttentionOptions(**off).window) == (None, None), off
+        assert AttentionOptions(**off).digest() == AttentionOptions().digest(), off
+    assert AttentionOptions(window=(-1, 3)).window == (None, 3)
+    assert AttentionOptions(window=(-1, 3)).digest() == AttentionOptions(window=(None, 3)).digest()
+    assert AttentionOptions(window=(-1, 3)).digest() != AttentionOptions().digest()
     assert "is not one of" in AttentionOptions(dtype="int8").dtype_problem()
     assert AttentionOptions(dtype="bf16").dtype_problem() is None
 
@@ -86,14 +95,21 @@ def test_file_attributes_round_trip():
     assert attention_attrs(AttentionOptions(), dim=16)["window"].dtype == np.int64
 
 
-def test_options_object_or_keywords_not_both():
-    opts = AttentionOptions(causal=True)
-    assert AttentionOptions().given_once(opts) is opts
-    assert AttentionOptions(causal=True).given_once(None).causal
-    with pytest.raises(TypeError, match="softcap=2.0"):
-        AttentionOptions(softcap=2.0).given_once(opts)
-    # decode's own defaults (causal=True) count as "no keyword given"
-    assert AttentionOptions(causal=True).given_once(opts, AttentionOptions(causal=True)) is opts
+def test_options_reach_a_call_one_way_only():
+    """A call's options are its maths keywords joined with its context's run fields (no options
+    object to pass besides): each field comes from exactly one of the two."""
+    from ringmpi.context import RingContext, call_options
+
+    ctx = RingContext(schedule="routed", head_parallel=2, timeout=9.0, check_finite=True, dtype="float32",
+                      invariant=True, dropout_offsets=(1, 2, 8))
+    opts = call_options(ctx, causal=True, window=(3, -1), softcap=0.0, dropout_p=0.5, dropout_seed=4)
+    assert opts == AttentionOptions(causal=True, window=(3, None), dropout_p=0.5, dropout_seed=4, schedule="routed",
+                                    head_parallel=2, timeout=9.0, check_finite=True, dtype="float32",
+                                    invariant=True, dropout_offsets=(1, 2, 8))
+    with pytest.raises(TypeError, match="schedule"):  # a run field is the context's, never a keyword too
+        call_options(ctx, schedule="ring")
+    with pytest.raises(TypeError, match="causal"):  # and the maths are never the context's
+        RingContext(causal=True)
 
 
 def test_alibi_terms():

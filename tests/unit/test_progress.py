@@ -149,10 +149,11 @@ def test_ring_schedule_reports_its_steps_to_observers_only_while_observed():
     rng = np.random.default_rng(3)
     q, k, v, do = (rng.standard_normal((1, 300, 2, 8)).astype(np.float32) for _ in range(4))
     recorder = Recorder()
+    self_ring = ringmpi.RingContext(MPI.COMM_SELF)
     with ring_schedule.observe_steps(recorder) as observed:
         assert observed is recorder
-        o, lse = ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, causal=True)
-        ringmpi.ring_attention_backward(do, q, k, v, o, lse, comm=MPI.COMM_SELF, causal=True)
+        o, lse, _ = ringmpi.ring_attention(q, k, v, causal=True, context=self_ring)
+        ringmpi.ring_attention_backward(do, q, k, v, (o, lse), causal=True, context=self_ring)
     done = [e for e in recorder.events if e[0] == "done"]
     assert done == [("done", "fwd", 0, 1), ("done", "bwd", 0, 1)]
     ticks = [e for e in recorder.events if e[0] == "tick"]
@@ -163,7 +164,7 @@ def test_ring_schedule_reports_its_steps_to_observers_only_while_observed():
         shares = [d for ph, d in recorder.shares if ph == phase]
         assert shares == sorted(shares) and 0 < shares[0] and shares[-1] == 1.0, shares
     # unobserved, the same calls give the same bits
-    o2, lse2 = ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, causal=True)
+    o2, lse2, _ = ringmpi.ring_attention(q, k, v, causal=True, context=self_ring)
     assert o.tobytes() == o2.tobytes() and lse.tobytes() == lse2.tobytes()
     assert len(recorder.events) == len(done) + len(ticks)
 

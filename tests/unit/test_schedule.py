@@ -53,8 +53,8 @@ def test_forward_loop_over_the_schedule_equals_ring_attention_bitwise():
         tiles = schedule.compute(be.forward_block, qh, block.k, block.v, o_acc, m, l, scale, block.mask)
     o, lse = be.finalize(o_acc, m, l, q.dtype)
     # the public call with positions shifted by 100 on both sides: the same causal mask
-    want_o, want_lse = ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, causal=True,
-                                              segment_ids_q=seg, segment_ids_kv=seg)
+    want_o, want_lse, _ = ringmpi.ring_attention(q, k, v, causal=True, segment_ids=seg,
+                                                 context=ringmpi.RingContext(MPI.COMM_SELF))
     assert o.tobytes() == want_o.tobytes() and lse.tobytes() == want_lse.tobytes()
     rec = schedule.records[0]
     assert (rec.tiles_computed, rec.tiles_skipped) == tiles and rec.compute_s > 0
@@ -64,11 +64,11 @@ def test_forward_loop_over_the_schedule_equals_ring_attention_bitwise():
 def test_backward_schedule_brings_the_finished_grads_home():
     q, k, v, seg = attention_inputs(2, *SHAPE, do=False, dtype=np.float32, segments=3)
     be = NumpyBackend()
-    o, lse = ringmpi.ring_attention(q, k, v, comm=MPI.COMM_SELF, causal=True,
-                                    segment_ids_q=seg, segment_ids_kv=seg)
+    self_ring = ringmpi.RingContext(MPI.COMM_SELF)
+    o, lse, _ = ringmpi.ring_attention(q, k, v, causal=True, segment_ids=seg, context=self_ring)
     do = np.random.default_rng(3).standard_normal(q.shape).astype(np.float32)
-    want = ringmpi.ring_attention_backward(do, q, k, v, o, lse, comm=MPI.COMM_SELF, causal=True,
-                                           segment_ids_q=seg, segment_ids_kv=seg)
+    want = ringmpi.ring_attention_backward(do, q, k, v, (o, lse), causal=True, segment_ids=seg,
+                                           context=self_ring)[:3]
     qh, doh = be.to_heads(q, np.float32), be.to_heads(do, np.float32)
     dvec = be.row_dot(doh, be.to_heads(o, np.float32))
     dq = np.zeros_like(qh)

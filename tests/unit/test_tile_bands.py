@@ -16,6 +16,8 @@ from random_inputs import attention_inputs
 import ringmpi
 from ringmpi.backends import numpy_backend as nb
 
+NUMPY = ringmpi.RingContext(backend="numpy")
+
 TILE_ROWS, TILE_COLS = slice(100, 113), slice(40, 51)
 
 
@@ -57,7 +59,7 @@ B, N, H, HKV, D = 2, 40, 4, 2, 16
 SEG = np.broadcast_to(np.arange(N) * 3 // N, (B, N)).astype(np.int64)
 CASES = {
     "causal": dict(causal=True),
-    "causal window": dict(causal=True, window=(9, None)),
+    "causal window": dict(causal=True, window=(9, -1)),
     "two-sided window": dict(window=(5, 7)),
     "causal segments": dict(causal=True, segments=True),
 }
@@ -91,10 +93,10 @@ def test_banded_tiles_match_the_dense_reference(banded, case, variant):
     kw = dict(CASES[case], **VARIANTS[variant])
     seg = SEG if kw.pop("segments", False) else None
     if seg is not None:
-        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
+        kw.update(segment_ids=seg)
     q, k, v, do = attention_inputs(3, B, N, H, HKV, D, dtype=np.float32)
-    o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
-    grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)
+    o, lse, _ = ringmpi.ring_attention(q, k, v, context=NUMPY, **kw)
+    grads = ringmpi.ring_attention_backward(do, q, k, v, (o, lse), context=NUMPY, **kw)[:3]
     assert any(len(widths) > 1 for widths in banded), "no tile ran as several bands"
     assert any(w < 8 for widths in banded for w in widths), "no band was cut to its visible columns"
 
@@ -125,8 +127,8 @@ def test_a_nan_under_bands_reaches_only_the_queries_that_see_it(banded, where):
     runs = []
     for q, k, v, do in (clean, bad):
         with np.errstate(invalid="ignore"):
-            o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", causal=True)
-            dq, _, _ = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", causal=True)
+            o, lse, _ = ringmpi.ring_attention(q, k, v, context=NUMPY, causal=True)
+            dq, _, _, _ = ringmpi.ring_attention_backward(do, q, k, v, (o, lse), context=NUMPY, causal=True)
         runs.append((o, lse, dq))
     (o0, lse0, dq0), (o1, lse1, dq1) = runs
     hit = np.zeros(N, dtype=bool)

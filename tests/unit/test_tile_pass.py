@@ -18,6 +18,8 @@ from random_inputs import attention_inputs
 import ringmpi
 from ringmpi.backends import numpy_backend, tile_pass as tp
 
+NUMPY = ringmpi.RingContext(backend="numpy")
+
 
 def _compiled_paths():
     """``compiled-<vector path>`` for each path of the built pass this CPU runs."""
@@ -136,10 +138,10 @@ def _case(case, n=53, b=2, h=4, d=16, seed=0):
     """A case's float32 inputs, its keywords and what the dense reference needs."""
     segments = 3 if case.get("segments") else None
     q, k, v, do, *seg = attention_inputs(seed, b, n, h, case.get("hkv", h), d, dtype=np.float32, segments=segments)
-    kw = dict(causal=case.get("causal", False), window=case.get("window"))
+    kw = dict(causal=case.get("causal", False), window=case.get("window", (-1, -1)))
     seg = seg[0].astype(np.int32) if seg else None
     if seg is not None:
-        kw.update(segment_ids_q=seg, segment_ids_kv=seg)
+        kw.update(segment_ids=seg)
     alibi = None
     if case.get("alibi"):
         alibi = (case["alibi"] * 0.5 ** np.arange(h)).astype(np.float32)
@@ -162,8 +164,8 @@ def test_against_float64_reference(tile_pass, name):
     scale = 1 / np.sqrt(q.shape[-1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
-        grads = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)
+        o, lse, _ = ringmpi.ring_attention(q, k, v, context=NUMPY, **kw)
+        grads = ringmpi.ring_attention_backward(do, q, k, v, (o, lse), context=NUMPY, **kw)[:3]
     dense = dict(vis=ref["vis"], scale=scale, drop=ref["drop"], alibi=ref["alibi"], softcap=ref["softcap"])
     wide = [x.astype(np.float64) for x in (q, k, v, do)]
     o64, lse64 = reference.dense_forward(*wide[:3], dtype=np.float64, **dense)
@@ -180,8 +182,8 @@ def test_same_bits_on_repeat(tile_pass):
     (q, k, v, do), kw, _ = _case(CASES["causal-gqa"], seed=3)
     runs = []
     for _ in range(2):
-        o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **kw)
-        runs.append((o, lse) + tuple(ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)))
+        o, lse, _ = ringmpi.ring_attention(q, k, v, context=NUMPY, **kw)
+        runs.append((o, lse) + tuple(ringmpi.ring_attention_backward(do, q, k, v, (o, lse), context=NUMPY, **kw)[:3]))
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
 
@@ -262,12 +264,12 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     q = rng.standard_normal((b, n, h, 40)).astype(np.float32)
     k = rng.standard_normal((b, n, hkv, 40)).astype(np.float32)
     v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
-    opts = dict(causal=kw.get("causal", False), window=kw.get("window"))
+    opts = dict(causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
     fused, before, runs = tp.compiled, tp.compiled.path(), {}
     try:
         for path in paths:
             fused.use(path)
-            runs[path] = ringmpi.ring_attention(q, k, v, backend="numpy", **opts)
+            runs[path] = ringmpi.ring_attention(q, k, v, context=NUMPY, **opts)[:2]
     finally:
         fused.use(before)
     first = runs[paths[0]]
@@ -304,7 +306,7 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     k = rng.standard_normal((b, n, hkv, 40)).astype(np.float32)
     v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
     do = rng.standard_normal((b, n, h, 24)).astype(np.float32)
-    opts = dict(causal=kw.get("causal", False), window=kw.get("window"))
+    opts = dict(causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
     calls = []
     real = numpy_backend._compiled_backward
     monkeypatch.setattr(numpy_backend, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
@@ -312,8 +314,8 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     try:
         for path in paths:
             fused.use(path)
-            o, lse = ringmpi.ring_attention(q, k, v, backend="numpy", **opts)
-            runs[path] = ringmpi.ring_attention_backward(do, q, k, v, o, lse, backend="numpy", **opts)
+            o, lse, _ = ringmpi.ring_attention(q, k, v, context=NUMPY, **opts)
+            runs[path] = ringmpi.ring_attention_backward(do, q, k, v, (o, lse), context=NUMPY, **opts)[:3]
     finally:
         fused.use(before)
     assert len(calls) == len(paths), "the backward did not take the compiled block op"

@@ -70,7 +70,7 @@ def modifier_problem(backend, names) -> Optional[str]:
     missing = [n for n in names if n not in getattr(backend, "MODIFIERS", ())]
     if not missing:
         return None
-    return f"the {backend.name} backend does not apply {', '.join(missing)} yet: use backend='numpy'"
+    return f"the {backend.name} backend does not apply {', '.join(missing)} yet: use RingContext(backend='numpy')"
 
 
 def gpu_available() -> bool:

@@ -182,9 +182,10 @@ def _problem(heads, kv_heads, softcap, plot_path, dropout, seed, head_parallel, 
 def _head_parallel_option(value, sweep):
     """``(U or "auto", problem)`` of ``--head-parallel`` (default ``RINGMPI_HEAD_PARALLEL``, else 1)."""
     from ..parallel.topology import head_parallel_setting
+    from ..runtime import env
 
     try:
-        setting = head_parallel_setting(value)
+        setting = head_parallel_setting(value if value is not None else env.head_parallel())
     except ValueError as exc:
         return 1, f"--head-parallel: {exc}"
     if sweep in ("strong", "weak") and setting != 1:

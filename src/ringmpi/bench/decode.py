@@ -35,6 +35,7 @@ from .measure import sweep_sizes
 def _measure(comm, be, cfg):
     """This rank's per-call seconds for decode (wall, compute, merge) and the ring (wall)."""
     from ..attention import ring_attention
+    from ..context import RingContext
     from ..decode import decode_attention
     from ..kvcache import KVCache
     from ..core.layout import Layout
@@ -49,7 +50,7 @@ def _measure(comm, be, cfg):
         return rng.standard_normal(shape, dtype=np.float32).astype(cfg["dtype"])
 
     dv = cfg.get("dim_v") or d  # the value head dim
-    cache = KVCache(b, hkv, d, cfg["dtype"], comm=comm, layout=cfg["layout"], capacity=rows, dim_v=dv)
+    cache = KVCache(b, hkv, d, cfg["dtype"], context=RingContext(comm, layout=cfg["layout"]), capacity=rows, dim_v=dv)
     cache.load_shard(randn((b, rows, hkv, d)), randn((b, rows, hkv, dv)), n)
     q = np.random.default_rng(cfg["seed"]).standard_normal((b, s, h, d), dtype=np.float32).astype(cfg["dtype"])
     q = be.asarray(q)
@@ -61,20 +62,21 @@ def _measure(comm, be, cfg):
 
     out = {"decode": [], "compute": [], "merge": [], "ring": []}
     for i in range(cfg["warmup"] + cfg["repeat"]):
-        stats = {}
+        stats = []
         comm.Barrier()
         start = time.perf_counter()
-        decode_attention(q, comm=comm, causal=True, backend=be.name, stats=stats, **views)
+        decode_attention(q, **views, causal=True, context=cache.ring_context(backend=be.name, stats=stats))
         wall = time.perf_counter() - start
         comm.Barrier()
         start = time.perf_counter()
-        ring_attention(q_ring, k_ring, v_ring, comm=comm, layout=cfg["layout"], causal=True, backend=be.name)
+        ring_attention(q_ring, k_ring, v_ring, causal=True,
+                       context=RingContext(comm, layout=cfg["layout"], backend=be.name))
         be.synchronize()
         ring_wall = time.perf_counter() - start
         if i >= cfg["warmup"]:
             out["decode"].append(wall)
-            out["compute"].append(stats["compute_s"])
-            out["merge"].append(stats["merge_s"])
+            out["compute"].append(stats[0].compute_s)
+            out["merge"].append(stats[0].merge_s)
             out["ring"].append(ring_wall)
     return out
 

@@ -63,6 +63,7 @@ def _measure(comm, be, cfg, n, lengths, layout, schedule):
     import numpy as np
 
     from ..attention import ring_attention, ring_attention_backward
+    from ..context import RingContext, window_of
     from ..core import balance
 
     rank = comm.Get_rank()
@@ -77,14 +78,17 @@ def _measure(comm, be, cfg, n, lengths, layout, schedule):
         return be.asarray(rng.standard_normal((b, len(mine), heads, d), dtype=np.float32).astype(dt))
 
     q, k, v = randn(h), randn(hkv), randn(hkv)
-    kw = dict(comm=comm, layout=layout if layout.kind == "balanced" else layout.kind, causal=cfg["causal"],
-              window=window, backend=be.name, segment_ids_q=seg, segment_ids_kv=seg, schedule=schedule)
+    kw = dict(causal=cfg["causal"], window=window_of(window), segment_ids=seg)
+    run = dict(comm=comm, layout=layout if layout.kind == "balanced" else layout.kind, backend=be.name,
+               schedule=schedule)
     out = {"s_local": len(mine), "pairs": balance.visible_pairs(mine, lengths, cfg["causal"], window),
            "seen_rows": balance.seen_elsewhere(mine, lengths, cfg["causal"], window)}
-    o, lse = timed_calls(comm, be, lambda stats: ring_attention(q, k, v, stats=stats, **kw), cfg, out, "forward")
+    result = timed_calls(comm, be, lambda stats: ring_attention(q, k, v, **kw, context=RingContext(**run, stats=stats)),
+                         cfg, out, "forward")
     if cfg["backward"]:
         do = randn(h)
-        timed_calls(comm, be, lambda stats: ring_attention_backward(do, q, k, v, o, lse, stats=stats, **kw),
+        timed_calls(comm, be, lambda stats: ring_attention_backward(do, q, k, v, result, **kw,
+                                                                    context=RingContext(**run, stats=stats)),
                     cfg, out, "backward")
     return out
 

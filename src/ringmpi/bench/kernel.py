@@ -172,10 +172,11 @@ def measure_ours(seq, dim, heads, batch, causal, repeat):
     rng = np.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((batch, seq, heads, dim), dtype=np.float32) for _ in range(4))
     flops = {phase: attention_flops(batch, heads, seq, seq, dim, causal, phase) for phase in ("forward", "backward")}
-    o, lse = ringmpi.ring_attention(q, k, v, causal=causal, backend="numpy")
-    fwd = flops["forward"] / _best(lambda: ringmpi.ring_attention(q, k, v, causal=causal, backend="numpy"), repeat)
+    ctx = ringmpi.RingContext(backend="numpy")
+    out = ringmpi.ring_attention(q, k, v, causal=causal, context=ctx)
+    fwd = flops["forward"] / _best(lambda: ringmpi.ring_attention(q, k, v, causal=causal, context=ctx), repeat)
     bwd = flops["backward"] / _best(lambda: ringmpi.ring_attention_backward(
-        do, q, k, v, o, lse, causal=causal, backend="numpy"), repeat)
+        do, q, k, v, out, causal=causal, context=ctx), repeat)
     return fwd, bwd
 
 

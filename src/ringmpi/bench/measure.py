@@ -55,6 +55,7 @@ def measure(comm, be, cfg, n, progress=None):
     import numpy as np
 
     from ..attention import ring_attention, ring_attention_backward
+    from ..context import RingContext, window_of
     from ..core.layout import Layout
 
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -69,9 +70,10 @@ def measure(comm, be, cfg, n, progress=None):
         return be.asarray(rng.standard_normal((b, local, heads, width), dtype=np.float32).astype(dt))
 
     q, k, v = randn(h), randn(hkv), randn(hkv, dv)
-    kw = dict(comm=comm, layout=cfg["layout"], causal=cfg["causal"], backend=be.name)
+    kw = dict(causal=cfg["causal"])  # the maths; run: where it runs
+    run = dict(comm=comm, layout=cfg["layout"], backend=be.name)
     if "head_parallel" in cfg:
-        kw["head_parallel"] = cfg["head_parallel"]
+        run["head_parallel"] = cfg["head_parallel"]
     if cfg.get("softcap") is not None:
         kw["softcap"] = cfg["softcap"]
     if cfg.get("sinks"):
@@ -79,19 +81,19 @@ def measure(comm, be, cfg, n, progress=None):
     if cfg.get("dropout"):
         kw.update(dropout_p=cfg["dropout"], dropout_seed=cfg["seed"])
     if cfg.get("window") is not None:
-        kw["window"] = tuple(cfg["window"])
+        kw["window"] = window_of(tuple(cfg["window"]))
     if cfg.get("invariant"):
-        kw["invariant"] = True
+        run["invariant"] = True
     if cfg.get("schedule"):
-        kw["schedule"] = cfg["schedule"]
+        run["schedule"] = cfg["schedule"]
     kw.update({name: np.asarray(cfg[name], dtype=np.float32) for name in MODIFIER_FIELDS if cfg.get(name) is not None})
     out = {"s_local": local, "baseline_rss_bytes": memory.baseline_rss}
 
     def forward(stats):
-        return ring_attention(q, k, v, stats=stats, **kw)
+        return ring_attention(q, k, v, **kw, context=RingContext(**run, stats=stats))
 
     announce = _announcer(progress, cfg, n, p)
-    o, lse = timed_calls(comm, be, forward, cfg, out, "forward", announce)
+    result = timed_calls(comm, be, forward, cfg, out, "forward", announce)
     out["forward"]["peak_memory_bytes"], out["forward"]["peak_rss_bytes"] = memory.peak()
     announce("forward", "memory trace")
     out["forward"]["peak_alloc_bytes"] = _traced_peak(comm, be, forward)
@@ -99,7 +101,7 @@ def measure(comm, be, cfg, n, progress=None):
         do = randn(h, dv)
 
         def backward_call(stats):
-            return ring_attention_backward(do, q, k, v, o, lse, stats=stats, **kw)
+            return ring_attention_backward(do, q, k, v, result, **kw, context=RingContext(**run, stats=stats))
 
         timed_calls(comm, be, backward_call, cfg, out, "backward", announce)
         out["backward"]["peak_memory_bytes"], out["backward"]["peak_rss_bytes"] = memory.peak()

@@ -81,10 +81,12 @@ class Layout:
             raise ValueError(f"documents must be lengths >= 1 summing to n = {self.n}, got {len(lengths)} "
                              f"lengths summing to {sum(lengths)} (smallest {min(lengths, default=None)})")
         window = self.window
-        if window is not None:
-            window = tuple(None if w is None else int(w) for w in window)
+        if window is not None:  # flash-attn's (left, right), -1 unbounded (None is taken too)
+            window = tuple(None if w is None or int(w) == -1 else int(w) for w in window)
             if len(window) != 2 or any(w is not None and w < 0 for w in window):
-                raise ValueError(f"window must be (left, right) with non-negative ints or None, got {self.window!r}")
+                raise ValueError(f"window must be (left, right), each an int >= 0 or -1 (unbounded), "
+                                 f"got {self.window!r}")
+            window = None if window == (None, None) else window
         object.__setattr__(self, "documents", lengths)
         object.__setattr__(self, "causal", bool(self.causal))
         object.__setattr__(self, "window", window)

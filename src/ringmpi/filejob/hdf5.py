@@ -27,7 +27,7 @@ import numpy as np
 from ..core.dtypes import NAMES, BFLOAT16, isfinite, from_hdf5_storage, hdf5_logical_dtype, hdf5_storage, to_hdf5_storage
 from ..core.shapes import qkv_problem
 from ..runtime.errors import agree
-from ..runtime import watchdog
+from ..runtime import env, watchdog
 from ..runtime.watchdog import phase, sync
 
 
@@ -82,8 +82,7 @@ def read_selection(dset, selection) -> np.ndarray:
 
 def piece_bytes() -> int:
     """Largest transfer of one collective call (``RINGMPI_IO_PIECE_BYTES``, default 1 GiB)."""
-    value = os.environ.get("RINGMPI_IO_PIECE_BYTES")
-    return max(1, int(value)) if value else DEFAULT_PIECE_BYTES
+    return env.io_piece_bytes(DEFAULT_PIECE_BYTES)
 
 
 # --------------------------------------------------------------------- files

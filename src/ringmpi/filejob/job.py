@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .. import __version__
+from ..runtime import env
 from ..runtime.errors import ConfigError, agree
 from ..options import AttentionOptions
 from .attributes import OutputAttributes
@@ -188,13 +189,13 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
         raise ConfigError(f"--heads-per-pass {options.heads_per_pass}: must be a positive multiple of "
                           f"H/H_kv = {spec.heads}/{spec.kv_heads} = {spec.group} (GQA groups stay whole)")
     backend = _resolve_backend(options.backend, comm)
-    budget = int(os.environ.get("RINGMPI_PASS_BYTES", DEFAULT_PASS_BYTES))
+    budget = env.pass_bytes(DEFAULT_PASS_BYTES)
     plan = plan_passes(spec, comm.Get_size(), options.heads_per_pass, budget)
     _agree_memory(comm, spec, options, backend)
     out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
     record = _job_record(spec, input_path, comm.Get_size(), plan, options.record_options(backend))
     passes, done = _resume_state(out, comm, record, resume, progress)
-    head_parallel = _head_parallel(comm, options.attention.head_parallel, spec, passes)
+    head_parallel = _head_parallel(comm, options.attention.head_parallel or env.head_parallel(), spec, passes)
     layouts = _layouts(comm, options, spec)
     job = _Job(comm, input_path, options, spec, passes, backend, head_parallel, layouts)
     phases = ("forward", "backward") if options.backward else ("forward",)
@@ -208,7 +209,7 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
         every = comm.gather(mine, root=0)
         traffic = comm.gather((job.timers.bytes_recv, sorted(job.timers.schedules)), root=0)
     comm.Free()
-    requested = options.attention.head_parallel or os.environ.get("RINGMPI_HEAD_PARALLEL", "")
+    requested = options.attention.head_parallel or env.head_parallel() or ""
     return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
                      head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic,
                      choice=job.timers.choice())
@@ -320,7 +321,7 @@ class _Job:
     def run_pass(self, fin, fout, p: Pass, progress) -> None:
         """Read one pass's shards, run the forward (and backward) ring, write its outputs."""
         from . import head_datasets
-        from .. import ring_attention, ring_attention_backward
+        from ..attention import backward as ring_backward, forward as ring_forward
 
         spec, o, boxes = self.spec, self.options, pass_boxes(self.spec, p)
         lift = (lambda x: x) if spec.rank4 else (lambda x: x[None])
@@ -344,8 +345,8 @@ class _Job:
         qd, kd, vd = self.to_device(q), self.to_device(k), self.to_device(v)
         progress.begin(f"forward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1}",
                        pass_flops(spec, p, o.attention.causal, "forward"))
-        out, lse, *pass_max = ring_attention(qd, kd, vd, stats=stats, options=options, **self.ring_kw, **segments)
-        head_datasets.write_pass(fout, p, spec.group, max_logit=pass_max[0] if max_logit else None)
+        out, lse, pass_max = ring_forward(qd, kd, vd, options, stats=stats, **self.ring_kw, **segments)
+        head_datasets.write_pass(fout, p, spec.group, max_logit=pass_max if max_logit else None)
         self.timers.ring_s += time.perf_counter() - t0
         write("o", self.io_q, "o", out)
         write("lse", self.io_q, "lse", lse)
@@ -355,10 +356,10 @@ class _Job:
             t0 = time.perf_counter()
             progress.begin(f"backward batch {p.b0}:{p.b1} kv heads {p.g0}:{p.g1}",
                            pass_flops(spec, p, o.attention.causal, "backward"))
-            dq, dk, dv, *dsinks = ring_attention_backward(self.to_device(do), qd, kd, vd, out, lse, stats=stats,
-                                                          options=replace(options, return_max_logit=False),
-                                                          **self.ring_kw, **segments)
-            head_datasets.write_pass(fout, p, spec.group, dsinks=dsinks[0] if dsinks else None)
+            dq, dk, dv, dsinks = ring_backward(self.to_device(do), qd, kd, vd, out, lse,
+                                               replace(options, return_max_logit=False), stats=stats,
+                                               **self.ring_kw, **segments)
+            head_datasets.write_pass(fout, p, spec.group, dsinks=dsinks)
             self.timers.ring_s += time.perf_counter() - t0
             write("dq", self.io_q, "q", dq)
             write("dk", self.io_kv, "kv", dk)

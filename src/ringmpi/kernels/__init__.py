@@ -82,7 +82,7 @@ def _check_cc(cc: Optional[int]) -> int:
     if cc < MIN_CC:
         from ..runtime.errors import ConfigError
         raise ConfigError(f"compute capability {cc // 10}.{cc % 10} is below {MIN_CC // 10}.{MIN_CC % 10}: "
-                          f"no ringmpi CUDA kernel runs there; backend='numpy' runs it")
+                          f"no ringmpi CUDA kernel runs there; RingContext(backend='numpy') runs it")
     return cc
 
 
@@ -138,7 +138,7 @@ def value_dim_problem(d: int, d_v: int) -> Optional[str]:
                       for a, b in VALUE_DIM_BUCKETS)
     return (f"the CUDA kernels do not run head dim D={d} with value head dim D_v={d_v}: they take "
             f"D_v in the same head-dim bucket as D (buckets {PADDED_DIMS}) or {pairs}; "
-            f"backend='numpy' runs any pair")
+            f"RingContext(backend='numpy') runs any pair")
 
 
 def _bucket_floor(dp: int) -> int:
@@ -297,7 +297,7 @@ def _fitting(candidates, smem_limit, what: str, cc: Optional[int]) -> BlockKerne
     from ..runtime.errors import ConfigError
     where = "" if cc is None else f" of this compute capability {cc // 10}.{cc % 10} GPU"
     raise ConfigError(f"no {what} kernel fits in the {smem_limit} bytes of shared memory per block{where} "
-                      f"(the smallest needs {min(k.smem for k in candidates)}); backend='numpy' runs it")
+                      f"(the smallest needs {min(k.smem for k in candidates)}); RingContext(backend='numpy') runs it")
 
 
 def _what(direction: str, kind: int, d: int, d_v: Optional[int]) -> str:

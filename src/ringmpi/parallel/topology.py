@@ -42,14 +42,15 @@ ENV_NODE_SIZE = "RINGMPI_NODE_SIZE"
 
 
 def head_parallel_setting(value=None) -> Union[int, str]:
-    """The requested ``U``: ``value``, else ``RINGMPI_HEAD_PARALLEL``, else 1.
+    """The requested ``U``: ``value``, else 1 (``RINGMPI_HEAD_PARALLEL`` is read as
+    :class:`ringmpi.RingContext`'s default, :mod:`ringmpi.runtime.env`).
 
     Returns a positive int or ``"auto"``; raises ``ValueError`` for anything
     else (the caller turns it into an agreed :class:`~ringmpi.runtime.errors.ConfigError`).
     No MPI.
     """
     if value is None:
-        value = os.environ.get(ENV_HEAD_PARALLEL) or 1
+        value = 1
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "auto":

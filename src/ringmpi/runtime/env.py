@@ -19,3 +19,33 @@ def positive_int(name: str, default: Optional[int] = None) -> Optional[int]:
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {text!r}")
     return value
+
+
+# The run settings: each variable is read here and nowhere else (the defaults of ringmpi.RingContext,
+# of the watchdog and of the file job).
+HEAD_PARALLEL = "RINGMPI_HEAD_PARALLEL"
+TIMEOUT = "RINGMPI_TIMEOUT"
+PASS_BYTES = "RINGMPI_PASS_BYTES"
+IO_PIECE_BYTES = "RINGMPI_IO_PIECE_BYTES"
+
+
+def head_parallel() -> Optional[str]:
+    """``RINGMPI_HEAD_PARALLEL`` as given (``U`` or ``auto``, checked where it is used), or None."""
+    return os.environ.get(HEAD_PARALLEL) or None
+
+
+def timeout() -> Optional[float]:
+    """``RINGMPI_TIMEOUT`` in seconds, or None when unset or empty."""
+    value = os.environ.get(TIMEOUT)
+    return float(value) if value else None
+
+
+def pass_bytes(default: int) -> int:
+    """``RINGMPI_PASS_BYTES``: the file job's bytes per pass, else ``default``."""
+    return int(os.environ.get(PASS_BYTES) or default)
+
+
+def io_piece_bytes(default: int) -> int:
+    """``RINGMPI_IO_PIECE_BYTES``: the largest transfer of one collective HDF5 call, else ``default``."""
+    value = os.environ.get(IO_PIECE_BYTES)
+    return max(1, int(value)) if value else default

@@ -36,6 +36,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Optional, Tuple
 
+from . import env
 from .abort import abort_job
 
 _default: Optional[float] = None
@@ -59,8 +60,7 @@ def deadline(timeout: Optional[float] = None) -> Optional[float]:
         return timeout
     if _default is not None:
         return _default
-    value = os.environ.get("RINGMPI_TIMEOUT")
-    return float(value) if value else None
+    return env.timeout()
 
 
 @contextmanager
