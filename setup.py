@@ -3,8 +3,22 @@
 rest of the package is in pyproject.toml.  If no C compiler can build them, the install
 goes on and the NumPy backend uses its NumPy-only paths (the same bits for the sums)."""
 
+import importlib.util
+from pathlib import Path
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+FIXED_SPLIT = "src/ringmpi/core/fixed_split.py"
+
+
+def fixed_split_macros():
+    """``_fixed``'s ``-D`` defines, ``ringmpi.core.fixed_split.c_defines()``: the split of a partial
+    into int64 words, stated there once (the file is loaded by its path: it needs no NumPy)."""
+    spec = importlib.util.spec_from_file_location("ringmpi_fixed_split", Path(__file__).parent / FIXED_SPLIT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sorted(module.c_defines().items())
 
 
 class OptionalBuildExt(build_ext):
@@ -27,7 +41,8 @@ setup(
                                     "src/ringmpi/_ext/path_end.h", "src/ringmpi/_ext/vector_paths.h"],
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]),
                  Extension("ringmpi._ext._fixed", ["src/ringmpi/_ext/fixed.c"],
-                           depends=["src/ringmpi/_ext/vector_paths.h"],
+                           depends=["src/ringmpi/_ext/vector_paths.h", FIXED_SPLIT],
+                           define_macros=fixed_split_macros(),
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
                                                "-fno-wrapv"])],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -220,3 +220,14 @@ def test_ringmpi_cpu_vector_pins_the_path():
     from ringmpi.backends import fixed_sums
 
     assert fixed_sums.vector_path() == _fixed.path()
+
+
+@pytest.mark.skipif(_fixed is None, reason="ringmpi._ext._fixed was not built")
+def test_compiled_loop_takes_the_split_from_fixed_split():
+    """The built module's split (its -D defines, from setup.py) is ``core.fixed_split``'s: a build
+    older than a change there fails here, not in the bits."""
+    from ringmpi.core import fixed_point, fixed_split
+
+    assert _fixed.constants() == {**fixed_split.constants(), "FIXED_LIMB_BITS": fixed_split.LIMB_BITS}
+    assert fixed_split.constants()["FIXED_LIMIT_1"] == _limit(1) and fixed_split.constants()["FIXED_LIMIT_2"] == _limit(2)
+    assert (fixed_point.TOP, fixed_point.LIMB_BITS) == (fixed_split.TOP, fixed_split.LIMB_BITS) == (61, 30)

@@ -243,6 +243,63 @@ def test_invariant_constants_have_one_home():
         assert not re.search(rf"^\s*#\s*define\s+{name}\b", text, flags=re.M), name
 
 
+def test_shared_constants_have_one_home():
+    """No CUDA or C source writes a constant it shares with Python.  The kernels get
+    ``KERNEL_DEFINES`` (element kinds, ``MAX_HEAD_MODS``, tile classes: every program) and
+    invariant.cu also the fixed-point split (``core.fixed_split``) as ``-D`` defines of Python's
+    values; common.cuh and invariant.cu ``#error`` without them; ``_ext/fixed.c`` takes the split
+    from setup.py the same way (``test_fixed_add`` holds the built module to it).  No source
+    holds one of the split's numbers as a literal (hexadecimal float or IEEE bits)."""
+    import re
+    import struct
+    from pathlib import Path
+
+    from ringmpi.core import fixed_split, masks
+    from ringmpi.core.modifiers import MAX_KERNEL_MODIFIERS
+
+    assert K.KERNEL_DEFINES == {"KIND_F16": K.F16, "KIND_BF16": K.BF16, "KIND_F32": K.F32, "KIND_F64": K.F64,
+                                "MAX_HEAD_MODS": MAX_KERNEL_MODIFIERS, "TILE_SKIP": masks.SKIP,
+                                "TILE_PARTIAL": masks.PARTIAL, "TILE_FULL": masks.FULL}
+    assert len(set(K.KIND_SIZE)) == 4 and set(K.KIND_SIZE) == {K.F16, K.BF16, K.F32, K.F64}
+    split = fixed_split.constants()
+    assert split == {"FIXED_LIMIT_1": 2.0 ** 62, "FIXED_LIMIT_2": 2.0 ** 92, "FIXED_LIMB": 2.0 ** 30,
+                     "FIXED_LIMB_INV": 2.0 ** -30}
+    for filename in K.SOURCES:
+        want = dict(K.KERNEL_DEFINES)
+        if filename == K.INVARIANT_SOURCE:
+            want.update(K.INVARIANT_DEFINES, **fixed_split.cuda_defines())
+        assert K.defines(filename) == want
+        options = K.compile_options(filename)
+        for name, value in want.items():
+            assert f"-D{name}={value}" in options, (filename, name)
+    # the rendered literals are exactly Python's values
+    for name, value in split.items():
+        assert float.fromhex(fixed_split.c_defines()[name]) == value
+        bits = re.fullmatch(r"__longlong_as_double\((0x[0-9a-f]+)LL\)", fixed_split.cuda_defines()[name])
+        assert struct.unpack("<d", struct.pack("<Q", int(bits.group(1), 16)))[0] == value
+    assert fixed_split.c_defines()["FIXED_LIMB_BITS"] == str(fixed_split.LIMB_BITS)
+
+    fixed_c = Path(fixed_split.__file__).resolve().parents[1] / "_ext" / "fixed.c"
+    texts = {path: path.read_text() for path in sorted(K.KERNEL_DIR.iterdir()) if path.suffix in (".cu", ".cuh")}
+    texts[fixed_c] = fixed_c.read_text()
+    names = set(K.KERNEL_DEFINES) | set(K.INVARIANT_DEFINES) | set(fixed_split.c_defines())
+    for path, text in texts.items():
+        defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", text, flags=re.M))
+        assert not defined & names, (path.name, defined & names)
+        hexfloats = {float.fromhex(h) for h in re.findall(r"\b0x[0-9a-fA-F.]+p[+-]?\d+", text)}
+        ieee = {struct.unpack("<d", struct.pack("<Q", int(b, 16)))[0] for b in re.findall(r"\b0x([0-9a-fA-F]{16})", text)}
+        assert not (hexfloats | ieee) & set(split.values()), path.name
+    # each source refuses to compile without its defines, and uses each (outside comments and #if)
+    code = {path: re.sub(r"//[^\n]*|/\*.*?\*/|^\s*#\s*(?:if|error)[^\n]*(?:\\\n[^\n]*)*", "", text, flags=re.S | re.M)
+            for path, text in texts.items()}
+    kernels = "\n".join(c for path, c in code.items() if path != fixed_c)
+    for path, wanted in ((K.KERNEL_DIR / K.PREAMBLE, K.KERNEL_DEFINES), (K.KERNEL_DIR / K.INVARIANT_SOURCE, split),
+                         (fixed_c, fixed_split.c_defines())):
+        for name in wanted:
+            assert f"!defined({name})" in texts[path], (path.name, name)
+            assert re.search(rf"\b{name}\b", kernels if path != fixed_c else code[fixed_c]), (path.name, name)
+
+
 def test_invariant_slot_maps_name_each_tile_slots_local_row():
     from ringmpi.backends.invariant_device import slot_map
     from ringmpi.core.global_tiles import TILE, Tiling

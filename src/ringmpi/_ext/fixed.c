@@ -22,12 +22,25 @@
  * a double to int64), avx2 (four doubles a vector, int64 formed from the bits of exact doubles),
  * plain (scalar C for the baseline) -- each doing those same operations per element: the same
  * integers on every path.  paths() lists those this CPU runs, use() picks one; at import the
- * widest it runs, or the one RINGMPI_CPU_VECTOR pins (ValueError where this CPU cannot). */
+ * widest it runs, or the one RINGMPI_CPU_VECTOR pins (ValueError where this CPU cannot).
+ *
+ * The split's constants (the numbers above: 2^62, 2^92, 2^30 = 2^LIMB_BITS) are not written
+ * here: setup.py passes ringmpi.core.fixed_split.c_defines() as -D defines, FIXED_LIMIT_1 and
+ * FIXED_LIMIT_2 (the one- and two-word ranges), FIXED_LIMB and FIXED_LIMB_INV (2^LIMB_BITS and
+ * its inverse, hexadecimal literals: exact) and FIXED_LIMB_BITS. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if !defined(FIXED_LIMIT_1) || !defined(FIXED_LIMIT_2) || !defined(FIXED_LIMB) || !defined(FIXED_LIMB_INV) \
+    || !defined(FIXED_LIMB_BITS)
+#error "the fixed-point split's constants come from ringmpi.core.fixed_split: build through setup.py"
+#endif
+#if FIXED_LIMB_BITS > 31
+#error "the AVX2 path holds a low word in an int32 (two_avx2): LIMB_BITS must be at most 31"
+#endif
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define X86_PATHS 1
@@ -84,7 +97,7 @@ static char fmt(const Py_buffer *v)
  * compiler may vectorise the loops) */
 INLINE int one_plain(int64_t *o, double y)
 {
-    const int in = fabs(y) < 0x1p62; /* false for NaN */
+    const int in = fabs(y) < FIXED_LIMIT_1; /* false for NaN */
     WRAP_ADD(o, (int64_t)(in ? y : 0.0));
     return !in;
 }
@@ -92,11 +105,11 @@ INLINE int one_plain(int64_t *o, double y)
 /* hi = trunc(y 2^-30) as (int64)(y 2^-30) (|hi| < 2^62; that integer's double is exact) */
 INLINE int two_plain(int64_t *o, int64_t *o2, double y)
 {
-    const int in = fabs(y) < 0x1p92;
+    const int in = fabs(y) < FIXED_LIMIT_2;
     y = in ? y : 0.0;
-    const int64_t hi = (int64_t)(y * 0x1p-30);
+    const int64_t hi = (int64_t)(y * FIXED_LIMB_INV);
     WRAP_ADD(o, hi);
-    WRAP_ADD(o2, (int64_t)(y - (double)hi * 0x1p30));
+    WRAP_ADD(o2, (int64_t)(y - (double)hi * FIXED_LIMB));
     return !in;
 }
 
@@ -165,8 +178,8 @@ ISA_avx512 INLINE void two_avx512(__m512d y, __m512d lim, __mmask8 *ok, __m512i 
     const __mmask8 in = _mm512_cmp_pd_mask(_mm512_abs_pd(y), lim, _CMP_LT_OQ);
     *ok = _kand_mask8(*ok, in);
     y = _mm512_maskz_mov_pd(in, y);
-    *hi = _mm512_cvttpd_epi64(_mm512_mul_pd(y, _mm512_set1_pd(0x1p-30)));
-    *lo = _mm512_cvttpd_epi64(_mm512_sub_pd(y, _mm512_mul_pd(_mm512_cvtepi64_pd(*hi), _mm512_set1_pd(0x1p30))));
+    *hi = _mm512_cvttpd_epi64(_mm512_mul_pd(y, _mm512_set1_pd(FIXED_LIMB_INV)));
+    *lo = _mm512_cvttpd_epi64(_mm512_sub_pd(y, _mm512_mul_pd(_mm512_cvtepi64_pd(*hi), _mm512_set1_pd(FIXED_LIMB))));
 }
 ISA_avx512 INLINE __m512i iload_avx512(const int64_t *p) { return _mm512_loadu_si512(p); }
 ISA_avx512 INLINE void istore_avx512(int64_t *p, __m512i v) { _mm512_storeu_si512(p, v); }
@@ -225,9 +238,9 @@ ISA_avx2 INLINE __m256i one_avx2(__m256d y, __m256d lim, __m256d *ok)
 ISA_avx2 INLINE void two_avx2(__m256d y, __m256d lim, __m256d *ok, __m256i *hi, __m256i *lo)
 {
     y = _mm256_and_pd(y, in_avx2(y, lim, ok));
-    const __m256d h = trunc_avx2(_mm256_mul_pd(y, _mm256_set1_pd(0x1p-30)));
+    const __m256d h = trunc_avx2(_mm256_mul_pd(y, _mm256_set1_pd(FIXED_LIMB_INV)));
     *hi = int_avx2(h);
-    *lo = _mm256_cvtepi32_epi64(_mm256_cvttpd_epi32(_mm256_sub_pd(y, _mm256_mul_pd(h, _mm256_set1_pd(0x1p30)))));
+    *lo = _mm256_cvtepi32_epi64(_mm256_cvttpd_epi32(_mm256_sub_pd(y, _mm256_mul_pd(h, _mm256_set1_pd(FIXED_LIMB)))));
 }
 ISA_avx2 INLINE __m256i iload_avx2(const int64_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 ISA_avx2 INLINE void istore_avx2(int64_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
@@ -257,7 +270,7 @@ COUNT_FLAGGED(double)
 #define VECTOR_KERNELS(P, T)                                                                             \
     ISA_##P INLINE int row1_##P##_##T(ROW_ARGS(T))                                                       \
     {                                                                                                    \
-        const dv_##P vr = set1_##P(rs), lim = set1_##P(0x1p62);                                          \
+        const dv_##P vr = set1_##P(rs), lim = set1_##P(FIXED_LIMIT_1);                                   \
         ok_##P ok = ok_init_##P();                                                                       \
         Py_ssize_t c = 0;                                                                                \
         _Pragma("GCC unroll 4")                                                                          \
@@ -269,7 +282,7 @@ COUNT_FLAGGED(double)
     }                                                                                                    \
     ISA_##P INLINE int row2_##P##_##T(ROW_ARGS(T))                                                       \
     {                                                                                                    \
-        const dv_##P vr = set1_##P(rs), lim = set1_##P(0x1p92);                                          \
+        const dv_##P vr = set1_##P(rs), lim = set1_##P(FIXED_LIMIT_2);                                   \
         ok_##P ok = ok_init_##P();                                                                       \
         Py_ssize_t c = 0;                                                                                \
         _Pragma("GCC unroll 2")                                                                          \
@@ -285,7 +298,7 @@ COUNT_FLAGGED(double)
     }                                                                                                    \
     ISA_##P INLINE Py_ssize_t sum1_##P##_##T(SUM_ARGS(T))                                                \
     {                                                                                                    \
-        const dv_##P lim = set1_##P(0x1p62);                                                             \
+        const dv_##P lim = set1_##P(FIXED_LIMIT_1);                                                      \
         const Py_ssize_t step = R * C;                                                                   \
         Py_ssize_t flagged = 0;                                                                          \
         for (Py_ssize_t r = 0; r < R; r++) {                                                             \
@@ -320,7 +333,7 @@ COUNT_FLAGGED(double)
             for (; c < C; c++)                                                                           \
                 for (Py_ssize_t n = 0; n < N; n++) row_bad |= one_plain(out + c, SCALE((double)xr[n * step + c], c)); \
             if (row_bad) {                                                                               \
-                flagged += count_flagged_##T(xr, step, N, C, rs, cols, HR, HC, 0x1p62);                  \
+                flagged += count_flagged_##T(xr, step, N, C, rs, cols, HR, HC, FIXED_LIMIT_1);           \
                 if (bad) bad[r] = 1;                                                                     \
             }                                                                                            \
         }                                                                                                \
@@ -328,7 +341,7 @@ COUNT_FLAGGED(double)
     }                                                                                                    \
     ISA_##P INLINE Py_ssize_t sum2_##P##_##T(SUM_ARGS(T))                                                \
     {                                                                                                    \
-        const dv_##P lim = set1_##P(0x1p92);                                                             \
+        const dv_##P lim = set1_##P(FIXED_LIMIT_2);                                                      \
         const Py_ssize_t step = R * C;                                                                   \
         Py_ssize_t flagged = 0;                                                                          \
         for (Py_ssize_t r = 0; r < R; r++) {                                                             \
@@ -372,7 +385,7 @@ COUNT_FLAGGED(double)
                 for (Py_ssize_t n = 0; n < N; n++)                                                       \
                     row_bad |= two_plain(out + c, out + C + c, SCALE((double)xr[n * step + c], c));      \
             if (row_bad) {                                                                               \
-                flagged += count_flagged_##T(xr, step, N, C, rs, cols, HR, HC, 0x1p92);                  \
+                flagged += count_flagged_##T(xr, step, N, C, rs, cols, HR, HC, FIXED_LIMIT_2);           \
                 if (bad) bad[r] = 1;                                                                     \
             }                                                                                            \
         }                                                                                                \
@@ -580,6 +593,13 @@ done:
 #define PATHS_OF "the fixed-point sums"
 #include "vector_paths.h"
 
+/* the split's constants this build was compiled with (the tests hold them to fixed_split's) */
+static PyObject *py_constants(PyObject *self, PyObject *unused)
+{
+    return Py_BuildValue("{sdsdsdsdsi}", "FIXED_LIMIT_1", FIXED_LIMIT_1, "FIXED_LIMIT_2", FIXED_LIMIT_2, "FIXED_LIMB",
+                         FIXED_LIMB, "FIXED_LIMB_INV", FIXED_LIMB_INV, "FIXED_LIMB_BITS", FIXED_LIMB_BITS);
+}
+
 static PyMethodDef methods[] = {
     {"add", py_add, METH_VARARGS,
      "add(acc, x, rows, cols, index, bad, limbs): acc[slot] += trunc((x * rows) * cols) in int64 "
@@ -587,6 +607,8 @@ static PyMethodDef methods[] = {
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
     {"path", py_path, METH_NOARGS, "path(): the vector path add runs"},
     {"use", py_use, METH_VARARGS, "use(name): add runs the vector path ``name`` (ValueError where this CPU cannot)"},
+    {"constants", py_constants, METH_NOARGS,
+     "constants(): the fixed-point split's -D defines this module was built with (ringmpi.core.fixed_split)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fixed", NULL, -1, methods};

@@ -26,26 +26,23 @@ A row of ``x`` holding NaN/Inf or a value beyond the grid adds nothing and is re
 ``bad`` (the caller makes the row NaN): never a wrapped integer.
 
 The loop is :func:`add_numpy` here, compiled in ``_ext/fixed.c`` (the same IEEE double
-operations: the same integers); :func:`ringmpi.backends.fixed_sums.add` runs either.
+operations: the same integers); :func:`ringmpi.backends.fixed_sums.add` runs either.  The split
+into words (``TOP``, ``LIMB_BITS``, the range limits) is :mod:`ringmpi.core.fixed_split`'s, which
+the C loop and the GPU's ``kernels/invariant.cu`` take as ``-D`` defines.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-TOP = 61          # one int64 word: partials and sums below 2^61
-LIMB_BITS = 30    # two words: y = hi 2^30 + lo
+from .fixed_split import LIMB, LIMB_BITS, TOP, limit, top  # noqa: F401 - TOP, LIMB_BITS: re-exported
+
 MIN_EXPONENT = -1000  # bounds below 2^-1000 count as 2^-1000 (their values round to 0 on the grid)
 
 
 def limbs_for(compute_dtype) -> int:
     """Int64 words per value: 2 for float64 sums (92 bits), 1 for float32 (62 bits)."""
     return 2 if np.dtype(compute_dtype) == np.float64 else 1
-
-
-def top(limbs: int) -> int:
-    """The grid's top exponent: sums stay below ``2^top(limbs)``."""
-    return TOP + LIMB_BITS * (limbs - 1)
 
 
 def exponent(x) -> np.ndarray:
@@ -84,7 +81,7 @@ def value(acc: np.ndarray, limbs: int) -> np.ndarray:
     if limbs == 1:
         return acc.astype(np.float64)
     c = acc.shape[-1] // 2
-    return acc[..., :c].astype(np.float64) * 2.0 ** LIMB_BITS + acc[..., c:].astype(np.float64)
+    return acc[..., :c].astype(np.float64) * LIMB + acc[..., c:].astype(np.float64)
 
 
 def add_numpy(acc, x, rows=None, cols=None, index=None, bad=None, limbs: int = 1) -> None:
@@ -114,7 +111,7 @@ def add_numpy(acc, x, rows=None, cols=None, index=None, bad=None, limbs: int = 1
     if cols is not None:
         y *= cols
     with np.errstate(invalid="ignore"):
-        ok = np.abs(y) < 2.0 ** (top(limbs) + 1)
+        ok = np.abs(y) < limit(limbs)
     if not ok.all():
         row_bad = ~ok.all(axis=2)
         if bad is None:
@@ -124,8 +121,8 @@ def add_numpy(acc, x, rows=None, cols=None, index=None, bad=None, limbs: int = 1
     if limbs == 1:
         t = y.astype(np.int64)
     else:
-        hi = np.trunc(y * 2.0 ** -LIMB_BITS)
-        t = np.concatenate([hi.astype(np.int64), (y - hi * 2.0 ** LIMB_BITS).astype(np.int64)], axis=2)
+        hi = np.trunc(y * (1.0 / LIMB))
+        t = np.concatenate([hi.astype(np.int64), (y - hi * LIMB).astype(np.int64)], axis=2)
     if index is not None:
         acc[slots] += t
     elif a == n:

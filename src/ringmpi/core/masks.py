@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .dropout import Dropout
     from .modifiers import HeadModifier
 
-SKIP, PARTIAL, FULL = 0, 1, 2
+SKIP, PARTIAL, FULL = 0, 1, 2  # tile classes; the kernels' TILE_* (-D defines: kernels.KERNEL_DEFINES)
 
 
 @dataclass(frozen=True)

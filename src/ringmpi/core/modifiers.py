@@ -35,7 +35,7 @@ import numpy as np
 
 from .host import to_host
 
-MAX_KERNEL_MODIFIERS = 4  # MAX_HEAD_MODS in kernels/common.cuh: the kernels' per-head value slots
+MAX_KERNEL_MODIFIERS = 4  # the kernels' per-head value slots: their MAX_HEAD_MODS (a -D define, KERNEL_DEFINES)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ..core import fixed_split
+from ..core import masks
 from ..core.global_tiles import TILE
+from ..core.modifiers import MAX_KERNEL_MODIFIERS
 from ..runtime.device import MIN_CC
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -29,9 +32,17 @@ DROPOUT_PREAMBLE = "philox.cuh"  # Philox and the dropout rule, after common.cuh
 SOURCES = ("forward.cu", "backward.cu", "finalize.cu", "invariant.cu")
 INVARIANT_SOURCE = "invariant.cu"  # invariant=True's kernels (ringmpi.backends.invariant_device)
 
-# element kinds (must match KIND_* in common.cuh)
+# element kinds: common.cuh's KIND_* (KERNEL_DEFINES), stated here only
 F16, BF16, F32, F64 = 0, 1, 2, 3
 KIND_SIZE = {F16: 2, BF16: 2, F32: 4, F64: 8}
+# The constants every kernel program shares with Python, stated here (or in core/) only:
+# compile_options passes them to NVRTC as -D defines, and common.cuh #errors without them.
+# MAX_HEAD_MODS: the per-head value slots of the score modifiers (ringmpi.core.modifiers);
+# TILE_*: the tile classes (core.masks: classify_tile's values, and the host's pair classes
+# that invariant.cu reads).
+KERNEL_DEFINES = {"KIND_F16": F16, "KIND_BF16": BF16, "KIND_F32": F32, "KIND_F64": F64,
+                  "MAX_HEAD_MODS": MAX_KERNEL_MODIFIERS,
+                  "TILE_SKIP": masks.SKIP, "TILE_PARTIAL": masks.PARTIAL, "TILE_FULL": masks.FULL}
 
 # Head dims are padded (with zeros, in shared memory) to one of these; the
 # kernels take the true D at run time.
@@ -322,7 +333,8 @@ def backward_kernel(kind: int, d: int, smem_limit=None, d_v: Optional[int] = Non
 INVARIANT_KERNELS = ("max", "forward", "backward")
 INVARIANT_TILE = TILE    # global positions per tile; threads per CTA
 INVARIANT_STRIDE = TILE + 1  # the backward's shared tile row stride (no bank conflicts)
-# invariant.cu's constants, stated here only: compile_options passes them as -D defines
+# invariant.cu's constants, stated here only: compile_options passes them as -D defines, with the
+# fixed-point split's (core.fixed_split.cuda_defines: FIXED_LIMIT_1, ..., as in _ext/fixed.c)
 INVARIANT_DEFINES = {"INV_TILE": INVARIANT_TILE, "INV_STRIDE": INVARIANT_STRIDE}
 
 
@@ -403,14 +415,24 @@ def instantiations(cc: Optional[int] = None):
     return unique
 
 
+def defines(filename: Optional[str] = None) -> dict:
+    """The ``-D`` defines of ``filename``'s program: :data:`KERNEL_DEFINES` for every file;
+    invariant.cu's :data:`INVARIANT_DEFINES` and the fixed-point split's
+    (:func:`ringmpi.core.fixed_split.cuda_defines`) for it too."""
+    out = dict(KERNEL_DEFINES)
+    if filename == INVARIANT_SOURCE:
+        out.update(INVARIANT_DEFINES)
+        out.update(fixed_split.cuda_defines())
+    return out
+
+
 def compile_options(filename: Optional[str] = None):
     """NVRTC options of ``filename``'s program, shared by the runtime loader and the compile
-    test: invariant.cu without contraction into FMA (``--fmad=false``: its passes must form a
-    score the same bits in every kernel that forms it) and with its constants
-    (:data:`INVARIANT_DEFINES`) as ``-D`` defines."""
-    if filename != INVARIANT_SOURCE:
-        return ("--std=c++14",)
-    return ("--std=c++14", "--fmad=false") + tuple(f"-D{name}={value}" for name, value in INVARIANT_DEFINES.items())
+    test: its constants (:func:`defines`) as ``-D`` defines, and invariant.cu without
+    contraction into FMA (``--fmad=false``: its passes must form a score the same bits in every
+    kernel that forms it)."""
+    fmad = ("--fmad=false",) if filename == INVARIANT_SOURCE else ()
+    return ("--std=c++14",) + fmad + tuple(f"-D{name}={value}" for name, value in defines(filename).items())
 
 
 @functools.lru_cache(maxsize=None)

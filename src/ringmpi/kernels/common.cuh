@@ -6,15 +6,15 @@
 //   KIND_F32: float storage and math
 //   KIND_F64: double storage and math
 // Index arithmetic that can exceed 2^31 is done in long long.
-
-#define KIND_F16 0
-#define KIND_BF16 1
-#define KIND_F32 2
-#define KIND_F64 3
-
-#define TILE_SKIP 0
-#define TILE_PARTIAL 1
-#define TILE_FULL 2
+//
+// The constants shared with Python are not written here: NVRTC gets them as -D defines from
+// ringmpi.kernels.KERNEL_DEFINES (kernels.compile_options): the element kinds KIND_* (the values
+// of ringmpi.kernels.F16, BF16, F32, F64), MAX_HEAD_MODS (ringmpi.core.modifiers.MAX_KERNEL_MODIFIERS)
+// and the tile classes TILE_SKIP, TILE_PARTIAL, TILE_FULL (ringmpi.core.masks.SKIP, PARTIAL, FULL).
+#if !defined(KIND_F16) || !defined(KIND_BF16) || !defined(KIND_F32) || !defined(KIND_F64) \
+    || !defined(MAX_HEAD_MODS) || !defined(TILE_SKIP) || !defined(TILE_PARTIAL) || !defined(TILE_FULL)
+#error "compile with ringmpi.kernels.compile_options: it defines KIND_*, MAX_HEAD_MODS and TILE_*"
+#endif
 
 template <int KIND> struct Kind;
 template <> struct Kind<KIND_F16> { typedef unsigned short storage; typedef float acc; };
@@ -102,21 +102,36 @@ template <typename T> __device__ __forceinline__ T pos_inf();
 template <> __device__ __forceinline__ float pos_inf<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double pos_inf<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
 
-// x . y over d < n, the scores (and do . v) of the SIMT kernels, forward and backward alike:
-// four partial sums over d mod 4, added pairwise.  A sequential sum of 64 products of large
-// logits rounds about twice as far from the exact score as the dense float32 computation the
-// tolerance rule compares with; four partial sums stay within it.  x and y hold zeros from n up
-// to the next multiple of 4 (the padded head dims are multiples of 8).
+// The one four-partial dot product of the CUDA sources: x . y as four partial sums over d mod 4,
+// s_k += x[d] * y[d] for d = k mod 4 in increasing d, added pairwise, (s0 + s1) + (s2 + s3).  The
+// scores (and do . v) of the SIMT kernels, forward and backward alike, and invariant.cu's
+// (inv_dot).  A sequential sum of 64 products of large logits rounds about twice as far from the
+// exact score as the dense float32 computation the tolerance rule compares with; four partial
+// sums stay within it.  Dot4 holds the partials: add() takes one group d .. d + 3 (x's values as
+// arguments, so that a caller may hold them in registers: the SIMT forward reads each q value
+// once for all of its keys), add_one() a single product of a tail (into s0), sum() the result.
+// Every caller does its products in this one order, so all of them form a score the same bits.
+template <typename T>
+struct Dot4 {
+    T s0, s1, s2, s3;
+    __device__ __forceinline__ Dot4() : s0(T(0)), s1(T(0)), s2(T(0)), s3(T(0)) {}
+    __device__ __forceinline__ void add(T x0, T x1, T x2, T x3, const T* y) {
+        s0 += x0 * y[0];
+        s1 += x1 * y[1];
+        s2 += x2 * y[2];
+        s3 += x3 * y[3];
+    }
+    __device__ __forceinline__ void add_one(T x, T y) { s0 += x * y; }
+    __device__ __forceinline__ T sum() const { return (s0 + s1) + (s2 + s3); }
+};
+
+// x . y over d < n by Dot4; x and y hold zeros from n up to the next multiple of 4 (the padded
+// head dims are multiples of 8).
 template <typename T>
 __device__ __forceinline__ T dot4(const T* x, const T* y, int n) {
-    T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
-    for (int d = 0; d < n; d += 4) {
-        s0 += x[d] * y[d];
-        s1 += x[d + 1] * y[d + 1];
-        s2 += x[d + 2] * y[d + 2];
-        s3 += x[d + 3] * y[d + 3];
-    }
-    return (s0 + s1) + (s2 + s3);
+    Dot4<T> acc;
+    for (int d = 0; d < n; d += 4) acc.add(x[d], x[d + 1], x[d + 2], x[d + 3], y + d);
+    return acc.sum();
 }
 
 __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
@@ -193,7 +208,6 @@ struct MaskArgs {
 // fetch a head's values once (head_values) and test them once (score_modified),
 // so a call without modifiers runs the same operations as before.  The values
 // pointer is a dummy when head_mods is 0.
-#define MAX_HEAD_MODS 4  /* ringmpi.core.modifiers.MAX_KERNEL_MODIFIERS */
 #define MOD_PARAMS double softcap, int head_mods, const float* __restrict__ head_vals, long long mod_offset
 #define MOD_INIT(mk) mk.softcap = softcap; mk.head_mods = head_mods; mk.head_values = head_mods ? head_vals : 0; \
     mk.mod_offset = mod_offset

@@ -352,24 +352,19 @@ __global__ void __launch_bounds__(128) ringmpi_forward_simt(
         }
         const bool careful = __syncthreads_or(bad_v);  // a NaN/Inf in this V tile
 
-        // the scores: dot4's arithmetic (four partial sums over d mod 4), each q value read once
-        T s[NC], s1[NC], s2[NC], s3[NC];
-#pragma unroll
-        for (int i = 0; i < NC; ++i) s[i] = s1[i] = s2[i] = s3[i] = T(0);
+        // the scores: common.cuh's dot4(q row, key row, D) for each of the thread's NC keys (Dot4:
+        // per key the same partials, products and order as dot4), with the key loop inside the
+        // column loop, so that each q value is read once for all NC keys
+        Dot4<T> dots[NC];
         for (int d = 0; d < a.D; d += 4) {
             const T q0v = Qs[r * RS + d], q1v = Qs[r * RS + d + 1], q2v = Qs[r * RS + d + 2],
                     q3v = Qs[r * RS + d + 3];
 #pragma unroll
-            for (int i = 0; i < NC; ++i) {
-                const T* kr = Ks + (j + TPR * i) * RS + d;
-                s[i] += q0v * kr[0];
-                s1[i] += q1v * kr[1];
-                s2[i] += q2v * kr[2];
-                s3[i] += q3v * kr[3];
-            }
+            for (int i = 0; i < NC; ++i) dots[i].add(q0v, q1v, q2v, q3v, Ks + (j + TPR * i) * RS + d);
         }
+        T s[NC];
 #pragma unroll
-        for (int i = 0; i < NC; ++i) s[i] = (s[i] + s1[i]) + (s2[i] + s3[i]);
+        for (int i = 0; i < NC; ++i) s[i] = dots[i].sum();
         T mx = neg_inf<T>();
 #pragma unroll
         for (int i = 0; i < NC; ++i) {

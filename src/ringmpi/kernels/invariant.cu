@@ -24,10 +24,13 @@
 // INV_TILE (64 global positions, one thread each) and INV_STRIDE (the shared-memory row stride of
 // the backward's 64 x 64 tile) come as -D defines from ringmpi.kernels.INVARIANT_DEFINES.
 
-// 2^62, 2^92 (the one- and two-word ranges), 2^-30 and 2^30 (the two-word split) as exact doubles
-__device__ __forceinline__ double inv_range(int limbs) {
-    return __longlong_as_double(limbs == 1 ? 0x43D0000000000000LL : 0x45B0000000000000LL);
-}
+// The fixed-point split is ringmpi.core.fixed_split's, as -D defines (exact doubles, from their
+// IEEE bits): FIXED_LIMIT_1 and FIXED_LIMIT_2 (the one- and two-word ranges, 2^62 and 2^92),
+// FIXED_LIMB and FIXED_LIMB_INV (2^30 and 2^-30: the two-word split); _ext/fixed.c takes the same.
+#if !defined(FIXED_LIMIT_1) || !defined(FIXED_LIMIT_2) || !defined(FIXED_LIMB) || !defined(FIXED_LIMB_INV)
+#error "compile with ringmpi.kernels.compile_options: it defines FIXED_* from ringmpi.core.fixed_split"
+#endif
+__device__ __forceinline__ double inv_range(int limbs) { return limbs == 1 ? FIXED_LIMIT_1 : FIXED_LIMIT_2; }
 
 // Add y (already on the grid) to the words at w (w[0], and w[c_off] for the low word), or
 // return false when |y| is beyond the range (or NaN): the caller flags the row and adds nothing.
@@ -38,9 +41,9 @@ __device__ __forceinline__ bool fixed_add(long long* w, long long c_off, int lim
     if (limbs == 1) {
         hi = __double2ll_rz(y);
     } else {
-        const double h = trunc(y * __longlong_as_double(0x3E10000000000000LL));      // y 2^-30
+        const double h = trunc(y * FIXED_LIMB_INV);      // y 2^-30
         hi = __double2ll_rz(h);
-        lo = __double2ll_rz(y - h * __longlong_as_double(0x41D0000000000000LL));   // y - hi 2^30
+        lo = __double2ll_rz(y - h * FIXED_LIMB);          // y - hi 2^30
     }
     if (ATOMIC) {
         atomicAdd(reinterpret_cast<unsigned long long*>(w), (unsigned long long)hi);
@@ -52,19 +55,15 @@ __device__ __forceinline__ bool fixed_add(long long* w, long long c_off, int lim
     return true;
 }
 
-// x . y over d < n: four partial sums over d mod 4, added pairwise, then the tail
+// x . y over d < n by common.cuh's Dot4 (four partial sums over d mod 4, added pairwise); the
+// rows here are not padded, so the columns after the last multiple of 4 add to s0 (add_one)
 template <typename T>
 __device__ __forceinline__ T inv_dot(const T* __restrict__ x, const T* __restrict__ y, int n) {
-    T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
+    Dot4<T> acc;
     int d = 0;
-    for (; d + 3 < n; d += 4) {
-        s0 += x[d] * y[d];
-        s1 += x[d + 1] * y[d + 1];
-        s2 += x[d + 2] * y[d + 2];
-        s3 += x[d + 3] * y[d + 3];
-    }
-    for (; d < n; ++d) s0 += x[d] * y[d];
-    return (s0 + s1) + (s2 + s3);
+    for (; d + 3 < n; d += 4) acc.add(x[d], x[d + 1], x[d + 2], x[d + 3], y + d);
+    for (; d < n; ++d) acc.add_one(x[d], y[d]);
+    return acc.sum();
 }
 
 // The score of local query row qi and local key row kj: scale q.k, then the modifiers
