@@ -190,7 +190,8 @@ def test_kernel_bench_measures_every_path():
 
 def _pinned_env(path, core):
     env = dict(os.environ, RINGMPI_CPU_VECTOR=path, OPENBLAS_NUM_THREADS="1",
-               NPY_DISABLE_CPU_FEATURES=" ".join(numpy_targets_above(path)))
+               NPY_DISABLE_CPU_FEATURES=" ".join(numpy_targets_above(path)),
+               RINGMPI_TEST_INVARIANT_SIZES="1,2,3")  # see test_invariant.WORLD_SIZES
     env.pop("OPENBLAS_CORETYPE", None)
     if core is not None:
         env["OPENBLAS_CORETYPE"] = core
