@@ -107,3 +107,15 @@ def test_segments_cut_a_shard_at_documents():
     assert segments(120, 150, bounds) == [Segment(0, 30, 3, False, False)]
     assert segments(70, 70, bounds) == []
     assert empty_documents(bounds) == [1]
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_unit_lower_inverse(m):
+    """The chunks' UT system is solved by an inverse made of doubling blocks: it is the inverse,
+    at any size (the last block of a size that is not a power of two is short)."""
+    rng = np.random.default_rng(m)
+    t = np.tril(rng.uniform(-0.5, 0.5, (3, m, m)), -1) + np.eye(m)
+    inv = lr.unit_lower_inverse(t)
+    assert np.array_equal(inv, np.tril(inv))
+    np.testing.assert_allclose(inv, np.linalg.inv(t), rtol=0, atol=1e-12 * np.abs(np.linalg.inv(t)).max())
+    np.testing.assert_allclose(inv @ t, np.broadcast_to(np.eye(m), t.shape), rtol=0, atol=1e-12)
