@@ -259,7 +259,7 @@ def resolve_groups(comm, heads: int, value=None, choose: Optional[Callable[[List
     except ValueError as exc:
         agree(comm, str(exc))
         raise
-    if setting == 1 or comm.Get_size() == 1:
+    if setting == 1 or (setting == "auto" and comm.Get_size() == 1):
         return None
     problem, nodes = None, None
     try:
