@@ -166,12 +166,6 @@ def head_parallel_candidates(nodes: Sequence[int], heads: int) -> List[int]:
     return [u for u in range(1, max(common, 1) + 1) if common % u == 0]
 
 
-def auto_head_parallel(nodes: Sequence[int], heads: int) -> int:
-    """The largest of :func:`head_parallel_candidates`: the widest group a node holds (what
-    ``ringmpi bench --sweep head-parallel`` lists beside the cost model's choice)."""
-    return head_parallel_candidates(nodes, heads)[-1]
-
-
 def head_parallel_problem(u: int, size: int, heads: int) -> Optional[str]:
     """Why ``U`` ranks per group cannot run ``heads`` query heads on ``size`` ranks, or None."""
     if size % u:
