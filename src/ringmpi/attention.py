@@ -123,6 +123,20 @@ def _plan(q, k, v, options: AttentionOptions, comm, layout, segment_ids_q, segme
                       sinks=None if options.sinks is None else be.asarray(options.sinks).astype(ct))
 
 
+def _groups(plan: AgreedCall, options: AttentionOptions, k, v, backward: bool):
+    """``(head x ring groups or None, the call)``: ``head_parallel="auto"`` chooses ``U`` and
+    the schedule by predicted cost (:meth:`AgreedCall.choose_head_parallel`), the call then
+    carrying its choice."""
+    chosen = [plan]
+
+    def choose(candidates):
+        u, chosen[0] = plan.choose_head_parallel(candidates, k, v, backward, invariant=bool(options.invariant))
+        return u
+
+    groups = resolve_groups(plan.comm, plan.heads, options.head_parallel, choose)
+    return groups, chosen[0]
+
+
 def _invariant_problem(be, place_q, place_kv) -> Optional[str]:
     """This rank's problem with ``invariant=True``: a backend without the mode, or a shard that is
     not whole 64-token tiles of global positions (:mod:`ringmpi.core.global_tiles`); or None."""
@@ -333,7 +347,7 @@ def forward(q, k, v, options: AttentionOptions, *, comm=None, layout: Union[str,
     (q, k, v), bits = _dtypes.view_declared(options.dtype, q, k, v)
     plan = _plan(q, k, v, options, comm, layout, segment_ids_q, segment_ids_kv, backend,
                  positions_q=positions_q, positions_kv=positions_kv)
-    groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
+    groups, plan = _groups(plan, options, k, v, backward=False)
     maxima = None
     if options.invariant:
         from .parallel.invariant_passes import forward_maxima
@@ -409,7 +423,7 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     want = (plan.batch, plan.heads, q.shape[1])
     agree(plan.comm, None if tuple(lse.shape) == want else
           f"lse must have shape (B, H, S_q_local) = {want}, got {tuple(lse.shape)}")
-    groups = resolve_groups(plan.comm, plan.heads, options.head_parallel)
+    groups, plan = _groups(plan, options, k, v, backward=True)
     sink_comm = plan.comm if reduce_dsinks else None  # None: this rank's own share of dsinks
     maxima = dvec = None
     if options.invariant:

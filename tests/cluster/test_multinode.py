@@ -131,8 +131,11 @@ def test_file_job_across_hosts(file_job):
     assert rc == 0, out + err[-3000:]
     summary = steps["run"][1]
     assert "P=4, layout zigzag, causal, forward+backward" in summary, summary
-    assert "schedule: head x ring, 2 ranks per group (all-to-all), ring of 2 groups (chosen by head_parallel auto)" \
-        in summary, summary
+    # head_parallel auto chooses U by predicted cost on the measured links (issue 53): groups of two
+    # on each host, or the flat ring, with the prediction and the runner-up's
+    assert re.search(r"  schedule: (head x ring, 2 ranks per group \(all-to-all\), ring of 2 groups|flat ring, "
+                     r"head_parallel U=1) \(chosen by head_parallel auto: .*predicted [0-9.e+-]+ s, runner-up ",
+                     summary), summary
     # nothing beside the files but themselves: no MPI-IO lock files, no partial file
     assert sorted(p.name for p in where.iterdir()) == ["bench.json", "in.h5", "out.h5"]
 
@@ -140,6 +143,6 @@ def test_file_job_across_hosts(file_job):
 def test_bench_reports_the_u_auto_chose(file_job):
     where, steps = file_job
     out = steps["bench"][1]
-    assert "head_parallel auto (U=2)" in out.splitlines()[0], out
+    assert re.search(r"head_parallel auto \(U=[12]\)", out.splitlines()[0]), out
     report = json.loads((where / "bench.json").read_text())
-    assert report["head_parallel"] == "auto" and report["head_parallel_chosen"] == 2
+    assert report["head_parallel"] == "auto" and report["head_parallel_chosen"] in (1, 2)

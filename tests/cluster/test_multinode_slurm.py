@@ -4,6 +4,7 @@ per-job directories need), ``munged`` shared.  The batch script on two nodes, ``
 -N2`` of ``run`` and ``bench``.  Skipped where Slurm cannot be installed or the cluster built."""
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -62,7 +63,7 @@ def test_srun_run_and_bench_on_two_nodes(netns, slurm_hosts):
     rc, out, err = cluster.srun(["--mpi=pmix", "-N2", "-n4", RINGMPI, "run", "in.h5", "-o", "srun.h5", "--backward",
                                  "--head-parallel", "auto"], cwd=where, env=job_env(netns), timeout=300)
     assert rc == 0, err[-3000:]
-    assert "2 ranks per group" in out and "(chosen by head_parallel auto)" in out, out
+    assert "(chosen by head_parallel auto: " in out, out  # U by predicted cost (issue 53)
     ok, text = verified(where, "srun.h5")
     assert ok, text
     rc, out, err = cluster.srun(["--mpi=pmix", "-N2", "-n4", RINGMPI, "bench", "--n", "128", "--heads", "4",
@@ -70,6 +71,6 @@ def test_srun_run_and_bench_on_two_nodes(netns, slurm_hosts):
                                  "--head-parallel", "auto", "--json", "bench.json"], cwd=where,
                                 env=job_env(netns), timeout=300)
     assert rc == 0, err[-3000:]
-    assert "head_parallel auto (U=2)" in out.splitlines()[0], out
+    assert re.search(r"head_parallel auto \(U=[12]\)", out.splitlines()[0]), out
     hosts = json.loads((where / "bench.json").read_text())["environment"]["ranks_per_host"]
     assert hosts == {"h1": 2, "h2": 2}, hosts

@@ -9,6 +9,9 @@ Case kinds:
   rule (the checks of ``ring_cases.check``), plus the bytes that travelled:
   all-to-all records and ring records apart, the ring's K/V bytes from the
   group sizes.
+  With ``case["links"]`` the cost model takes the given link figures (a fast link inside a
+  node, a slow one between) and ``head_parallel="auto"`` must choose as ``case["chosen"]`` says,
+  with the prediction and the runner-up's in each pass's first ring record.
 * ``bitwise``: ``head_parallel=1``, ``RINGMPI_HEAD_PARALLEL=1`` (read when the context is
   built) and ``"auto"`` with one rank per node give bitwise the flat ring's outputs and gradients.
 * ``errors``: unusable choices raise one ConfigError, the same on every rank.
@@ -71,11 +74,44 @@ def want_ring_bytes(comm, case, u, k, has_seg, itemsize, grad_itemsize, backward
 
 
 def run_case(comm, case):
+    """A case on ``comm``; with ``case["links"]`` (``[[latency, bandwidth] inside a node, [...]
+    between nodes]``) on a duplicate whose link figures the cost model takes as given
+    (``cost_measure.assume_links``), so that ``head_parallel="auto"`` chooses as on that machine."""
+    if not case.get("links"):
+        return _run_case(comm, case)
+    from ringmpi.core.cost_model import Link
+    from ringmpi.parallel.cost_measure import assume_links
+
+    sub = comm.Dup()
+    try:
+        assume_links(sub, *(Link(*figures) for figures in case["links"]))
+        return _run_case(sub, case)
+    finally:
+        sub.Free()
+
+
+def _chosen_problem(case, fwd_stats, bwd_stats):
+    """What is wrong with the choice auto stamped on each pass's first ring record, or None:
+    one per pass, one of ``case["chosen"]``, the schedule that ran, its runner-up slower."""
+    firsts = [r for st in (fwd_stats, bwd_stats) for r in st
+              if not isinstance(r, ExchangeRecord) and r.predicted_s is not None]
+    ran = {r.schedule for st in (fwd_stats, bwd_stats) for r in st if not isinstance(r, ExchangeRecord)}
+    got = [(r.chosen, r.predicted_s, r.runner_up, r.runner_up_s) for r in firsts]
+    if len(firsts) != (2 if case.get("backward") else 1) or \
+            any(r.chosen not in case["chosen"] or not r.runner_up or r.runner_up_s < r.predicted_s for r in firsts):
+        return f"auto's records {got}, expected one per pass choosing one of {case['chosen']}"
+    if any(not r.chosen.startswith(f"head x {r.schedule}") for r in firsts) or len(ran) != 1:
+        return f"auto chose {got} but the ring records name {sorted(ran)}"
+    return None
+
+
+def _run_case(comm, case):
     rank = comm.Get_rank()
     (q, k, v, do, seg_q, seg_kv, window), (lay_q, lay_kv), kw, local = ring_cases.shard_case(comm, case)
     to_backend, to_host = ring_cases.converters(case.get("bits", False))
     u = case["U"]  # None: the context's default, RINGMPI_HEAD_PARALLEL (case["env"])
-    kw = with_context(kw, head_parallel=u, **({"dtype": "bfloat16"} if case.get("bits") else {}))
+    kw = with_context(kw, head_parallel=u, **({"dtype": "bfloat16"} if case.get("bits") else {}),
+                      **({"schedule": case["schedule"]} if case.get("schedule") else {}))
     args = [to_backend(local[n]) for n in ("q", "k", "v")]
     fwd_stats, bwd_stats = [], []
     o, lse, _ = ringmpi.ring_attention(*args, **with_context(kw, stats=fwd_stats))
@@ -93,6 +129,12 @@ def run_case(comm, case):
                  for st in (fwd_stats, bwd_stats)]
     exchanges = [sum(isinstance(r, ExchangeRecord) for r in st) for st in (fwd_stats, bwd_stats)]
     u_int = u if isinstance(u, int) else case.get("expect_U")
+    if case.get("chosen"):
+        problem = comm.allgather(_chosen_problem(case, fwd_stats, bwd_stats))
+        if any(problem):
+            results["traffic"] = next(p for p in problem if p)
+        ran = {r.schedule for r in fwd_stats if not isinstance(r, ExchangeRecord)}
+        u_int = u_int if ran == {"ring"} else None  # the byte counts below are the ring's
     ring_steps = sum(not isinstance(r, ExchangeRecord) for r in fwd_stats)
     if u_int is not None and ring_steps != comm.Get_size() // u_int:
         results["traffic"] = f"{ring_steps} forward ring steps, expected P/U = {comm.Get_size() // u_int}"

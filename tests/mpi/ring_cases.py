@@ -351,6 +351,41 @@ def positions_errors_case(comm, case):
     return not problems, "; ".join(problems) or f"{2 * len(attempts)} errors raised alike on {size} ranks"
 
 
+def allgather_memory_case(comm, case):
+    """The all-gather schedule allocates no more than it declares (issue 53): each rank's traced
+    peak (``tracemalloc``: NumPy's allocations) over one forward and one backward call, against
+    the cost model's ``resident_memory`` of the call, the memory ``schedule="auto"`` checks."""
+    import tracemalloc
+
+    from ringmpi.core.cost_model import Shape, resident_memory
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    q, k, v, do, _, _ = make_inputs(case)
+    lay = Layout("contiguous", q.shape[1], size)
+    q, k, v, do = (lay.shard(x, rank) for x in (q, k, v, do))
+    ctx = ringmpi.RingContext(comm=comm, schedule="allgather", backend=BACKEND)
+    shape = Shape(n_q=case["n_q"], n_kv=case["n_q"], batch=case["B"], heads=case["H"], kv_heads=case["Hkv"],
+                  dim=case["D"], dim_v=case["D"], itemsize=q.dtype.itemsize, grad_itemsize=4)
+    stats, peaks = [], []
+    for backward in (False, True):
+        tracemalloc.start()
+        if backward:
+            ringmpi.ring_attention_backward(do, q, k, v, (o, lse), context=ctx.replace(stats=stats))
+        else:
+            o, lse, _ = ringmpi.ring_attention(q, k, v, context=ctx.replace(stats=stats))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    declared = [resident_memory(shape, size, "allgather", b) for b in (False, True)]
+    over = [f"rank {rank} {name}: traced {got / 2**20:.1f} MiB > declared {want / 2**20:.1f} MiB"
+            for name, got, want in zip(("forward", "backward"), peaks, declared) if got > want]
+    if {r.schedule for r in stats} != {"allgather"}:
+        over.append(f"rank {rank}: ran {sorted({r.schedule for r in stats})}, not the all-gather")
+    over = sum(comm.allgather(over), [])
+    mib = " / ".join(f"{p / 2**20:.1f} of {d / 2**20:.1f}" for p, d in zip(peaks, declared))
+    return (not over, "; ".join(over) or f"rank 0 traced / declared MiB (forward, backward): {mib}") \
+        if rank == 0 else None
+
+
 def packed_case(comm, case):
     """Packed documents: ``packed_cases.packed_case`` (imported here: it builds on this module)."""
     import packed_cases
@@ -359,7 +394,8 @@ def packed_case(comm, case):
 
 def main():
     run_file(MPI.COMM_WORLD, {"fd": fd_case, "bf16_errors": bf16_errors_case,
-                              "positions_errors": positions_errors_case, "packed": packed_case}, run_case)
+                              "positions_errors": positions_errors_case, "packed": packed_case,
+                              "allgather_memory": allgather_memory_case}, run_case)
 
 
 if __name__ == "__main__":

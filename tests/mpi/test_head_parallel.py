@@ -4,7 +4,8 @@ One launch per world size runs every case of that size
 (``head_parallel_cases.py``): ``U = 2`` at P = 2 and 4, ``U = 4`` at P = 4,
 ``U = 3`` at P = 6 (each against the float64 reference under the tolerance
 rule, forward and backward), ``U = 1`` in every spelling bitwise equal to the
-flat ring, ``"auto"`` under ``RINGMPI_NODE_SIZE``, and unusable choices.
+flat ring, ``"auto"`` under ``RINGMPI_NODE_SIZE`` with a fast link inside a node and a slow
+one between given to the cost model (it chooses head x ring), and unusable choices.
 """
 
 import itertools
@@ -15,8 +16,8 @@ import packed_cases
 from mpi_util import CaseLaunches
 from ringmpi import RingContext
 from ringmpi.parallel.head_parallel import kv_heads_of, replicated
-from ringmpi.parallel.topology import (auto_head_parallel, group_members, head_parallel_problem,
-                              head_parallel_setting, spans_nodes)
+from ringmpi.parallel.topology import (group_members, head_parallel_candidates,
+                                       head_parallel_problem, head_parallel_setting, spans_nodes)
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 DIMS = (8, 59, 64)
@@ -61,8 +62,16 @@ def launch_cases(p):
         cases = cases_for(2, (2,))
     elif p == 4:
         cases = cases_for(4, (2, 4))
+        # head_parallel="auto" by predicted cost (issue 53): two pretend nodes of two ranks, a fast link
+        # inside a node and a slow one between (given to the cost model): groups of two on each node,
+        # alone (the ring inside) and jointly with schedule="auto" (the ring or the all-gather inside)
+        links = [[1e-6, 1e10], [1e-3, 1e7]]
         cases.append(dict(id="P4-auto-node2", U="auto", expect_U=2, env={"RINGMPI_NODE_SIZE": 2}, B=2, H=8,
-                          Hkv=2, D=16, n_q=97, layout="zigzag", causal=True, segments=3, backward=True, seed=11))
+                          Hkv=2, D=16, n_q=97, layout="zigzag", causal=True, segments=3, backward=True, seed=11,
+                          links=links, chosen=["head x ring, U=2"]))
+        cases.append(dict(id="P4-auto-both", U="auto", expect_U=2, env={"RINGMPI_NODE_SIZE": 2}, B=1, H=4,
+                          Hkv=4, D=16, n_q=128, layout="contiguous", backward=True, seed=17, schedule="auto",
+                          links=links, chosen=["head x ring, U=2", "head x allgather, U=2"]))
         cases.append(dict(id="P4-env-U2", U=None, expect_U=2, env={"RINGMPI_HEAD_PARALLEL": 2}, B=1, H=4,
                           Hkv=4, D=16, n_q=50, layout="contiguous", causal=True, backward=True, seed=12))
         cases.append(dict(id="P4-U2-torch", kind="torch", head_parallel=2, B=2, H=4, Hkv=1, D=8, n_q=45,
@@ -123,11 +132,15 @@ def test_groups_stay_on_a_node_when_they_can():
 @pytest.mark.parametrize("nodes,heads,want", [
     ([0, 0, 1, 1], 8, 2), ([0, 0, 0, 0], 8, 4), ([0, 0, 0, 0], 6, 2), ([0, 1, 2, 3], 8, 1),
     ([0, 0, 0, 1, 1, 1], 6, 3), ([0, 0, 0, 1, 1, 1], 4, 1), ([0] * 8, 12, 4)])
-def test_auto_takes_the_largest_divisor_of_node_and_heads(nodes, heads, want):
-    u = auto_head_parallel(nodes, heads)
-    assert u == want
-    assert head_parallel_problem(u, len(nodes), heads) is None
-    assert not spans_nodes(nodes, u)
+def test_auto_weighs_the_divisors_of_node_and_heads(nodes, heads, want):
+    """The U that head_parallel="auto" weighs (the cost model picks among them): every divisor of
+    the heads and of each node's rank count, the largest ``want``; each runs, none spans nodes."""
+    us = head_parallel_candidates(nodes, heads)
+    assert us[0] == 1 and us[-1] == want
+    assert all(want % u == 0 for u in us) and [u for u in range(1, want + 1) if want % u == 0] == us
+    for u in us:
+        assert head_parallel_problem(u, len(nodes), heads) is None
+        assert not spans_nodes(nodes, u)
 
 
 def test_problems_and_settings(monkeypatch):

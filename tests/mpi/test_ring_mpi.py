@@ -84,6 +84,8 @@ def cases_for(p, small_tiles=False):
         add("positions-float64", n_q=50, layout="striped", window=[6, 3], positions="permutation",
             dtype="float64")
         add("positions-errors", kind="positions_errors", n_q=20, H=2, Hkv=1, D=4, layout="zigzag")
+    if p == 2 and not small_tiles:  # the all-gather's memory within its declared budget (issue 53)
+        add("allgather-memory", kind="allgather_memory", n_q=8192, H=4, Hkv=4, D=64, layout="contiguous")
     if not small_tiles:  # packed documents, balanced layout, routed schedule (issue 42): P = 2 and 5 here
         cases += packed_cases.cases_for(p) if p in (2, 5) else []
     return cases

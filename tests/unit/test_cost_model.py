@@ -103,3 +103,64 @@ def test_hiding_length_is_where_a_steps_compute_meets_its_transfer():
     assert per_pair * s * s == pytest.approx(20e-6 + s * SHAPE.kv_row() / 2e10, rel=1e-9)
     n = int(math.ceil(s)) * 8 * 2  # twice the length per rank: hidden
     assert predict(Shape(**{**SHAPE.__dict__, "n_q": n, "n_kv": n}), machine, 8, "ring").exposed < 1e-9
+
+
+def test_resident_memory_adds_the_tile_workspace():
+    from ringmpi.core.cost_model import WORKSPACE_TILES, resident_memory, workspace_memory
+
+    for backward in (False, True):
+        extra = resident_memory(SHAPE, 8, "allgather", backward) - allgather_memory(SHAPE, 8, backward)
+        assert extra == workspace_memory(SHAPE) == WORKSPACE_TILES * 512 * 512 * SHAPE.grad_itemsize
+        assert resident_memory(SHAPE, 8, "ring", backward) == ring_memory(SHAPE, 8, backward) + extra
+    assert predict(SHAPE, Machine(rate=1e12, intra=FAST, inter=FAST), 8, "allgather").memory == \
+        resident_memory(SHAPE, 8, "allgather", False)
+
+
+# head_parallel="auto" (issue 53): U and the schedule chosen together by predicted time, among the
+# U a node layout allows (two nodes of four ranks: U in 1, 2, 4)
+LONG = Shape(n_q=32768, n_kv=32768, batch=1, heads=8, kv_heads=8, dim=64, dim_v=64)
+NODE_LAYOUT = [0] * 4 + [1] * 4
+
+
+def test_head_parallel_candidates_follow_heads_and_nodes():
+    from ringmpi.parallel.topology import head_parallel_candidates
+
+    assert head_parallel_candidates(NODE_LAYOUT, 8) == [1, 2, 4]
+    assert head_parallel_candidates(NODE_LAYOUT, 6) == [1, 2]      # U divides H
+    assert head_parallel_candidates([0, 0, 1, 1, 1, 1], 8) == [1, 2]  # and every node's ranks
+    assert head_parallel_candidates(list(range(4)), 8) == [1]         # one rank per node: the flat ring
+
+
+def test_auto_takes_head_x_ring_where_the_inter_node_link_is_slow():
+    """Fast links inside a node, a slow one between: groups of four on each node shrink the ring's
+    slow hops to one per group step with a quarter of the bytes each; the all-to-alls are cheap."""
+    from ringmpi.parallel.topology import head_parallel_candidates
+
+    machine = Machine(rate=1e12, intra=Link(1e-6, 1e11), inter=Link(5e-6, 1e8), ranks_per_node=4)
+    candidates = head_parallel_candidates(NODE_LAYOUT, LONG.heads)
+    best, runner = choose(predict_all(LONG, machine, 8, ("ring", "allgather"), head_parallel=candidates))
+    assert (best.schedule, best.head_parallel) == ("ring", 4) and best.name == "head x ring, U=4"
+    flat = predict(LONG, machine, 8, "ring")
+    assert best.seconds < runner.seconds and best.seconds < 0.8 * flat.seconds
+    back, _ = choose(predict_all(LONG, machine, 8, ("ring", "allgather"), head_parallel=candidates, backward=True))
+    assert back.head_parallel == 4 and back.seconds < predict(LONG, machine, 8, "ring", backward=True).seconds
+
+
+def test_auto_keeps_the_flat_ring_where_every_link_is_fast():
+    """Compute-bound everywhere: the ring hides its transfers, head x ring only adds its all-to-alls."""
+    from ringmpi.parallel.topology import head_parallel_candidates
+
+    machine = Machine(rate=1e12, intra=Link(1e-6, 1e11), inter=Link(1e-6, 1e11), ranks_per_node=4)
+    best, _ = choose(predict_all(LONG, machine, 8, ("ring",),
+                                 head_parallel=head_parallel_candidates(NODE_LAYOUT, LONG.heads)))
+    assert (best.schedule, best.head_parallel) == ("ring", 1)
+
+
+def test_a_member_holds_the_kv_heads_of_its_query_heads():
+    from ringmpi.core.cost_model import member_kv_heads
+    from ringmpi.parallel.head_parallel import kv_heads_of
+
+    for heads, kv_heads in ((8, 8), (8, 2), (8, 1), (6, 3), (12, 8)):
+        for u in (1, 2, 3, 4, 6):
+            if heads % u == 0 and (heads % kv_heads == 0):
+                assert member_kv_heads(heads, kv_heads, u) == len(kv_heads_of(0, u, heads, kv_heads))

@@ -11,8 +11,8 @@ repeats and records, and reports per ``U`` and phase: the job's time
 exposed communication (time not covered by that compute, seconds and share),
 bytes sent per rank (max over ranks) inside the groups (the all-to-alls) and
 between groups (the ring), and peak memory.  ``auto`` marks the ``U`` that
-``head_parallel="auto"`` picks on the nodes of :func:`ringmpi.parallel.topology.node_ids`
-(``RINGMPI_NODE_SIZE`` pretends several on one machine).
+``head_parallel="auto"`` picks by predicted cost (:func:`auto_choice`) on the nodes of
+:func:`ringmpi.parallel.topology.node_ids` (``RINGMPI_NODE_SIZE`` pretends several on one machine).
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ def _a2a_seconds(per_rank_phase):
 def sweep(comm, be, cfg, n, nodes, progress):
     """Measure every candidate ``U`` on ``comm`` (collective); rank 0 gets the points, others None.
     ``progress``: rank 0's report (:class:`ringmpi.cli.progress.Progress`)."""
-    from ..parallel.topology import auto_head_parallel
-
     size, rank = comm.Get_size(), comm.Get_rank()
     us = candidates(size, cfg["heads"])
     progress.start(len(us) * measure_flops(cfg, n))
@@ -66,11 +64,34 @@ def sweep(comm, be, cfg, n, nodes, progress):
         progress.note(f"measured head_parallel={u}")
         idle_barrier(comm)
     progress.close()
+    auto = auto_choice(comm, be, cfg, n, nodes)
     gathered = comm.gather(mine, root=0)
     if rank != 0:
         return None
-    auto = auto_head_parallel(nodes, cfg["heads"])
     return us, auto, [[g[i] for g in gathered] for i in range(len(us))]
+
+
+def auto_choice(comm, be, cfg, n, nodes) -> int:
+    """The ``U`` that ``head_parallel="auto"`` picks for this problem (collective): the cost
+    model's fastest prediction on this communicator's measured parts among
+    :func:`ringmpi.parallel.topology.head_parallel_candidates`, with the bench's schedule (the
+    ring by default; ``auto``: the ring or the all-gather)."""
+    from ..core.cost_model import Shape
+    from ..core.dtypes import resolve
+    from ..parallel.cost_measure import choose_plan
+    from ..parallel.topology import head_parallel_candidates
+
+    us = head_parallel_candidates(nodes, cfg["heads"])
+    if len(us) == 1:
+        return 1
+    dtype = resolve(cfg["dtype"])
+    schedule = cfg.get("schedule") or "ring"
+    shape = Shape(n_q=n, n_kv=n, batch=cfg["batch"], heads=cfg["heads"], kv_heads=cfg["kv_heads"], dim=cfg["dim"],
+                  dim_v=cfg.get("dim_v") or cfg["dim"], itemsize=dtype.itemsize,
+                  grad_itemsize=be.compute_dtype(dtype).itemsize, density=0.5 if cfg["causal"] else 1.0)
+    best, _ = choose_plan(comm, be, dtype, shape, ("ring", "allgather") if schedule == "auto" else (schedule,), us,
+                          backward=bool(cfg["backward"]))
+    return best.head_parallel
 
 
 def points(us, auto, per_u, cfg, gemm, flops):

@@ -119,7 +119,7 @@ def _format_phase(name, s):
     if s.get("schedule"):
         choice = s.get("choice")
         lines.append(f"{'':<9}K/V schedule {', '.join(s['schedule'])}" + ("" if choice is None else
-                     f" (chosen by schedule auto: predicted {choice['predicted_s']:.4g} s"
+                     f" (chosen by auto: {choice['chosen'] or s['schedule'][0]}, predicted {choice['predicted_s']:.4g} s"
                      + (f", runner-up {choice['runner_up']} {choice['runner_up_s']:.4g} s" if choice["runner_up"]
                         else "") + ")"))
     return lines

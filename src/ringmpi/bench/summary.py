@@ -97,10 +97,10 @@ def phase_summary(phase_per_rank, flops, gemm):
 
 
 def _choice(steps):
-    """``{"predicted_s", "runner_up", "runner_up_s"}`` of rank 0's first ring step where
-    ``schedule="auto"`` chose (issue 53), else None."""
+    """``{"chosen", "predicted_s", "runner_up", "runner_up_s"}`` of rank 0's first ring step where
+    ``schedule="auto"`` or ``head_parallel="auto"`` chose (issue 53), else None."""
     first = next((s for s in steps if s.get("predicted_s") is not None), None)
-    return None if first is None else {k: first[k] for k in ("predicted_s", "runner_up", "runner_up_s")}
+    return None if first is None else {k: first.get(k) for k in ("chosen", "predicted_s", "runner_up", "runner_up_s")}
 
 
 def _instrumentation(summary, costs):

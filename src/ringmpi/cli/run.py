@@ -109,16 +109,25 @@ def _summary(result) -> str:
         received = np.array([t[0] for t in result.traffic], dtype=np.float64)
         ran = sorted({s for _, names in result.traffic for s in names})
         auto = a.kv_schedule(o.layout_name == BALANCED) == "auto"
-        predicted = "" if result.choice is None else (
-            f": predicted {result.choice[0]:.3g} s"
-            + (f", runner-up {result.choice[1]} {result.choice[2]:.3g} s" if result.choice[1] else ""))
         lines.append(f"  K/V schedule: {', '.join(ran) or 'none'}"
-                     + (f" (chosen by schedule auto{predicted})" if auto else "")
+                     + (f" (chosen by schedule auto{_predicted(result.choice)})" if auto else "")
                      + f"; bytes received per rank: max {_size(received.max())}, min {_size(received.min())}")
-    u, chosen = result.head_parallel, " (chosen by head_parallel auto)" if result.head_parallel_auto else ""
+    u = result.head_parallel
+    chosen = ""
+    if result.head_parallel_auto:
+        named = f" {result.choice[0]}," if result.choice is not None and result.choice[0] else ""
+        chosen = f" (chosen by head_parallel auto:{named}{_predicted(result.choice)[1:]})" if result.choice \
+            else " (chosen by head_parallel auto)"
     if u > 1:
         lines.append(f"  schedule: head x ring, {u} ranks per group (all-to-all), ring of {size // u} groups"
                      f"{chosen}")
     elif chosen:
         lines.append(f"  schedule: flat ring, head_parallel U=1{chosen}")
     return "\n".join(lines)
+
+
+def _predicted(choice) -> str:
+    """``": predicted X s, runner-up NAME Y s"`` of a job's auto choice, or ``""``."""
+    if choice is None:
+        return ""
+    return f": predicted {choice[1]:.3g} s" + (f", runner-up {choice[2]} {choice[3]:.3g} s" if choice[2] else "")

@@ -38,6 +38,8 @@ from typing import List, Optional, Sequence, Tuple
 SCHEDULES = ("ring", "routed", "allgather")
 MAX_PIECES = 4       # the all-gather's collectives per pass: its first piece's blocks start after 1/4
 MIN_PIECE_ROWS = 64  # no piece of a rank thinner than this (beyond the first)
+TILE_ROWS = 512      # the block ops' tile edge (RINGMPI_TILE_Q, RINGMPI_TILE_KV defaults)
+WORKSPACE_TILES = 2  # tiles of scores the block ops hold at once (scores; probabilities, dS)
 
 
 def piece_count(counts: Sequence[int]) -> int:
@@ -130,6 +132,15 @@ class Prediction:
         return self.schedule if self.head_parallel == 1 else f"head x {self.schedule}, U={self.head_parallel}"
 
 
+def member_kv_heads(heads: int, kv_heads: int, u: int) -> int:
+    """K/V heads one member of a head x ring group holds (:func:`ringmpi.parallel.head_parallel.kv_heads_of`):
+    whole GQA groups, one shared head, or a copy per query head."""
+    hu, group = max(heads // u, 1), max(heads // max(kv_heads, 1), 1)
+    if hu % group == 0:
+        return hu // group
+    return 1 if group % hu == 0 else hu
+
+
 def _spans(ranks: int, machine: Machine) -> bool:
     return ranks > machine.ranks_per_node
 
@@ -160,17 +171,33 @@ def ring_memory(shape: Shape, ranks: int, backward: bool) -> float:
 
 
 def allgather_memory(shape: Shape, ranks: int, backward: bool) -> float:
-    """Bytes a rank holds under the all-gather: every K/V row, the accumulators; the backward
+    """Bytes a rank holds under the all-gather: every K/V row (its own gathered in place), the
+    accumulators; the backward its finished ``dK, dV`` and, of at most two pieces at a time,
     every row's partial sums and those of its own rows from every rank
     (:func:`ringmpi.parallel.allgather_schedule.declared_bytes` plus the accumulators)."""
     s_kv, s_q = math.ceil(shape.n_kv / ranks), math.ceil(shape.n_q / ranks)
     q_row = shape.batch * shape.heads * (shape.dim + shape.dim_v)
-    sending = math.ceil(s_kv / piece_count([s_kv]))  # this rank's piece, packed
-    held = (shape.n_kv + sending) * shape.kv_row() + s_q * q_row * shape.grad_itemsize
+    held = shape.n_kv * shape.kv_row() + s_q * q_row * shape.grad_itemsize
     if backward:
-        held += (shape.n_kv + ranks * s_kv) * shape.kv_row(shape.grad_itemsize) \
-            + 2 * s_q * q_row * shape.grad_itemsize
+        pieces = piece_count([s_kv])
+        piece = ranks * math.ceil(s_kv / pieces)  # one piece's rows' sums, and those returned (no own slot)
+        live = min(pieces, 2) * (2 * piece - math.ceil(s_kv / pieces))
+        held += (s_kv + live) * shape.kv_row(shape.grad_itemsize) + 2 * s_q * q_row * shape.grad_itemsize
     return float(held)
+
+
+def workspace_memory(shape: Shape) -> float:
+    """Bytes of the block ops' scratch: :data:`WORKSPACE_TILES` tiles of scores in the compute dtype."""
+    return float(WORKSPACE_TILES * TILE_ROWS * TILE_ROWS * shape.grad_itemsize)
+
+
+def resident_memory(shape: Shape, ranks: int, schedule: str, backward: bool) -> float:
+    """Bytes a rank allocates for one call under ``schedule`` on a ring of ``ranks``: the
+    schedule's buffers and accumulators (:func:`ring_memory`, :func:`allgather_memory`) and
+    the block ops' tile workspace (:func:`workspace_memory`); what ``"auto"`` checks against
+    the memory budget."""
+    held = allgather_memory(shape, ranks, backward) if schedule == "allgather" else ring_memory(shape, ranks, backward)
+    return held + workspace_memory(shape)
 
 
 def _inner(shape: Shape, machine: Machine, ranks: int, per_node: int, schedule: str, backward: bool,
@@ -221,10 +248,10 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
     groups = ranks // u
     spans = _spans(ranks, machine)
     link = machine.inter if spans else machine.intra
-    inner_shape = replace(shape, heads=max(shape.heads // u, 1), kv_heads=max(shape.kv_heads // u, 1))
+    inner_shape = replace(shape, heads=max(shape.heads // u, 1), kv_heads=member_kv_heads(shape.heads, shape.kv_heads, u))
     seconds, nbytes = _inner(inner_shape, machine, groups, max(machine.ranks_per_node // u, 1), schedule, backward,
                              compute, link, min(u, machine.nic_sharing) if spans else 1, routed_rows)
-    memory = (allgather_memory if schedule == "allgather" else ring_memory)(inner_shape, groups, backward)
+    memory = resident_memory(inner_shape, groups, schedule, backward)
     if u > 1:
         s_q, s_kv = math.ceil(shape.n_q / ranks), math.ceil(shape.n_kv / ranks)
         q_row = shape.batch * shape.heads * shape.dim * shape.itemsize

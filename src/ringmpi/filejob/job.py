@@ -17,11 +17,10 @@ command line only parses its options into a :class:`JobOptions` and reports.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -115,7 +114,7 @@ class JobOptions:
                     softmax_scale=a.softmax_scale, backend=backend, heads_per_pass=self.heads_per_pass,
                     **{k: v for k, v in variants.items() if v is not None}, **dropout)
 
-    def pass_options(self, spec, p: Pass, head_parallel: int, sinks) -> AttentionOptions:
+    def pass_options(self, spec, p: Pass, head_parallel: Union[int, str], sinks) -> AttentionOptions:
         """The ring calls' options for pass ``p``: the scale resolved, ``U``, this pass's
         heads of the per-head options, its slice of the dropout mask; no finiteness check
         (the job checked the file)."""
@@ -129,11 +128,12 @@ class JobOptions:
 class JobResult:
     """What the command line reports: the problem, the plan and, on rank 0, every rank's
     ``(wall, ring, compute, wait, read, write)`` seconds (None on the other ranks).
-    ``head_parallel`` is the ``U`` the passes ran with; ``head_parallel_auto``: ``"auto"``
-    (the option or ``RINGMPI_HEAD_PARALLEL``) chose it.  ``traffic`` (rank 0): every rank's
-    ``(bytes received by its ring calls, the schedules they ran)``.  ``choice``: where
-    ``schedule="auto"`` chose, the chosen schedules' predicted seconds summed over the ring
-    calls, the runner-up (the most frequent) and its predicted seconds summed."""
+    ``head_parallel`` is the ``U`` the passes ran with (under ``"auto"``: the one the ring calls
+    chose most); ``head_parallel_auto``: ``"auto"`` (the option or ``RINGMPI_HEAD_PARALLEL``)
+    chose it.  ``traffic`` (rank 0): every rank's ``(bytes received by its ring calls, the
+    schedules they ran)``.  ``choice``: where ``schedule="auto"`` or ``head_parallel="auto"``
+    chose, ``(the choice, its predicted seconds summed over the ring calls, the runner-up, its
+    predicted seconds summed)``, choice and runner-up the most frequent."""
 
     spec: object
     options: JobOptions
@@ -145,7 +145,7 @@ class JobResult:
     every: Optional[list]
     head_parallel_auto: bool = False
     traffic: Optional[list] = None
-    choice: Optional[tuple] = None  # schedule="auto" (issue 53): (predicted s, runner-up, its s), summed
+    choice: Optional[tuple] = None  # auto (issue 53): (chosen, predicted s, runner-up, its s), summed
 
 
 @dataclass
@@ -155,14 +155,23 @@ class _Timers:
     wait_s: float = 0.0
     bytes_recv: int = 0
     schedules: set = field(default_factory=set)
-    choices: list = field(default_factory=list)  # (predicted s, runner-up, its s) of each auto choice
+    choices: list = field(default_factory=list)  # (chosen, predicted s, runner-up, its s) of each auto choice
+    head_parallels: list = field(default_factory=list)  # the U of each ring call
 
     def choice(self) -> Optional[tuple]:
         if not self.choices:
             return None
-        runners = [c[1] for c in self.choices if c[1]]
-        runner = max(set(runners), key=runners.count) if runners else None
-        return (sum(c[0] for c in self.choices), runner, sum(c[2] or 0.0 for c in self.choices))
+        return (_most([c[0] for c in self.choices if c[0]]), sum(c[1] for c in self.choices),
+                _most([c[2] for c in self.choices if c[2]]), sum(c[3] or 0.0 for c in self.choices))
+
+    @property
+    def head_parallel(self) -> int:
+        return _most(self.head_parallels) or 1
+
+
+def _most(values):
+    """The most frequent of ``values`` (the first seen on a tie), or None."""
+    return max(values, key=values.count) if values else None
 
 
 def run_job(input_path: str, output_path: str, options: JobOptions, progress, overwrite: bool = False,
@@ -195,7 +204,8 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
     out = AtomicOutput(output_path, comm, overwrite=overwrite, input_path=input_path, resumable=True)
     record = _job_record(spec, input_path, comm.Get_size(), plan, options.record_options(backend))
     passes, done = _resume_state(out, comm, record, resume, progress)
-    head_parallel = _head_parallel(comm, options.attention.head_parallel or env.head_parallel(), spec, passes)
+    requested = options.attention.head_parallel or env.head_parallel()
+    head_parallel = _head_parallel(comm, requested, spec, passes)
     layouts = _layouts(comm, options, spec)
     job = _Job(comm, input_path, options, spec, passes, backend, head_parallel, layouts)
     phases = ("forward", "backward") if options.backward else ("forward",)
@@ -209,10 +219,9 @@ def run_job(input_path: str, output_path: str, options: JobOptions, progress, ov
         every = comm.gather(mine, root=0)
         traffic = comm.gather((job.timers.bytes_recv, sorted(job.timers.schedules)), root=0)
     comm.Free()
-    requested = options.attention.head_parallel or env.head_parallel() or ""
-    return JobResult(spec, options, job.size, backend, passes, head_parallel, out.path, every,
-                     head_parallel_auto=str(requested).strip().lower() == "auto", traffic=traffic,
-                     choice=job.timers.choice())
+    ran = job.timers.head_parallel if head_parallel == "auto" else head_parallel
+    return JobResult(spec, options, job.size, backend, passes, ran, out.path, every,
+                     head_parallel_auto=head_parallel == "auto", traffic=traffic, choice=job.timers.choice())
 
 
 def _agree_memory(comm, spec, options: JobOptions, backend: str) -> None:
@@ -254,7 +263,7 @@ def _layouts(comm, options: JobOptions, spec):
 class _Job:
     """One run's plan, shard readers, converters and timers; :meth:`run` does the passes."""
 
-    def __init__(self, comm, input_path, options: JobOptions, spec, passes, backend: str, head_parallel: int,
+    def __init__(self, comm, input_path, options: JobOptions, spec, passes, backend: str, head_parallel: Union[int, str],
                  layouts):
         from .hdf5 import ShardIO
 
@@ -370,8 +379,9 @@ class _Job:
         self.timers.wait_s += sum(r.wait_s for r in stats)
         self.timers.bytes_recv += sum(r.bytes_recv for r in stats)
         self.timers.schedules.update(r.schedule for r in stats if not hasattr(r, "stage"))
-        self.timers.choices += [(r.predicted_s, r.runner_up, r.runner_up_s) for r in stats
+        self.timers.choices += [(r.chosen, r.predicted_s, r.runner_up, r.runner_up_s) for r in stats
                                 if getattr(r, "predicted_s", None) is not None]
+        self.timers.head_parallels.append(next((r.head_parallel for r in stats if hasattr(r, "stage")), 1))
 
     def pass_segments(self, fin, p: Pass) -> dict:
         """The ring calls' segment-id keywords of pass ``p`` (none without segments)."""
@@ -431,12 +441,12 @@ def _create_outputs(fout, spec, backward: bool) -> None:
         create_float_dataset(fout, name, shape, dtype, fill_time="never")
 
 
-def _head_parallel(comm, value, spec, passes) -> int:
-    """``U`` of ``head_parallel`` (or ``RINGMPI_HEAD_PARALLEL``), resolved once for every pass;
-    exit 2 on every rank when it cannot run.  ``auto``: the largest divisor of the node's
-    rank count and of every pass's head count.  Collective unless ``U = 1``."""
-    from ..parallel.topology import (auto_head_parallel, head_parallel_problem, head_parallel_setting,
-                           node_ids, node_size_override)
+def _head_parallel(comm, value, spec, passes) -> Union[int, str]:
+    """``U`` of ``head_parallel`` (the option, else ``RINGMPI_HEAD_PARALLEL``), checked once for
+    every pass: exit 2 on every rank when it cannot run.  ``"auto"`` stays ``"auto"``: each ring
+    call chooses ``U`` with its schedule by predicted cost
+    (:meth:`ringmpi.parallel.ring_passes.AgreedCall.choose_head_parallel`).  Collective unless ``U = 1``."""
+    from ..parallel.topology import head_parallel_problem, head_parallel_setting, node_size_override
 
     try:
         setting = head_parallel_setting(value)
@@ -447,11 +457,9 @@ def _head_parallel(comm, value, spec, passes) -> int:
     else:
         problem = None
     agree(comm, problem)
-    if setting == 1:
-        return 1
+    if setting in (1, "auto"):
+        return setting
     pass_heads = sorted({(p.g1 - p.g0) * spec.group for p in passes})
-    if setting == "auto":
-        return auto_head_parallel(node_ids(comm), math.gcd(*pass_heads))
     problem = head_parallel_problem(setting, comm.Get_size(), spec.heads)
     if problem is None and any(h % setting for h in pass_heads):
         problem = (f"head_parallel={setting} must divide the query heads of every pass "

@@ -16,14 +16,17 @@ schedule is the one that moves only visible rows).
 Backward: the blocks of piece ``c`` get their ``dK, dV`` terms in one zeroed
 message per piece (compute dtype, laid out as the piece's K/V), handed back to
 the owners with one ``Ialltoallv`` as soon as the piece is done (overlapping the
-next piece's compute); each owner adds its own block's terms first, then the
-partial sums of the other ranks in ring order, piece by piece: a fixed order.
+next piece's compute); each owner adds its own block's terms first, then, once the
+next piece is done, the partial sums of the other ranks in ring order: a fixed order
+(the pieces' rows are disjoint), and at most two pieces' partial sums live at a time.
 
 Memory (what :func:`declared_bytes` declares; :func:`ringmpi.core.cost_model.allgather_memory`
-adds the accumulators): the whole
-K/V (``N_kv`` rows, transfer dtype) in the forward; the backward adds the
-partial sums of every row (compute dtype) and, received, those of this rank's
-rows from every other rank.  O(N_kv) per rank, against the ring's O(N_kv / P):
+adds the accumulators, :func:`~ringmpi.core.cost_model.resident_memory` the tile
+workspace): the whole K/V (``N_kv`` rows, transfer dtype; each rank writes its own chunk
+into its slot and gathers in place, ``MPI_IN_PLACE``: no send copy) in the forward; the
+backward adds the finished ``dK, dV`` of this rank's rows and, for two pieces, the partial
+sums of every row and those of this rank's rows returned by the other ranks.
+O(N_kv) per rank, against the ring's O(N_kv / P):
 ``schedule="auto"`` never takes it beyond the memory budget and an explicit
 ``schedule="allgather"`` beyond it is refused on every rank before compute.
 """
@@ -48,17 +51,22 @@ def piece_bounds(rows: int, pieces: int) -> List[int]:
 
 def declared_bytes(counts: Sequence[int], rank: int, batch: int, kv_heads: int, dim: int, dim_v: int,
                    itemsize: int, grad_itemsize: int = 0) -> int:
-    """Bytes one pass of this schedule holds on ``rank`` beyond the call's own arrays and
-    accumulators: every rank's K/V rows (``itemsize``: the transfer dtype's) and this rank's
-    piece packed to send; with ``grad_itemsize`` (the backward's compute dtype) the partial sums
-    of every gathered row and those of this rank's rows returned by every other rank."""
+    """Bytes one pass of this schedule allocates on ``rank`` beyond the call's own arrays and
+    accumulators: every rank's K/V rows (``itemsize``: the transfer dtype's; this rank's own rows
+    are gathered in place); with ``grad_itemsize`` (the backward's compute dtype) this rank's
+    finished ``dK, dV`` and, of at most two pieces at a time, the partial sums of every gathered
+    row and those of this rank's rows returned by every rank."""
     counts = np.asarray(counts, dtype=np.int64)
     width = batch * kv_heads * (dim + dim_v)
     total, mine, size = int(counts.sum()), int(counts[rank]), len(counts)
-    pieces = piece_count(counts)
-    held = total * width * itemsize + (-(-mine // pieces)) * width * itemsize
+    held = total * width * itemsize
     if grad_itemsize:
-        held += total * width * grad_itemsize + size * mine * width * grad_itemsize
+        pieces = piece_count(counts)
+        bounds = np.array([piece_bounds(c, pieces) for c in counts], dtype=np.int64)
+        rows = bounds[:, 1:] - bounds[:, :-1]                          # (P, C) rows of each piece
+        sums = rows.sum(axis=0) + (size - 1) * rows[rank]              # (C,) a piece's partial sums
+        pair = max(int(sums[c:c + 2].sum()) for c in range(pieces))  # two pieces live at once
+        held += (mine + pair) * width * grad_itemsize
     return held
 
 
@@ -69,7 +77,6 @@ class _Piece:
         self.rows = rows                                  # (P,) rows of each rank in this piece
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self.msg = backend.message(int(self.offsets[-1]) * row_bytes)
-        self.send = None
         self.grads = self.grads_in = None
         self.row_bytes, self.grad_row_bytes = row_bytes, grad_row_bytes
 
@@ -139,18 +146,21 @@ class AllGatherSchedule:
         piece = _Piece(be, rows, self._row_bytes(self.dtype), gb)
         lo, hi = int(self.bounds[ring.rank, c]), int(self.bounds[ring.rank, c + 1])
         mine = hi - lo
-        piece.send = be.message(mine * piece.row_bytes)
-        k_out, v_out = self._views(piece.send, [0], 0, mine, self.dtype)
+        # this rank's chunk written straight into its slot: gathered in place (no send copy)
+        k_out, v_out = self._views(piece.msg, piece.offsets, ring.rank, mine, self.dtype)
         k_out[...] = self.kh[:, :, lo:hi]
         v_out[...] = self.vh[:, :, lo:hi]
-        piece.send.ready_to_send(dirty=True)
+        piece.msg.ready_to_send(dirty=True)
         counts = [int(r) * piece.row_bytes for r in rows]
         displs = [int(o) * piece.row_bytes for o in piece.offsets[:-1]]
-        request = ring.comm.Iallgatherv([piece.send.mpi_buffer()[:mine * piece.row_bytes], MPI.BYTE],
-                                        [piece.msg.mpi_buffer(), (counts, displs), MPI.BYTE])
+        request = ring.comm.Iallgatherv(MPI.IN_PLACE, [piece.msg.mpi_buffer(), (counts, displs), MPI.BYTE])
         ring.post_collective(f"gather{c}", request, "Iallgatherv over", sent=mine * piece.row_bytes,
                              received=sum(counts) - counts[ring.rank])
         return piece
+
+    def _slot(self, src: int) -> int:
+        """Where rank ``src``'s returned sums lie among the other ranks' (rank order, this one left out)."""
+        return src - (src > self.ring.rank)
 
     def _post_return(self, c: int, piece: _Piece) -> None:
         """Piece ``c``'s partial sums back to their owners (one ``Ialltoallv``)."""
@@ -162,8 +172,8 @@ class AllGatherSchedule:
         send_counts = [0 if r == rank else int(piece.rows[r]) * gb for r in range(size)]
         send_displs = [int(o) * gb for o in piece.offsets[:-1]]
         recv_counts = [0 if r == rank else mine * gb for r in range(size)]
-        recv_displs = [r * mine * gb for r in range(size)]
-        piece.grads_in = be.message(size * mine * gb)
+        recv_displs = [self._slot(r) * mine * gb for r in range(size)]
+        piece.grads_in = be.message((size - 1) * mine * gb)  # no slot for this rank's own
         piece.grads.ready_to_send(dirty=True)
         request = ring.comm.Ialltoallv([piece.grads.mpi_buffer(), (send_counts, send_displs), MPI.BYTE],
                                        [piece.grads_in.mpi_buffer(), (recv_counts, recv_displs), MPI.BYTE])
@@ -177,14 +187,15 @@ class AllGatherSchedule:
         piece.grads_in.arrived()
         mine = int(piece.rows[ring.rank])
         if not mine:
+            piece.grads = piece.grads_in = None
             return
         lo, hi = int(self.bounds[ring.rank, c]), int(self.bounds[ring.rank, c + 1])
-        offsets = np.arange(ring.size + 1, dtype=np.int64) * mine
+        offsets = np.arange(ring.size, dtype=np.int64) * mine
         for t in range(1, ring.size):
-            src = ring.source(t)
-            dk, dv = self._views(piece.grads_in, offsets, src, mine, self._grad_dtype)
+            dk, dv = self._views(piece.grads_in, offsets, self._slot(ring.source(t)), mine, self._grad_dtype)
             home[0][:, :, lo:hi] += dk
             home[1][:, :, lo:hi] += dv
+        piece.grads = piece.grads_in = None
 
     # ------------------------------------------------------------------ the pass
     def __iter__(self) -> Iterator[Block]:
@@ -210,7 +221,6 @@ class AllGatherSchedule:
                     with be.annotate(f"allgather piece {c} wait"):
                         ring.wait(f"gather{c}")
                     piece.msg.arrived()
-                    piece.send = None
                     if backward:
                         piece.grads = be.message(int(piece.offsets[-1]) * piece.grad_row_bytes)
                 fault_point(self.phase, ring.rank, ring.step)
@@ -230,12 +240,12 @@ class AllGatherSchedule:
             piece.msg = block = None  # this piece's K/V are folded in
             if backward and ring.size > 1:
                 self._post_return(c, piece)
+                if c:  # the previous piece's sums had this piece's compute to arrive: at most two live
+                    self._add_returned(c - 1, pieces[c - 1], home)
         if backward:
-            ring.next_step()  # the partial sums come home
-            for c, piece in enumerate(pieces):
-                if ring.size > 1:
-                    self._add_returned(c, piece, home)
-                piece.grads = piece.grads_in = None
+            ring.next_step()  # the last piece's partial sums come home
+            if ring.size > 1:
+                self._add_returned(self.pieces - 1, pieces[-1], home)
             self._finished = home
         ring.wait_all()
 

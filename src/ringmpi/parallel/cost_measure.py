@@ -9,11 +9,12 @@
 * :func:`links` -- latency and bandwidth of each link level (inside a node, between
   nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages,
   ``Sendrecv``), the slowest figure of each level over all ranks; once per
-  communicator (kept on it).
+  communicator (kept on it); :func:`assume_links` sets them instead.
 * :func:`choose_schedule` -- collective: the predictions of
   :mod:`ringmpi.core.cost_model` for the call's shape on these parts, and the
   fastest that fits every rank's memory budget (:mod:`ringmpi.runtime.memory`);
   a ConfigError on every rank, naming each schedule's need, where none fits.
+  :func:`choose_plan` the same over head x ring's ``U`` too (``head_parallel="auto"``).
 """
 
 from __future__ import annotations
@@ -158,6 +159,14 @@ def links(comm, timeout=None):
     return attr[_LINKS_KEY]
 
 
+def assume_links(comm, intra: Link, inter: Link) -> None:
+    """Take ``intra`` and ``inter`` as this communicator's link figures instead of measuring them
+    (collective: the node layout): to ask ``"auto"`` what it would choose on the links of
+    another machine, as ``ringmpi plan`` does without MPI.  Every rank must give the same."""
+    nodes = cached_node_ids(comm)
+    _attr(comm)[_LINKS_KEY] = (intra, inter, max(nodes.count(n) for n in set(nodes)))
+
+
 _KEYVAL = None
 
 
@@ -194,9 +203,16 @@ def choose_schedule(comm, backend, dtype, shape: Shape, schedules: Sequence[str]
     """``(chosen, runner-up or None)`` :class:`~ringmpi.core.cost_model.Prediction` s among
     ``schedules`` on this communicator, the same on every rank; ConfigError on every rank
     where none fits the memory budget."""
+    return choose_plan(comm, backend, dtype, shape, schedules, (1,), backward, routed_rows, timeout)
+
+
+def choose_plan(comm, backend, dtype, shape: Shape, schedules: Sequence[str], head_parallel: Sequence[int],
+                backward: bool, routed_rows: Optional[float] = None, timeout=None):
+    """:func:`choose_schedule` over every ``(schedule, U)`` of ``schedules`` and ``head_parallel``
+    (``head_parallel="auto"``'s joint choice): the same on every rank."""
     found = machine(comm, backend, dtype, shape.dim, shape.dim_v, timeout)
-    predictions = predict_all(shape, found, comm.Get_size(), schedules, backward=backward,
-                              routed_rows=routed_rows)
+    predictions = predict_all(shape, found, comm.Get_size(), schedules, head_parallel=head_parallel,
+                              backward=backward, routed_rows=routed_rows)
     best, runner = choose(predictions)
     if best is None:
         needs = ", ".join(f"{p.name} {p.memory / 2**20:.1f} MiB" for p in predictions)

@@ -181,7 +181,7 @@ class _Split:
         return LocalProblem(self.groups.ring_comm, call.backend, call.compute_dtype, spec, call.scale,
                             kv_counts=self.ring_kv_counts, q_pos=self.q_pos, kv_pos=self.kv_pos,
                             seg_q=seg_q, seg_kv=seg_kv, timeout=call.timeout, kv_schedule=call.kv_schedule,
-                            q_counts=self.ring_q_counts, q_heads=self.hu)
+                            q_counts=self.ring_q_counts, q_heads=self.hu, choice=call.choice)
 
 
 def _gather(exchange, stage: str, send, recv, axes):

@@ -29,8 +29,9 @@ class StepRecord:
     the arriving dK/dV sums, is waiting); ``schedule``: the schedule that ran (``"ring"``, or
     ``"routed"``: :class:`ringmpi.parallel.routed_schedule.RoutedSchedule`, or ``"allgather"``:
     :class:`ringmpi.parallel.allgather_schedule.AllGatherSchedule`); where ``schedule="auto"``
-    chose it, step 0's record holds the prediction (``predicted_s``) and the runner-up's
-    (``runner_up``, ``runner_up_s``)."""
+    (or ``head_parallel="auto"``) chose it, step 0's record holds the choice (``chosen``: the
+    :class:`~ringmpi.core.cost_model.Prediction`'s name, e.g. ``"head x ring, U=2"``), its
+    prediction (``predicted_s``) and the runner-up's (``runner_up``, ``runner_up_s``)."""
 
     step: int
     compute_s: float = 0.0
@@ -40,8 +41,9 @@ class StepRecord:
     tiles_computed: int = 0
     tiles_skipped: int = 0
     schedule: str = "ring"
-    # step 0 of a schedule that schedule="auto" chose (issue 53): its predicted seconds, and the
-    # runner-up's name and predicted seconds (ringmpi.core.cost_model)
+    # step 0 of a schedule that schedule="auto" or head_parallel="auto" chose (issue 53): the choice,
+    # its predicted seconds, and the runner-up's name and predicted seconds (ringmpi.core.cost_model)
+    chosen: Optional[str] = None
     predicted_s: Optional[float] = None
     runner_up: Optional[str] = None
     runner_up_s: Optional[float] = None

@@ -52,6 +52,9 @@ class LocalProblem:
         or ``"auto"`` (the fastest predicted, :mod:`ringmpi.parallel.cost_measure`), the same on every rank.
     q_counts, q_heads : query rows of every ring member and the query heads (what ``"auto"``'s
         prediction counts; None: as the K/V's).
+    choice : ``(chosen, runner-up or None)`` :class:`~ringmpi.core.cost_model.Prediction` s where
+        ``head_parallel="auto"`` already chose this problem's schedule
+        (:meth:`AgreedCall.choose_head_parallel`): stamped on the first record, as ``"auto"``'s.
     """
 
     comm: object
@@ -69,6 +72,7 @@ class LocalProblem:
     kv_schedule: str = "ring"
     q_counts: Optional[Sequence[int]] = None
     q_heads: Optional[int] = None
+    choice: Optional[tuple] = None
 
     def schedule(self, k, v, grad_dtype=None, phase: str = "fwd", grad_dims=None):
         """The schedule loaded with this rank's ``k (B, S_kv, H_kv, D)``, ``v (B, S_kv, H_kv, D_v)``:
@@ -79,7 +83,7 @@ class LocalProblem:
         ``grad_dtype``, ``grad_dims``: the partial sums' words, see
         :class:`RingSchedule` (the invariant passes' integer sums: the ring only)."""
         be = self.backend
-        kv_schedule, choice, plan = self.kv_schedule, None, None
+        kv_schedule, choice, plan = self.kv_schedule, self.choice, None
         if self.comm.Get_size() == 1:
             kv_schedule = "ring"
         masked = self.spec.positional or self.seg_q is not None
@@ -105,39 +109,26 @@ class LocalProblem:
         else:
             schedule = self._ring(k, v, grad_dtype, phase, grad_dims)
         if choice is not None:
-            best, runner = choice
-            first = schedule.ring.record(0)
-            first.predicted_s = best.seconds
-            if runner is not None:
-                first.runner_up, first.runner_up_s = runner.name, runner.seconds
+            stamp(schedule.ring.record(0), choice)
         return schedule
 
     def _choose(self, k, v, grad_dtype, plan):
         """``schedule="auto"``: the (chosen, runner-up) predictions of the cost model
         (:mod:`ringmpi.parallel.cost_measure`), the same on every rank; the routed schedule is a
         candidate where its plan moves fewer rows than the ring."""
-        from ..core.cost_model import Shape
         from .cost_measure import choose_schedule
 
         size = self.comm.Get_size()
         n_kv = int(sum(self.kv_counts))
         n_q = int(sum(self.q_counts)) if self.q_counts is not None else n_kv
-        half = 0.5 if self.spec.causal else 1.0
-        density, schedules, routed_rows = half, ("ring", "allgather"), None
-        window = self.spec.window
-        if window is not None and None not in window:
-            density = min(density, (window[0] + window[1] + 1) / max(n_kv, 1))
+        schedules, routed_rows = ("ring", "allgather"), None
+        seen = None
         if plan is not None:
-            ring_rows = max(plan.ring_rows(), 1)
-            seen = plan.routed_rows() / ring_rows
-            density = min(density, max(seen, 1.0 / size) * half)
+            seen = max(plan.routed_rows() / max(plan.ring_rows(), 1), 1.0 / size)
             if plan.routed_rows() < plan.ring_rows():
                 schedules += ("routed",)
                 routed_rows = float(plan.rows.sum(axis=1).max())
-        ct = np.dtype(self.compute_dtype)
-        shape = Shape(n_q=n_q, n_kv=n_kv, batch=k.shape[0], heads=self.q_heads or k.shape[2],
-                      kv_heads=k.shape[2], dim=k.shape[3], dim_v=v.shape[3], itemsize=np.dtype(k.dtype).itemsize,
-                      grad_itemsize=ct.itemsize, density=density)
+        shape = call_shape(n_q, n_kv, self.q_heads or k.shape[2], k, v, self.compute_dtype, self.spec, seen)
         return choose_schedule(self.comm, self.backend, k.dtype, shape, schedules, grad_dtype is not None,
                                routed_rows=routed_rows, timeout=self.timeout)
 
@@ -178,6 +169,32 @@ class LocalProblem:
                                  grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order)
 
 
+def call_shape(n_q: int, n_kv: int, heads: int, k, v, compute_dtype, spec: ScoreSpec, seen=None):
+    """The cost model's :class:`~ringmpi.core.cost_model.Shape` of a call: ``k (B, S, H_kv, D)``,
+    ``v``'s ``D_v``, the mask's visible share (causal: half; a window: its width; ``seen``: the
+    share of the other ranks' rows a route plan found visible, else 1)."""
+    from ..core.cost_model import Shape
+
+    half = 0.5 if spec.causal else 1.0
+    density = half
+    window = spec.window
+    if window is not None and None not in window:
+        density = min(density, (window[0] + window[1] + 1) / max(n_kv, 1))
+    if seen is not None:
+        density = min(density, seen * half)
+    return Shape(n_q=n_q, n_kv=n_kv, batch=k.shape[0], heads=heads, kv_heads=k.shape[2], dim=k.shape[3],
+                 dim_v=v.shape[3], itemsize=np.dtype(k.dtype).itemsize,
+                 grad_itemsize=np.dtype(compute_dtype).itemsize, density=density)
+
+
+def stamp(record, choice) -> None:
+    """Write ``choice`` (``(chosen, runner-up or None)`` predictions) into a pass's first record."""
+    best, runner = choice
+    record.chosen, record.predicted_s = best.name, best.seconds
+    if runner is not None:
+        record.runner_up, record.runner_up_s = runner.name, runner.seconds
+
+
 @dataclass(frozen=True)
 class AgreedCall:
     """Everything one sharded call agreed on across the ranks of ``comm`` before any compute.
@@ -187,6 +204,7 @@ class AgreedCall:
     seg_q, seg_kv : (B, S_q_local), (B, S_kv_local) int64 segment ids of this rank, or None.
     sinks : (H,) this backend's array in the compute dtype, or None.
     kv_schedule : ``AttentionOptions.schedule`` resolved (``"ring"``, ``"routed"``, ``"allgather"`` or ``"auto"``).
+    choice : what ``head_parallel="auto"`` chose (:meth:`choose_head_parallel`), or None.
     The other fields as :class:`LocalProblem`'s.
     """
 
@@ -204,10 +222,42 @@ class AgreedCall:
     timeout: Optional[float] = None
     sinks: Optional[object] = None
     kv_schedule: str = "ring"
+    choice: Optional[tuple] = None
 
     @property
     def rank(self) -> int:
         return self.comm.Get_rank()
+
+    @property
+    def masked(self) -> bool:
+        """Whether a mask leaves rows of other ranks unseen (the routed schedule's case)."""
+        return bool(self.spec.positional or self.seg_q is not None)
+
+    def choose_head_parallel(self, candidates: Sequence[int], k, v, backward: bool,
+                             invariant: bool = False) -> "tuple[int, AgreedCall]":
+        """``head_parallel="auto"``: ``(U, this call with its schedule chosen)``, the fastest
+        predicted (:mod:`ringmpi.core.cost_model`, on this communicator's measured parts) among
+        ``candidates`` (:func:`ringmpi.parallel.topology.head_parallel_candidates`) jointly with
+        ``schedule="auto"``'s schedules (the ring alone for ``invariant``; the given schedule
+        otherwise).  The same on every rank (collective).  Where a mask may leave rows unseen
+        and the schedule is ``"auto"``, the chosen ``U``'s ring still chooses its schedule
+        (routed needs its plan); otherwise the choice is stamped on each pass's first record."""
+        from dataclasses import replace
+
+        from .cost_measure import choose_plan
+
+        if invariant:
+            schedules = ("ring",)
+        elif self.kv_schedule == "auto":
+            schedules = ("ring", "allgather")
+        else:
+            schedules = (self.kv_schedule,)
+        shape = call_shape(self.place_q.n, self.place_kv.n, self.heads, k, v, self.compute_dtype, self.spec)
+        best, runner = choose_plan(self.comm, self.backend, k.dtype, shape, schedules, candidates, backward,
+                                   timeout=self.timeout)
+        if self.kv_schedule == "auto" and self.masked and not invariant:
+            return best.head_parallel, self
+        return best.head_parallel, replace(self, kv_schedule=best.schedule, choice=(best, runner))
 
     def flat_problem(self) -> LocalProblem:
         """The flat ring's problem: this rank's own shards, the ring of all ranks of ``comm``
@@ -216,7 +266,7 @@ class AgreedCall:
                             kv_counts=self.place_kv.counts, q_pos=self.place_q.mine,
                             kv_pos=self.place_kv.mine, seg_q=self.seg_q, seg_kv=self.seg_kv,
                             timeout=self.timeout, order=ring_order(self.comm), kv_schedule=self.kv_schedule,
-                            q_counts=self.place_q.counts, q_heads=self.heads)
+                            q_counts=self.place_q.counts, q_heads=self.heads, choice=self.choice)
 
 
 def forward_pass(problem: LocalProblem, q, k, v, sinks=None, max_logit=None, invariant=None):

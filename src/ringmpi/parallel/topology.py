@@ -16,8 +16,9 @@ groups.
 * :func:`group_members` -- the groups as lists of ranks, in group order: ``U``
   consecutive ranks of one node when ``U`` divides every node's rank count,
   otherwise ``U`` consecutive ranks of the communicator.
-* :func:`auto_head_parallel` -- ``U`` for ``head_parallel="auto"``: the largest
-  divisor of every node's rank count that also divides the head count.
+* :func:`head_parallel_candidates` -- the ``U`` that ``head_parallel="auto"`` weighs: the
+  divisors of the head count that divide every node's rank count; the cost model picks
+  among them (:meth:`ringmpi.parallel.ring_passes.AgreedCall.choose_head_parallel`).
 * :func:`head_parallel_problem` -- why a ``U`` cannot run, or None.
 * :func:`head_groups` -- the group and ring sub-communicators of one ``U``
   (collective; cached on the communicator).
@@ -33,7 +34,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 from ..runtime.env import positive_int
 
@@ -152,17 +153,17 @@ def spans_nodes(nodes: Sequence[int], u: int) -> bool:
     return any(len({nodes[r] for r in members}) > 1 for members in group_members(nodes, u))
 
 
-def auto_head_parallel(nodes: Sequence[int], heads: int) -> int:
-    """``U`` for ``"auto"``: the largest divisor of ``heads`` that divides every node's rank count.
-
-    It therefore divides ``P`` too, and no group spans nodes.  1 on one rank
-    per node (the flat ring).
-    """
+def head_parallel_candidates(nodes: Sequence[int], heads: int) -> List[int]:
+    """The ``U`` that ``head_parallel="auto"`` weighs, ascending (1, the flat ring, first): every
+    divisor of ``heads`` that divides every node's rank count, so it divides ``P`` and no group
+    spans nodes.  Any ``H_kv`` works with each (a member holds whole GQA groups, one shared K/V
+    head, or copies: :func:`ringmpi.parallel.head_parallel.kv_heads_of`); the cost model
+    (:func:`ringmpi.core.cost_model.member_kv_heads`) counts what each moves."""
     common = 0
     for ranks in _node_ranks(nodes):
         common = math.gcd(common, len(ranks))
     common = math.gcd(common, heads)
-    return max(common, 1)
+    return [u for u in range(1, max(common, 1) + 1) if common % u == 0]
 
 
 def head_parallel_problem(u: int, size: int, heads: int) -> Optional[str]:
@@ -233,13 +234,15 @@ def _cache(comm) -> dict:
 _KEYVAL = None
 
 
-def resolve_groups(comm, heads: int, value=None) -> Optional[HeadGroups]:
+def resolve_groups(comm, heads: int, value=None, choose: Optional[Callable[[List[int]], int]] = None
+                   ) -> Optional[HeadGroups]:
     """The groups of ``head_parallel=value`` for a call with ``heads`` query heads, or
     None for the flat ring (``U = 1``).
 
-    ``value``: a positive int, ``"auto"``, or None (``RINGMPI_HEAD_PARALLEL``,
-    else 1).  ``U = 1`` returns at once without any collective.  Otherwise
-    collective over ``comm``: an unusable choice (malformed, ``U`` not
+    ``value``: a positive int, ``"auto"``, or None (1).  ``"auto"`` asks ``choose`` (collective:
+    the same answer on every rank) to pick among :func:`head_parallel_candidates`; one
+    candidate (1) is the flat ring without asking.  ``U = 1`` returns at once without any
+    collective.  Otherwise collective over ``comm``: an unusable choice (malformed, ``U`` not
     dividing ``P`` or ``H``) raises the same :class:`~ringmpi.runtime.errors.ConfigError`
     on every rank before any data moves.
     """
@@ -250,7 +253,7 @@ def resolve_groups(comm, heads: int, value=None) -> Optional[HeadGroups]:
     except ValueError as exc:
         agree(comm, str(exc))
         raise
-    if setting == 1:
+    if setting == 1 or (setting == "auto" and comm.Get_size() == 1):
         return None
     problem, nodes = None, None
     try:
@@ -261,7 +264,11 @@ def resolve_groups(comm, heads: int, value=None) -> Optional[HeadGroups]:
         problem = head_parallel_problem(setting, comm.Get_size(), heads)
     agree(comm, problem)
     nodes = cached_node_ids(comm, node_size)
-    u = auto_head_parallel(nodes, heads) if setting == "auto" else setting
+    if setting == "auto":
+        candidates = head_parallel_candidates(nodes, heads)
+        u = choose(candidates) if len(candidates) > 1 else 1
+    else:
+        u = setting
     if u == 1:
         return None
     return head_groups(comm, u, nodes)
