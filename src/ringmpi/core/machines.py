@@ -40,6 +40,16 @@ PRESETS = {p.name: p for p in (
     Preset("h100-ethernet", Machine(rate=400e12, intra=Link(3e-6, 450 * GB), inter=Link(15e-6, 12.5 * GB),
                                     ranks_per_node=8, memory=80 * GIB, ranks_per_nic=8),
            "H100 SXM node on one 100 Gb/s Ethernet port shared by its 8 GPUs"),
+    Preset("h800-ib", Machine(rate=325e12, intra=Link(3e-6, 200 * GB), inter=Link(5e-6, 50 * GB),
+                              ranks_per_node=8, memory=80 * GIB, ranks_per_nic=1),
+           "HGX H800 SXM: NVLink 4 cut to 400 GB/s (200 GB/s a direction), one 400 Gb/s InfiniBand NDR port "
+           "per GPU; rate: FlashAttention-2's measured forward on one H800 (ring-flash-attention's README, "
+           "591.5 iter/s at N = 8192, H = 32, D = 128, causal), below h100-ib's FlashAttention-3-class figure"),
+    Preset("tpu-v5p", Machine(rate=0.5 * 459e12, intra=Link(5e-6, 100 * GB), inter=Link(5e-6, 100 * GB),
+                              ranks_per_node=4, memory=95 * GB, ranks_per_nic=1),
+           "Cloud TPU v5p: 459 TFLOP/s bf16 peak at an assumed 50 % attention efficiency, 95 GB HBM, "
+           "ICI 4,800 Gb/s a chip over 6 torus links (100 GB/s a link), 4 chips a host; the ICI torus "
+           "modelled as one link a hop"),
     Preset("l40s-pcie", Machine(rate=150e12, intra=Link(8e-6, 25 * GB), inter=Link(15e-6, 12.5 * GB),
                                 ranks_per_node=8, memory=48 * GIB, ranks_per_nic=8),
            "8 x L40S on PCIe 4 (25 GB/s), one 100 Gb/s Ethernet port per node"),
