@@ -29,10 +29,11 @@ from .runtime.errors import agree
 from .runtime.faults import fault_point
 from .core import positions as _positions
 from .core.layout import BALANCED, KINDS, Layout
+from .core.masks import WINDOW_OFF
 from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
-from .context import WINDOW_OFF, Attention, Gradients, RingContext, call_options, pair
+from .context import Attention, Gradients, RingContext, call_options, pair
 from .parallel.comm import resolve_comm
 from .parallel.topology import resolve_groups
 from .runtime.watchdog import deadline, phase

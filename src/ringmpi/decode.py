@@ -41,11 +41,11 @@ from .backends import get_backend, modifier_problem, value_dim_problem
 from .runtime.errors import ConfigError, agree
 from .core.host import to_host
 from .core.layout import KINDS, Layout
-from .core.masks import BlockMask
+from .core.masks import WINDOW_OFF, BlockMask
 from .core.online_softmax import SoftmaxState
 from .core.shapes import qkv_problem
 from .options import AttentionOptions
-from .context import WINDOW_OFF, Attention, RingContext, call_options
+from .context import Attention, RingContext, call_options
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 

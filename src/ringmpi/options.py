@@ -33,21 +33,9 @@ from .core.dropout import MAX_POSITION, Dropout
 from .core.dropout import validate as _dropout_validate
 from .core import modifiers as _modifiers
 from .core.host import to_host
-from .core.masks import ScoreSpec
+from .core.masks import ScoreSpec, Window, window_problem, window_sides
 
 PER_HEAD = ("sinks",) + _modifiers.FIELDS  # the (H,) array fields, one value per query head
-Window = Optional[Tuple[Optional[int], Optional[int]]]
-
-
-def window_problem(window) -> Optional[str]:
-    """The problem with ``window`` (None when fine): ``(left, right)``, each a non-negative int or None."""
-    if window is None:
-        return None
-    try:
-        ok = len(window) == 2 and all(w is None or (int(w) == w and w >= 0) for w in window)
-    except TypeError:
-        ok = False
-    return None if ok else f"window must be (left, right), each an int >= 0 or -1 (unbounded), got {window!r}"
 
 
 def softcap_problem(softcap) -> Optional[str]:
@@ -290,13 +278,8 @@ class AttentionOptions:
                 object.__setattr__(self, "softcap", None)
         except (TypeError, ValueError):
             pass  # softcap_problem names it
-        try:
-            left, right = self.window
-            sides = tuple(None if isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w == -1 else w
-                          for w in (left, right))
-            object.__setattr__(self, "window", None if sides == (None, None) else sides)
-        except (TypeError, ValueError):
-            pass  # None, or window_problem names it
+        if window_problem(self.window) is None:  # else the check names it
+            object.__setattr__(self, "window", window_sides(self.window))
 
     def for_heads(self, first: int, count: int) -> "AttentionOptions":
         """These options for a call over the query heads ``[first, first + count)`` of this one
@@ -382,10 +365,6 @@ class AttentionOptions:
             return self.schedule
         return "auto" if balanced else "ring"
 
-    def window_sides(self) -> Window:
-        """``window`` as a tuple of ints or None."""
-        return None if self.window is None else tuple(None if w is None else int(w) for w in self.window)
-
     def dropout_key(self, heads: int):
         """``(p, seed, batch_offset, head_offset, total_heads)``, None without dropout."""
         if float(self.dropout_p) == 0:
@@ -398,7 +377,7 @@ class AttentionOptions:
         key = self.dropout_key(heads)
         dropout = None if key is None else Dropout(p=key[0], seed=key[1], heads=key[4],
                                                    batch_offset=key[2], head_offset=key[3])
-        return ScoreSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
+        return ScoreSpec(causal=bool(self.causal), window=self.window, offset=offset,
                         softcap=None if self.softcap is None else float(self.softcap),
                         exact_max=bool(self.return_max_logit), dropout=dropout,
                         modifiers=_modifiers.of_fields({f: getattr(self, f) for f in _modifiers.FIELDS}))
@@ -407,7 +386,7 @@ class AttentionOptions:
     def digest(self, *arrays, extra=()) -> int:
         """CRC-32 of the options every rank must pass alike, then of ``arrays`` (host or
         device, by their bytes) and ``repr(extra)``; compare across ranks with one collective."""
-        scalars = (bool(self.causal), self.window_sides(),
+        scalars = (bool(self.causal), self.window,
                    None if self.softmax_scale is None else float(self.softmax_scale),
                    None if self.softcap is None else float(self.softcap),
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))

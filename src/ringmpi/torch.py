@@ -45,10 +45,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
 from .attention import backward as ring_backward, forward as ring_forward
-from .context import WINDOW_OFF, Attention, RingContext, call_options, pair
+from .context import Attention, RingContext, call_options, pair
 from .core import dtypes as _dtypes
 from .core.host import to_host
 from .core.layout import BALANCED, Layout
+from .core.masks import WINDOW_OFF
 from .core.modifiers import FIELDS as MODIFIER_FIELDS
 from .options import AttentionOptions, option_edge, option_fields
 from .parallel.comm import resolve_comm
