@@ -130,19 +130,12 @@ class AttentionOptions:
     """Everything about one attention call except its arrays, communicator, layout and backend.
 
     The maths keywords of :func:`ringmpi.ring_attention` (and of the other entry points) and
-    the fields of :class:`ringmpi.RingContext` are these fields; each is documented here,
-    where it is defined and checked (``window`` sides of -1 and ``softcap`` 0.0, flash-attn's
-    "off", are held as None):
+    the fields of :class:`ringmpi.RingContext` are these fields.  The maths (``causal``,
+    ``window``, ``softmax_scale``, ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p``,
+    ``dropout_seed``, ``return_max_logit``) is documented once, in :func:`ringmpi.ring_attention`'s
+    docstring; here they are checked, and flash-attn's "off" is held as None (``window`` sides of
+    -1, :func:`ringmpi.core.masks.window_sides`; ``softcap`` 0.0).  The other fields:
 
-    causal : bool
-        Query ``i`` sees keys ``j <= i + N_kv - N_q`` (bottom-right aligned, as
-        FlashAttention >= 2.1; the usual causal mask when ``N_q == N_kv``).
-    window : (left, right) or None
-        Sliding window in global positions, ``i + off - left <= j <= i + off + right``
-        with ``off = N_kv - N_q``; ``None`` on a side is unbounded.  Combined with
-        ``causal`` when both are given.
-    softmax_scale : float, optional
-        Defaults to ``1 / sqrt(D)``.
     timeout : float, optional
         Deadline in seconds for each ring wait (default: the one rule of
         :func:`ringmpi.runtime.watchdog.deadline`: ``ringmpi run --timeout``, else
@@ -165,31 +158,9 @@ class AttentionOptions:
         ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.parallel.topology`).
         Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
         out are the same for every ``U``.
-    sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
-        Attention sinks (gpt-oss): every query's softmax denominator gains
-        ``exp(sinks[h])``, a virtual key with zero value that every query sees;
-        ``lse`` includes it.  Used in the compute dtype (float32 for 16-bit inputs).
-    softcap : float > 0, optional, the same on every rank
-        Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
-        before the mask.
-    return_max_logit : bool
-        Also return ``max_logit`` (the NumPy tiles then keep an exact running
-        maximum instead of their lagging shift: a little slower).
-    dropout_p : float in [0, 1)
-        Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
-        scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
-        global i, global j)`` (:mod:`ringmpi.core.dropout`), so the same seed gives the
-        same mask for every number of ranks, layout and backend.  ``lse`` is the
-        one without dropout (as FlashAttention's).
-    dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
     dropout_offsets : (batch_offset, head_offset, total_heads), optional
         Where this call's batch entry 0 and head 0 sit in a larger tensor whose
         mask it should draw (a call over a slice); default ``(0, 0, H)``.
-    alibi_slopes : (H,) float32, optional, the same on every rank
-        ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
-        ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
-        global positions (after scale and softcap, before the mask).  NumPy and CuPy
-        backends.
     schedule : "auto" | "ring" | "routed" | "allgather", optional, the same on every rank
         How keys and values move.  ``"ring"``: every K/V block visits every rank
         (:mod:`ringmpi.parallel.ring_schedule`; right for dense masks).  ``"routed"``:

@@ -437,8 +437,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         float tensors or arrays; no gradient flows to them); the backward regenerates the dropout
         mask from the seed.
     sinks : (H,) float16/bfloat16/float32/float64 tensor, optional, the same on every rank
-        Attention sinks (see :func:`ringmpi.ring_attention`), used in the compute
-        dtype (float32 for 16-bit inputs, float64 for float64).  A replicated parameter: when it
+        As in :func:`ringmpi.ring_attention`.  A replicated parameter: when it
         requires a gradient, ``sinks.grad`` receives this rank's own contribution (from its
         own queries), in the sinks' dtype, like every other parameter's gradient, so summing
         gradients over the ranks (``comm.Allreduce``, DDP, FSDP) gives the total (the context's
