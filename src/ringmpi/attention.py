@@ -29,10 +29,11 @@ from .runtime.errors import agree
 from .runtime.faults import fault_point
 from .core import positions as _positions
 from .core.layout import BALANCED, KINDS, Layout
+from .core.masks import WINDOW_OFF
 from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
-from .context import WINDOW_OFF, Attention, Gradients, RingContext, call_options, pair
+from .context import Attention, Gradients, RingContext, call_options, pair
 from .parallel.comm import resolve_comm
 from .parallel.topology import resolve_groups
 from .runtime.watchdog import deadline, phase
@@ -256,7 +257,9 @@ def ring_attention(q, k, v, *, causal: bool = False, window=WINDOW_OFF, softmax_
     """Exact softmax attention over a sequence sharded across the ranks of ``context.comm``.
 
     Collective: every rank of the communicator calls it with its own shard.  The attention's maths
-    are the keywords, with flash-attn's names and conventions; where and how it runs (the
+    are the keywords, with flash-attn's names and conventions, documented here once for every
+    public call (:func:`ring_attention_backward`, :func:`ringmpi.decode_attention`,
+    :func:`ringmpi.torch.ring_attention` refer to this list); where and how it runs (the
     communicator, layout, backend, schedule, deadline, checks, stats) is ``context``
     (:class:`ringmpi.RingContext`; None: the default one).
 
@@ -382,6 +385,8 @@ def ring_attention_backward(do, q, k, v, out, *, causal: bool = False, window=WI
     ----------
     do : (B, S_q_local, H, D_v), like ``o``: the gradient of the loss w.r.t. ``o``.
     q, k, v : as for :func:`ring_attention`.
+    causal, window, softmax_scale, softcap, alibi_slopes, sinks, dropout_p, dropout_seed, segment_ids, positions
+        The forward's, as documented in :func:`ring_attention`.
     out : the forward's result (:class:`ringmpi.Attention`), or ``(o, lse)``:
         ``o (B, S_q_local, H, D_v)`` and ``lse (B, H, S_q_local)``.
 

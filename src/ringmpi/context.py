@@ -22,9 +22,6 @@ from .core.layout import Layout
 from .options import AttentionOptions
 from .runtime import env, watchdog
 
-WINDOW_OFF = (-1, -1)  # flash-attn's window_size: -1 is an unbounded side
-
-
 class Attention(NamedTuple):
     """What a forward returns: ``o``, ``lse`` and, when asked (``return_max_logit``), ``max_logit``
     (None otherwise).  ``o, lse, _ = ring_attention(...)`` or ``ring_attention(...).o``."""
@@ -132,32 +129,6 @@ def comm_of(context: Optional[RingContext]):
 
 RUN_FIELDS = tuple(f.name for f in fields(RingContext)
                    if f.name in AttentionOptions.__dataclass_fields__)  # those the options carry
-
-
-def window_sides(window) -> Optional[Tuple[Optional[int], Optional[int]]]:
-    """flash-attn's ``window`` ``(left, right)``, -1 an unbounded side, as the options hold it
-    (None for an unbounded side; None for no window).  Anything else is left for the options'
-    check to name."""
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        return window
-    sides = tuple(None if _is_int(w) and int(w) == -1 else w for w in (left, right))
-    return None if sides == (None, None) else sides
-
-
-def window_of(sides) -> Tuple[int, int]:
-    """The options' window sides (None unbounded) as flash-attn's ``(left, right)``."""
-    if sides is None:
-        return WINDOW_OFF
-    return tuple(-1 if w is None else int(w) for w in sides)
-
-
-def _is_int(x) -> bool:
-    try:
-        return int(x) == x and not isinstance(x, bool)
-    except (TypeError, ValueError):
-        return False
 
 
 def pair(x, name: str) -> tuple:

@@ -41,11 +41,11 @@ from .backends import get_backend, modifier_problem, value_dim_problem
 from .runtime.errors import ConfigError, agree
 from .core.host import to_host
 from .core.layout import KINDS, Layout
-from .core.masks import BlockMask
+from .core.masks import WINDOW_OFF, BlockMask
 from .core.online_softmax import SoftmaxState
 from .core.shapes import qkv_problem
 from .options import AttentionOptions
-from .context import WINDOW_OFF, Attention, RingContext, call_options
+from .context import Attention, RingContext, call_options
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 
@@ -207,20 +207,10 @@ def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal: bool = 
         Ragged caches: entry ``b`` holds positions ``< L_b`` (its new tokens
         included) and its new token ``t`` sits at ``L_b - S_new + t``.
         Default: every entry is ``N_cache`` long.
-    causal : bool
-        New token ``i`` sees keys ``j <= i``.
-    window : (left, right)
-        Keys ``i - left <= j <= i + right``; -1 on a side is unbounded.
-    softmax_scale : float, optional (default ``1 / sqrt(D)``).
-    softcap : float >= 0
-        Logit softcap: scores become ``softcap * tanh(scale * q.k / softcap)``; 0.0 is off.
-    alibi_slopes : (H,) float32, optional
-        ALiBi: the score of query ``i`` and key ``j`` gains ``-alibi_slopes[h] * |i - j|``
-        (global positions, as :func:`ringmpi.ring_attention`).
-    sinks : (H,) floats, optional
-        One extra logit per head in every softmax denominator (attention sink,
-        no value): the result is ``o * 1 / (1 + e^(sink - lse))`` and ``lse``
-        includes the sink.
+    causal, window, softmax_scale, softcap, alibi_slopes, sinks
+        As in :func:`ringmpi.ring_attention`, where they are documented, with each new token
+        at its global position (above), so that new token ``i`` sees keys ``j <= i`` when
+        causal and ``i - left <= j <= i + right`` in a window.
     positions : (S_cache_local,) ascending ints, optional
         This rank's cache rows' global positions, any assignment of the ``N_cache``
         positions to ranks (the context's layout is then not used): over all ranks ``0 ..

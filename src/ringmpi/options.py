@@ -33,21 +33,9 @@ from .core.dropout import MAX_POSITION, Dropout
 from .core.dropout import validate as _dropout_validate
 from .core import modifiers as _modifiers
 from .core.host import to_host
-from .core.masks import ScoreSpec
+from .core.masks import ScoreSpec, Window, window_problem, window_sides
 
 PER_HEAD = ("sinks",) + _modifiers.FIELDS  # the (H,) array fields, one value per query head
-Window = Optional[Tuple[Optional[int], Optional[int]]]
-
-
-def window_problem(window) -> Optional[str]:
-    """The problem with ``window`` (None when fine): ``(left, right)``, each a non-negative int or None."""
-    if window is None:
-        return None
-    try:
-        ok = len(window) == 2 and all(w is None or (int(w) == w and w >= 0) for w in window)
-    except TypeError:
-        ok = False
-    return None if ok else f"window must be (left, right), each an int >= 0 or -1 (unbounded), got {window!r}"
 
 
 def softcap_problem(softcap) -> Optional[str]:
@@ -142,19 +130,12 @@ class AttentionOptions:
     """Everything about one attention call except its arrays, communicator, layout and backend.
 
     The maths keywords of :func:`ringmpi.ring_attention` (and of the other entry points) and
-    the fields of :class:`ringmpi.RingContext` are these fields; each is documented here,
-    where it is defined and checked (``window`` sides of -1 and ``softcap`` 0.0, flash-attn's
-    "off", are held as None):
+    the fields of :class:`ringmpi.RingContext` are these fields.  The maths (``causal``,
+    ``window``, ``softmax_scale``, ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p``,
+    ``dropout_seed``, ``return_max_logit``) is documented once, in :func:`ringmpi.ring_attention`'s
+    docstring; here they are checked, and flash-attn's "off" is held as None (``window`` sides of
+    -1, :func:`ringmpi.core.masks.window_sides`; ``softcap`` 0.0).  The other fields:
 
-    causal : bool
-        Query ``i`` sees keys ``j <= i + N_kv - N_q`` (bottom-right aligned, as
-        FlashAttention >= 2.1; the usual causal mask when ``N_q == N_kv``).
-    window : (left, right) or None
-        Sliding window in global positions, ``i + off - left <= j <= i + off + right``
-        with ``off = N_kv - N_q``; ``None`` on a side is unbounded.  Combined with
-        ``causal`` when both are given.
-    softmax_scale : float, optional
-        Defaults to ``1 / sqrt(D)``.
     timeout : float, optional
         Deadline in seconds for each ring wait (default: the one rule of
         :func:`ringmpi.runtime.watchdog.deadline`: ``ringmpi run --timeout``, else
@@ -177,31 +158,9 @@ class AttentionOptions:
         ``H``; ``"auto"`` takes the ranks of a node (:mod:`ringmpi.parallel.topology`).
         Default ``RINGMPI_HEAD_PARALLEL``, else 1: the flat ring.  Shards in and
         out are the same for every ``U``.
-    sinks : (H,) float16, bfloat16, float32 or float64, optional, the same on every rank
-        Attention sinks (gpt-oss): every query's softmax denominator gains
-        ``exp(sinks[h])``, a virtual key with zero value that every query sees;
-        ``lse`` includes it.  Used in the compute dtype (float32 for 16-bit inputs).
-    softcap : float > 0, optional, the same on every rank
-        Logit softcap (Gemma 2): scores become ``softcap * tanh(scale * q.k / softcap)``
-        before the mask.
-    return_max_logit : bool
-        Also return ``max_logit`` (the NumPy tiles then keep an exact running
-        maximum instead of their lagging shift: a little slower).
-    dropout_p : float in [0, 1)
-        Dropout on the attention weights: weight ``(b, h, i, j)`` is kept (and
-        scaled by ``1 / (1 - p)``) by a pure function of ``(dropout_seed, b, h,
-        global i, global j)`` (:mod:`ringmpi.core.dropout`), so the same seed gives the
-        same mask for every number of ranks, layout and backend.  ``lse`` is the
-        one without dropout (as FlashAttention's).
-    dropout_seed : int in [0, 2^64), required when ``dropout_p > 0``; the same on every rank.
     dropout_offsets : (batch_offset, head_offset, total_heads), optional
         Where this call's batch entry 0 and head 0 sit in a larger tensor whose
         mask it should draw (a call over a slice); default ``(0, 0, H)``.
-    alibi_slopes : (H,) float32, optional, the same on every rank
-        ALiBi (FlashAttention 2's convention): the score of query ``i`` and key
-        ``j`` of head ``h`` gains ``-alibi_slopes[h] * |i + N_kv - N_q - j|`` in
-        global positions (after scale and softcap, before the mask).  NumPy and CuPy
-        backends.
     schedule : "auto" | "ring" | "routed" | "allgather", optional, the same on every rank
         How keys and values move.  ``"ring"``: every K/V block visits every rank
         (:mod:`ringmpi.parallel.ring_schedule`; right for dense masks).  ``"routed"``:
@@ -290,13 +249,8 @@ class AttentionOptions:
                 object.__setattr__(self, "softcap", None)
         except (TypeError, ValueError):
             pass  # softcap_problem names it
-        try:
-            left, right = self.window
-            sides = tuple(None if isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w == -1 else w
-                          for w in (left, right))
-            object.__setattr__(self, "window", None if sides == (None, None) else sides)
-        except (TypeError, ValueError):
-            pass  # None, or window_problem names it
+        if window_problem(self.window) is None:  # else the check names it
+            object.__setattr__(self, "window", window_sides(self.window))
 
     def for_heads(self, first: int, count: int) -> "AttentionOptions":
         """These options for a call over the query heads ``[first, first + count)`` of this one
@@ -382,10 +336,6 @@ class AttentionOptions:
             return self.schedule
         return "auto" if balanced else "ring"
 
-    def window_sides(self) -> Window:
-        """``window`` as a tuple of ints or None."""
-        return None if self.window is None else tuple(None if w is None else int(w) for w in self.window)
-
     def dropout_key(self, heads: int):
         """``(p, seed, batch_offset, head_offset, total_heads)``, None without dropout."""
         if float(self.dropout_p) == 0:
@@ -398,7 +348,7 @@ class AttentionOptions:
         key = self.dropout_key(heads)
         dropout = None if key is None else Dropout(p=key[0], seed=key[1], heads=key[4],
                                                    batch_offset=key[2], head_offset=key[3])
-        return ScoreSpec(causal=bool(self.causal), window=self.window_sides(), offset=offset,
+        return ScoreSpec(causal=bool(self.causal), window=self.window, offset=offset,
                         softcap=None if self.softcap is None else float(self.softcap),
                         exact_max=bool(self.return_max_logit), dropout=dropout,
                         modifiers=_modifiers.of_fields({f: getattr(self, f) for f in _modifiers.FIELDS}))
@@ -407,7 +357,7 @@ class AttentionOptions:
     def digest(self, *arrays, extra=()) -> int:
         """CRC-32 of the options every rank must pass alike, then of ``arrays`` (host or
         device, by their bytes) and ``repr(extra)``; compare across ranks with one collective."""
-        scalars = (bool(self.causal), self.window_sides(),
+        scalars = (bool(self.causal), self.window,
                    None if self.softmax_scale is None else float(self.softmax_scale),
                    None if self.softcap is None else float(self.softcap),
                    bool(self.check_finite), bool(self.return_max_logit), tuple(extra))

@@ -45,10 +45,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ringmpi.torch needs PyTorch: pip install 'ringmpi[torch]'") from exc
 
 from .attention import backward as ring_backward, forward as ring_forward
-from .context import WINDOW_OFF, Attention, RingContext, call_options, pair
+from .context import Attention, RingContext, call_options, pair
 from .core import dtypes as _dtypes
 from .core.host import to_host
 from .core.layout import BALANCED, Layout
+from .core.masks import WINDOW_OFF
 from .core.modifiers import FIELDS as MODIFIER_FIELDS
 from .options import AttentionOptions, option_edge, option_fields
 from .parallel.comm import resolve_comm
@@ -436,8 +437,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         float tensors or arrays; no gradient flows to them); the backward regenerates the dropout
         mask from the seed.
     sinks : (H,) float16/bfloat16/float32/float64 tensor, optional, the same on every rank
-        Attention sinks (see :func:`ringmpi.ring_attention`), used in the compute
-        dtype (float32 for 16-bit inputs, float64 for float64).  A replicated parameter: when it
+        As in :func:`ringmpi.ring_attention`.  A replicated parameter: when it
         requires a gradient, ``sinks.grad`` receives this rank's own contribution (from its
         own queries), in the sinks' dtype, like every other parameter's gradient, so summing
         gradients over the ranks (``comm.Allreduce``, DDP, FSDP) gives the total (the context's

@@ -57,8 +57,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from . import torch as _rt
 from . import transformers_models as _models
 from .runtime.errors import ConfigError, agree
-from .context import WINDOW_OFF, RingContext, window_sides
+from .context import RingContext
 from .core.layout import BALANCED, Layout
+from .core.masks import WINDOW_OFF
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
 
@@ -335,7 +336,7 @@ def shard_batch(batch: dict, *, context: Optional[RingContext] = None, dropout_s
         batch["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
     if kind == BALANCED:
         batch, seg, n = _flattened(batch, seg, shape)
-        lay = Layout(BALANCED, n, size, documents=_documents(seg, n), causal=causal, window=window_sides(window))
+        lay = Layout(BALANCED, n, size, documents=_documents(seg, n), causal=causal, window=window)
         schedule = "auto" if schedule is None else schedule
     else:
         lay = Layout(kind, n, size)

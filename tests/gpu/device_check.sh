@@ -101,8 +101,9 @@ step plan 40 "$py" -c "$plan_kernels"
 printf '%s' "$compile_all" > /tmp/ringmpi-compile-all.py  # (spawned workers import their main from a file)
 step compile 90 "$py" /tmp/ringmpi-compile-all.py
 # tests/gpu/*.py: block kernels vs float64 dense, launch limits (B*H > 65535, the plans of cc 8.6,
-# 7.5 and 7.0), bf16 through the public API (multi-rank on one GPU, CUDA-aware and staged),
-# non-finite, dropout, variants, the training example on CUDA tensors
+# 7.5 and 7.0), the public call per dtype, mask and (D, D_v) (test_gpu_public_call.py), bf16
+# multi-rank on one GPU (CUDA-aware and staged), non-finite, dropout, variants (ALiBi a
+# parameter), the training example on CUDA tensors
 parallel=()
 "$py" -c "import xdist" 2>/dev/null && parallel=(-n 6 --dist loadfile)
 export RINGMPI_TEST_DEADLINE_CAP=120

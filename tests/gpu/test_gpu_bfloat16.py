@@ -1,7 +1,8 @@
 """bfloat16 on the GPU through the public API: ``ml_dtypes.bfloat16`` CuPy arrays.
 
-Single rank in process (every mask, forward and backward, the ``uint16`` +
-``dtype="bfloat16"`` path, a bfloat16 NaN found by ``check_finite``), then the
+Single rank in process (every mask, forward and backward, and the ``uint16`` +
+``dtype="bfloat16"`` path are cases of ``test_gpu_public_call.py``; here an
+undeclared ``uint16`` refused and a bfloat16 NaN found by ``check_finite``), then the
 bfloat16 ring cases of ``test_ring_mpi.py`` on 2 and 3 ranks sharing one GPU,
 CUDA-aware and staged.  Judged by docs/design.md's rule against ``reference.py``.
 Skipped, with the reason shown, where no GPU is visible.
@@ -14,64 +15,11 @@ import pytest
 
 import reference
 from mpi_util import mpirun_env, run_cases
+from random_inputs import attention_inputs
 from ringmpi.backends import gpu_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")]
 BF16 = reference.BFLOAT16
-MASKS = {
-    "full": dict(),
-    "causal": dict(causal=True),
-    "window": dict(causal=True, window=(16, 0)),
-    "segments": dict(segments=True),
-}
-
-
-def _inputs(d, seed=0, b=2, n=200, h=4, hkv=2):
-    from ringmpi.core.dtypes import to_dtype
-
-    rng = np.random.default_rng(seed)
-    q, do = (to_dtype(rng.standard_normal((b, n, h, d)), BF16) for _ in range(2))
-    k, v = (to_dtype(rng.standard_normal((b, n, hkv, d)), BF16) for _ in range(2))
-    return q, k, v, do
-
-
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("mask", list(MASKS))
-def test_public_api_bfloat16_cupy(mask, d):
-    import cupy as cp
-    from mpi4py import MPI
-
-    import ringmpi
-
-    q, k, v, do = _inputs(d)
-    kw = dict(MASKS[mask])
-    seg = None
-    if kw.pop("segments", False):
-        seg = np.repeat(np.arange(q.shape[1]) // 37, 1)[None].repeat(q.shape[0], 0)
-        kw.update(segment_ids=seg)
-    ring = ringmpi.RingContext(MPI.COMM_SELF, backend="cupy")
-    args = [cp.asarray(x) for x in (q, k, v)]
-    assert all(a.dtype == BF16 for a in args)
-    o, lse, _ = ringmpi.ring_attention(*args, **kw, context=ring)
-    dq, dk, dv, _ = ringmpi.ring_attention_backward(cp.asarray(do), *args, (o, lse), **kw, context=ring)
-    assert o.dtype == BF16 and lse.dtype == np.float32 and all(g.dtype == BF16 for g in (dq, dk, dv))
-    vis = reference.visible(q.shape[1], k.shape[1], kw.get("causal", False), kw.get("window"), seg, seg)
-    scale = 1 / np.sqrt(d)
-    ref = reference.dense_forward(q, k, v, vis, scale, np.float64) + reference.dense_backward(
-        do, q, k, v, vis, scale, np.float64)
-    naive = reference.dense_forward(q, k, v, vis, scale, BF16) + reference.dense_backward(
-        do, q, k, v, vis, scale, BF16)
-    problems = []
-    for i, (name, ours) in enumerate(zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv))):
-        ok, msg = reference.tolerance_check(name, cp.asnumpy(ours), ref[i], naive[i], gradient=i >= 2)
-        problems += [] if ok else [msg]
-    assert not problems, "; ".join(problems)
-
-    # the same bits as uint16, declared: uint16 results, bit for bit the same
-    bits = [a.view(cp.uint16) for a in args]
-    o_bits, lse_bits, _ = ringmpi.ring_attention(*bits, **kw, context=ring.replace(dtype="bfloat16"))
-    assert o_bits.dtype == np.uint16
-    assert cp.array_equal(o_bits, o.view(cp.uint16)) and cp.array_equal(lse_bits, lse)
 
 
 def test_uint16_needs_declaration_and_nan_is_named():
@@ -81,7 +29,7 @@ def test_uint16_needs_declaration_and_nan_is_named():
     import ringmpi
     from ringmpi.runtime.errors import ConfigError
 
-    q, k, v, _ = _inputs(64, n=50)
+    q, k, v = attention_inputs(0, 2, 50, 4, 2, 64, do=False, dtype=BF16)
     args = [cp.asarray(x) for x in (q, k, v)]
     with pytest.raises(ConfigError, match="unsupported dtype uint16"):
         ringmpi.ring_attention(*(a.view(cp.uint16) for a in args),

@@ -1,4 +1,4 @@
-"""Sinks, softcap and max logit on the GPU backend (single rank), against the float64 dense
+"""Sinks, softcap, ALiBi and max logit on the GPU backend (single rank), against the float64 dense
 reference of ``tests/support/reference.py`` under the tolerance rule.  Needs a CUDA GPU;
 skipped, with the reason shown, where none is visible.
 
@@ -29,55 +29,26 @@ def _inputs(dtype, b, n, h, hkv, d, seed):
     return q, k, v, do, seg, (rng.standard_normal(h) * 2).astype(np.float32)
 
 
-@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128), ("bfloat16", 200),
-                                     ("float32", 59), ("float64", 64)])
-def test_sinks_softcap_max_logit(dtype, d):
+KERNELS = [("float16", 64), ("bfloat16", 128), ("bfloat16", 200), ("float32", 59), ("float64", 64)]
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["no-alibi", "alibi"])
+@pytest.mark.parametrize("dtype,d", KERNELS)
+def test_sinks_softcap_max_logit(dtype, d, alibi):
+    """Sinks, softcap and the max logit through all four kernels, with window, segments and GQA,
+    forward and backward; with ALiBi (issue 25) the queries are the last 120 of the 150 tokens
+    (N_q != N_kv: the offset counts)."""
     import cupy
     from mpi4py import MPI
 
     import ringmpi
 
     dt = reference.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
-    q, k, v, do, seg, sinks = _inputs(dt, 2, 150, 6, 2, d, seed=d)
-    window, softcap, scale = (40, 0), 5.0, 1 / np.sqrt(d)
-    kw = dict(causal=True, window=window, softcap=softcap, sinks=cupy.asarray(sinks), segment_ids=seg,
-              context=ringmpi.RingContext(MPI.COMM_SELF, backend="cupy"))
-    up = [cupy.asarray(x) for x in (q, k, v)]
-    o, lse, ml = ringmpi.ring_attention(*up, return_max_logit=True, **kw)
-    dq, dk, dv, dsinks = ringmpi.ring_attention_backward(cupy.asarray(do), *up, (o, lse), **kw)
-    vis = reference.visible(q.shape[1], k.shape[1], True, window, seg, seg)
-    opts = dict(sinks=sinks, softcap=softcap)
-    ref = reference.dense_forward(q, k, v, vis, scale, np.float64, **opts)
-    naive = reference.dense_forward(q, k, v, vis, scale, dt, **opts)
-    refg = reference.dense_backward(do, q, k, v, vis, scale, np.float64, **opts)
-    naiveg = reference.dense_backward(do, q, k, v, vis, scale, dt, **opts)
-    checks = [("o", cupy.asnumpy(o), ref[0], naive[0], False), ("lse", cupy.asnumpy(lse), ref[1], naive[1], False),
-              ("max_logit", np.asarray(ml), reference.dense_max_logit(q, k, vis, scale, np.float64, softcap),
-               reference.dense_max_logit(q, k, vis, scale, dt, softcap), False)]
-    for i, (name, ours) in enumerate((("dq", dq), ("dk", dk), ("dv", dv), ("dsinks", dsinks))):
-        checks.append((name, cupy.asnumpy(ours) if name != "dsinks" else np.asarray(ours), refg[i], naiveg[i], True))
-    failures = []
-    for name, ours, r, nv, grad in checks:
-        ok, msg = reference.tolerance_check(name, ours, r, nv, gradient=grad)
-        if not ok:
-            failures.append(msg)
-    assert not failures, "; ".join(failures)
-
-
-@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128), ("bfloat16", 200),
-                                     ("float32", 59), ("float64", 64)])
-def test_alibi_with_softcap_sinks_window_segments(dtype, d):
-    """ALiBi (issue 25) through all four kernels (N_q != N_kv: the offset counts), with the
-    softcap, sinks, window, segments and GQA, forward and backward."""
-    import cupy
-    from mpi4py import MPI
-
-    import ringmpi
-
-    dt = reference.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
-    q, k, v, do, seg, sinks = _inputs(dt, 2, 150, 6, 2, d, seed=d + 1)
-    q, do, seg_q = q[:, 30:], do[:, 30:], seg[:, 30:]
-    slopes = (2.0 ** (-8.0 * np.arange(1, 7) / 6)).astype(np.float32)
+    q, k, v, do, seg, sinks = _inputs(dt, 2, 150, 6, 2, d, seed=d + alibi)
+    seg_q, slopes = seg, None
+    if alibi:
+        q, do, seg_q = q[:, 30:], do[:, 30:], seg[:, 30:]
+        slopes = (2.0 ** (-8.0 * np.arange(1, 7) / 6)).astype(np.float32)
     window, softcap, scale = (40, 0), 5.0, 1 / np.sqrt(d)
     kw = dict(causal=True, window=window, softcap=softcap, sinks=cupy.asarray(sinks), segment_ids=(seg_q, seg),
               alibi_slopes=slopes, context=ringmpi.RingContext(MPI.COMM_SELF, backend="cupy"))

@@ -22,6 +22,7 @@ from random_inputs import attention_inputs
 import ringmpi
 import ringmpi.core.dtypes
 from ringmpi import Layout
+from ringmpi.core import masks
 
 BACKEND = os.environ.get("RINGMPI_TEST_BACKEND", "numpy")
 
@@ -139,11 +140,9 @@ def position_kw(lay_q, lay_kv, rank):
 
 
 def window_of(case):
-    """The case's window as the calls take it: flash-attn's ``(left, right)``, -1 an unbounded
-    side (``(-1, -1)`` without one)."""
-    if case.get("window") is None:
-        return (-1, -1)
-    return tuple(-1 if w is None else int(w) for w in case["window"])
+    """The case's window (None an unbounded side) as the calls take it: flash-attn's
+    ``(left, right)``, -1 an unbounded side (``(-1, -1)`` without one)."""
+    return masks.window_of(case.get("window"))
 
 
 def with_context(kw, **changes):

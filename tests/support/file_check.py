@@ -5,6 +5,7 @@ import h5py
 import numpy as np
 
 import reference
+from ringmpi.core.masks import window_sides
 
 
 def read_dataset(dset):
@@ -44,7 +45,7 @@ def check_case(case, where, p):
         seg_q = seg_kv = np.broadcast_to(data["segment_ids"], (b, q.shape[1]))
     causal = "--causal" in case["run"]
     window = _opt(case["run"], "--window", 2)
-    window = None if window is None else tuple(None if int(w) < 0 else int(w) for w in window)
+    window = None if window is None else window_sides([int(w) for w in window])  # the flag's text
     scale = _opt(case["run"], "--scale")
     scale = float(scale[0]) if scale else 1.0 / np.sqrt(q.shape[3])
     layout = (_opt(case["run"], "--layout") or ["zigzag" if causal else "contiguous"])[0]

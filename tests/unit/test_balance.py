@@ -99,6 +99,10 @@ def test_balanced_layout_refuses_bad_documents():
         Layout("zigzag", 4, 2, documents=[4])
     with pytest.raises(ValueError, match=r"window must be \(left, right\), each an int >= 0 or -1"):
         Layout("balanced", 4, 2, documents=[4], window=(-2, 0))
+    # a fractional side is refused, not truncated (the one rule: core.masks.window_problem)
+    with pytest.raises(ValueError, match=r"window must be \(left, right\), each an int >= 0 or -1 \(unbounded\), "
+                                         r"got \(2\.5, 0\)"):
+        Layout("balanced", 4, 2, documents=[4], window=(2.5, 0))
     # flash-attn's convention: -1 is an unbounded side, (-1, -1) no window at all
     assert Layout("balanced", 4, 2, documents=[4], window=(-1, 0)).window == (None, 0)
     assert Layout("balanced", 4, 2, documents=[4], window=(-1, -1)).window is None

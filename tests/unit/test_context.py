@@ -13,7 +13,8 @@ from mpi4py import MPI
 
 import ringmpi
 from random_inputs import attention_inputs
-from ringmpi.context import Attention, Gradients, RingContext, call_options, pair, window_of, window_sides
+from ringmpi.context import Attention, Gradients, RingContext, call_options, pair
+from ringmpi.core.masks import window_of, window_sides
 from ringmpi.options import AttentionOptions
 from ringmpi.parallel.topology import head_parallel_setting
 from ringmpi.runtime.errors import ConfigError

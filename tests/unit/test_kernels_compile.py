@@ -109,7 +109,7 @@ def test_instantiation_list_covers_the_backend():
     for bf in ("false", "true"):
         for dp in (64, 128):
             assert f"ringmpi_forward_mma<{dp}, {bf}>" in exprs
-            assert f"ringmpi_backward_mma<{dp}, {bf}>" in exprs
+            assert f"ringmpi_backward_mma<{dp}, {bf}, {K.bwd_mma_rows(dp)}>" in exprs
     # every head dim up to the maximum maps to a compiled bucket for every kind and family
     simt = K.instantiations(75)
     for d in range(1, K.MAX_HEAD_DIM + 1):

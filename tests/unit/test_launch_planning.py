@@ -243,6 +243,46 @@ def test_invariant_constants_have_one_home():
         assert not re.search(rf"^\s*#\s*define\s+{name}\b", text, flags=re.M), name
 
 
+def test_tile_sizes_have_one_home():
+    """The block kernels' tile sizes are Python's: forward.cu and backward.cu define none of them
+    and #error without them, NVRTC gets them as -D defines, the launch planning sizes its tiles
+    and threads with the same numbers, and the tensor-core backward's query rows (64 up to
+    D = 64, else 32) are stated once, in ``bwd_mma_rows``, and reach the kernel as its template
+    argument."""
+    import re
+
+    assert K.TILE_DEFINES == {"FWD_MMA_BM": 64, "FWD_MMA_BN": 64, "FWD_SIMT_BM": 32, "BWD_MMA_BN": 64,
+                              "BWD_SIMT_MAX_THREADS": 256}
+    assert set(K.TILE_SOURCES) == {"forward.cu", "backward.cu"}
+    for filename in K.SOURCES:
+        options = K.compile_options(filename)
+        text = (K.KERNEL_DIR / filename).read_text()
+        for name, value in K.TILE_DEFINES.items():
+            assert (f"-D{name}={value}" in options) == (filename in K.TILE_SOURCES), (filename, name)
+            assert not re.search(rf"^\s*#\s*define\s+{name}\b", text, flags=re.M), (filename, name)
+        if filename in K.TILE_SOURCES:
+            assert "#error" in text and all(f"defined({name})" in text for name in K.TILE_DEFINES
+                                            if name in text), filename
+    used = {name for filename in K.TILE_SOURCES for name in K.TILE_DEFINES
+            if re.search(rf"\b{name}\b", (K.KERNEL_DIR / filename).read_text())}
+    assert used == set(K.TILE_DEFINES)
+    backward = (K.KERNEL_DIR / "backward.cu").read_text()
+    assert not re.search(r"DP\s*<=\s*64", backward)  # the row rule is bwd_mma_rows' alone
+    assert [K.bwd_mma_rows(dp) for dp in K.PADDED_DIMS if dp <= K.MMA_BACKWARD_MAX_DIM] == [64, 64, 32, 32]
+    for kind in (K.F16, K.BF16):
+        for d in (32, 64, 96, 128):
+            dp = K.padded_dim(d)
+            fwd, bwd = K.forward_kernels(kind, d)[0], K.backward_kernels(kind, d)[0]
+            assert fwd.tiles == (K.FWD_MMA_BM, K.FWD_MMA_BN)
+            assert bwd.tiles == (K.bwd_mma_rows(dp), K.BWD_MMA_BN)
+            assert bwd.expr.endswith(f", {K.bwd_mma_rows(dp)}>")
+    for kind in (K.F32, K.F64):
+        for fwd in K.forward_kernels(kind, 64):
+            assert fwd.tiles[0] == K.FWD_SIMT_BM
+        for bwd in K.backward_kernels(kind, 64):
+            assert bwd.threads == min(K.BWD_SIMT_MAX_THREADS, bwd.tiles[1] ** 2)
+
+
 def test_shared_constants_have_one_home():
     """No CUDA or C source writes a constant it shares with Python.  The kernels get
     ``KERNEL_DEFINES`` (element kinds, ``MAX_HEAD_MODS``, tile classes: every program) and
@@ -268,6 +308,8 @@ def test_shared_constants_have_one_home():
         want = dict(K.KERNEL_DEFINES)
         if filename == K.INVARIANT_SOURCE:
             want.update(K.INVARIANT_DEFINES, **fixed_split.cuda_defines())
+        if filename in K.TILE_SOURCES:
+            want.update(K.TILE_DEFINES)
         assert K.defines(filename) == want
         options = K.compile_options(filename)
         for name, value in want.items():

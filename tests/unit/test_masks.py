@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from reference import visible as reference_visible
-from ringmpi.core.masks import (FULL, PARTIAL, SKIP, ScoreSpec, classify_tiles, kernel_scalars,
-                           tile_bounds)
+from ringmpi.core.masks import (FULL, PARTIAL, SKIP, WINDOW_OFF, ScoreSpec, classify_tiles, kernel_scalars,
+                                tile_bounds, window_of, window_problem, window_sides)
 
 SPECS = [dict(), dict(causal=True), dict(window=(3, 5)), dict(window=(None, 2)), dict(window=(4, None)),
          dict(causal=True, window=(6, None)), dict(causal=True, window=(2, 9)), dict(window=(0, 0))]
@@ -108,3 +108,21 @@ def test_classify_tiles_is_conservative_and_counts_batch_entries(kw, has_seg):
 def test_window_sides_must_be_non_negative():
     with pytest.raises(ValueError):
         ScoreSpec(window=(-1, 2))
+
+
+def test_the_window_convention_has_one_home():
+    # flash-attn's (left, right), -1 unbounded, as a ScoreSpec holds it (None unbounded) and back
+    assert WINDOW_OFF == (-1, -1) and window_sides(WINDOW_OFF) is None and window_sides(None) is None
+    assert window_sides((3, -1)) == (3, None) and window_sides((None, 0)) == (None, 0)
+    assert window_sides(np.array([4, 0])) == (4, 0) and window_sides([4.0, np.int64(2)]) == (4, 2)
+    assert all(type(w) is int for w in window_sides((np.int64(5), 2.0)))
+    for window in ((-1, -1), (3, -1), (-1, 0), (5, 2)):
+        assert window_of(window_sides(window)) == window
+    assert window_of(None) == WINDOW_OFF and window_of((3, None)) == (3, -1)
+    for good in (None, (0, 0), (-1, 7), (None, None), np.array([2, -1])):
+        assert window_problem(good) is None, good
+    for bad in ((-2, 0), (3,), (1, 2, 3), (1.5, 0), (True, 0), ("a", 0), "ab", "wide", 7):
+        problem = window_problem(bad)
+        assert problem == f"window must be (left, right), each an int >= 0 or -1 (unbounded), got {bad!r}", bad
+        with pytest.raises(ValueError, match=r"window must be \(left, right\)"):
+            window_sides(bad)

@@ -63,7 +63,8 @@ def _measure(comm, be, cfg, n, lengths, layout, schedule):
     import numpy as np
 
     from ..attention import ring_attention, ring_attention_backward
-    from ..context import RingContext, window_of
+    from ..context import RingContext
+    from ..core.masks import window_of
     from ..core import balance
 
     rank = comm.Get_rank()
@@ -94,9 +95,10 @@ def _measure(comm, be, cfg, n, lengths, layout, schedule):
 
 
 def _window(cfg):
-    """The report's window as the calls take it: ``(left, right)`` with None unbounded, or None."""
-    window = cfg.get("window")
-    return None if window is None else tuple(None if w is None else int(w) for w in window)
+    """The report's window as a :class:`~ringmpi.core.masks.ScoreSpec` holds it (None unbounded)."""
+    from ..core.masks import window_sides
+
+    return window_sides(cfg.get("window"))
 
 
 def _phase(per_rank, phase):

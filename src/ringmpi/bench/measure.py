@@ -55,7 +55,8 @@ def measure(comm, be, cfg, n, progress=None):
     import numpy as np
 
     from ..attention import ring_attention, ring_attention_backward
-    from ..context import RingContext, window_of
+    from ..context import RingContext
+    from ..core.masks import window_of
     from ..core.layout import Layout
 
     rank, p = comm.Get_rank(), comm.Get_size()

@@ -15,6 +15,7 @@ from typing import Callable, Dict
 
 import click
 
+from ..core.masks import window_problem, window_sides
 from ..options import AttentionOptions, option_edge
 
 
@@ -31,8 +32,9 @@ def _floats(ctx, param, value):
 
 
 def _window(ctx, param, value):
-    """``L R`` with -1 for an unbounded side, as the field's ``(left, right)`` with None."""
-    return None if value is None else tuple(None if w == -1 else w for w in value)
+    """``L R`` with -1 for an unbounded side as the field holds it (None unbounded); a bad one is
+    left for the options' check to name."""
+    return value if window_problem(value) else window_sides(value)
 
 
 _KINDS: Dict[str, Callable[[dict], dict]] = {  # a field's kind -> its click keywords

@@ -88,6 +88,7 @@ def plan(preset, nodes, ranks_per_node, rate, intra_bw, intra_latency, inter_bw,
     (a preset, its figures overridable) instead of measured.
     """
     from ..core.cost_model import Link, Shape, choose, hiding_length, mask_fractions
+    from ..core.masks import window_sides
 
     m = PRESETS[preset].machine
     rpn = ranks_per_node or m.ranks_per_node
@@ -112,7 +113,10 @@ def plan(preset, nodes, ranks_per_node, rate, intra_bw, intra_latency, inter_bw,
             lengths = document_lengths(documents, n, seed)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--documents") from None
-    sides = None if window is None else tuple(None if w < 0 else w for w in window)
+    try:
+        sides = window_sides(window)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--window") from None
     density, seen = mask_fractions(n, ranks, causal=causal, window=sides, documents=lengths)
     itemsize, grad = DTYPE_SIZES[dtype]
     shape = Shape(n_q=n, n_kv=n, batch=batch, heads=heads, kv_heads=kv_heads, dim=dim, dim_v=dim_v or dim,

@@ -87,7 +87,7 @@ def _summary(result) -> str:
     phases = "forward+backward" if o.backward else "forward"
     flops = attention_flops(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.dim, a.causal, phases,
                             dim_v=spec.dim_v)
-    mask = ("causal" if a.causal else "full") + (f" window {a.window_sides()}" if a.window is not None else "")
+    mask = ("causal" if a.causal else "full") + (f" window {a.window}" if a.window is not None else "")
     io_s = float(reads.max() + writes.max())
     spread = (rings.max() - rings.min()) / rings.max() * 100 if rings.max() > 0 else 0.0
     lines = [

@@ -26,6 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .masks import Window, window_sides
+
 KINDS = ("contiguous", "zigzag", "striped")  # the kinds made from (n, world_size) alone
 BALANCED = "balanced"                         # made from a pack's document lengths too
 
@@ -61,7 +63,7 @@ class Layout:
     world_size: int
     documents: Optional[Tuple[int, ...]] = None
     causal: bool = False
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    window: Window = None
 
     def __post_init__(self):
         if self.kind not in KINDS + (BALANCED,):
@@ -80,16 +82,9 @@ class Layout:
         if any(x < 1 for x in lengths) or sum(lengths) != int(self.n):
             raise ValueError(f"documents must be lengths >= 1 summing to n = {self.n}, got {len(lengths)} "
                              f"lengths summing to {sum(lengths)} (smallest {min(lengths, default=None)})")
-        window = self.window
-        if window is not None:  # flash-attn's (left, right), -1 unbounded (None is taken too)
-            window = tuple(None if w is None or int(w) == -1 else int(w) for w in window)
-            if len(window) != 2 or any(w is not None and w < 0 for w in window):
-                raise ValueError(f"window must be (left, right), each an int >= 0 or -1 (unbounded), "
-                                 f"got {self.window!r}")
-            window = None if window == (None, None) else window
         object.__setattr__(self, "documents", lengths)
         object.__setattr__(self, "causal", bool(self.causal))
-        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "window", window_sides(self.window))  # flash-attn's -1 taken too
 
     def __repr__(self) -> str:
         text = f"Layout(kind={self.kind!r}, n={self.n}, world_size={self.world_size}"

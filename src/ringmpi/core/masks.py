@@ -42,6 +42,52 @@ if TYPE_CHECKING:
 
 SKIP, PARTIAL, FULL = 0, 1, 2  # tile classes; the kernels' TILE_* (-D defines: kernels.KERNEL_DEFINES)
 
+WINDOW_OFF = (-1, -1)  # flash-attn's window_size: -1 is an unbounded side, (-1, -1) no window
+Window = Optional[Tuple[Optional[int], Optional[int]]]  # the sides as a ScoreSpec holds them
+
+
+def _integral(x) -> bool:
+    """``x`` is a whole number (an int, a NumPy integer or a float such as 4.0), not a bool."""
+    try:
+        return not isinstance(x, (bool, np.bool_)) and int(x) == x
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def window_problem(window) -> Optional[str]:
+    """The problem with a sliding window (None when fine), in each spelling the library takes:
+    flash-attn's ``(left, right)`` with each side a whole number >= 0 or -1 (unbounded), a side of
+    None (unbounded, as :class:`ScoreSpec` holds it), or None (no window)."""
+    if window is None:
+        return None
+    try:
+        sides = tuple(window)
+        ok = len(sides) == 2 and all(w is None or (_integral(w) and int(w) >= -1) for w in sides)
+    except TypeError:
+        ok = False
+    return None if ok else f"window must be (left, right), each an int >= 0 or -1 (unbounded), got {window!r}"
+
+
+def window_sides(window) -> Window:
+    """``window`` (any spelling :func:`window_problem` takes) as a :class:`ScoreSpec` holds it:
+    ``(left, right)`` ints with None for an unbounded side, None for no window at all.
+    ValueError (:func:`window_problem`'s text) for anything else."""
+    problem = window_problem(window)
+    if problem is not None:
+        raise ValueError(problem)
+    if window is None:
+        return None
+    sides = tuple(None if w is None or int(w) == -1 else int(w) for w in window)
+    return None if sides == (None, None) else sides
+
+
+def window_of(sides: Window) -> Tuple[int, int]:
+    """The sides a :class:`ScoreSpec` holds (None unbounded) as flash-attn's ``(left, right)``,
+    -1 unbounded: how the calls, the command line and the HDF5 attributes spell them."""
+    if sides is None:
+        return WINDOW_OFF
+    return tuple(-1 if w is None else int(w) for w in sides)
+
 
 @dataclass(frozen=True)
 class ScoreSpec:
@@ -73,7 +119,7 @@ class ScoreSpec:
     """
 
     causal: bool = False
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    window: Window = None
     offset: int = 0
     softcap: Optional[float] = None
     exact_max: bool = False

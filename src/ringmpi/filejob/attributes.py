@@ -19,6 +19,7 @@ import numpy as np
 from .. import __version__
 from ..core import modifiers as _modifiers
 from ..core.host import to_host
+from ..core.masks import window_of
 from ..options import AttentionOptions
 from ..runtime.errors import ConfigError
 
@@ -29,9 +30,8 @@ def attention_attrs(options: AttentionOptions, dim: int) -> dict:
     ``softcap`` (0: none), ``max_logit``, with dropout ``dropout_p``, ``dropout_seed``, each
     score modifier in use as its field (``alibi_slopes``: float32 ``(H,)``), and ``invariant``
     (True) when used.  Sinks are a dataset, not an attribute (they have a gradient)."""
-    sides = options.window_sides()
     attrs = {"causal": bool(options.causal),
-             "window": np.array([] if sides is None else [-1 if w is None else w for w in sides], dtype=np.int64),
+             "window": np.array([] if options.window is None else window_of(options.window), dtype=np.int64),
              "softmax_scale": float(options.scale(dim)),
              "softcap": 0.0 if options.softcap is None else float(options.softcap),
              "max_logit": bool(options.return_max_logit)}
@@ -52,7 +52,7 @@ def attention_of_attrs(attrs, sinks=None) -> AttentionOptions:
     modifiers = {name: np.asarray(attrs[name], dtype=np.float32).ravel()
                  for name in _modifiers.FIELDS if name in attrs}
     return AttentionOptions(causal=bool(attrs["causal"]),
-                            window=tuple(None if int(w) < 0 else int(w) for w in window) if window.size else None,
+                            window=tuple(window) if window.size else None,
                             softmax_scale=float(attrs["softmax_scale"]),
                             softcap=float(attrs.get("softcap", 0.0)) or None, sinks=sinks,
                             dropout_p=dropout_p, dropout_seed=int(attrs["dropout_seed"]) if dropout_p > 0 else None,

@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 
 from .. import __version__
+from ..core.masks import window_of
 from ..runtime import env
 from ..runtime.errors import ConfigError, agree
 from ..options import AttentionOptions
@@ -35,7 +36,7 @@ from .pass_plan import DEFAULT_PASS_BYTES, Pass, pass_boxes, plan_passes
 def _flag_message(option: str, message: str, attention: AttentionOptions) -> str:
     """``message`` of :meth:`AttentionOptions.field_problem` in the command line's words."""
     if option == "window":
-        sides = " ".join("-1" if w is None else str(w) for w in attention.window)
+        sides = " ".join(str(w) for w in window_of(attention.window))
         return f"--window sides must be >= 0 (or -1 for unbounded), got {sides}"
     if option == "softmax_scale":
         return f"--scale must be a positive finite number, got {attention.softmax_scale}"
@@ -53,7 +54,8 @@ class JobOptions:
     :class:`~ringmpi.options.AttentionOptions`, which checks them) and the job's own;
     :meth:`check` raises the ConfigError (exit 2) of a bad value.
 
-    ``attention.window`` has None for an unbounded side (``--window`` gives -1);
+    ``attention.window`` has None for an unbounded side (``--window`` gives -1:
+    :func:`ringmpi.core.masks.window_sides`);
     ``attention.softmax_scale`` None means ``1/sqrt(D)``;
     ``attention.head_parallel`` is ``U``, ``"auto"`` or None
     (``RINGMPI_HEAD_PARALLEL``, else 1); ``attention.check_finite`` checks the
@@ -101,7 +103,6 @@ class JobOptions:
         dropout, the score modifiers and invariant only when used, so the record of a job without
         them is unchanged."""
         a = self.attention
-        win = a.window_sides()
         variants = dict(sinks_dataset=self.sinks_dataset, softcap=a.softcap,
                         max_logit=bool(a.return_max_logit) or None, invariant=bool(a.invariant) or None,
                         **{name: [float(x) for x in getattr(a, name)] for name in a.modifier_names()})
@@ -110,7 +111,7 @@ class JobOptions:
         if a.schedule is not None:
             dropout["schedule"] = a.schedule
         return dict(layout=self.layout_name, causal=bool(a.causal),
-                    window=None if win is None else list(win), backward=bool(self.backward),
+                    window=None if a.window is None else list(a.window), backward=bool(self.backward),
                     softmax_scale=a.softmax_scale, backend=backend, heads_per_pass=self.heads_per_pass,
                     **{k: v for k, v in variants.items() if v is not None}, **dropout)
 
@@ -256,7 +257,7 @@ def _layouts(comm, options: JobOptions, spec):
           f"N_kv={spec.n_kv}")
     a = options.attention
     layout = Layout("balanced", spec.n_q, size, documents=document_lengths(spec, comm), causal=bool(a.causal),
-                    window=a.window_sides())
+                    window=a.window)
     return layout, layout
 
 

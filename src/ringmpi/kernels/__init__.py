@@ -54,8 +54,22 @@ MMA_BACKWARD_MAX_DIM = 128   # larger f16/bf16 head dims use the SIMT backward
 # pairs are compiled too (template argument DVP): DeepSeek MLA's 192 / 128.
 VALUE_DIM_BUCKETS = ((192, 128),)
 
-# tile sizes (must match the kernels)
-FWD_MMA_TILES = (64, 64)                 # (query rows, keys) per CTA step
+# The block kernels' tile sizes, stated here only: forward.cu and backward.cu get them as -D
+# defines (TILE_DEFINES, through compile_options; they #error without them), and the launch
+# planning below sizes grids and shared memory with the same numbers.
+FWD_MMA_BM, FWD_MMA_BN = 64, 64  # tensor-core forward: query rows, keys per CTA step
+FWD_SIMT_BM = 32                 # SIMT forward: query rows per CTA (key tiles: _simt_bns)
+BWD_MMA_BN = 64                  # tensor-core backward: keys per CTA
+BWD_SIMT_MAX_THREADS = 256       # SIMT backward: min(this, BN * BN) threads per CTA
+TILE_DEFINES = {"FWD_MMA_BM": FWD_MMA_BM, "FWD_MMA_BN": FWD_MMA_BN, "FWD_SIMT_BM": FWD_SIMT_BM,
+                "BWD_MMA_BN": BWD_MMA_BN, "BWD_SIMT_MAX_THREADS": BWD_SIMT_MAX_THREADS}
+TILE_SOURCES = ("forward.cu", "backward.cu")  # the programs that take TILE_DEFINES
+
+
+def bwd_mma_rows(dp: int) -> int:
+    """Query rows per inner step of the tensor-core backward at padded head dim ``dp``: 64 up to
+    64, else 32 (its shared memory).  The kernel takes it as its template argument ``BM``."""
+    return 64 if dp <= 64 else 32
 
 
 def padded_dim(d: int) -> int:
@@ -248,11 +262,11 @@ def forward_kernels(kind: int, d: int, d_v: Optional[int] = None, cc: Optional[i
     dvp, tail = _value_bucket(dp, d_v)
     out = []
     if kind in (F16, BF16) and _tensor_cores(cc):
-        bm, bn = FWD_MMA_TILES
+        bm, bn = FWD_MMA_BM, FWD_MMA_BN
         smem = 2 * (bm * (dp + 8) + bn * (dp + 8) + dvp * (bn + 8))
         expr = f"ringmpi_forward_mma<{dp}, {'true' if kind == BF16 else 'false'}{tail}>"
         out.append(BlockKernel("forward", "forward.cu", expr, (bm, bn), 128, smem))
-    bm, t = 32, _acc_size(kind)
+    bm, t = FWD_SIMT_BM, _acc_size(kind)
     for bn in _simt_bns(max(dp, dvp), kind, smallest=4):
         smem = t * (bm * (dp + 1) + bn * (dp + 1) + bn * (dvp + 1) + bm * (bn + 1))
         out.append(BlockKernel("forward", "forward.cu", f"ringmpi_forward_simt<{dp}, {kind}, {bn}{tail}>",
@@ -270,16 +284,15 @@ def backward_kernels(kind: int, d: int, d_v: Optional[int] = None, cc: Optional[
     dvp, tail = _value_bucket(dp, d_v)
     out = []
     if kind in (F16, BF16) and dp <= MMA_BACKWARD_MAX_DIM and dvp == dp and _tensor_cores(cc):
-        bn = 64
-        bm = 64 if dp <= 64 else 32
+        bn, bm = BWD_MMA_BN, bwd_mma_rows(dp)
         smem = 4 * 2 * bm + 2 * (2 * bn * (dp + 8) + dp * (bn + 8) + 2 * bm * (dp + 8)
                                  + 2 * dp * (bm + 8) + bm * (bn + 8))
-        expr = f"ringmpi_backward_mma<{dp}, {'true' if kind == BF16 else 'false'}>"
+        expr = f"ringmpi_backward_mma<{dp}, {'true' if kind == BF16 else 'false'}, {bm}>"
         out.append(BlockKernel("backward", "backward.cu", expr, (bm, bn), 128, smem))
     t = _acc_size(kind)
     for bn in _simt_bns(max(dp, dvp), kind):
         smem = t * (2 * bn * (dp + 1) + 2 * bn * (dvp + 1) + 2 * bn * (bn + 1) + 2 * bn)
-        threads = min(256, bn * bn)   # BWD_SIMT_THREADS in backward.cu
+        threads = min(BWD_SIMT_MAX_THREADS, bn * bn)   # BWD_SIMT_THREADS in backward.cu
         out.append(BlockKernel("backward", "backward.cu",
                                f"ringmpi_backward_simt<{dp}, {kind}, {bn}{tail}>", (bn, bn), threads, smem))
     return _reachable(out, cc)
@@ -417,9 +430,12 @@ def instantiations(cc: Optional[int] = None):
 
 def defines(filename: Optional[str] = None) -> dict:
     """The ``-D`` defines of ``filename``'s program: :data:`KERNEL_DEFINES` for every file;
-    invariant.cu's :data:`INVARIANT_DEFINES` and the fixed-point split's
-    (:func:`ringmpi.core.fixed_split.cuda_defines`) for it too."""
+    the block kernels' :data:`TILE_DEFINES` for forward.cu and backward.cu; invariant.cu's
+    :data:`INVARIANT_DEFINES` and the fixed-point split's
+    (:func:`ringmpi.core.fixed_split.cuda_defines`) for it."""
     out = dict(KERNEL_DEFINES)
+    if filename in TILE_SOURCES:
+        out.update(TILE_DEFINES)
     if filename == INVARIANT_SOURCE:
         out.update(INVARIANT_DEFINES)
         out.update(fixed_split.cuda_defines())

@@ -84,7 +84,11 @@ __device__ __forceinline__ int bwd_load_row_stats(T* lse_s, T* dvec_s, const T* 
 // Tensor-core kernel for f16 / bf16 K/V (DP <= 128): 4 warps, 64 keys
 // (16 per warp), BM query rows per inner step; q, do, P and dS are rounded
 // to the K/V dtype for the MMAs, accumulation is float.
-#define BWD_MMA_BN 64
+// BWD_MMA_BN (and BWD_SIMT_MAX_THREADS below) are ringmpi.kernels.TILE_DEFINES, -D defines of
+// compile_options; the query rows BM are the template argument (kernels.bwd_mma_rows).
+#if !defined(BWD_MMA_BN) || !defined(BWD_SIMT_MAX_THREADS)
+#error "compile with ringmpi.kernels.compile_options: it defines the tile sizes (kernels.TILE_DEFINES)"
+#endif
 
 // The careful step of the tensor-core backward, for a (query tile, key tile)
 // step whose operands hold a NaN/Inf: every sum runs over visible pairs only
@@ -159,7 +163,7 @@ __device__ __forceinline__ void bwd_mma_careful_dq(float* __restrict__ dq, long 
     }
 }
 
-template <int DP, bool BF16>
+template <int DP, bool BF16, int BM>
 __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     const float* __restrict__ q, const float* __restrict__ dout, const float* __restrict__ lse,
     const float* __restrict__ dvec, const unsigned short* __restrict__ k,
@@ -172,7 +176,6 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
     BWD_SHAPE_INIT(a);
     const float cap = (float)mk.softcap;
     constexpr int BN = BWD_MMA_BN;
-    constexpr int BM = DP <= 64 ? 64 : 32;
     constexpr int RS = DP + 8;   // row stride of Ks, Vs, Qs, dOs   ([row][d])
     constexpr int KTS = BN + 8;  // row stride of Kt                 ([d][key])
     constexpr int QTS = BM + 8;  // row stride of Qt, dOt            ([d][query])
@@ -404,10 +407,10 @@ __global__ void __launch_bounds__(128) ringmpi_backward_mma(
 
 // ---------------------------------------------------------------------------
 // SIMT kernel for every dtype (the exact path for float32 / float64, and the
-// f16 / bf16 path for DP > 128): NTH = min(256, BN * BN) threads, BN keys and
+// f16 / bf16 path for DP > 128): NTH = min(BWD_SIMT_MAX_THREADS, BN * BN) threads, BN keys and
 // BN queries per step, TPR = NTH / BN threads per key row (BN = 8 keeps float64
 // at DP > 128 within 99 KB of shared memory).  Shared tiles hold the compute type.
-#define BWD_SIMT_THREADS(BN) ((BN) * (BN) < 256 ? (BN) * (BN) : 256)
+#define BWD_SIMT_THREADS(BN) ((BN) * (BN) < BWD_SIMT_MAX_THREADS ? (BN) * (BN) : BWD_SIMT_MAX_THREADS)
 template <int DP, int KIND, int BN, int DVP = DP>
 __global__ void __launch_bounds__(BWD_SIMT_THREADS(BN)) ringmpi_backward_simt(
     const typename Kind<KIND>::acc* __restrict__ q, const typename Kind<KIND>::acc* __restrict__ dout,

@@ -20,8 +20,11 @@ struct FwdArgs {
 // 64-key tiles, mma.m16n8k16 with float accumulation.  DP: head dim rounded up to a
 // multiple of 32 (zero padded), D <= DP at run time.  q (float) is rounded to
 // the K/V dtype in shared memory; the scale multiplies the float product.
-#define FWD_MMA_BM 64
-#define FWD_MMA_BN 64
+// The tile sizes FWD_MMA_BM, FWD_MMA_BN (and FWD_SIMT_BM below) are ringmpi.kernels.TILE_DEFINES,
+// -D defines of compile_options, the numbers the launch planning uses.
+#if !defined(FWD_MMA_BM) || !defined(FWD_MMA_BN) || !defined(FWD_SIMT_BM)
+#error "compile with ringmpi.kernels.compile_options: it defines the tile sizes (kernels.TILE_DEFINES)"
+#endif
 
 // The products p * v of the V elements that are NaN/Inf (stored as 0 in the
 // tile for the MMA), added for visible keys only: o[row][d] += p[row][key] *
@@ -275,9 +278,8 @@ __global__ void __launch_bounds__(128) ringmpi_forward_mma(
 
 // ---------------------------------------------------------------------------
 // SIMT kernel for every dtype (the exact path for float32 and float64):
-// 128 threads, 32 query rows, 4 threads per row; key tiles of BN rows.
+// 128 threads, FWD_SIMT_BM query rows, 4 threads per row; key tiles of BN rows.
 // Shared tiles hold the compute type; D <= DP at run time.
-#define FWD_SIMT_BM 32
 
 template <int DP, int KIND, int BN, int DVP = DP>
 __global__ void __launch_bounds__(128) ringmpi_forward_simt(
