@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
+from .masks import window_sides
+
 SCHEDULES = ("ring", "routed", "allgather")
 MAX_PIECES = 4       # the all-gather's collectives per pass: its first piece's blocks start after 1/4
 MIN_PIECE_ROWS = 64  # no piece of a rank thinner than this (beyond the first)
@@ -294,7 +296,7 @@ def mask_fractions(n: int, ranks: int, causal: bool = False, window=None,
     ranks' K/V rows a rank's queries see (what the routed schedule moves).  ``documents``:
     packed document lengths (a rank sees other ranks' rows only of the documents cut at its
     shard's edges: about ``E[L^2] / E[L]`` rows, the length-biased mean, each side); ``window``
-    ``(left, right)``, None for an unbounded side."""
+    in any spelling :func:`~ringmpi.core.masks.window_sides` takes (-1 or None unbounded)."""
     shard = max(n / ranks, 1.0)
     others = max(n - shard, 1.0)
     density, seen = (0.5 if causal else 1.0), 1.0
@@ -302,8 +304,9 @@ def mask_fractions(n: int, ranks: int, causal: bool = False, window=None,
         squares = float(sum(float(d) * d for d in documents))
         density *= squares / (float(n) * n)
         seen = min(1.0, squares / float(sum(documents)) / others)
+    window = window_sides(window)
     if window is not None:
-        left, right = (n if w is None else int(w) for w in window)
+        left, right = (n if w is None else w for w in window)
         right = 0 if causal else right
         density = min(density, (left + right + 1) / n)
         seen = min(seen, (left + right) / others)
