@@ -20,7 +20,11 @@ from ringmpi.core.dropout import Dropout
 from ringmpi.core.masks import ScoreSpec
 from ringmpi.core.modifiers import Alibi
 
-F = pytest.importorskip("ringmpi._ext._fused", reason="ringmpi._ext._fused was not built (no C compiler)")
+try:
+    from ringmpi._ext import _fused as F
+except ImportError:  # no C compiler at install: the NumPy fallback runs; only the one-home test applies
+    F = None
+compiled = pytest.mark.skipif(F is None, reason="ringmpi._ext._fused was not built (no C compiler)")
 
 ROOT = Path(K.__file__).resolve().parents[3]
 SRC = ROOT / "src" / "ringmpi"
@@ -50,6 +54,7 @@ def _cases(seed=0):
                 yield spec, q, k, segs
 
 
+@compiled
 def test_visible_is_the_masks_rule():
     for spec, q, k, (sq, sk) in _cases():
         want = spec.visible(q, k, sq, sk)
@@ -61,6 +66,7 @@ def test_visible_is_the_masks_rule():
         np.testing.assert_array_equal(tile_pass.visible(spec, q, k, sq, sk), want)
 
 
+@compiled
 @pytest.mark.parametrize("tile", [1, 4, 16])
 def test_classify_tile_is_classify_tiles(tile):
     rng = np.random.default_rng(tile)
@@ -89,6 +95,7 @@ def test_classify_tile_is_classify_tiles(tile):
                     assert vis.all()
 
 
+@compiled
 @pytest.mark.parametrize("counter, key, expected", [
     ((0, 0, 0, 0), (0, 0), 0x6627E8D5),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, 0x408F276D),
@@ -98,6 +105,7 @@ def test_philox_known_answers(counter, key, expected):
     assert F.philox_word0(*counter, *key) == expected
 
 
+@compiled
 def test_philox_is_core_philox():
     rng = np.random.default_rng(3)
     words = rng.integers(0, 2 ** 32, size=(6, 200), dtype=np.uint64)
@@ -108,6 +116,7 @@ def test_philox_is_core_philox():
         assert F.philox_word0(*c, *key) == int(philox.philox4x32(*c, *key)[0])
 
 
+@compiled
 @pytest.mark.parametrize("p", [1e-9, 2.0 ** -32, 0.1, 0.5, 0.999999, 1 - 2.0 ** -30])
 def test_dropout_keep_is_core_dropout(p):
     rng = np.random.default_rng(int(p * 1e6))
@@ -126,6 +135,7 @@ def test_dropout_keep_is_core_dropout(p):
                                           drop.multiplier(b, h, q, k, dtype))
 
 
+@compiled
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_alibi_terms_are_the_modifiers_bits(dtype):
     rng = np.random.default_rng(5)
@@ -144,6 +154,7 @@ def test_alibi_terms_are_the_modifiers_bits(dtype):
             np.testing.assert_array_equal((s + got(h)).view(np.uint8), (s + want(h)).view(np.uint8))
 
 
+@compiled
 @pytest.mark.parametrize("dtype, rtol", [(np.float32, 4e-7), (np.float64, 1e-15)])
 def test_softcap_is_the_formula(dtype, rtol):
     rng = np.random.default_rng(7)
@@ -204,3 +215,17 @@ def test_rules_have_one_home():
         for name in RULE_FUNCTIONS + ("MaskArgs", "DropoutArgs"):
             assert not re.search(rf"(?:\b(?:bool|int|unsigned int|long long|float|double|T)\s+{name}\s*\(|"
                                  rf"struct\s+{name}\b|}}\s*{name}\s*;)", text), (path.name, name)
+
+
+def test_numpy_fallback_is_the_reference(monkeypatch):
+    """Without the extension (not built, ``RINGMPI_CPU_KERNEL=numpy``) the tiles' rules are the
+    Python references themselves."""
+    monkeypatch.setattr(tile_pass, "compiled", None)
+    spec, q, k, (sq, sk) = next(c for c in _cases(1) if c[3][0] is not None and len(c[1]) and len(c[2]))
+    np.testing.assert_array_equal(tile_pass.visible(spec, q, k, sq, sk), spec.visible(q, k, sq, sk))
+    drop = Dropout(0.25, 99, heads=2)
+    np.testing.assert_array_equal(tile_pass.dropout_multiplier(drop, 0, 1, q, k, np.float32),
+                                  drop.multiplier(0, 1, q, k, np.float32))
+    spec = ScoreSpec(offset=2, modifiers=(Alibi.of(np.array([0.5, 0.125], dtype=np.float32)),))
+    np.testing.assert_array_equal(tile_pass.modifier_terms(spec, q, k, np.float32)(1),
+                                  spec.modifier_terms(q, k, np.float32)(1))
