@@ -3,6 +3,7 @@
 rest of the package is in pyproject.toml.  If no C compiler can build them, the install
 goes on and the NumPy backend uses its NumPy-only paths (the same bits for the sums)."""
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -10,6 +11,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 FIXED_SPLIT = "src/ringmpi/core/fixed_split.py"
+PHILOX = "src/ringmpi/core/philox.py"
+MASKS = "src/ringmpi/core/masks.py"
+KERNELS = "src/ringmpi/kernels"  # rules.h: the per-element rules NVRTC builds too
 
 
 def fixed_split_macros():
@@ -19,6 +23,35 @@ def fixed_split_macros():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return sorted(module.c_defines().items())
+
+
+def _literals(path):
+    """``{name: value}`` of the module-level assignments of literals in ``path``'s source (read with
+    ast: those modules import NumPy, which setup.py cannot)."""
+    out = {}
+    for node in ast.parse((Path(__file__).parent / path).read_text()).body:
+        if isinstance(node, ast.Assign):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    out[target.id] = value
+                elif isinstance(target, ast.Tuple) and isinstance(value, tuple):
+                    out.update((t.id, v) for t, v in zip(target.elts, value) if isinstance(t, ast.Name))
+    return out
+
+
+def rules_macros():
+    """``kernels/rules.h``'s ``-D`` defines for ``_fused``, as NVRTC gets them
+    (``ringmpi.kernels.DROPOUT_DEFINES`` and the ``TILE_*`` of ``KERNEL_DEFINES``): Philox's
+    constants from core/philox.py, the tile classes from core/masks.py."""
+    philox, masks = _literals(PHILOX), _literals(MASKS)
+    words = {"PHILOX_M0": philox["MULTIPLIERS"][0], "PHILOX_M1": philox["MULTIPLIERS"][1],
+             "PHILOX_W0": philox["WEYL"][0], "PHILOX_W1": philox["WEYL"][1]}
+    return sorted([("PHILOX_ROUNDS", str(philox["ROUNDS"]))] + [(k, f"0x{v:08X}u") for k, v in words.items()]
+                  + [(f"TILE_{k}", str(masks[k])) for k in ("SKIP", "PARTIAL", "FULL")])
 
 
 class OptionalBuildExt(build_ext):
@@ -38,7 +71,9 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension("ringmpi._ext._fused", ["src/ringmpi/_ext/fused.c"],
                            depends=["src/ringmpi/_ext/exp_rows.h", "src/ringmpi/_ext/block_rows.h",
-                                    "src/ringmpi/_ext/path_end.h", "src/ringmpi/_ext/vector_paths.h"],
+                                    "src/ringmpi/_ext/path_end.h", "src/ringmpi/_ext/vector_paths.h",
+                                    f"{KERNELS}/rules.h", PHILOX, MASKS],
+                           include_dirs=[KERNELS], define_macros=rules_macros(),
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]),
                  Extension("ringmpi._ext._fixed", ["src/ringmpi/_ext/fixed.c"],
                            depends=["src/ringmpi/_ext/vector_paths.h", FIXED_SPLIT],

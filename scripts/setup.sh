@@ -185,7 +185,7 @@ stamp=$venv/.ringmpi-installed
 # the extension is rebuilt when its source or build script changes (fixed_split.py: _fixed's -D
 # defines); extras installed before (the stamp's) are kept, so scripts/main.sh after scripts/test.sh
 # installs nothing
-digest=$(cat pyproject.toml setup.py src/ringmpi/_ext/*.c src/ringmpi/_ext/*.h src/ringmpi/core/fixed_split.py | sha1sum | cut -c1-12)
+digest=$(cat pyproject.toml setup.py src/ringmpi/_ext/*.c src/ringmpi/_ext/*.h src/ringmpi/core/fixed_split.py src/ringmpi/kernels/rules.h src/ringmpi/core/philox.py src/ringmpi/core/masks.py | sha1sum | cut -c1-12)
 read -r had_digest had_extras 2>/dev/null < "$stamp" || true
 sorted_extras() { printf '%s\n' ${*//,/ } | sort -u | paste -sd, -; }
 all_extras=$(sorted_extras "$extras" "${had_extras:-}")

@@ -2,7 +2,7 @@
 
 Block level (one rank): with ``q = 0`` every weight is 1 and ``v`` the
 identity, so the forward's ``o_acc[i, j]`` is exactly weight ``(i, j)``'s
-dropout factor: the kernels' mask (Philox in ``kernels/philox.cuh``) must equal
+dropout factor: the kernels' mask (Philox in ``kernels/rules.h``) must equal
 ``Dropout.keep`` (``ringmpi/core/philox.py``) everywhere, for every kernel kind, at
 positions past 2^32.  Then forward and backward with dropout against the NumPy
 backend, and the ring cases of ``tests/mpi/dropout_cases.py`` on the CuPy backend.

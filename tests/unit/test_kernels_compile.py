@@ -134,7 +134,7 @@ def test_default_architectures_cover_every_code_path():
         assert set(K.instantiations(int(arch[3:]))) == set(K.instantiations(int(default_for(arch)[3:]))), arch
     branches = set()
     for path in sorted(K.KERNEL_DIR.iterdir()):
-        if path.suffix in (".cu", ".cuh"):
+        if path.suffix in (".cu", ".cuh", ".h"):
             branches |= set(re.findall(r"__CUDA_ARCH__[^\n]*", path.read_text()))
     assert branches == {"__CUDA_ARCH__ >= 800"}, branches
 
@@ -144,7 +144,8 @@ def test_sources_carry_line_directives():
         src = K.source(filename)
         assert f'#line 1 "{(K.KERNEL_DIR / filename).as_posix()}"' in src
         assert f'#line 1 "{(K.KERNEL_DIR / K.PREAMBLE).as_posix()}"' in src
-        assert f'#line 1 "{(K.KERNEL_DIR / K.DROPOUT_PREAMBLE).as_posix()}"' in src
+        assert f'#line 1 "{(K.KERNEL_DIR / K.RULES).as_posix()}"' in src
+        assert src.index(K.RULES) < src.index(K.PREAMBLE) < src.index(filename)
 
 
 def _compile_listed(filename, arch):
@@ -217,7 +218,7 @@ def test_compile_errors_name_the_real_file(tmp_path, monkeypatch):
     bad = tmp_path / "broken.cu"
     bad.write_text("__global__ void ringmpi_broken() { undefined_symbol(); }\n")
     monkeypatch.setattr(K, "KERNEL_DIR", tmp_path)
-    for preamble in (K.PREAMBLE, K.DROPOUT_PREAMBLE):
+    for preamble in (K.RULES, K.PREAMBLE):
         (tmp_path / preamble).write_text("")
     K.source.cache_clear()
     try:

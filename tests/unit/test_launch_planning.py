@@ -285,27 +285,31 @@ def test_tile_sizes_have_one_home():
 
 def test_shared_constants_have_one_home():
     """No CUDA or C source writes a constant it shares with Python.  The kernels get
-    ``KERNEL_DEFINES`` (element kinds, ``MAX_HEAD_MODS``, tile classes: every program) and
-    invariant.cu also the fixed-point split (``core.fixed_split``) as ``-D`` defines of Python's
-    values; common.cuh and invariant.cu ``#error`` without them; ``_ext/fixed.c`` takes the split
-    from setup.py the same way (``test_fixed_add`` holds the built module to it).  No source
+    ``KERNEL_DEFINES`` (element kinds, ``MAX_HEAD_MODS``, tile classes) and ``DROPOUT_DEFINES``
+    (Philox's, ``core.philox``) in every program, and invariant.cu also the fixed-point split
+    (``core.fixed_split``), as ``-D`` defines of Python's values; common.cuh, rules.h and
+    invariant.cu ``#error`` without them; ``_ext/fixed.c`` takes the split from setup.py the same
+    way (``test_fixed_add`` holds the built module to it), ``_ext/fused.c`` rules.h's
+    (``test_rules`` holds it to Python's rules).  No source
     holds one of the split's numbers as a literal (hexadecimal float or IEEE bits)."""
     import re
     import struct
     from pathlib import Path
 
-    from ringmpi.core import fixed_split, masks
+    from ringmpi.core import fixed_split, masks, philox
     from ringmpi.core.modifiers import MAX_KERNEL_MODIFIERS
 
     assert K.KERNEL_DEFINES == {"KIND_F16": K.F16, "KIND_BF16": K.BF16, "KIND_F32": K.F32, "KIND_F64": K.F64,
                                 "MAX_HEAD_MODS": MAX_KERNEL_MODIFIERS, "TILE_SKIP": masks.SKIP,
                                 "TILE_PARTIAL": masks.PARTIAL, "TILE_FULL": masks.FULL}
+    assert K.DROPOUT_DEFINES == philox.cuda_defines()
+    assert {k: int(v.rstrip("u"), 0) for k, v in K.DROPOUT_DEFINES.items()} == philox.constants()
     assert len(set(K.KIND_SIZE)) == 4 and set(K.KIND_SIZE) == {K.F16, K.BF16, K.F32, K.F64}
     split = fixed_split.constants()
     assert split == {"FIXED_LIMIT_1": 2.0 ** 62, "FIXED_LIMIT_2": 2.0 ** 92, "FIXED_LIMB": 2.0 ** 30,
                      "FIXED_LIMB_INV": 2.0 ** -30}
     for filename in K.SOURCES:
-        want = dict(K.KERNEL_DEFINES)
+        want = dict(K.KERNEL_DEFINES, **K.DROPOUT_DEFINES)
         if filename == K.INVARIANT_SOURCE:
             want.update(K.INVARIANT_DEFINES, **fixed_split.cuda_defines())
         if filename in K.TILE_SOURCES:
@@ -322,9 +326,11 @@ def test_shared_constants_have_one_home():
     assert fixed_split.c_defines()["FIXED_LIMB_BITS"] == str(fixed_split.LIMB_BITS)
 
     fixed_c = Path(fixed_split.__file__).resolve().parents[1] / "_ext" / "fixed.c"
-    texts = {path: path.read_text() for path in sorted(K.KERNEL_DIR.iterdir()) if path.suffix in (".cu", ".cuh")}
+    fused_c = fixed_c.with_name("fused.c")
+    texts = {path: path.read_text() for path in sorted(K.KERNEL_DIR.iterdir()) if path.suffix in (".cu", ".cuh", ".h")}
     texts[fixed_c] = fixed_c.read_text()
-    names = set(K.KERNEL_DEFINES) | set(K.INVARIANT_DEFINES) | set(fixed_split.c_defines())
+    texts[fused_c] = fused_c.read_text()
+    names = set(K.KERNEL_DEFINES) | set(K.DROPOUT_DEFINES) | set(K.INVARIANT_DEFINES) | set(fixed_split.c_defines())
     for path, text in texts.items():
         defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", text, flags=re.M))
         assert not defined & names, (path.name, defined & names)
@@ -334,8 +340,11 @@ def test_shared_constants_have_one_home():
     # each source refuses to compile without its defines, and uses each (outside comments and #if)
     code = {path: re.sub(r"//[^\n]*|/\*.*?\*/|^\s*#\s*(?:if|error)[^\n]*(?:\\\n[^\n]*)*", "", text, flags=re.S | re.M)
             for path, text in texts.items()}
-    kernels = "\n".join(c for path, c in code.items() if path != fixed_c)
-    for path, wanted in ((K.KERNEL_DIR / K.PREAMBLE, K.KERNEL_DEFINES), (K.KERNEL_DIR / K.INVARIANT_SOURCE, split),
+    kernels = "\n".join(c for path, c in code.items() if path not in (fixed_c, fused_c))
+    tiles = {k: v for k, v in K.KERNEL_DEFINES.items() if k.startswith("TILE_")}
+    kinds = {k: v for k, v in K.KERNEL_DEFINES.items() if k not in tiles}
+    for path, wanted in ((K.KERNEL_DIR / K.PREAMBLE, kinds), (K.KERNEL_DIR / K.RULES, {**tiles, **K.DROPOUT_DEFINES}),
+                         (K.KERNEL_DIR / K.INVARIANT_SOURCE, split),
                          (fixed_c, fixed_split.c_defines())):
         for name in wanted:
             assert f"!defined({name})" in texts[path], (path.name, name)

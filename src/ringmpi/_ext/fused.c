@@ -6,6 +6,9 @@
  *   fwd_chunk: one packed key chunk folded into the online softmax of a run of query rows
  *              (block_rows.h: Q K^T, mask, row max, exp with row sums, P V, no call out between)
  *   fma_peak:  the core's float32 FMA peak at a path's vector width (the benchmark's yardstick)
+ *   visible, classify, dropout_keep, alibi_terms, softcap, philox_word0: the per-element rules of
+ *              kernels/rules.h (the very code the CUDA kernels run) over a block, for the NumPy
+ *              backend's tiles and the tests
  *
  * each step rounded to float32 in NumPy's order (compiled with -ffp-contract=off; the one fused
  * multiply-adds are those written as such), bias, shift and sums optional.  A row's sum adds its
@@ -30,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <time.h>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -40,6 +44,7 @@
 #include <arm_neon.h>
 #endif
 #define LANES 16 /* a row's sum adds into this many lanes, on every path */
+#include "rules.h" /* kernels/rules.h: setup.py adds its folder and its -D defines */
 
 #define PATH plain
 #define PATH_ISA
@@ -423,6 +428,234 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------------------ the rules of kernels/rules.h
+ * Each entry point runs one rule of rules.h over a block of (query, key) positions, into a C-contiguous
+ * output the caller allocates: the NumPy backend's masks, dropout and ALiBi terms are these. */
+
+/* a C-contiguous buffer of `n` items of `format` (None -> buf NULL when `optional`) */
+static int get_items(PyObject *obj, Py_buffer *view, const char *format, Py_ssize_t n, int writable, int optional,
+                const char *what)
+{
+    if (obj == Py_None && optional) { view->obj = NULL; view->buf = NULL; return 0; }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (strcmp(view->format, format) != 0 || view->len != n * view->itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous array of %zd items of format %s", what, n, format);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+/* the length of a 1-D int64 array */
+static Py_ssize_t positions(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (view->ndim != 1 || strcmp(view->format, "l") != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a contiguous 1-D int64 array", what);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return view->shape[0];
+}
+
+/* visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out[i, j] =
+ * elem_visible of query i and key j (seg_q, seg_kv: one batch entry's ids, or None) */
+static PyObject *py_visible(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *ko, *sqo, *sko, *oo;
+    int has_lo, has_hi;
+    long long lo_delta, hi_delta;
+    if (!PyArg_ParseTuple(args, "OOOOiLiLO", &qo, &ko, &sqo, &sko, &has_lo, &lo_delta, &has_hi, &hi_delta, &oo))
+        return NULL;
+    Py_buffer v[5];
+    memset(v, 0, sizeof v);
+    PyObject *out = NULL;
+    const Py_ssize_t nq = positions(qo, &v[0], "q_pos"), nk = nq < 0 ? -1 : positions(ko, &v[1], "kv_pos");
+    if (nq < 0 || nk < 0) goto done;
+    if ((sqo == Py_None) != (sko == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "visible: seg_q and seg_kv go together");
+        goto done;
+    }
+    if (get_items(sqo, &v[2], "l", nq, 0, 1, "seg_q") < 0 || get_items(sko, &v[3], "l", nk, 0, 1, "seg_kv") < 0 ||
+        get_items(oo, &v[4], "?", nq * nk, 1, 0, "out") < 0)
+        goto done;
+    if (nq > INT_MAX || nk > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "visible: a block of at most 2^31 - 1 rows and columns");
+        goto done;
+    }
+    MaskArgs mk;
+    memset(&mk, 0, sizeof mk);
+    mk.q_pos = (const long long *)v[0].buf;
+    mk.kv_pos = (const long long *)v[1].buf;
+    mk.seg_q = (const long long *)v[2].buf;
+    mk.seg_kv = (const long long *)v[3].buf;
+    mk.has_lo = has_lo, mk.lo_delta = lo_delta, mk.has_hi = has_hi, mk.hi_delta = hi_delta;
+    bool *vis = (bool *)v[4].buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < nq; i++)
+        for (Py_ssize_t j = 0; j < nk; j++) vis[i * nk + j] = elem_visible(mk, 0, (int)i, (int)j, (int)nq, (int)nk);
+    Py_END_ALLOW_THREADS
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 5);
+    return out;
+}
+
+/* classify(q_bounds, kv_bounds, nqt, nkt, batch, has_seg, has_lo, lo_delta, has_hi, hi_delta, out): out
+ * ((batch if has_seg else 1), nqt, nkt) int8 = classify_tile of each tile (bounds: masks.tile_bounds) */
+static PyObject *py_classify(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *ko, *oo;
+    int nqt, nkt, batch, has_seg, has_lo, has_hi;
+    long long lo_delta, hi_delta;
+    if (!PyArg_ParseTuple(args, "OOiiiiiLiLO", &qo, &ko, &nqt, &nkt, &batch, &has_seg, &has_lo, &lo_delta, &has_hi,
+                          &hi_delta, &oo))
+        return NULL;
+    if (nqt < 0 || nkt < 0 || batch < 1) {
+        PyErr_SetString(PyExc_ValueError, "classify: tile counts >= 0 and batch >= 1");
+        return NULL;
+    }
+    const Py_ssize_t entries = has_seg ? batch : 1;
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    PyObject *out = NULL;
+    if (get_items(qo, &v[0], "l", 2 * (Py_ssize_t)nqt * (1 + (has_seg ? batch : 0)), 0, 0, "q_bounds") < 0 ||
+        get_items(ko, &v[1], "l", 2 * (Py_ssize_t)nkt * (1 + (has_seg ? batch : 0)), 0, 0, "kv_bounds") < 0 ||
+        get_items(oo, &v[2], "b", entries * nqt * nkt, 1, 0, "out") < 0)
+        goto done;
+    static const long long no_segments = 0;
+    MaskArgs mk;
+    memset(&mk, 0, sizeof mk);
+    mk.q_bounds = (const long long *)v[0].buf;
+    mk.kv_bounds = (const long long *)v[1].buf;
+    mk.seg_q = has_seg ? &no_segments : 0; /* classify_tile asks only whether there are segment ids */
+    mk.has_lo = has_lo, mk.lo_delta = lo_delta, mk.has_hi = has_hi, mk.hi_delta = hi_delta;
+    signed char *cls = (signed char *)v[2].buf;
+    for (Py_ssize_t b = 0; b < entries; b++)
+        for (int qt = 0; qt < nqt; qt++)
+            for (int kt = 0; kt < nkt; kt++)
+                cls[(b * nqt + qt) * nkt + kt] = (signed char)classify_tile(mk, (int)b, batch, qt, nqt, kt, nkt);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 3);
+    return out;
+}
+
+/* dropout_keep(q_pos, kv_pos, k0, k1, threshold, heads, batch_offset, head_offset, b, h, out): out[i, j]
+ * = dropout_keep of query head h of batch entry b at query i, key j */
+static PyObject *py_dropout_keep(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *ko, *oo;
+    unsigned int k0, k1;
+    unsigned long long threshold;
+    long long heads, b0, h0;
+    int b, h;
+    if (!PyArg_ParseTuple(args, "OOIIKLLLiiO", &qo, &ko, &k0, &k1, &threshold, &heads, &b0, &h0, &b, &h, &oo))
+        return NULL;
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    PyObject *out = NULL;
+    const Py_ssize_t nq = positions(qo, &v[0], "q_pos"), nk = nq < 0 ? -1 : positions(ko, &v[1], "kv_pos");
+    if (nq < 0 || nk < 0 || get_items(oo, &v[2], "?", nq * nk, 1, 0, "out") < 0) goto done;
+    DropoutArgs dr;
+    dr.on = 1, dr.k0 = k0, dr.k1 = k1, dr.threshold = threshold;
+    dr.heads = heads, dr.batch_offset = b0, dr.head_offset = h0;
+    const long long *qp = (const long long *)v[0].buf, *kp = (const long long *)v[1].buf;
+    bool *keep = (bool *)v[2].buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < nq; i++)
+        for (Py_ssize_t j = 0; j < nk; j++) keep[i * nk + j] = dropout_keep(dr, b, h, qp[i], kp[j]);
+    Py_END_ALLOW_THREADS
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 3);
+    return out;
+}
+
+/* alibi_terms(q_pos, kv_pos, offset, slope, out): out[i, j] = ALiBi's additive term of query i, key j in
+ * out's type (float32 or float64): alibi_score of the score -0.0, which is -slope * |i + offset - j| with
+ * the sign of its zero as NumPy's (dist * -slope) has it, so s + term == alibi_score(s) bit for bit */
+static PyObject *py_alibi_terms(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *ko, *oo;
+    long long offset;
+    double slope;
+    if (!PyArg_ParseTuple(args, "OOLdO", &qo, &ko, &offset, &slope, &oo)) return NULL;
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    PyObject *out = NULL;
+    const Py_ssize_t nq = positions(qo, &v[0], "q_pos"), nk = nq < 0 ? -1 : positions(ko, &v[1], "kv_pos");
+    if (nq < 0 || nk < 0) goto done;
+    const int f64 = PyObject_GetBuffer(oo, &v[2], PyBUF_FORMAT) == 0 && strcmp(v[2].format, "d") == 0;
+    if (v[2].obj) { PyBuffer_Release(&v[2]); v[2].obj = NULL; }
+    PyErr_Clear();
+    if (get_items(oo, &v[2], f64 ? "d" : "f", nq * nk, 1, 0, "out") < 0) goto done;
+    const long long *qp = (const long long *)v[0].buf, *kp = (const long long *)v[1].buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (f64) {
+        double *t = (double *)v[2].buf;
+        for (Py_ssize_t i = 0; i < nq; i++)
+            for (Py_ssize_t j = 0; j < nk; j++) t[i * nk + j] = alibi_score_d(slope, qp[i], kp[j], offset, -0.0);
+    } else {
+        float *t = (float *)v[2].buf;
+        const float s = (float)slope;
+        for (Py_ssize_t i = 0; i < nq; i++)
+            for (Py_ssize_t j = 0; j < nk; j++) t[i * nk + j] = alibi_score_f(s, qp[i], kp[j], offset, -0.0f);
+    }
+    Py_END_ALLOW_THREADS
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 3);
+    return out;
+}
+
+/* softcap(s, cap, slope): s = softcap_score(s) in place, float32 or float64 (C-contiguous); slope, a
+ * same-shape array or None, receives the derivative */
+static PyObject *py_softcap(PyObject *self, PyObject *args)
+{
+    PyObject *so, *do_;
+    double cap;
+    if (!PyArg_ParseTuple(args, "OdO", &so, &cap, &do_)) return NULL;
+    Py_buffer v[2];
+    memset(v, 0, sizeof v);
+    PyObject *out = NULL;
+    if (PyObject_GetBuffer(so, &v[0], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) return NULL;
+    const int f64 = strcmp(v[0].format, "d") == 0;
+    if (!f64 && strcmp(v[0].format, "f") != 0) {
+        PyErr_SetString(PyExc_ValueError, "softcap: s must be float32 or float64");
+        goto done;
+    }
+    const Py_ssize_t n = v[0].len / v[0].itemsize;
+    if (get_items(do_, &v[1], f64 ? "d" : "f", n, 1, 1, "slope") < 0) goto done;
+    if (f64) {
+        double *s = (double *)v[0].buf, *d = (double *)v[1].buf, scratch;
+        for (Py_ssize_t i = 0; i < n; i++) s[i] = softcap_score_d(s[i], cap, d ? &d[i] : &scratch);
+    } else {
+        float *s = (float *)v[0].buf, *d = (float *)v[1].buf, scratch;
+        for (Py_ssize_t i = 0; i < n; i++) s[i] = softcap_score_f(s[i], (float)cap, d ? &d[i] : &scratch);
+    }
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 2);
+    return out;
+}
+
+/* philox_word0(c0, c1, c2, c3, k0, k1): word 0 of Philox 4x32-10 (rules.h) of one counter and key */
+static PyObject *py_philox_word0(PyObject *self, PyObject *args)
+{
+    unsigned int c0, c1, c2, c3, k0, k1;
+    if (!PyArg_ParseTuple(args, "IIIIII", &c0, &c1, &c2, &c3, &k0, &k1)) return NULL;
+    return PyLong_FromUnsignedLong(philox4x32_10_word0(c0, c1, c2, c3, k0, k1));
+}
+
 static PyObject *py_has_block(PyObject *self, PyObject *noargs)
 {
     return PyBool_FromLong(PATHS[current].fwd_chunk != NULL);
@@ -535,6 +768,23 @@ static PyMethodDef methods[] = {
      "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos): add one key chunk's terms to dq and "
      "the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, +inf on rows that saw "
      "nothing; lo, hi, kvpos: int64 position bounds and key positions, or None)"},
+    {"visible", py_visible, METH_VARARGS,
+     "visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out (bool, (nq, nk)) = "
+     "rules.h's elem_visible of each (query, key) (seg_q, seg_kv: one batch entry's int64 ids, or None)"},
+    {"classify", py_classify, METH_VARARGS,
+     "classify(q_bounds, kv_bounds, nqt, nkt, batch, has_seg, has_lo, lo_delta, has_hi, hi_delta, out): out (int8, "
+     "(batch or 1, nqt, nkt)) = rules.h's classify_tile of each tile (bounds as masks.tile_bounds lays them out)"},
+    {"dropout_keep", py_dropout_keep, METH_VARARGS,
+     "dropout_keep(q_pos, kv_pos, k0, k1, threshold, heads, batch_offset, head_offset, b, h, out): out (bool, "
+     "(nq, nk)) = rules.h's dropout_keep of each (query, key)"},
+    {"alibi_terms", py_alibi_terms, METH_VARARGS,
+     "alibi_terms(q_pos, kv_pos, offset, slope, out): out (float32 or float64, (nq, nk)) = ALiBi's additive term "
+     "(rules.h's alibi_score of -0.0)"},
+    {"softcap", py_softcap, METH_VARARGS,
+     "softcap(s, cap, slope): s = cap tanh(s / cap) in place (rules.h's softcap_score), slope (or None) = "
+     "its derivative"},
+    {"philox_word0", py_philox_word0, METH_VARARGS,
+     "philox_word0(c0, c1, c2, c3, k0, k1): word 0 of rules.h's Philox 4x32-10"},
     {"has_block", py_has_block, METH_NOARGS, "has_block(): whether the path in use has the compiled block op"},
     {"fma_peak", py_fma_peak, METH_VARARGS,
      "fma_peak(path, rounds): (seconds, FLOPs) of a loop of independent float32 multiply-adds at the "

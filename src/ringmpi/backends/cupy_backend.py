@@ -54,7 +54,7 @@ def storage_dtype(dtype) -> np.dtype:
 
 
 def _dropout_args(mask: BlockMask, ct) -> tuple:
-    """The kernels' ``DROPOUT_PARAMS`` values (philox.cuh) for this block's spec."""
+    """The kernels' ``DROPOUT_PARAMS`` values (common.cuh; the rule in rules.h) for this block's spec."""
     return dropout_values(mask.spec.dropout, ct)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..core.global_tiles import TILE, Tiling, aligned
 from ..core.masks import FULL, PARTIAL, classify_tiles, tile_counts
+from . import tile_pass
 from .fixed_sums import add as fixed_add
 
 
@@ -202,7 +203,7 @@ class _Block:
         qi, kj = np.atleast_1d(np.arange(res.tiling.count)[q_tiles]), np.atleast_1d(np.arange(kt.count)[k_tiles])
         segq = None if res.seg is None else res.seg[b, qi].ravel()
         segk = None if self.seg is None else self.seg[b, kj].ravel()
-        vis = self.spec.visible(res.tiling.pos[qi].ravel(), kt.pos[kj].ravel(), segq, segk)
+        vis = tile_pass.visible(self.spec, res.tiling.pos[qi].ravel(), kt.pos[kj].ravel(), segq, segk)
         return vis & res.tiling.valid[qi].ravel()[:, None] & kt.valid[kj].ravel()[None, :]
 
 
@@ -231,7 +232,7 @@ class _Terms:
         spec = blk.spec
         self.terms = None
         if spec.modifiers:  # score modifiers with per-head terms (ScoreSpec.modifier_terms)
-            self.terms = spec.modifier_terms(self.q_pos, self.k_pos, self.ct)
+            self.terms = tile_pass.modifier_terms(spec, self.q_pos, self.k_pos, self.ct)
 
     @property
     def q_pos(self) -> np.ndarray:
@@ -266,7 +267,7 @@ def _drop(spec, b: int, h: int, q_pos: np.ndarray, k_pos: np.ndarray, n: int, q_
     """Dropout's factors of a stack (``(n, TILE, TILE)``), or None without dropout."""
     if spec.dropout is None:
         return None
-    return _pair_stack(spec.dropout.multiplier(b, h, q_pos, k_pos, ct), n, q_major)
+    return _pair_stack(tile_pass.dropout_multiplier(spec.dropout, b, h, q_pos, k_pos, ct), n, q_major)
 
 
 def _scores_for_pass(s, scale, softcap, full, t=None):

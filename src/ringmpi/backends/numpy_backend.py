@@ -138,7 +138,7 @@ class _TilePlan:
                 if kind == FULL:
                     yield rows, cols, b, None
                     continue
-                for band_rows, band_cols, vis in _bands(spec.visible(qp, kp, sq, sk), rows, cols, BAND_Q):
+                for band_rows, band_cols, vis in _bands(tile_pass.visible(spec, qp, kp, sq, sk), rows, cols, BAND_Q):
                     bias = None if vis.all() else _mask_bias(vis, self.dtype)
                     yield band_rows, band_cols, b, bias
 
@@ -545,7 +545,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                 if not (rows_bad.any() or bk.any() or bv.any()):
                     continue
                 cols = np.flatnonzero(bk | bv)
-                vis_bad = spec.visible(mask.q_pos, mask.kv_pos[cols])
+                vis_bad = tile_pass.visible(spec, mask.q_pos, mask.kv_pos[cols])
                 redo = rows_bad | vis_bad[:, bk[cols]].any(axis=1)
                 see_v = vis_bad[:, bv[cols]] & ~redo[:, None]
                 idx = np.flatnonzero(redo)
@@ -566,7 +566,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
             for h, (idx, see_v, (m_old, l_old, o_old)) in careful.items():
                 with np.errstate(invalid="ignore", over="ignore"):
                     if idx.size:
-                        vis_r = spec.visible(mask.q_pos[idx], mask.kv_pos)
+                        vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos)
                         m[b, h, idx], l[b, h, idx], o_acc[b, h, idx] = _redo_rows_forward(
                             q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old)
                     if see_v.any():  # clean m and l; the bad v rows' weights against the final shift
@@ -641,7 +641,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                 bc = bad_cols[b, h // group, tile]
                 rows = bad_rows[b, h].copy()
                 if bc.any():
-                    rows |= spec.visible(mask.q_pos, mask.kv_pos[tile][bc]).any(axis=1)
+                    rows |= tile_pass.visible(spec, mask.q_pos, mask.kv_pos[tile][bc]).any(axis=1)
                 if rows.any():
                     redo[b, h] = np.flatnonzero(rows)
                     row_terms[b, h] = (np.where(rows, np.inf, lse_c[b][h]).astype(lse_use.dtype),
@@ -666,7 +666,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
         for (b, h), idx in redo.items():
             kvh = h // group
             dk_t, dv_t = sums.views(b, kvh, tile)
-            vis_r = spec.visible(mask.q_pos[idx], mask.kv_pos[tile])
+            vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos[tile])
             _redo_rows_backward(idx, qh[b, h], doh[b, h], kh[b, kvh, tile], vh[b, kvh, tile], lse_c[b][h],
                                 dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t)
     sums.end(skv)
@@ -829,7 +829,7 @@ class NumpyBackend:
             s = scratch[: nq * nk].reshape(nq, nk)
             pv = pv_scratch[: nq * dim_v].reshape(nq, dim_v)
             sums = sums_scratch[:nq]
-            terms = mask.spec.modifier_terms(mask.q_pos[rows], mask.kv_pos[cols], ct)
+            terms = tile_pass.modifier_terms(mask.spec, mask.q_pos[rows], mask.kv_pos[cols], ct)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
@@ -837,8 +837,8 @@ class NumpyBackend:
                     full = _plus(bias, extra)
                     q_t, k_t, v_t = q_use[b, h, rows], k_use[b, kvh, cols], v_use[b, kvh, cols]
                     m_rows, l_rows, o_rows = m[b, h, rows], l[b, h, rows], o_acc[b, h, rows]
-                    drop = None if dropout is None else dropout.multiplier(
-                        b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
+                    drop = None if dropout is None else tile_pass.dropout_multiplier(
+                        dropout, b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
                     if careful:  # a state can turn non-finite within this block: look again
                         bad_rows = bad_q[b, h, rows] | np.isnan(l_rows) | np.isnan(m_rows) | np.isposinf(m_rows)
                     if careful and (bad_rows.any() or bad_k[b, kvh, cols].any() or bad_v[b, kvh, cols].any()):
@@ -917,7 +917,7 @@ class NumpyBackend:
             p = scratch_p[: nq * nk].reshape(nq, nk)
             dp = scratch_dp[: nq * nk].reshape(nq, nk)
             t = None if softcap is None else scratch_t[: nq * nk].reshape(nq, nk)
-            terms = mask.spec.modifier_terms(mask.q_pos[rows], mask.kv_pos[cols], ct)
+            terms = tile_pass.modifier_terms(mask.spec, mask.q_pos[rows], mask.kv_pos[cols], ct)
             for b in (range(batch) if bsel is None else (bsel,)):
                 for h in range(heads):
                     kvh = h // group
@@ -926,8 +926,8 @@ class NumpyBackend:
                                 lse_use[b, h, rows], dvec[b, h, rows], p, dp)
                     outs = (scale, dq[b, h, rows]) + sums.views(b, kvh, cols)
                     args = operands + (_plus(bias, extra),) + outs
-                    drop = None if dropout is None else dropout.multiplier(
-                        b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
+                    drop = None if dropout is None else tile_pass.dropout_multiplier(
+                        dropout, b, h, mask.q_pos[rows], mask.kv_pos[cols], ct)
                     if careful and (bad_rows[b, h, rows].any() or bad_cols[b, kvh, cols].any()):
                         with np.errstate(invalid="ignore", over="ignore"):
                             _careful_backward_tile(*operands, bias, *outs, bad_rows[b, h, rows],

@@ -149,3 +149,71 @@ def ds_pass(dp, p, dvec) -> None:
         return
     dp -= dvec[:, None]
     dp *= p
+
+
+# ------------------------------------------------------------ the per-element rules of kernels/rules.h
+# The same extension builds kernels/rules.h, the rules the CUDA kernels run (masks, ALiBi, Philox
+# dropout): where it is loaded, the NumPy tiles take their masks, dropout and ALiBi terms from that
+# code, else from the Python references (ringmpi.core.masks, .dropout, .modifiers), which give the
+# same bits (tests/unit/test_rules.py holds the two together).
+def _positions(pos) -> np.ndarray:
+    return np.ascontiguousarray(pos, dtype=np.int64)
+
+
+def visible(spec, q_pos, kv_pos, seg_q=None, seg_kv=None) -> np.ndarray:
+    """:meth:`ringmpi.core.masks.ScoreSpec.visible`: ``(len(q_pos), len(kv_pos))`` bool, by
+    rules.h's ``elem_visible`` where the extension is loaded."""
+    if compiled is None:
+        return spec.visible(q_pos, kv_pos, seg_q, seg_kv)
+    from ..core.masks import kernel_scalars
+
+    q_pos, kv_pos = _positions(q_pos), _positions(kv_pos)
+    if seg_q is not None:
+        seg_q, seg_kv = _positions(seg_q), _positions(seg_kv)
+    out = np.empty((len(q_pos), len(kv_pos)), dtype=bool)
+    has_lo, lo, has_hi, hi = (int(x) for x in kernel_scalars(spec))
+    compiled.visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo, has_hi, hi, out)
+    return out
+
+
+def dropout_keep(dropout, b: int, h: int, q_pos, kv_pos) -> np.ndarray:
+    """:meth:`ringmpi.core.dropout.Dropout.keep`: which weights survive, by rules.h's
+    ``dropout_keep`` (Philox 4x32-10) where the extension is loaded."""
+    if compiled is None:
+        return dropout.keep(b, h, q_pos, kv_pos)
+    q_pos, kv_pos = _positions(q_pos), _positions(kv_pos)
+    out = np.empty((len(q_pos), len(kv_pos)), dtype=bool)
+    compiled.dropout_keep(q_pos, kv_pos, *dropout.key(), dropout.threshold, dropout.heads,
+                          dropout.batch_offset, dropout.head_offset, int(b), int(h), out)
+    return out
+
+
+def dropout_multiplier(dropout, b: int, h: int, q_pos, kv_pos, dtype) -> np.ndarray:
+    """:meth:`ringmpi.core.dropout.Dropout.multiplier` (``keep * rescale`` in ``dtype``) from
+    :func:`dropout_keep`."""
+    return np.where(dropout_keep(dropout, b, h, q_pos, kv_pos), dropout.rescale(dtype), 0).astype(dtype)
+
+
+def modifier_terms(spec, q_pos, kv_pos, dtype):
+    """:meth:`ringmpi.core.masks.ScoreSpec.modifier_terms`, ALiBi's terms by rules.h's
+    ``alibi_score`` where the extension is loaded (float32 and float64)."""
+    from ..core.modifiers import Alibi
+
+    dtype = np.dtype(dtype)
+    if compiled is None or dtype not in (np.float32, np.float64) or \
+            any(type(m) is not Alibi for m in spec.modifiers):
+        return spec.modifier_terms(q_pos, kv_pos, dtype)
+    if not spec.modifiers:
+        return None
+    q_pos, kv_pos = _positions(q_pos), _positions(kv_pos)
+    offset = int(spec.offset)
+
+    def term(slopes, h):
+        out = np.empty((len(q_pos), len(kv_pos)), dtype=dtype)
+        compiled.alibi_terms(q_pos, kv_pos, offset, float(slopes[h]), out)
+        return out
+
+    if len(spec.modifiers) == 1:
+        return lambda h: term(spec.modifiers[0].values, h)
+    parts = [m.values for m in spec.modifiers]
+    return lambda h: sum((term(v, h) for v in parts[1:]), term(parts[0], h))

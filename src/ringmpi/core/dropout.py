@@ -4,7 +4,7 @@ Whether weight ``(b, h, i, j)`` is kept depends only on the seed, the batch
 entry ``b``, the query head ``h``, the global query position ``i`` and the
 global key position ``j``; never on the number of ranks, the layout, the
 tiling or the backend.  One Philox 4x32-10 evaluation (:mod:`ringmpi.core.philox`,
-CUDA twin ``kernels/philox.cuh``) per weight:
+compiled twin ``dropout_keep`` in ``kernels/rules.h``) per weight:
 
 * key: ``(seed mod 2^32, seed >> 32)`` for a seed in ``[0, 2^64)``;
 * counter: ``(j mod 2^32, i mod 2^32, (i >> 32) | (j >> 32) << 16, row)``

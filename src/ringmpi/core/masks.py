@@ -18,12 +18,13 @@ Rules, for query position ``i`` and key position ``j`` with
 All given rules must hold.  Tiles are classified as ``SKIP`` (nothing visible),
 ``FULL`` (everything visible, no elementwise mask needed) or ``PARTIAL``.
 
-This module is the one Python source of the rule: the NumPy tiles call
-:meth:`ScoreSpec.classify` / :meth:`ScoreSpec.visible`, and the CuPy backend
+This module is the one Python source of the rule (the reference): the NumPy tiles call
+:meth:`ScoreSpec.classify` and ``tile_pass.visible`` (``elem_visible`` of ``kernels/rules.h``
+where the C extension is loaded, :meth:`ScoreSpec.visible` otherwise), and the CuPy backend
 builds its launch arguments with :meth:`ScoreSpec.key_deltas`,
 :func:`kernel_scalars`, :func:`tile_bounds` and counts its tiles with
 :func:`classify_tiles` -- the host twin of ``classify_tile`` in
-``kernels/common.cuh``, the one place the CUDA code states the rule.
+``kernels/rules.h``, the one place the C and CUDA code state the rule.
 
 A :class:`BlockMask` is the one object through which a block's mask and its
 spec (with the modifiers and dropout) reach the block kernels.
@@ -266,7 +267,7 @@ def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
 
     ``pos (S,)`` int, ``seg (B, S)`` int or None, ``tile`` rows per tile.
     Layout (int64, flat): ``[ntiles, 2]`` for positions followed, when ``seg``
-    is given, by ``[B, ntiles, 2]`` -- as ``classify_tile`` in common.cuh reads it.
+    is given, by ``[B, ntiles, 2]`` -- as ``classify_tile`` in rules.h reads it.
     """
     pos = np.asarray(pos, dtype=np.int64)
     starts = np.arange(0, len(pos), tile)
@@ -280,7 +281,7 @@ def tile_bounds(pos: np.ndarray, seg, tile: int) -> np.ndarray:
 
 def classify_tiles(spec: ScoreSpec, q_bounds: np.ndarray, kv_bounds: np.ndarray,
                    nqt: int, nkt: int, batch: int, has_seg: bool) -> np.ndarray:
-    """Every tile's class as the kernels compute it (``classify_tile`` in common.cuh).
+    """Every tile's class as the kernels compute it (``classify_tile`` in kernels/rules.h).
 
     ``q_bounds``/``kv_bounds`` from :func:`tile_bounds` with ``nqt``/``nkt`` tiles.
     Returns ``(B or 1, nqt, nkt)`` int8 of ``SKIP``/``PARTIAL``/``FULL`` (one

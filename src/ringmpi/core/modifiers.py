@@ -16,7 +16,8 @@ which states everything the rest of the package asks of it:
   references;
 * :meth:`kernel_values`: the ``(H,)`` float32 values the CUDA kernels fetch per
   head; its index in :data:`MODIFIERS` is its case in ``modifier_term``
-  (``kernels/common.cuh``), the one place the CUDA code states its formula.
+  (``kernels/common.cuh``), which takes its formula from ``kernels/rules.h`` (ALiBi:
+  ``alibi_score``, which the NumPy tiles run too, through ``tile_pass.modifier_terms``).
 
 A new modifier is a class here, its case in ``modifier_term`` and its field
 in ``options.py`` (with one keyword in each public call that lists options by

@@ -4,7 +4,10 @@ A pure function of a 128-bit counter and a 64-bit key: the same (counter,
 key) gives the same four 32-bit words on every machine, in any order, so a
 random decision can be tied to *what* it is about (a query/key pair) instead
 of *where* it is computed.  Vectorised over NumPy arrays of ``uint32``; the
-CUDA twin is ``kernels/philox.cuh`` (same rounds, same constants).
+compiled twin is ``philox4x32_10_word0`` in ``kernels/rules.h`` (built by NVRTC and by the C
+compiler), which writes none of the constants: :func:`cuda_defines` gives them to both as ``-D``
+defines (``ringmpi.kernels.DROPOUT_DEFINES``; ``setup.py`` reads the literals below from this
+file's source).
 
 Checked against the Random123 known-answer vectors (``tests/unit/test_philox.py``).
 """
@@ -17,6 +20,19 @@ ROUNDS = 10
 MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 WEYL = (0x9E3779B9, 0xBB67AE85)  # key schedule: golden ratio, sqrt(3) - 1
 _LOW = np.uint64(0xFFFFFFFF)
+
+
+def constants() -> dict:
+    """The generator's constants as ``kernels/rules.h`` names them: ``PHILOX_ROUNDS``, the round
+    multipliers ``PHILOX_M0``, ``PHILOX_M1`` and the key schedule's ``PHILOX_W0``, ``PHILOX_W1``."""
+    return {"PHILOX_ROUNDS": ROUNDS, "PHILOX_M0": MULTIPLIERS[0], "PHILOX_M1": MULTIPLIERS[1],
+            "PHILOX_W0": WEYL[0], "PHILOX_W1": WEYL[1]}
+
+
+def cuda_defines() -> dict:
+    """:func:`constants` as C and CUDA literals (the words as unsigned hexadecimal), for ``-D``."""
+    return {name: (str(value) if name == "PHILOX_ROUNDS" else f"0x{value:08X}u")
+            for name, value in constants().items()}
 _SHIFT = np.uint64(32)
 
 

@@ -1,6 +1,7 @@
 """CUDA sources of the block kernels and their memoized per-device loader.
 
-Each ``*.cu`` file is compiled with ``common.cuh`` prepended; ``#line``
+Each ``*.cu`` file is compiled with ``rules.h`` (the per-element rules, shared with the C
+extension) and ``common.cuh`` prepended; ``#line``
 directives make NVRTC report errors against the real files.  The sources
 include no CUDA headers (16-bit conversions and ``mma.sync`` are inline PTX),
 so compiling needs no CUDA toolkit, only NVRTC.  Templates are instantiated
@@ -22,13 +23,14 @@ import numpy as np
 
 from ..core import fixed_split
 from ..core import masks
+from ..core import philox
 from ..core.global_tiles import TILE
 from ..core.modifiers import MAX_KERNEL_MODIFIERS
 from ..runtime.device import MIN_CC
 
 KERNEL_DIR = Path(__file__).resolve().parent
+RULES = "rules.h"  # masks, modifiers, Philox and dropout: the rules the C extension builds too
 PREAMBLE = "common.cuh"
-DROPOUT_PREAMBLE = "philox.cuh"  # Philox and the dropout rule, after common.cuh's MaskArgs
 SOURCES = ("forward.cu", "backward.cu", "finalize.cu", "invariant.cu")
 INVARIANT_SOURCE = "invariant.cu"  # invariant=True's kernels (ringmpi.backends.invariant_device)
 
@@ -43,6 +45,8 @@ KIND_SIZE = {F16: 2, BF16: 2, F32: 4, F64: 8}
 KERNEL_DEFINES = {"KIND_F16": F16, "KIND_BF16": BF16, "KIND_F32": F32, "KIND_F64": F64,
                   "MAX_HEAD_MODS": MAX_KERNEL_MODIFIERS,
                   "TILE_SKIP": masks.SKIP, "TILE_PARTIAL": masks.PARTIAL, "TILE_FULL": masks.FULL}
+# Philox's constants (rules.h's PHILOX_*), stated in core.philox only; setup.py gives _ext the same
+DROPOUT_DEFINES = philox.cuda_defines()
 
 # Head dims are padded (with zeros, in shared memory) to one of these; the
 # kernels take the true D at run time.
@@ -145,9 +149,9 @@ def split_rows(rows: int) -> Tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def source(filename: str) -> str:
-    """The full NVRTC source of ``filename``: preambles + file, with ``#line``."""
+    """The full NVRTC source of ``filename``: rules.h, common.cuh, then the file, with ``#line``."""
     parts = []
-    for name in (PREAMBLE, DROPOUT_PREAMBLE, filename):
+    for name in (RULES, PREAMBLE, filename):
         path = KERNEL_DIR / name
         parts.append(f'#line 1 "{path.as_posix()}"\n{path.read_text()}')
     return "\n".join(parts)
@@ -429,11 +433,12 @@ def instantiations(cc: Optional[int] = None):
 
 
 def defines(filename: Optional[str] = None) -> dict:
-    """The ``-D`` defines of ``filename``'s program: :data:`KERNEL_DEFINES` for every file;
-    the block kernels' :data:`TILE_DEFINES` for forward.cu and backward.cu; invariant.cu's
-    :data:`INVARIANT_DEFINES` and the fixed-point split's
-    (:func:`ringmpi.core.fixed_split.cuda_defines`) for it."""
+    """The ``-D`` defines of ``filename``'s program: :data:`KERNEL_DEFINES` and
+    :data:`DROPOUT_DEFINES` for every file; the block kernels' :data:`TILE_DEFINES` for
+    forward.cu and backward.cu; invariant.cu's :data:`INVARIANT_DEFINES` and the fixed-point
+    split's (:func:`ringmpi.core.fixed_split.cuda_defines`) for it."""
     out = dict(KERNEL_DEFINES)
+    out.update(DROPOUT_DEFINES)
     if filename in TILE_SOURCES:
         out.update(TILE_DEFINES)
     if filename == INVARIANT_SOURCE:

@@ -1,4 +1,4 @@
-// Shared device helpers for the ringmpi kernels (prepended to every source).
+// Shared device helpers for the ringmpi kernels (prepended to every source, after rules.h).
 //
 // The sources include no CUDA headers: 16-bit conversions and the tensor-core
 // MMA are written in PTX, so NVRTC needs no include path.  Element kinds:
@@ -9,11 +9,10 @@
 //
 // The constants shared with Python are not written here: NVRTC gets them as -D defines from
 // ringmpi.kernels.KERNEL_DEFINES (kernels.compile_options): the element kinds KIND_* (the values
-// of ringmpi.kernels.F16, BF16, F32, F64), MAX_HEAD_MODS (ringmpi.core.modifiers.MAX_KERNEL_MODIFIERS)
-// and the tile classes TILE_SKIP, TILE_PARTIAL, TILE_FULL (ringmpi.core.masks.SKIP, PARTIAL, FULL).
-#if !defined(KIND_F16) || !defined(KIND_BF16) || !defined(KIND_F32) || !defined(KIND_F64) \
-    || !defined(MAX_HEAD_MODS) || !defined(TILE_SKIP) || !defined(TILE_PARTIAL) || !defined(TILE_FULL)
-#error "compile with ringmpi.kernels.compile_options: it defines KIND_*, MAX_HEAD_MODS and TILE_*"
+// of ringmpi.kernels.F16, BF16, F32, F64) and MAX_HEAD_MODS (ringmpi.core.modifiers.MAX_KERNEL_MODIFIERS);
+// rules.h, prepended before this file, takes the tile classes and Philox's constants the same way.
+#if !defined(KIND_F16) || !defined(KIND_BF16) || !defined(KIND_F32) || !defined(KIND_F64) || !defined(MAX_HEAD_MODS)
+#error "compile with ringmpi.kernels.compile_options: it defines KIND_* and MAX_HEAD_MODS"
 #endif
 
 template <int KIND> struct Kind;
@@ -159,27 +158,8 @@ template <typename T>
 __device__ __forceinline__ T visible_add(T acc, bool visible, T w, T x) { return visible ? acc + w * x : acc; }
 
 // ---------------------------------------------------------------- masks
-// Mask rules in global positions (see ringmpi/core/masks.py): key j is visible
-// from query i when (!has_lo || j >= i + lo_delta) && (!has_hi || j <= i + hi_delta)
-// and, with segment ids, seg_q == seg_kv.  The host folds causal, window and
-// the bottom-right offset into (has_lo, lo_delta, has_hi, hi_delta)
-// (ScoreSpec.key_deltas / kernel_scalars).  This section is the one place the
-// CUDA code states the rule; masks.classify_tiles is classify_tile's host twin
-// (the CuPy backend counts tiles with it), so change the two together.
-struct MaskArgs {
-    const long long* q_pos;     // (Sq,)
-    const long long* kv_pos;    // (Skv,)
-    const long long* seg_q;     // (B, Sq) or null
-    const long long* seg_kv;    // (B, Skv) or null
-    const long long* q_bounds;  // per q tile: pos (min, max) then, with segments, (B, ntiles, 2) seg (min, max)
-    const long long* kv_bounds; // same for kv tiles
-    long long lo_delta, hi_delta;
-    int has_lo, has_hi;
-    double softcap;             // score modifiers (MOD_PARAMS): the cap, 0: none
-    int head_mods;              // bit m: modifier m of ringmpi.core.modifiers.MODIFIERS is on
-    const float* head_values;   // (H, MAX_HEAD_MODS) their per-head values, or null
-    long long mod_offset;       // N_kv - N_q
-};
+// The mask rules (MaskArgs, pos_visible, classify_tile, elem_visible, pair_visible) are rules.h's,
+// shared with the CPU code (_ext/fused.c).
 
 // Kernel parameters for the mask (scalars typed on the host: np.int32 flags,
 // np.int64 deltas); seg_q / seg_kv are dummies when has_seg is 0.
@@ -212,9 +192,6 @@ struct MaskArgs {
 #define MOD_INIT(mk) mk.softcap = softcap; mk.head_mods = head_mods; mk.head_values = head_mods ? head_vals : 0; \
     mk.mod_offset = mod_offset
 
-__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
-__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
-
 // One query head's values of the per-head modifiers (0 for a modifier that is off).
 template <typename T>
 struct HeadValues {
@@ -244,11 +221,8 @@ __device__ __forceinline__ bool score_modified(T cap, const HeadValues<T>& hv) {
 template <typename T>
 __device__ __forceinline__ T modifier_term(int m, T value, long long qp, long long kp, long long offset, T s) {
     switch (m) {
-    case 0: {  // ALiBi (modifiers.Alibi): s - slope_h * |i + offset - j|
-        long long dist = qp + offset - kp;
-        dist = dist < 0 ? -dist : dist;
-        return s - value * (T)dist;
-    }
+    case 0:  // ALiBi (modifiers.Alibi): s - slope_h * |i + offset - j| (rules.h)
+        return alibi_score(value, qp, kp, offset, s);
     default:
         return s;
     }
@@ -260,11 +234,7 @@ template <typename T>
 __device__ __forceinline__ T modify_score(const MaskArgs& mk, T cap, const HeadValues<T>& hv, int row, int col,
                                           int Sq, int Skv, T s, T* slope) {
     T d = T(1);
-    if (cap != T(0)) {
-        const T t = tanh_acc(s / cap);
-        s = cap * t;
-        d = T(1) - t * t;
-    }
+    if (cap != T(0)) s = softcap_score(s, cap, &d);  // rules.h
     if (row < Sq && col < Skv) {
 #pragma unroll
         for (int m = 0; m < MAX_HEAD_MODS; ++m)
@@ -274,48 +244,26 @@ __device__ __forceinline__ T modify_score(const MaskArgs& mk, T cap, const HeadV
     return s;
 }
 
-__device__ __forceinline__ bool pos_visible(const MaskArgs& mk, long long qp, long long kp) {
-    return (!mk.has_lo || kp >= qp + mk.lo_delta) && (!mk.has_hi || kp <= qp + mk.hi_delta);
-}
+// ---------------------------------------------------------------- dropout
+// The rule (Philox, DropoutArgs, dropout_keep) is rules.h's.
+// Kernel parameters (typed on the host by ringmpi.dropout: int32 on, uint32 key
+// words, uint64 threshold, the compute type's rescale, int64 heads and offsets),
+// after MASK_PARAMS; drop_on = 0 switches dropout off.
+#define DROPOUT_PARAMS(T)                                                              \
+    int drop_on, unsigned int drop_k0, unsigned int drop_k1, unsigned long long drop_threshold, \
+    const T drop_rescale, long long drop_heads, long long drop_b0, long long drop_h0
+#define DROPOUT_INIT(dr)                                                                 \
+    DropoutArgs dr;                                                                      \
+    dr.on = drop_on; dr.k0 = drop_k0; dr.k1 = drop_k1; dr.threshold = drop_threshold;   \
+    dr.heads = drop_heads; dr.batch_offset = drop_b0; dr.head_offset = drop_h0
 
-// Classification of one tile from the min/max of its positions and segment
-// ids (conservative: a tile called PARTIAL may turn out fully hidden, which
-// the per-element mask then handles exactly).
-__device__ __forceinline__ int classify_tile(const MaskArgs& mk, int b, int batch,
-                                             int qt, int nqt, int kt, int nkt) {
-    const long long qlo = mk.q_bounds[2 * qt], qhi = mk.q_bounds[2 * qt + 1];
-    const long long klo = mk.kv_bounds[2 * kt], khi = mk.kv_bounds[2 * kt + 1];
-    int state = TILE_FULL;
-    if (mk.has_hi && qhi + mk.hi_delta < klo) return TILE_SKIP;
-    if (mk.has_lo && qlo + mk.lo_delta > khi) return TILE_SKIP;
-    if ((mk.has_lo && qhi + mk.lo_delta > klo) || (mk.has_hi && qlo + mk.hi_delta < khi)) state = TILE_PARTIAL;
-    if (mk.seg_q != 0) {
-        const long long* sq = mk.q_bounds + 2LL * nqt + 2LL * ((long long)b * nqt + qt);
-        const long long* sk = mk.kv_bounds + 2LL * nkt + 2LL * ((long long)b * nkt + kt);
-        if (sq[1] < sk[0] || sq[0] > sk[1]) return TILE_SKIP;
-        if (!(sq[0] == sq[1] && sk[0] == sk[1] && sq[0] == sk[0])) state = TILE_PARTIAL;
-    }
-    return state;
-}
-
-// Visibility of one (query row, key column) of a tile that needs masking;
-// rows past Sq are treated as visible (they are computed but never stored),
-// columns past Skv are hidden.
-__device__ __forceinline__ bool elem_visible(const MaskArgs& mk, int b, int row, int col,
-                                             int Sq, int Skv) {
-    if (col >= Skv) return false;
-    if (row >= Sq) return true;
-    if (!pos_visible(mk, mk.q_pos[row], mk.kv_pos[col])) return false;
-    if (mk.seg_q != 0 && mk.seg_q[(long long)b * Sq + row] != mk.seg_kv[(long long)b * Skv + col]) return false;
-    return true;
-}
-
-// Whether (row, col) is part of a query's sum, for the careful (non-finite)
-// paths: a real query row, a real key column, visible under the mask.
-// need_mask is false only for fully visible tiles within Skv.
-__device__ __forceinline__ bool pair_visible(const MaskArgs& mk, bool need_mask, int b, int row, int col,
-                                             int Sq, int Skv) {
-    return row < Sq && col < Skv && (!need_mask || elem_visible(mk, b, row, col, Sq, Skv));
+// The factor of weight (row, col) of a block (local indices): rescale when kept,
+// 0 when dropped or outside the block.
+template <typename T>
+__device__ __forceinline__ T dropout_factor(const DropoutArgs& dr, T rescale, const MaskArgs& mk, int b, int h,
+                                            int row, int col, int Sq, int Skv) {
+    if (row >= Sq || col >= Skv) return T(0);
+    return dropout_keep(dr, b, h, mk.q_pos[row], mk.kv_pos[col]) ? rescale : T(0);
 }
 
 // ---------------------------------------------------------------- tensor cores
