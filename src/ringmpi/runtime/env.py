@@ -27,6 +27,8 @@ HEAD_PARALLEL = "RINGMPI_HEAD_PARALLEL"
 TIMEOUT = "RINGMPI_TIMEOUT"
 PASS_BYTES = "RINGMPI_PASS_BYTES"
 IO_PIECE_BYTES = "RINGMPI_IO_PIECE_BYTES"
+MEMORY_BUDGET = "RINGMPI_MEMORY_BUDGET"
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def head_parallel() -> Optional[str]:
@@ -49,3 +51,26 @@ def io_piece_bytes(default: int) -> int:
     """``RINGMPI_IO_PIECE_BYTES``: the largest transfer of one collective HDF5 call, else ``default``."""
     value = os.environ.get(IO_PIECE_BYTES)
     return max(1, int(value)) if value else default
+
+
+def parse_bytes(text: str, name: str = MEMORY_BUDGET) -> int:
+    """``"8G"`` -> 8 * 2^30; a plain integer is bytes.  ValueError naming ``name`` when not a
+    positive size."""
+    body = text.strip().upper().rstrip("B")
+    scale = _UNITS.get(body[-1:], 1)
+    if scale != 1:
+        body = body[:-1]
+    try:
+        value = int(float(body) * scale)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive size in bytes (e.g. 8G), got {text!r}")
+    return value
+
+
+def memory_budget() -> Optional[int]:
+    """``RINGMPI_MEMORY_BUDGET`` in bytes (a suffix K, M, G or T multiplies by 2^10 .. 2^40),
+    or None when unset or empty."""
+    text = os.environ.get(MEMORY_BUDGET)
+    return parse_bytes(text) if text else None

@@ -1,7 +1,7 @@
 """The memory budget of one rank: what a schedule holding O(N) per rank may use.
 
-``RINGMPI_MEMORY_BUDGET`` (bytes per rank; a suffix K, M, G or T multiplies by
-2^10 .. 2^40) sets it; unset, it is the free memory of where the arrays live:
+``RINGMPI_MEMORY_BUDGET`` (bytes per rank, read by :func:`ringmpi.runtime.env.memory_budget`)
+sets it; unset, it is the free memory of where the arrays live:
 the device's free memory for device arrays, else the host's available memory
 (``MemAvailable``) shared by the ranks on this host (the MPI launcher's local
 size).  :func:`ringmpi.parallel.allgather_schedule.declared_bytes` is measured
@@ -13,31 +13,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-ENV_BUDGET = "RINGMPI_MEMORY_BUDGET"
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+from . import env
+
 _LOCAL_SIZE = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE",
                "SLURM_NTASKS_PER_NODE")
-
-
-def parse_bytes(text: str) -> int:
-    """``"8G"`` -> 8 * 2^30; a plain integer is bytes.  ValueError when not a positive size."""
-    body = text.strip().upper().rstrip("B")
-    scale = _UNITS.get(body[-1:], 1)
-    if scale != 1:
-        body = body[:-1]
-    try:
-        value = int(float(body) * scale)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{ENV_BUDGET} must be a positive size in bytes (e.g. 8G), got {text!r}")
-    return value
-
-
-def setting() -> Optional[int]:
-    """``RINGMPI_MEMORY_BUDGET`` in bytes, or None when unset."""
-    text = os.environ.get(ENV_BUDGET)
-    return parse_bytes(text) if text else None
 
 
 def host_available() -> Optional[int]:
@@ -64,7 +43,7 @@ def local_ranks() -> int:
 def budget(on_device: bool = False) -> Optional[int]:
     """This rank's budget in bytes: the setting, else its share of the free memory; None when
     neither is known (then nothing is refused)."""
-    given = setting()
+    given = env.memory_budget()
     if given is not None:
         return given
     if on_device:
