@@ -38,11 +38,13 @@ from typing import Optional
 
 import numpy as np
 
+from .host import array_module
+
 CHUNK = 64
 
 
 def _t(x):
-    return np.swapaxes(x, -1, -2)
+    return x.swapaxes(-1, -2)
 
 
 def _chunked(x, n: int):
@@ -50,7 +52,8 @@ def _chunked(x, n: int):
     ``k = v = q = 0`` and ``g = 0``: it changes nothing)."""
     pad = n * CHUNK - x.shape[2]
     if pad:
-        x = np.concatenate([x, np.zeros(x.shape[:2] + (pad,) + x.shape[3:], x.dtype)], axis=2)
+        xp = array_module(x)
+        x = xp.concatenate([x, xp.zeros(x.shape[:2] + (pad,) + x.shape[3:], x.dtype)], axis=2)
     return x.reshape(x.shape[:2] + (n, CHUNK) + x.shape[3:])
 
 
@@ -103,9 +106,10 @@ def _keys_summed(x, per_key: bool):
 
 def _key_decay(c):
     """``Gamma_ijd = exp(c_id - c_jd)`` below and on the diagonal, 0 above: ``(..., C, C, K)``."""
-    lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))[:, :, None]
-    with np.errstate(invalid="ignore"):
-        return np.exp(np.where(lower, c[..., :, None, :] - c[..., None, :, :], -np.inf))
+    xp = array_module(c)
+    lower = xp.tril(xp.ones((CHUNK, CHUNK), dtype=bool))[:, :, None]
+    with np.errstate(invalid="ignore"):  # NumPy's flags only; harmless around CuPy work
+        return xp.exp(xp.where(lower, c[..., :, None, :] - c[..., None, :, :], -np.inf))
 
 
 def unit_lower_inverse(t):
@@ -113,9 +117,10 @@ def unit_lower_inverse(t):
     doubling diagonal blocks: ``[[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]]``.  Every
     step is a batched product (BLAS), against a LAPACK solve per chunk: 7x faster at ``C = 64``
     (float32), and the inverse serves the forward's system and the backward's transposed one."""
+    xp = array_module(t)
     m = t.shape[-1]
-    inv = np.zeros_like(t)
-    diag = np.arange(m)
+    inv = xp.zeros_like(t)
+    diag = xp.arange(m)
     inv[..., diag, diag] = 1
     s = 1
     while s < m:
@@ -132,9 +137,10 @@ def decayed(x, y, p: "Chunks"):
     time, so a run never holds ``T C K`` numbers)."""
     if not p.per_key:
         return (x @ _t(y)) * p.decay
-    out = np.empty(x.shape[:-1] + (CHUNK,), x.dtype)
+    xp = array_module(x)
+    out = xp.empty(x.shape[:-1] + (CHUNK,), x.dtype)
     for i in range(x.shape[2]):
-        out[:, :, i] = np.einsum("...id,...jd,...ijd->...ij", x[:, :, i], y[:, :, i], _key_decay(p.c[:, :, i]))
+        out[:, :, i] = xp.einsum("...id,...jd,...ijd->...ij", x[:, :, i], y[:, :, i], _key_decay(p.c[:, :, i]))
     return out
 
 
@@ -144,11 +150,12 @@ def decayed_grads(dm, x, y, p: "Chunks"):
     if not p.per_key:
         through = dm * p.decay
         return through @ y, _t(through) @ x
-    dx, dy = np.empty_like(x), np.empty_like(y)
+    xp = array_module(x)
+    dx, dy = xp.empty_like(x), xp.empty_like(y)
     for i in range(x.shape[2]):
         decay = _key_decay(p.c[:, :, i])
-        dx[:, :, i] = np.einsum("...ij,...jd,...ijd->...id", dm[:, :, i], y[:, :, i], decay)
-        dy[:, :, i] = np.einsum("...ij,...id,...ijd->...jd", dm[:, :, i], x[:, :, i], decay)
+        dx[:, :, i] = xp.einsum("...ij,...jd,...ijd->...id", dm[:, :, i], y[:, :, i], decay)
+        dy[:, :, i] = xp.einsum("...ij,...id,...ijd->...jd", dm[:, :, i], x[:, :, i], decay)
     return dx, dy
 
 
@@ -156,19 +163,20 @@ def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
     """The chunk pieces of a run of ``T >= 1`` tokens (module docstring).  ``g`` is a log decay
     per token ``(B, H, T)`` or per token and key ``(B, H, T, K)`` (KDA, GLA: ``Gamma`` and
     everything made of it then has one entry per key)."""
+    xp = array_module(q)
     t = q.shape[2]
     n = -(-t // CHUNK)
     per_key = g.ndim == 4
     tok = -2 if per_key else -1
-    qc, kc_, vc, gcum = _chunked(q, n), _chunked(k, n), _chunked(v, n), np.cumsum(_chunked(g, n), axis=tok)
-    gamma = np.exp(gcum)
+    qc, kc_, vc, gcum = _chunked(q, n), _chunked(k, n), _chunked(v, n), xp.cumsum(_chunked(g, n), axis=tok)
+    gamma = xp.exp(gcum)
     decay = None  # a per-key Gamma is made chunk by chunk where it is used
     if not per_key:
-        lower = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
+        lower = xp.tril(xp.ones((CHUNK, CHUNK), dtype=bool))
         with np.errstate(invalid="ignore"):
-            decay = np.exp(np.where(lower, gcum[..., :, None] - gcum[..., None, :], -np.inf))
+            decay = xp.exp(xp.where(lower, gcum[..., :, None] - gcum[..., None, :], -xp.inf))
     last = gcum[..., -1:, :] if per_key else gcum[..., -1:]
-    e = np.exp(last - gcum)
+    e = xp.exp(last - gcum)
     gc = gamma[..., -1, :] if per_key else gamma[..., -1]
     p = Chunks(t=t, delta=delta, q=qc, k=kc_, v=vc, beta=None, c=gcum, gamma=gamma, decay=decay, e=e, gc=gc,
                attn=None, wv=vc, kc=None, qt=None, kt=kc_ * _per_token(e, per_key), mc=gc, uc=None)
@@ -176,13 +184,13 @@ def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
     if delta:
         bc = p.beta = _chunked(beta, n)
         kb = kc_ * bc[..., None]
-        eye = np.eye(CHUNK, dtype=q.dtype)
+        eye = xp.eye(CHUNK, dtype=q.dtype)
         p.ut_inv = unit_lower_inverse(decayed(kb, kc_, p) * (1 - eye) + eye)  # (I + L)^-1
-        r = p.ut_inv @ np.concatenate([vc * bc[..., None], kb * _per_token(gamma, per_key)], axis=-1)
+        r = p.ut_inv @ xp.concatenate([vc * bc[..., None], kb * _per_token(gamma, per_key)], axis=-1)
         p.wv, p.kc = r[..., :v.shape[-1]], r[..., v.shape[-1]:]
         p.qt = qc * _per_token(gamma, per_key) - p.attn @ p.kc
         diag = gc[..., :, None] if per_key else gc[..., None, None]
-        p.mc = diag * np.eye(q.shape[-1], dtype=q.dtype) - _t(p.kt) @ p.kc
+        p.mc = diag * xp.eye(q.shape[-1], dtype=q.dtype) - _t(p.kt) @ p.kc
     else:
         p.qt = qc * _per_token(gamma, per_key)
     p.uc = _t(p.kt) @ p.wv
@@ -213,16 +221,17 @@ def _flushed(x):
     What is dropped is below ``2^-103`` (float32) or ``2^-970`` (float64) against the map's
     start ``I``."""
     info = np.finfo(x.dtype)
-    x[np.abs(x) < info.tiny / info.eps] = 0
+    x[array_module(x).abs(x) < info.tiny / info.eps] = 0
     return x
 
 
 def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
     """Compose the chunk maps in order from ``s0`` ``(B, H, K, V)``; the outputs of every token."""
+    xp = array_module(s0)
     b, h, n, _, kdim = p.q.shape
     dense = p.delta
     x = s0
-    states = np.empty((b, h, n) + s0.shape[2:], dtype=s0.dtype)
+    states = xp.empty((b, h, n) + s0.shape[2:], dtype=s0.dtype)
     for i in range(n):
         states[:, :, i] = x
         if dense:
@@ -234,16 +243,16 @@ def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
     out = Forward(o=o, s_end=x, states=states)
     if track_map:
         if dense:  # the chunks' entering maps, composed apart from the states (K x K each)
-            m = np.broadcast_to(np.eye(kdim, dtype=s0.dtype), (b, h, kdim, kdim))
-            before = np.empty((b, h, n, kdim, kdim), dtype=s0.dtype)
+            m = xp.broadcast_to(xp.eye(kdim, dtype=s0.dtype), (b, h, kdim, kdim))
+            before = xp.empty((b, h, n, kdim, kdim), dtype=s0.dtype)
             for i in range(n):
                 before[:, :, i] = m
                 m = _flushed(p.mc[:, :, i] @ m)
             out.m, out.states_m = m, before
             out.qs = _flushed(_unchunked(p.qt @ before, p.t))
         else:
-            ones = np.ones((b, h, 1) + p.gc.shape[3:], s0.dtype)
-            before = np.cumprod(np.concatenate([ones, p.gc[:, :, :-1]], axis=2), axis=2)  # the chunks' entering maps
+            ones = xp.ones((b, h, 1) + p.gc.shape[3:], s0.dtype)
+            before = xp.cumprod(xp.concatenate([ones, p.gc[:, :, :-1]], axis=2), axis=2)  # the chunks' entering maps
             out.m, out.states_m = before[:, :, -1] * p.gc[:, :, -1], before
             out.qs = _unchunked(p.qt * (before[..., None, :] if p.per_key else before[..., None, None]), p.t)
     return out
@@ -266,11 +275,12 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
     """Reverse mode of :func:`run_forward` (and :func:`chunks`): ``states`` are the chunks'
     entering states of the forward that ran, ``do (B, H, T, V)``, ``ds_end`` the gradient of
     the run's end state ``(B, H, K, V)``."""
+    xp = array_module(do)
     n = p.n
     per_key = p.per_key
     doc = _chunked(do, n)
     seen_do = _t(p.qt) @ doc                      # Qt^T do: what the outputs ask of each entering state
-    ds_after = np.empty_like(states)
+    ds_after = xp.empty_like(states)
     ds = ds_end
     for i in range(n - 1, -1, -1):
         ds_after[:, :, i] = ds
@@ -286,13 +296,13 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
     dkc = None
     if p.delta:
         dmc = ds_after @ _t(states)
-        dgc = np.diagonal(dmc, axis1=-2, axis2=-1) if per_key else np.trace(dmc, axis1=-2, axis2=-1)
+        dgc = xp.diagonal(dmc, axis1=-2, axis2=-1) if per_key else xp.trace(dmc, axis1=-2, axis2=-1)
         dkt -= p.kc @ _t(dmc)                      # Mc = Diag(gC) - Kt^T Kc
         dkc = -(p.kt @ dmc)
         dattn -= dqt @ _t(p.kc)                    # Qt = q gamma - A Kc
         dkc -= _t(p.attn) @ dqt
     else:
-        dgc = np.sum(ds_after * states, axis=-1 if per_key else (-2, -1))
+        dgc = xp.sum(ds_after * states, axis=-1 if per_key else (-2, -1))
     gamma = _per_token(p.gamma, per_key)
     dq = dqt * gamma
     dc = _keys_summed(dqt * p.q, per_key) * p.gamma           # q gamma, gamma = exp(c)
@@ -307,11 +317,11 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
     dbeta = None
     if p.delta:
         vdim = p.v.shape[-1]
-        rhs_grad = _t(p.ut_inv) @ np.concatenate([dwv, dkc], axis=-1)
-        dl = -(rhs_grad @ _t(np.concatenate([p.wv, p.kc], axis=-1))) * (1 - np.eye(CHUNK, dtype=dwv.dtype))
+        rhs_grad = _t(p.ut_inv) @ xp.concatenate([dwv, dkc], axis=-1)
+        dl = -(rhs_grad @ _t(xp.concatenate([p.wv, p.kc], axis=-1))) * (1 - xp.eye(CHUNK, dtype=dwv.dtype))
         dvb, dkbg = rhs_grad[..., :vdim], rhs_grad[..., vdim:]
         dv = dvb * p.beta[..., None]
-        dbeta = np.sum(dvb * p.v, axis=-1)
+        dbeta = xp.sum(dvb * p.v, axis=-1)
         kb = p.k * p.beta[..., None]
         dkb = dkbg * gamma
         dc += _keys_summed(dkbg * kb, per_key) * p.gamma
@@ -319,7 +329,7 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
         dkb += dkb_l
         dk += dk_l
         dc += _keys_summed(kb * dkb_l - p.k * dk_l, per_key)
-        dbeta += np.sum(dkb * p.k, axis=-1)
+        dbeta += xp.sum(dkb * p.k, axis=-1)
         dk += dkb * p.beta[..., None]
     else:
         dv = dwv
@@ -328,7 +338,7 @@ def run_backward(p: Chunks, states, do, ds_end) -> Grads:
     else:
         dc[..., -1] += dc_last
     tok = -2 if per_key else -1
-    dg = np.flip(np.cumsum(np.flip(dc, axis=tok), axis=tok), axis=tok)
+    dg = xp.flip(xp.cumsum(xp.flip(dc, axis=tok), axis=tok), axis=tok)
     t = p.t
     return Grads(dq=_unchunked(dq, t), dk=_unchunked(dk, t), dv=_unchunked(dv, t), dg=_unchunked(dg, t),
                  dbeta=None if dbeta is None else _unchunked(dbeta, t), ds0=ds)
