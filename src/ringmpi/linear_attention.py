@@ -33,7 +33,7 @@ from typing import List, Optional
 import numpy as np
 
 from .core import linear_recurrence as _rec
-from .core.host import to_host
+from .core.host import array_module, to_host
 from .core.state_maps import StateMap, apply_m, identity, reset, transposed
 from .core.state_segments import Segment, empty_documents, segments
 from .context import RingContext, comm_of
@@ -139,7 +139,13 @@ def agree_call(comm, q, k, v, g, beta, *, scale, initial_state, output_final_sta
 
 
 def _head_major(x):
-    return np.ascontiguousarray(np.moveaxis(x, 1, 2))
+    xp = array_module(x)
+    return xp.ascontiguousarray(xp.moveaxis(x, 1, 2))
+
+
+def _on_host(smap: StateMap) -> StateMap:
+    """The map as NumPy arrays, what the ranks' scan sends (no copy for NumPy arrays)."""
+    return StateMap(smap.kind, to_host(smap.m), to_host(smap.u))
 
 
 @dataclass
@@ -156,13 +162,14 @@ class ShardRecurrence:
         self.call = call
         group = call.hv // call.h
         dt = call.dtype
-        self.q = _head_major(np.repeat(q, group, axis=2)) * dt.type(call.scale)
-        self.k = _head_major(np.repeat(k, group, axis=2))
+        xp = self.xp = array_module(q)  # where the chunked runs compute: the inputs' module
+        self.q = _head_major(xp.repeat(q, group, axis=2)) * dt.type(call.scale)
+        self.k = _head_major(xp.repeat(k, group, axis=2))
         self.v = _head_major(v)
         t = q.shape[1]
-        self.g = np.zeros((call.b, call.hv, t), dt) if g is None else _head_major(g)
+        self.g = xp.zeros((call.b, call.hv, t), dt) if g is None else _head_major(g)
         self.beta = _head_major(beta) if call.delta else None
-        self.initial = None if initial_state is None else np.asarray(initial_state, dtype=dt)
+        self.initial = None if initial_state is None else xp.asarray(initial_state, dtype=dt)
         self.segments = segments(call.start, call.stop, call.bounds)
         self.runs: List[_Run] = []
         self.map: Optional[StateMap] = None
@@ -172,7 +179,7 @@ class ShardRecurrence:
     def _start_state(self, seg: Segment):
         if seg.starts and self.initial is not None:
             return self.initial[self.call.rows(seg.doc)]
-        return np.zeros(self.call.state_shape(self.call.b), self.call.dtype)
+        return self.xp.zeros(self.call.state_shape(self.call.b), self.call.dtype)
 
     @property
     def head(self) -> Optional[_Run]:
@@ -184,7 +191,7 @@ class ShardRecurrence:
         ones afterwards (and their chunk states, with ``keep_states``)."""
         call = self.call
         start = time.perf_counter()
-        o = np.zeros((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype)
+        o = self.xp.zeros((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype)
         self.runs = []
         for seg in self.segments:
             part = slice(seg.lo, seg.hi)
@@ -195,14 +202,15 @@ class ShardRecurrence:
             self.runs.append(_Run(seg, pieces, fwd))
         head = self.head
         if not self.runs:
-            self.map = identity(call.kind, call.b, call.hv, call.kdim, call.vdim, call.dtype)
+            self.map = identity(call.kind, call.b, call.hv, call.kdim, call.vdim, call.dtype, self.xp)
         elif head is not None and len(self.runs) == 1:
             self.map = StateMap(call.kind, head.fwd.m, head.fwd.s_end)
         else:
             self.map = reset(call.kind, self.runs[-1].fwd.s_end)
         scan_start = time.perf_counter()
         self.seconds["local"] += scan_start - start
-        s_in, nbytes = exclusive_scan(call.comm, self.map)
+        s_in, nbytes = exclusive_scan(call.comm, _on_host(self.map))  # only the maps cross to the host
+        s_in = self.xp.asarray(s_in)
         self.bytes_received += nbytes
         start = time.perf_counter()
         self.seconds["scan"] += start - scan_start
@@ -224,17 +232,17 @@ class ShardRecurrence:
         from mpi4py import MPI
 
         call = self.call
-        finals = np.zeros(call.state_shape(), call.dtype)
+        finals = np.zeros(call.state_shape(), call.dtype)  # reduced on the host
         for run in self.runs:
             if run.seg.ends:
-                finals[call.rows(run.seg.doc)] = run.fwd.s_end
+                finals[call.rows(run.seg.doc)] = to_host(run.fwd.s_end)
         if call.comm.Get_rank() == 0 and self.initial is not None:
             for doc in empty_documents(call.bounds):
-                finals[call.rows(doc)] = self.initial[call.rows(doc)]
+                finals[call.rows(doc)] = to_host(self.initial[call.rows(doc)])
         with phase("the linear-attention final states (Allreduce)"):
             call.comm.Allreduce(MPI.IN_PLACE, finals, op=MPI.SUM)
         self.bytes_received += finals.nbytes
-        return finals
+        return self.xp.asarray(finals)
 
     def backward(self, do, dfinal, reduce_dinitial: bool):
         """Gradients, head-major, of q (scaled), k, v, g, beta and the initial state; ``do``
@@ -244,25 +252,27 @@ class ShardRecurrence:
         call = self.call
         self.forward(keep_states=True)
         start = time.perf_counter()
-        c = np.zeros(call.state_shape(call.b), call.dtype)
+        xp = self.xp
+        c = xp.zeros(call.state_shape(call.b), call.dtype)
         head = self.head
         if head is not None:
-            c = np.swapaxes(head.fwd.qs, -1, -2) @ do[:, :, head.seg.lo:head.seg.hi]
+            c = head.fwd.qs.swapaxes(-1, -2) @ do[:, :, head.seg.lo:head.seg.hi]
             if head.seg.ends and dfinal is not None:
                 head_map_t = transposed(StateMap(call.kind, head.fwd.m, c), c)  # the head's own map
                 c = c + head_map_t.apply(dfinal[call.rows(head.seg.doc)])
         scan_start = time.perf_counter()
         self.seconds["local"] += scan_start - start
-        ds_out, nbytes = exclusive_scan(call.comm, transposed(self.map, c), reverse=True)
+        ds_out, nbytes = exclusive_scan(call.comm, _on_host(transposed(self.map, c)), reverse=True)
+        ds_out = xp.asarray(ds_out)
         self.bytes_received += nbytes
         start = time.perf_counter()
         self.seconds["scan"] += start - scan_start
-        grads = {name: np.zeros_like(x) for name, x in (("q", self.q), ("k", self.k), ("v", self.v), ("g", self.g))}
-        grads["beta"] = None if self.beta is None else np.zeros_like(self.beta)
-        dinitial = None if self.initial is None else np.zeros(call.state_shape(), call.dtype)
+        grads = {name: xp.zeros_like(x) for name, x in (("q", self.q), ("k", self.k), ("v", self.v), ("g", self.g))}
+        grads["beta"] = None if self.beta is None else xp.zeros_like(self.beta)
+        dinitial = None if self.initial is None else xp.zeros(call.state_shape(), call.dtype)
         for i, run in enumerate(self.runs):
             seg, part = run.seg, slice(run.seg.lo, run.seg.hi)
-            ds_end = ds_out if i == len(self.runs) - 1 else np.zeros_like(ds_out)
+            ds_end = ds_out if i == len(self.runs) - 1 else xp.zeros_like(ds_out)
             if seg.ends and dfinal is not None:
                 ds_end = ds_end + dfinal[call.rows(seg.doc)]
             got = _rec.run_backward(run.pieces, run.fwd.states, do[:, :, part], ds_end)
@@ -277,9 +287,11 @@ class ShardRecurrence:
                 for doc in empty_documents(call.bounds):
                     dinitial[call.rows(doc)] += dfinal[call.rows(doc)]
             if reduce_dinitial:
+                host = np.ascontiguousarray(to_host(dinitial))  # reduced on the host
                 with phase("the linear-attention initial states' gradient (Allreduce)"):
-                    call.comm.Allreduce(MPI.IN_PLACE, dinitial, op=MPI.SUM)
-                self.bytes_received += dinitial.nbytes
+                    call.comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+                self.bytes_received += host.nbytes
+                dinitial = xp.asarray(host)
         return grads, dinitial
 
 
@@ -287,19 +299,27 @@ def _host(x):
     return None if x is None else np.asarray(to_host(x))
 
 
+def _like(first, *xs):
+    """``xs`` in ``first``'s array module: CuPy inputs stay on (or move to) the device, anything
+    else becomes NumPy on the host."""
+    xp = array_module(first)
+    if xp is np:
+        return tuple(_host(x) for x in xs)
+    return tuple(None if x is None else xp.asarray(x) for x in xs)
+
+
 def _forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, comm, delta, per_key=False):
-    q, k, v, g, beta, initial_state = (_host(x) for x in (q, k, v, g, beta, initial_state))
+    q, k, v, g, beta, initial_state = _like(q, q, k, v, g, beta, initial_state)
     call = agree_call(comm, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, delta=delta, per_key=per_key)
     shard = ShardRecurrence(call, q, k, v, g, beta, initial_state)
-    o = np.moveaxis(shard.forward(), 1, 2)
+    o = shard.xp.moveaxis(shard.forward(), 1, 2)
     return o, (shard.final_states() if call.output_final_state else None)
 
 
 def _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqlens, comm, delta,
               reduce_dinitial, per_key=False):
-    q, k, v, g, beta, initial_state, do, dfinal_state = (
-        _host(x) for x in (q, k, v, g, beta, initial_state, do, dfinal_state))
+    q, k, v, g, beta, initial_state, do, dfinal_state = _like(q, q, k, v, g, beta, initial_state, do, dfinal_state)
     problem = None
     if do.shape != v.shape:
         problem = f"do must have v's shape {v.shape}, got {do.shape}"
@@ -320,11 +340,12 @@ def _backward(do, q, k, v, g, beta, scale, initial_state, dfinal_state, cu_seqle
     group = call.hv // call.h
 
     def per_qk_head(x):
-        return np.moveaxis(x, 1, 2).reshape(b, t, call.h, group, call.kdim).sum(axis=3)
+        return xp.moveaxis(x, 1, 2).reshape(b, t, call.h, group, call.kdim).sum(axis=3)
 
+    xp = shard.xp
     out = {"q": per_qk_head(grads["q"]) * dt.type(call.scale), "k": per_qk_head(grads["k"]),
-           "v": np.moveaxis(grads["v"], 1, 2), "g": None if g is None else np.moveaxis(grads["g"], 1, 2),
-           "beta": None if grads["beta"] is None else np.moveaxis(grads["beta"], 1, 2)}
+           "v": xp.moveaxis(grads["v"], 1, 2), "g": None if g is None else xp.moveaxis(grads["g"], 1, 2),
+           "beta": None if grads["beta"] is None else xp.moveaxis(grads["beta"], 1, 2)}
     return out, dinitial
 
 

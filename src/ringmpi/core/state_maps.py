@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .host import array_module
+
 KINDS = ("identity", "scalar", "diagonal", "dense")
 
 
@@ -48,17 +50,17 @@ def apply_m(kind: str, m, s) -> np.ndarray:
     return m[..., None, None] * s
 
 
-def identity(kind: str, rows: int, heads: int, kdim: int, vdim: int, dtype) -> StateMap:
-    """The map that changes nothing (an empty run)."""
+def identity(kind: str, rows: int, heads: int, kdim: int, vdim: int, dtype, xp=np) -> StateMap:
+    """The map that changes nothing (an empty run), in the array module ``xp``."""
     shape = m_shape(kind, rows, heads, kdim)
-    m = np.broadcast_to(np.eye(kdim, dtype=dtype), shape).copy() if kind == "dense" else np.ones(shape, dtype)
-    return StateMap(kind, m, np.zeros((rows, heads, kdim, vdim), dtype))
+    m = xp.broadcast_to(xp.eye(kdim, dtype=dtype), shape).copy() if kind == "dense" else xp.ones(shape, dtype)
+    return StateMap(kind, m, xp.zeros((rows, heads, kdim, vdim), dtype))
 
 
 def reset(kind: str, u) -> StateMap:
     """The map of a run in which a document starts: the entering state is forgotten."""
     rows, heads, kdim, _ = u.shape
-    return StateMap(kind, np.zeros(m_shape(kind, rows, heads, kdim), u.dtype), u)
+    return StateMap(kind, array_module(u).zeros(m_shape(kind, rows, heads, kdim), u.dtype), u)
 
 
 def then(first: StateMap, second: StateMap) -> StateMap:
@@ -69,11 +71,11 @@ def then(first: StateMap, second: StateMap) -> StateMap:
 
 def transposed(smap: StateMap, c) -> StateMap:
     """The backward's map ``dS -> M^T dS + c``."""
-    return StateMap(smap.kind, np.swapaxes(smap.m, -1, -2) if smap.kind == "dense" else smap.m, c)
+    return StateMap(smap.kind, smap.m.swapaxes(-1, -2) if smap.kind == "dense" else smap.m, c)
 
 
 def pack(smap: StateMap) -> np.ndarray:
-    return np.concatenate([smap.m.ravel(), smap.u.ravel()])
+    return array_module(smap.u).concatenate([smap.m.ravel(), smap.u.ravel()])
 
 
 def unpack(kind: str, flat, u_shape: tuple) -> StateMap:
