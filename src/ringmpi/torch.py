@@ -92,7 +92,7 @@ def to_tensor(a, device: torch.device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _on_torch_stream(device: torch.device):
+def on_torch_stream(device: torch.device):
     """On CUDA: make ``device`` and torch's current stream CuPy's current ones."""
     if device.type != "cuda":
         yield
@@ -338,7 +338,7 @@ torch.library.define("ringmpi::ring_attention_backward",
 
 @torch.library.impl("ringmpi::ring_attention", "CompositeExplicitAutograd")
 def _forward_op(q, k, v, *args):
-    with _on_torch_stream(q.device):
+    with on_torch_stream(q.device):
         o, lse, _ = ring_forward(to_array(q), to_array(k), to_array(v), **_Args.of(args).library_call(q, k, v))
         return to_tensor(o, q.device), to_tensor(lse, q.device)
 
@@ -353,7 +353,7 @@ def _forward_fake(q, k, v, *args):
 def _backward_op(do, q, k, v, o, lse, *args):
     """dq, dk, dv and dsinks (this rank's share; ``(0,)`` without sinks)."""
     a = _Args.of(args)
-    with _on_torch_stream(q.device):
+    with on_torch_stream(q.device):
         grads = ring_backward(*(to_array(x) for x in (do, q, k, v, o, lse)), **a.library_call(q, k, v),
                               reduce_dsinks=False)
         dq, dk, dv = (to_tensor(g, q.device) for g in grads[:3])

@@ -4,7 +4,8 @@ their ``causal_conv1d``, and ``relayout`` between the layouts of a hybrid model'
 
 Each takes this rank's contiguous shard as torch tensors (flash-linear-attention's shapes, as
 :mod:`ringmpi.linear_attention`) and returns ``(o, final_state)`` on the inputs' device and
-dtype (float32 or float64; the work runs in NumPy on the host).  Both the forward and the
+dtype (float32 or float64; CPU tensors compute in NumPy, CUDA tensors in CuPy on their device
+through DLPack, on torch's current stream: only the ranks' state maps cross to the host).  Both the forward and the
 backward are collective over ``comm``: every rank calls the forward and every rank
 backpropagates through it.  The backward recomputes the forward (its scan included).
 
@@ -31,8 +32,10 @@ from . import causal_conv as _conv
 from . import linear_attention as _linear
 from .relayout import relayout as _relayout_call
 from .context import RingContext, comm_of
+from .core.host import array_module
 from .parallel.comm import resolve_comm
 from .runtime.watchdog import phase
+from .torch import on_torch_stream, to_array, to_tensor
 
 __all__ = ["gated_delta_rule", "simple_gla", "causal_conv1d", "relayout"]
 
@@ -41,8 +44,19 @@ def _numpy(t):
     return None if t is None else t.detach().cpu().contiguous().numpy()
 
 
+def _array(t):
+    """What the linear layers compute on: CuPy over a CUDA tensor's memory (DLPack), else NumPy."""
+    if t is not None and t.device.type == "cuda":
+        return to_array(t.contiguous())
+    return _numpy(t)
+
+
 def _tensor(a, like: torch.Tensor):
-    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device=like.device)
+    if a is None:
+        return None
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=like.device)
+    return to_tensor(array_module(a).ascontiguousarray(a), like.device)  # a CuPy array: DLPack
 
 
 def _summed_over_ranks(comm, dfinal, shape, dtype):
@@ -64,37 +78,38 @@ class _LinearFunction(torch.autograd.Function):
         per_key = g is not None and g.dim() == 4
         run = {(True, False): _linear.gated_delta_rule, (True, True): _linear.kda,
                (False, False): _linear.simple_gla, (False, True): _linear.gla}[delta, per_key]
-        extra = (_numpy(beta),) if delta else ()
-        o, final = run(_numpy(q), _numpy(k), _numpy(v), _numpy(g), *extra, scale=scale,
-                       initial_state=_numpy(initial_state), output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, context=RingContext(comm))
+        extra = (_array(beta),) if delta else ()
+        with on_torch_stream(q.device):
+            o, final = run(_array(q), _array(k), _array(v), _array(g), *extra, scale=scale,
+                           initial_state=_array(initial_state), output_final_state=output_final_state,
+                           cu_seqlens=cu_seqlens, context=RingContext(comm))
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.options = (delta, scale, output_final_state, cu_seqlens, comm)
         ctx.final_shape = None if final is None else final.shape
-        if final is None:
-            return _tensor(o, q), None
-        return _tensor(o, q), _tensor(final, q)
+        with on_torch_stream(q.device):
+            return _tensor(o, q), (None if final is None else _tensor(final, q))
 
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, initial_state = ctx.saved_tensors
         delta, scale, output_final_state, cu_seqlens, comm = ctx.options
-        dt = _numpy(v).dtype
-        do = np.zeros(v.shape, dt) if do is None else _numpy(do)
-        total = (_summed_over_ranks(comm, dfinal, ctx.final_shape, dt) if output_final_state else None)
-        common = dict(dfinal_state=total, scale=scale, initial_state=_numpy(initial_state),
-                      cu_seqlens=cu_seqlens, context=RingContext(comm), reduce_dinitial=False)
-        per_key = g is not None and g.dim() == 4
-        if delta:
-            backward = _linear.kda_backward if per_key else _linear.gated_delta_rule_backward
-            dq, dk, dv, dg, dbeta, dinit = backward(do, _numpy(q), _numpy(k), _numpy(v), _numpy(g), _numpy(beta),
-                                                    **common)
-        else:
-            backward = _linear.gla_backward if per_key else _linear.simple_gla_backward
-            dq, dk, dv, dg, dinit = backward(do, _numpy(q), _numpy(k), _numpy(v), _numpy(g), **common)
-            dbeta = None
-        return (_tensor(dq, q), _tensor(dk, q), _tensor(dv, q), _tensor(dg, q), _tensor(dbeta, q),
-                _tensor(dinit, q), None, None, None, None, None)
+        with on_torch_stream(q.device):
+            dt = _array(v).dtype
+            do = np.zeros(v.shape, dt) if do is None else _array(do)  # host zeros move to q's device
+            total = (_summed_over_ranks(comm, dfinal, ctx.final_shape, dt) if output_final_state else None)
+            common = dict(dfinal_state=total, scale=scale, initial_state=_array(initial_state),
+                          cu_seqlens=cu_seqlens, context=RingContext(comm), reduce_dinitial=False)
+            per_key = g is not None and g.dim() == 4
+            if delta:
+                backward = _linear.kda_backward if per_key else _linear.gated_delta_rule_backward
+                dq, dk, dv, dg, dbeta, dinit = backward(do, _array(q), _array(k), _array(v), _array(g),
+                                                        _array(beta), **common)
+            else:
+                backward = _linear.gla_backward if per_key else _linear.simple_gla_backward
+                dq, dk, dv, dg, dinit = backward(do, _array(q), _array(k), _array(v), _array(g), **common)
+                dbeta = None
+            return (_tensor(dq, q), _tensor(dk, q), _tensor(dv, q), _tensor(dg, q), _tensor(dbeta, q),
+                    _tensor(dinit, q), None, None, None, None, None)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
