@@ -119,3 +119,72 @@ def test_unit_lower_inverse(m):
     assert np.array_equal(inv, np.tril(inv))
     np.testing.assert_allclose(inv, np.linalg.inv(t), rtol=0, atol=1e-12 * np.abs(np.linalg.inv(t)).max())
     np.testing.assert_allclose(inv @ t, np.broadcast_to(np.eye(m), t.shape), rtol=0, atol=1e-12)
+
+
+class _Foreign(np.ndarray):
+    """A stand-in for a device array type (its module reads as ``cupy``): NumPy computes it, but
+    any operation that mixes in a plain NumPy array fails, as CuPy does."""
+
+    @staticmethod
+    def _plain(x):
+        if type(x) is np.ndarray:
+            raise TypeError("a NumPy array was mixed into the device path")
+        if isinstance(x, (list, tuple)):
+            return type(x)(_Foreign._plain(a) for a in x)
+        return x.view(np.ndarray) if isinstance(x, _Foreign) else x
+
+    @staticmethod
+    def _wrapped(r):
+        if isinstance(r, tuple):
+            return tuple(_Foreign._wrapped(a) for a in r)
+        return r.view(_Foreign) if type(r) is np.ndarray else r
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:
+            kwargs["out"] = self._plain(kwargs["out"])
+        return self._wrapped(getattr(ufunc, method)(*self._plain(inputs), **kwargs))
+
+    def __array_function__(self, func, types, args, kwargs):
+        return self._wrapped(func(*self._plain(args), **{n: self._plain(a) for n, a in kwargs.items()}))
+
+    def __setitem__(self, key, value):
+        self.view(np.ndarray)[key] = self._plain(value)
+
+
+_Foreign.__module__ = "cupy"
+
+
+class _ForeignModule:
+    """``cupy`` for :func:`ringmpi.core.host.array_module`: NumPy whose new arrays are :class:`_Foreign`."""
+
+    def __getattr__(self, name):
+        attr = getattr(np, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+        return lambda *a, **kw: _Foreign._wrapped(attr(*_Foreign._plain(a),
+                                                       **{n: _Foreign._plain(v) for n, v in kw.items()}))
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("delta", [True, False])
+def test_chunked_run_keeps_the_inputs_array_type(monkeypatch, delta, per_key):
+    """Every array the chunked runs make comes from the inputs' module: with a foreign array type
+    (which refuses plain NumPy operands, as CuPy does) every result keeps that type and the same
+    values as on NumPy."""
+    monkeypatch.setitem(__import__("sys").modules, "cupy", _ForeignModule())
+    rng = np.random.default_rng(5)
+    x = {n: _head_major(a) for n, a in _inputs(rng, 1, 150, 2, 2, 4, 3, per_key).items()}
+    s0, ds_end = rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 4, 3))
+    do = rng.standard_normal((1, 2, 150, 3))
+
+    def run(cast):
+        pieces = lr.chunks(*(cast(x[n]) for n in ("q", "k", "v", "g", "beta")), delta)
+        fwd = lr.run_forward(pieces, cast(s0), track_map=True)
+        grads = lr.run_backward(pieces, fwd.states, cast(do), cast(ds_end))
+        return [fwd.o, fwd.s_end, fwd.m, fwd.qs, grads.dq, grads.dk, grads.dv, grads.dg, grads.ds0] + (
+            [grads.dbeta] if delta else [])
+
+    plain, foreign = run(lambda a: a), run(lambda a: a.view(_Foreign))
+    for i, (p, f) in enumerate(zip(plain, foreign)):
+        assert type(f) is _Foreign, f"result {i} is {type(f).__name__}"
+        np.testing.assert_array_equal(f.view(np.ndarray), p)
