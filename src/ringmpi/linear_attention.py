@@ -186,19 +186,21 @@ class ShardRecurrence:
         """The run that continues a document from the ranks before, if any."""
         return self.runs[0] if self.runs and not self.runs[0].seg.starts else None
 
-    def forward(self, keep_states: bool = False) -> np.ndarray:
-        """This rank's outputs, head-major ``(B, HV, T, V)``; the runs' end states are the true
-        ones afterwards (and their chunk states, with ``keep_states``)."""
+    def forward(self, keep_states: bool = False, outputs: bool = True):
+        """This rank's outputs, head-major ``(B, HV, T, V)`` (None without ``outputs``: the
+        backward's recomputation); the runs' end states are the true ones afterwards (and their
+        chunk states, with ``keep_states``)."""
         call = self.call
         start = time.perf_counter()
-        o = self.xp.zeros((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype)
+        o = self.xp.zeros((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype) if outputs else None
         self.runs = []
         for seg in self.segments:
             part = slice(seg.lo, seg.hi)
             pieces = _rec.chunks(self.q[:, :, part], self.k[:, :, part], self.v[:, :, part], self.g[:, :, part],
                                  None if self.beta is None else self.beta[:, :, part], call.delta)
-            fwd = _rec.run_forward(pieces, self._start_state(seg), track_map=not seg.starts)
-            o[:, :, part] = fwd.o
+            fwd = _rec.run_forward(pieces, self._start_state(seg), track_map=not seg.starts, outputs=outputs)
+            if outputs:
+                o[:, :, part] = fwd.o
             self.runs.append(_Run(seg, pieces, fwd))
         head = self.head
         if not self.runs:
@@ -216,7 +218,8 @@ class ShardRecurrence:
         self.seconds["scan"] += start - scan_start
         if head is not None:
             fwd, part = head.fwd, slice(head.seg.lo, head.seg.hi)
-            o[:, :, part] += fwd.qs @ s_in
+            if outputs:
+                o[:, :, part] += fwd.qs @ s_in
             fwd.s_end = fwd.s_end + apply_m(call.kind, fwd.m, s_in)
             if keep_states:
                 if call.kind == "dense":
@@ -250,7 +253,7 @@ class ShardRecurrence:
         from mpi4py import MPI
 
         call = self.call
-        self.forward(keep_states=True)
+        self.forward(keep_states=True, outputs=False)
         start = time.perf_counter()
         xp = self.xp
         c = xp.zeros(call.state_shape(call.b), call.dtype)

@@ -205,7 +205,7 @@ class Forward:
     token's query as it sees the entering state, ``(B, H, T, K)``; ``states_m`` the map
     part of the chunks' entering states (``(B, H, n, K, K)`` or ``(B, H, n)``)."""
 
-    o: np.ndarray
+    o: Optional[np.ndarray]
     s_end: np.ndarray
     states: np.ndarray
     m: Optional[np.ndarray] = None
@@ -225,8 +225,9 @@ def _flushed(x):
     return x
 
 
-def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
-    """Compose the chunk maps in order from ``s0`` ``(B, H, K, V)``; the outputs of every token."""
+def run_forward(p: Chunks, s0, track_map: bool = False, outputs: bool = True) -> Forward:
+    """Compose the chunk maps in order from ``s0`` ``(B, H, K, V)``; the outputs of every token
+    (``o`` None without ``outputs``: the backward's recomputation needs only the states)."""
     xp = array_module(s0)
     b, h, n, _, kdim = p.q.shape
     dense = p.delta
@@ -239,7 +240,7 @@ def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
         else:
             x = (p.gc[:, :, i, :, None] if p.per_key else p.gc[:, :, i, None, None]) * x
         x += p.uc[:, :, i]
-    o = _unchunked(p.qt @ states + p.attn @ p.wv, p.t)
+    o = _unchunked(p.qt @ states + p.attn @ p.wv, p.t) if outputs else None
     out = Forward(o=o, s_end=x, states=states)
     if track_map:
         if dense:  # the chunks' entering maps, composed apart from the states (K x K each)
@@ -252,9 +253,9 @@ def run_forward(p: Chunks, s0, track_map: bool = False) -> Forward:
             out.qs = _flushed(_unchunked(p.qt @ before, p.t))
         else:
             ones = xp.ones((b, h, 1) + p.gc.shape[3:], s0.dtype)
-            before = xp.cumprod(xp.concatenate([ones, p.gc[:, :, :-1]], axis=2), axis=2)  # the chunks' entering maps
-            out.m, out.states_m = before[:, :, -1] * p.gc[:, :, -1], before
-            out.qs = _unchunked(p.qt * (before[..., None, :] if p.per_key else before[..., None, None]), p.t)
+            before = _flushed(xp.cumprod(xp.concatenate([ones, p.gc[:, :, :-1]], axis=2), axis=2))  # entering maps
+            out.m, out.states_m = _flushed(before[:, :, -1] * p.gc[:, :, -1]), before
+            out.qs = _flushed(_unchunked(p.qt * (before[..., None, :] if p.per_key else before[..., None, None]), p.t))
     return out
 
 
