@@ -667,7 +667,8 @@ static PyObject *py_has_block(PyObject *self, PyObject *noargs)
 /* ------------------------------------------------------------------ the FMA peak
  * A loop of PEAK_CHAINS independent multiply-adds per vector width (the core's float32 peak:
  * what the benchmark judges every result against).  avx512: 512-bit FMAs, avx2: 256-bit
- * FMAs, plain: 128-bit multiplies and adds (2 FLOPs per lane per pair: the baseline has no
+ * FMAs, plain: 128-bit FMAs where the plain path runs its FMA build (plainfma: the CPU has
+ * FMA), else 128-bit multiplies and adds (2 FLOPs per lane per pair: the baseline has no
  * FMA).  Returns the seconds of `iters` rounds; a round is PEAK_CHAINS vectors x 2 FLOPs x width. */
 #define PEAK_CHAINS 12
 static volatile float peak_sink;
@@ -708,6 +709,21 @@ __attribute__((target("avx2,fma"))) static void peak_avx2(long iters)
         for (int lane = 0; lane < 8; lane++) sum += acc[c][lane];
     peak_sink = sum;
 }
+
+__attribute__((target("fma"))) static void peak_fma128(long iters)
+{
+    __m128 acc[PEAK_CHAINS];
+    const __m128 a = _mm_set1_ps(0.999999f), b = _mm_set1_ps(1e-6f);
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm_set1_ps((float)c);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm_fmadd_ps(acc[c], a, b);
+    }
+    float sum = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++)
+        for (int lane = 0; lane < 4; lane++) sum += acc[c][lane];
+    peak_sink = sum;
+}
 #endif
 
 static void peak_plain(long iters)
@@ -740,6 +756,7 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *args)
 #ifdef X86_PATHS
     if (PATHS[path].exp_rows == exp_rows_avx512) loop = peak_avx512, width = 16;
     if (PATHS[path].exp_rows == exp_rows_avx2) loop = peak_avx2, width = 8;
+    if (PATHS[path].exp_rows == exp_rows_plainfma) loop = peak_fma128;
 #endif
     double seconds;
     Py_BEGIN_ALLOW_THREADS
