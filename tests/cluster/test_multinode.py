@@ -33,8 +33,13 @@ def cases_for(p, hosts, map_by):
             for causal in (False, True):
                 cases.append(dict(id=f"{layout}-{'causal' if causal else 'full'}", B=1, H=4, Hkv=2, D=16,
                                   n_q=301 + i, layout=layout, causal=causal, backward=True, seed=10 * p + i))
-        cases.append(dict(id="auto", kind="head_parallel", U="auto", expect_U=2, B=1, H=4, Hkv=2, D=16,
+        # head_parallel auto by predicted cost: on the measured links either U (one on every rank);
+        # on a fast link inside a host and a slow one between, groups of the host's two ranks
+        cases.append(dict(id="auto", kind="head_parallel", U="auto", expect_U=[1, 2], B=1, H=4, Hkv=2, D=16,
                           n_q=203, layout="zigzag", causal=True, backward=True, seed=5))
+        cases.append(dict(id="auto-links", kind="head_parallel", U="auto", B=1, H=4, Hkv=2, D=16, n_q=203,
+                          layout="zigzag", causal=True, backward=True, seed=5,
+                          links=[[1e-6, 1e10], [1e-3, 1e7]], chosen=["head x ring, U=2"]))
     # the byte count: one larger case, placed both ways
     cases.append(dict(id="traffic", B=1, H=2, Hkv=2, D=32, n_q=2053, layout="zigzag", causal=True,
                       backward=True, seed=3))
@@ -80,9 +85,13 @@ def test_ring_across_hosts(launch, p, hosts, layout, causal):
 
 
 @pytest.mark.parametrize("p,hosts", SHAPES)
-def test_head_parallel_auto_takes_u_from_the_hosts(launch, p, hosts):
+def test_head_parallel_auto_chooses_by_predicted_cost_across_hosts(launch, p, hosts):
+    """On the measured links auto takes one U on every rank; with a slow link between the hosts
+    the model takes the groups of each host's ranks (the cost model's choice, stamped in the stats)."""
     ok, msg = launch((p, hosts, "slot"))["auto"]
-    assert ok and "stats report U=2" in msg, msg
+    assert ok and re.search(r"stats report U=[12]\b", msg), msg
+    ok, msg = launch((p, hosts, "slot"))["auto-links"]
+    assert ok, msg
 
 
 @pytest.mark.parametrize("p,hosts", SHAPES)
