@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import ringmpi
+from random_inputs import linear_inputs
 from ringmpi.backends import gpu_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU visible to CuPy")]
@@ -26,12 +27,9 @@ LAYERS = {  # name: (forward, backward, delta, per-key decay)
 
 def _inputs(delta: bool, per_key: bool, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    k = rng.standard_normal((B, T, H, K))
-    x = {"q": rng.standard_normal((B, T, H, K)), "k": k / np.linalg.norm(k, axis=-1, keepdims=True),
-         "v": rng.standard_normal((B, T, HV, V)),
-         "g": -rng.uniform(0.01, 0.1, (B, T, HV) + ((K,) if per_key else ()))}
-    if delta:
-        x["beta"] = rng.uniform(0.1, 0.9, (B, T, HV))
+    x = linear_inputs(rng, B, T, H, HV, K, V, per_key=per_key, delta=delta, g=(0.01, 0.1), beta=(0.1, 0.9))
+    if not delta:
+        del x["beta"]
     x["initial_state"] = 0.1 * rng.standard_normal((B, HV, K, V))
     x["do"] = rng.standard_normal((B, T, HV, V))
     x["dfinal_state"] = rng.standard_normal((B, HV, K, V))

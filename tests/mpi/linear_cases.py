@@ -33,6 +33,7 @@ from mpi4py import MPI
 from case_driver import agreed_error, run_all  # first: it puts tests/support on the path
 import ringmpi
 from ringmpi import RingContext
+from random_inputs import linear_inputs
 
 EXACT = 1e-10   # float64: relative to the tensor's largest entry
 DELTA = ("gdn", "kda")     # the delta rule: beta
@@ -46,13 +47,10 @@ def inputs(case):
     """The global inputs of a case (float64), the same on every rank."""
     rng = np.random.default_rng(case["seed"])
     b, n, h, hv, kd, vd = (case[x] for x in ("B", "N", "H", "HV", "K", "V"))
-    q = rng.standard_normal((b, n, h, kd))
-    k = rng.standard_normal((b, n, h, kd))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)  # the models' l2-normalised keys keep the delta rule stable
-    per_key = case["kind"] in PER_KEY
-    x = dict(q=q, k=k, v=rng.standard_normal((b, n, hv, vd)),
-             g=-rng.uniform(0.0, 0.4, (b, n, hv) + ((kd,) if per_key else ())) if case["kind"] != "linear" else None,
-             beta=rng.uniform(0.05, 1.0, (b, n, hv)) if case["kind"] in DELTA else None)
+    x = linear_inputs(rng, b, n, h, hv, kd, vd, per_key=case["kind"] in PER_KEY, delta=case["kind"] in DELTA,
+                      g=(0.0, 0.4))
+    if case["kind"] == "linear":
+        x["g"] = None
     rows = b if case.get("cu") is None else len(case["cu"]) - 1
     x["s0"] = rng.standard_normal((rows, hv, kd, vd)) if case.get("init") else None
     x["do"] = rng.standard_normal((b, n, hv, vd))

@@ -24,3 +24,19 @@ def attention_inputs(seed, b, n, h, hkv, d, n_kv=None, dv=None, do=True, dtype=N
     if segments is not None:
         arrays.append(np.sort(rng.integers(0, segments, (b, n)), axis=1).astype(np.int64))
     return tuple(arrays)
+
+
+def linear_inputs(seed, b, t, h, hv, kd, vd, per_key=False, delta=True, g=(0.0, 0.5), beta=(0.05, 1.0)):
+    """A linear-attention layer's inputs (float64) drawn in this order from
+    ``np.random.default_rng(seed)`` (a Generator given as ``seed`` is used and goes on): q, k
+    ``(b, t, h, kd)`` (k l2-normalised, as the models keep the delta rule stable), v
+    ``(b, t, hv, vd)``, the log decay ``g`` uniform in ``-(g[1]) .. -(g[0])``, ``(b, t, hv)`` or
+    ``(b, t, hv, kd)`` ``per_key``, and with ``delta`` ``beta`` uniform in ``beta``; a dict of
+    q, k, v, g, beta (None without ``delta``)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, h, kd))
+    k = rng.standard_normal((b, t, h, kd))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((b, t, hv, vd))
+    decay = -rng.uniform(g[0], g[1], (b, t, hv) + ((kd,) if per_key else ()))
+    return dict(q=q, k=k, v=v, g=decay, beta=rng.uniform(beta[0], beta[1], (b, t, hv)) if delta else None)

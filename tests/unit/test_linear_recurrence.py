@@ -7,24 +7,17 @@ import pytest
 import torch
 
 from linear_reference import recurrence
+from random_inputs import linear_inputs
 from ringmpi.core import linear_recurrence as lr
 from ringmpi.core.state_maps import KINDS, StateMap, identity, pack, reset, then, transposed, unpack
 from ringmpi.core.state_segments import Segment, empty_documents, segments
-
-
-def _inputs(rng, b, t, h, hv, kd, vd, per_key=False):
-    k = rng.standard_normal((b, t, h, kd))
-    return dict(q=rng.standard_normal((b, t, h, kd)), k=k / np.linalg.norm(k, axis=-1, keepdims=True),
-                v=rng.standard_normal((b, t, hv, vd)),
-                g=-rng.uniform(0, 0.5, (b, t, hv, kd) if per_key else (b, t, hv)),
-                beta=rng.uniform(0.05, 1, (b, t, hv)))
 
 
 @pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("delta", [True, False])
 def test_reference_passes_gradcheck(delta, per_key):
     rng = np.random.default_rng(3)
-    x = _inputs(rng, 1, 7, 1, 2, 3, 2, per_key)
+    x = linear_inputs(rng, 1, 7, 1, 2, 3, 2, per_key)
     args = [torch.tensor(x[n], requires_grad=True) for n in ("q", "k", "v", "g", "beta")]
     s0 = torch.tensor(rng.standard_normal((3, 2, 3, 2)), requires_grad=True)
     cu = [0, 3, 3, 7]  # two documents and an empty one
@@ -47,7 +40,7 @@ def test_chunked_run_against_the_recurrence(delta, t, per_key):
     gradient, across chunk boundaries and a partial last chunk, in float64; a decay per token
     (gated delta rule, simple GLA) or per key (KDA, GLA)."""
     rng = np.random.default_rng(t)
-    x = _inputs(rng, 2, t, 3, 3, 5, 4, per_key)
+    x = linear_inputs(rng, 2, t, 3, 3, 5, 4, per_key)
     s0 = rng.standard_normal((2, 3, 5, 4))
     scale = 0.6
     ref = {n: torch.tensor(a, requires_grad=True) for n, a in dict(x, s0=s0).items()}
@@ -173,7 +166,7 @@ def test_chunked_run_keeps_the_inputs_array_type(monkeypatch, delta, per_key):
     values as on NumPy."""
     monkeypatch.setitem(__import__("sys").modules, "cupy", _ForeignModule())
     rng = np.random.default_rng(5)
-    x = {n: _head_major(a) for n, a in _inputs(rng, 1, 150, 2, 2, 4, 3, per_key).items()}
+    x = {n: _head_major(a) for n, a in linear_inputs(rng, 1, 150, 2, 2, 4, 3, per_key).items()}
     s0, ds_end = rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 4, 3))
     do = rng.standard_normal((1, 2, 150, 3))
 
