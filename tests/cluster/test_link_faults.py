@@ -113,15 +113,19 @@ def test_cut_during_the_ring_passes_then_resume(netns, job):
     the partial file keeps the first pass; --resume finishes it bitwise equal to the reference."""
     ended, stderr = cut_during(netns, job, f"sleep:bwd:2:{SLEEP:g}:2", "out.h5")
     assert ended < T + SLEEP + GRACE, f"last rank ended {ended:.1f} s after the cut"
-    peers = {}
+    peers, said = {}, 0
     for rank, text in stderr.items():
         ring = re.search(rf"\[rank {rank}\] ringmpi: RingTimeout: rank {rank}: ring step \d+ channel '\w+' did "
                          rf"not complete within {T:g} s \((?:recv from|send to) rank (\d)", text)
         # a rank whose ring messages were all in flight before the cut goes on to the next collective
         phase = re.search(rf"\[rank {rank}\] ringmpi: .* did not finish within {T:g} s \(host h\d\)", text)
-        assert ring or phase, f"rank {rank}:\n{text[-2000:]}"
+        # the first rank to abort can end another before it prints (as in the collective cuts below:
+        # seen once in a fresh clone, rank 1's stderr empty): a rank may say nothing, never anything else
+        assert ring or phase or not text.strip(), f"rank {rank}:\n{text[-2000:]}"
+        said += bool(ring or phase)
         if ring:
             peers[rank] = int(ring.group(1))
+    assert said, stderr
     # some ring wait names a peer across the cut link (h1: ranks 0, 1; h2: ranks 2, 3); others may
     # name a neighbour on their own host, stalled in turn
     assert any((r < 2) != (p < 2) for r, p in peers.items()), (peers, stderr)
