@@ -11,7 +11,7 @@ import math
 import pytest
 
 from ringmpi.core.cost_model import (Link, Machine, Shape, allgather_memory, choose, hiding_length, predict,
-                                     predict_all, ring_memory)
+                                     predict_all, ring_memory, split_torus, torus_factor)
 from ringmpi.parallel.allgather_schedule import declared_bytes
 
 FAST = Link(latency=1e-6, bandwidth=1e12)
@@ -164,3 +164,31 @@ def test_a_member_holds_the_kv_heads_of_its_query_heads():
         for u in (1, 2, 3, 4, 6):
             if heads % u == 0 and (heads % kv_heads == 0):
                 assert member_kv_heads(heads, kv_heads, u) == len(kv_heads_of(0, u, heads, kv_heads))
+
+
+def test_a_backward_rate_times_the_backward_only():
+    machine = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8)
+    slower = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8, backward_rate=5e11)
+    assert predict(SHAPE, slower, 8, "ring").seconds == predict(SHAPE, machine, 8, "ring").seconds
+    assert predict(SHAPE, slower, 8, "ring", backward=True).compute == \
+        pytest.approx(2 * predict(SHAPE, machine, 8, "ring", backward=True).compute)
+
+
+def test_a_torus_widens_the_collectives_not_the_rings_hop():
+    """A 4 x 4 torus with wraparound: a rank receives a gather over its 4 links, an all-to-all is held
+    to the bisection (8 links a direction across the cut: n^2 / (4 (n - 1)) / 8 of a link's time a
+    byte); the ring's neighbour hop stays one link; no torus (a switch) changes nothing."""
+    assert split_torus((4, 4), 16) == ((), ((4, True), (4, True)))
+    assert split_torus((4, 4), 4) == (((4, True),), ((4, True),))
+    assert split_torus((4, 4), 3) is None and split_torus(None, 1) is None
+    assert torus_factor(((4, True), (4, True)), "gather") == pytest.approx(1 / 4)
+    assert torus_factor(((4, True), (4, True)), "alltoall") == pytest.approx(256 / 60 / 8)
+    assert torus_factor((), "gather") == 1.0
+    link = Link(1e-6, 1e9)
+    switch = Machine(rate=1e12, intra=link, inter=link, ranks_per_node=16)
+    torus = Machine(rate=1e12, intra=link, inter=link, ranks_per_node=16, torus=(4, 4))
+    assert predict(SHAPE, torus, 16, "ring").seconds == predict(SHAPE, switch, 16, "ring").seconds
+    assert predict(SHAPE, torus, 16, "allgather").seconds < predict(SHAPE, switch, 16, "allgather").seconds
+    assert predict(SHAPE, torus, 16, "ring", 8).seconds < predict(SHAPE, switch, 16, "ring", 8).seconds
+    mismatched = Machine(rate=1e12, intra=link, inter=link, ranks_per_node=16, torus=(2, 2))
+    assert predict(SHAPE, mismatched, 16, "allgather").seconds == predict(SHAPE, switch, 16, "allgather").seconds

@@ -8,7 +8,8 @@ description of a cluster.  The parts:
 
 * **compute** ``C``: the visible (query, key) pairs of the busiest rank times
   ``2 (D + D_v)`` FLOPs (FlashAttention's count; the backward 2.5x), over the block
-  op's rate.  Every schedule computes the same pairs; they differ in what they move
+  op's rate (the backward's own rate where the machine gives one: FlashAttention's
+  backward runs below its forward's rate; else the forward's).  Every schedule computes the same pairs; they differ in what they move
   and how much of it hides behind ``C``.
 * **ring** (P ranks, node-major order: one hop per node crosses the inter-node link
   per step): the own block, then ``P - 1`` steps of
@@ -23,6 +24,12 @@ description of a cluster.  The parts:
 * **head x ring** with ``U`` ranks per group: an all-to-all over heads inside the
   node before and after (exposed), then the schedule above over the ring of ``P / U``
   groups, ``U`` rings sharing each node's link.
+* **torus** (a node's ranks wired as a torus, e.g. a TPU slice's ICI; ``Machine.torus``):
+  ``intra`` is then one link; the ring's neighbour exchange uses one, a gather inside
+  the node as many as a rank has (``2`` a dimension, ``1`` for a dimension of 2) unless
+  the torus' bisection is the narrower, and the all-to-all over heads is held to the
+  bisection (:func:`torus_factor`).  Without a torus ``intra`` is a rank's whole
+  bandwidth into the node's switch (NVSwitch), every pattern alike.
 
 Memory per rank: the ring's and routed's a fixed number of shards; the all-gather
 holds every K/V row (:func:`allgather_memory`).  :func:`hiding_length` is the shard
@@ -74,10 +81,16 @@ class Machine:
     ranks_per_node: int = 1
     memory: Optional[float] = None
     ranks_per_nic: Optional[int] = None  # ranks of a node sharing one inter-node link (None: all of them)
+    backward_rate: Optional[float] = None  # FLOP/s of the backward's block ops (None: ``rate``)
+    torus: Optional[Tuple[int, ...]] = None  # a node's ranks as a torus with wraparound, rank-major (None: a switch)
 
     @property
     def nic_sharing(self) -> int:
         return self.ranks_per_node if self.ranks_per_nic is None else self.ranks_per_nic
+
+    def rate_of(self, backward: bool = False) -> float:
+        """FLOP/s of the forward's (or the backward's) block ops."""
+        return self.backward_rate if backward and self.backward_rate else self.rate
 
 
 @dataclass(frozen=True)
@@ -143,20 +156,62 @@ def member_kv_heads(heads: int, kv_heads: int, u: int) -> int:
     return 1 if group % hu == 0 else hu
 
 
+def split_torus(dims: Optional[Sequence[int]], inner: int) -> Optional[Tuple[Tuple[Tuple[int, bool], ...],
+                                                                              Tuple[Tuple[int, bool], ...]]]:
+    """A torus (``dims``, rank-major, wraparound in every dimension) cut into the sub-torus of
+    ``inner`` consecutive ranks (a head group: the fastest dimensions) and the one its members'
+    strided partners form (a ring's members: the rest); each as ``((size, wraps), ...)``, a
+    dimension cut short does not wrap.  None: no torus, or ``inner`` does not factor into it."""
+    if not dims:
+        return None
+    outer, inn, k = [(int(d), True) for d in dims], [], int(inner)
+    for i in reversed(range(len(outer))):
+        if k == 1:
+            break
+        d = outer[i][0]
+        g = math.gcd(d, k)
+        if g > 1:
+            inn.insert(0, (g, g == d))
+            outer[i] = (d // g, False)  # the members left in it are strided: no ring of neighbours
+            k //= g
+    if k != 1:
+        return None
+    return tuple(x for x in outer if x[0] > 1), tuple(x for x in inn if x[0] > 1)
+
+
+def torus_factor(dims: Sequence[Tuple[int, bool]], pattern: str) -> float:
+    """Seconds a byte costs on a torus, in units of one link's (``1 / bandwidth``), for the bytes a
+    rank receives in an all-gather (``"gather"``) or sends in an all-to-all (``"alltoall"``) among
+    the torus' ranks: the larger of a rank's links (every link into it busy at once; a dimension
+    of more than 2 gives 2 neighbours, of 2 one) and the bisection (the ranks of one half send
+    across the cut of the longest dimension: ``n / d`` lines of 2 links each, 1 where the
+    dimension does not wrap).  1 (one link) where ``dims`` is empty."""
+    dims = [d for d in dims if d[0] > 1]
+    if not dims:
+        return 1.0
+    n = math.prod(d for d, _ in dims)
+    links = sum(2 if d > 2 else 1 for d, _ in dims)
+    cut = min((n // d) * (2 if wraps and d > 2 else 1) for d, wraps in dims)
+    crossing = n / (2 * (n - 1)) if pattern == "gather" else n * n / (4 * (n - 1))
+    return max(1.0 / links, crossing / cut)
+
+
 def _spans(ranks: int, machine: Machine) -> bool:
     return ranks > machine.ranks_per_node
 
 
 def _gather_seconds(nbytes: float, ranks: int, per_node: int, machine: Machine, messages: int,
-                    sharing: int) -> float:
+                    sharing: int, torus=()) -> float:
     """A transfer that reaches every other of ``ranks`` ring members (``per_node`` of them on a
     node): the share from other nodes comes over the node's link, which ``sharing`` ranks of the
-    node use at once."""
+    node use at once; inside the node, over the members' ``torus`` (:func:`torus_factor`) where
+    the node is one."""
     if ranks <= 1:
         return 0.0
     rpn = min(per_node, ranks)
     remote = (ranks - rpn) / (ranks - 1)
-    near = machine.intra.seconds(nbytes * (1 - remote), messages if remote < 1 else 0)
+    near = machine.intra.seconds(nbytes * (1 - remote) * torus_factor(torus, "gather"),
+                                 messages if remote < 1 else 0)
     far = machine.inter.seconds(nbytes * remote * sharing, messages) if remote else 0.0
     return max(near, far)
 
@@ -203,10 +258,11 @@ def resident_memory(shape: Shape, ranks: int, schedule: str, backward: bool) -> 
 
 
 def _inner(shape: Shape, machine: Machine, ranks: int, per_node: int, schedule: str, backward: bool,
-           compute: float, link: Link, sharing: int, routed_rows: Optional[float]) -> Tuple[float, float]:
+           compute: float, link: Link, sharing: int, routed_rows: Optional[float], torus=()) -> Tuple[float, float]:
     """``(seconds, bytes received)`` of one K/V schedule over a ring of ``ranks`` members
     (``per_node`` on a node) that each compute ``compute`` seconds; ``link``: the ring's slowest
-    hop; ``sharing``: how many rings share that link."""
+    hop; ``sharing``: how many rings share that link; ``torus``: the members' of a node, where
+    the node is one (the ring's hop stays one link)."""
     if ranks <= 1:
         return compute, 0.0
     s_kv = math.ceil(shape.n_kv / ranks)
@@ -223,17 +279,18 @@ def _inner(shape: Shape, machine: Machine, ranks: int, per_node: int, schedule: 
         rows = (shape.n_kv - s_kv) * shape.seen if routed_rows is None else routed_rows
         nbytes = rows * (kv + grad if backward else kv)  # backward: and the partial sums of its own rows
         senders = ranks - 1 if rows else 0
-        move = _gather_seconds(nbytes, ranks, per_node, machine, senders, nic)
+        move = _gather_seconds(nbytes, ranks, per_node, machine, senders, nic, torus)
         return own + max(compute - own, move), nbytes
     if schedule == "allgather":
         rows, pieces = shape.n_kv - s_kv, piece_count([s_kv])
-        gather = _gather_seconds(rows * kv, ranks, per_node, machine, pieces * math.ceil(math.log2(ranks)), nic)
+        gather = _gather_seconds(rows * kv, ranks, per_node, machine, pieces * math.ceil(math.log2(ranks)), nic,
+                                 torus)
         last = (compute - own) / pieces
         seconds = own + max(compute - own, gather + last)
         nbytes = rows * kv
         if backward:
             back = _gather_seconds(rows * grad / pieces, ranks, per_node, machine, math.ceil(math.log2(ranks)),
-                                   nic)
+                                   nic, torus)
             seconds = own + max(compute - own, 2 * gather + last) + back
             nbytes = 2 * rows * kv + rows * grad
         return seconds, nbytes
@@ -246,13 +303,16 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
     group; ``routed_rows``: K/V rows the busiest rank receives under the routed schedule, from
     its plan, else ``shape.seen`` of the others'); ``backward``: the gradient pass."""
     u = int(head_parallel)
-    compute = shape.flops(backward) / ranks / machine.rate
+    compute = shape.flops(backward) / ranks / machine.rate_of(backward)
+    wired = machine.torus if machine.torus and math.prod(machine.torus) == machine.ranks_per_node else None
+    cut = split_torus(wired, u)
+    members, heads = cut if cut else ((), ())
     groups = ranks // u
     spans = _spans(ranks, machine)
     link = machine.inter if spans else machine.intra
     inner_shape = replace(shape, heads=max(shape.heads // u, 1), kv_heads=member_kv_heads(shape.heads, shape.kv_heads, u))
     seconds, nbytes = _inner(inner_shape, machine, groups, max(machine.ranks_per_node // u, 1), schedule, backward,
-                             compute, link, min(u, machine.nic_sharing) if spans else 1, routed_rows)
+                             compute, link, min(u, machine.nic_sharing) if spans else 1, routed_rows, members)
     memory = resident_memory(inner_shape, groups, schedule, backward)
     if u > 1:
         s_q, s_kv = math.ceil(shape.n_q / ranks), math.ceil(shape.n_kv / ranks)
@@ -261,7 +321,8 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
         into = s_q * (q_row + (o_row * 2 if backward else 0)) + s_kv * shape.kv_row()
         out = s_q * (q_row if backward else o_row) + (s_kv * shape.kv_row() if backward else 0)
         share = (u - 1) / u
-        a2a = machine.intra.seconds(into * share, u - 1) + machine.intra.seconds(out * share, u - 1)
+        per_byte = torus_factor(heads, "alltoall")
+        a2a = machine.intra.seconds(into * share * per_byte, u - 1) + machine.intra.seconds(out * share * per_byte, u - 1)
         seconds += a2a
         nbytes += (into + out) * share
         memory += 2 * (into + out)
@@ -318,7 +379,7 @@ def hiding_length(shape: Shape, machine: Machine, ranks: int, backward: bool = F
     transfer behind the step's compute: ``a S^2 = latency + b S`` with ``a`` the compute of a
     (S x S) block per token pair and ``b`` the bytes of one K/V row over the ring's link."""
     link = machine.inter if _spans(ranks, machine) else machine.intra
-    per_pair = shape.flops(backward) / (shape.n_q * shape.n_kv) / machine.rate
+    per_pair = shape.flops(backward) / (shape.n_q * shape.n_kv) / machine.rate_of(backward)
     row = shape.kv_row() + (shape.kv_row(shape.grad_itemsize) if backward else 0)
     b = row / link.bandwidth
     return (b + math.sqrt(b * b + 4 * per_pair * link.latency)) / (2 * per_pair)
