@@ -93,8 +93,11 @@ def test_plan_needs_neither_mpi_nor_a_gpu():
 # each case's command, published figure and prediction; the model must still give what it prints.
 PUBLISHED_SECTION = "## `ringmpi plan` against published measurements"
 RFA = ("--n", "65536", "--heads", "32", "--kv-heads", "8", "--dim", "128", "--causal", "--head-parallel", "1")
-V5P = ("--preset", "tpu-v5p", "--ranks-per-node", "16", "--n", "32768", "--batch", "16", "--heads", "32",
+V5P = ("--preset", "tpu-v5p", "--ranks-per-node", "16", "--torus", "4x4", "--n", "32768", "--batch", "16", "--heads", "32",
        "--dim", "128", "--causal", "--backward")
+# FlashAttention-2 on one A100 in ring-flash-attention's table: the forward's rate, and the backward's
+# from its forward + backward (94.7 iter/s) less the forward (373.4 iter/s) at 2.5x the forward's FLOPs
+A100 = ("--preset", "a100-ib", "--rate", "205.3", "--backward-rate", "174.4")
 MAXTEXT_ALLGATHER_STEP, MAXTEXT_LAYERS = 8.83, 32  # the published all-gather step (s); llama2-7b's layers
 
 
@@ -144,9 +147,9 @@ PUBLISHED = {  # case (the table's first cell): (published figure, the model's p
     "ring-flash-attention zigzag, 8 x H800, forward + backward":
         (17.4, lambda: _iterations("--preset", "h800-ib", *RFA, "--backward")),
     "ring-flash-attention zigzag, 8 x A100, forward":
-        (38.2, lambda: _iterations("--preset", "a100-ib", "--rate", "205.3", *RFA)),
+        (38.2, lambda: _iterations(*A100, *RFA)),
     "ring-flash-attention zigzag, 8 x A100, forward + backward":
-        (10.6, lambda: _iterations("--preset", "a100-ib", "--rate", "205.3", *RFA, "--backward")),
+        (10.6, lambda: _iterations(*A100, *RFA, "--backward")),
     "MaxText, TPU v5p, cp = 16: ring step / all-gather step": (16.38 / 8.83, lambda: _maxtext_step_ratio("ring")),
     "MaxText, TPU v5p, cp = 16: Ulysses step / all-gather step":
         (8.90 / 8.83, lambda: _maxtext_step_ratio("head x ring, U=16")),
@@ -192,13 +195,24 @@ def test_the_documented_comparison_with_published_measurements_is_the_models(cas
     assert within_cell == ("yes" if abs(ratio - 1) <= 0.25 else "no"), (case, within_cell, ratio)
 
 
-def test_where_the_plan_misses_a_published_figure_it_misses_in_the_documented_direction():
-    """The misses the page explains: the backward at the forward's rate (A100, just over 25 %
-    fast), and the TPU torus taken as one link a hop: the ring still last, but far too little
-    behind the all-gather, and Ulysses (head x ring over all 16) predicted well ahead of it."""
-    pub, predict = PUBLISHED["ring-flash-attention zigzag, 8 x A100, forward + backward"]
-    assert 1.25 < predict() / pub < 1.3
+def test_what_closed_the_earlier_misses_is_the_backward_rate_and_the_torus():
+    """The two described properties that closed the misses: run at the forward's rate, the A100's
+    forward + backward is predicted over 25 % fast again (the backward's rate is measured below the
+    forward's); with the v5p's 4 x 4 torus taken as one link a hop (``--torus none``), the all-gather's
+    attention alone would exceed the whole measured step, and on the torus it fits in it, the ring
+    still last."""
+    pub, _ = PUBLISHED["ring-flash-attention zigzag, 8 x A100, forward + backward"]
+    at_forward_rate = _iterations("--preset", "a100-ib", "--rate", "205.3", *RFA, "--backward")
+    assert 1.25 < at_forward_rate / pub < 1.3
+    one_link = [a if a != "4x4" else "none" for a in V5P]
+    assert MAXTEXT_LAYERS * _times(*one_link, "--head-parallel", "1")["allgather"][0] > MAXTEXT_ALLGATHER_STEP
     rows = _times(*V5P, "--head-parallel", "auto")
-    assert rows["head x ring, U=16"][0] < rows["allgather"][0] < rows["ring"][0]
-    assert 1 < _maxtext_step_ratio("ring") < 16.38 / 8.83
-    assert MAXTEXT_LAYERS * rows["allgather"][0] > MAXTEXT_ALLGATHER_STEP  # attention alone over the whole step
+    assert MAXTEXT_LAYERS * rows["allgather"][0] < MAXTEXT_ALLGATHER_STEP
+    assert max(rows["allgather"][0], rows["head x ring, U=16"][0]) < rows["ring"][0]
+
+
+def test_a_torus_must_hold_the_nodes_ranks():
+    code, out = _run("--preset", "tpu-v5p", "--ranks-per-node", "16", "--n", "32768")
+    assert code == 2 and "a torus of 2x2 holds 4 ranks, not the node's 16" in out, out
+    code, out = _run("--preset", "tpu-v5p", "--ranks-per-node", "16", "--torus", "4x4", "--n", "32768")
+    assert code == 0 and "a link of a 4x4 torus" in out, out

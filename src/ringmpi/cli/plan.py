@@ -10,6 +10,7 @@ length below which the ring cannot hide its transfers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import click
@@ -53,6 +54,11 @@ def _size(nbytes: float) -> str:
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=None, help="[default: the preset's]")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None, metavar="TFLOPS",
               help="One rank's attention rate, TFLOP/s (FlashAttention's count).")
+@click.option("--backward-rate", type=click.FloatRange(min=0, min_open=True), default=None, metavar="TFLOPS",
+              help="The backward's rate, TFLOP/s (2.5x the forward's FLOPs). [default: the preset's, else --rate]")
+@click.option("--torus", default=None, metavar="AxB[xC]",
+              help="A node's ranks wired as a torus with wraparound (a TPU slice's ICI; --intra-bw then one "
+                   "link's), its dimensions multiplying to --ranks-per-node; none: a switch.")
 @click.option("--intra-bw", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GB/S",
               help="Bandwidth between ranks of a node, GB/s one direction.")
 @click.option("--intra-latency", type=click.FloatRange(min=0), default=None, metavar="US")
@@ -79,7 +85,7 @@ def _size(nbytes: float) -> str:
 @click.option("--backward", is_flag=True, help="Forward and backward (a training step's attention).")
 @click.option("--head-parallel", default="auto", show_default=True, metavar="U|auto",
               help="U ranks per head x ring group; auto: every U that divides the node's ranks and the heads.")
-def plan(preset, nodes, ranks_per_node, rate, intra_bw, intra_latency, inter_bw, inter_latency, ranks_per_nic,
+def plan(preset, nodes, ranks_per_node, rate, backward_rate, torus, intra_bw, intra_latency, inter_bw, inter_latency, ranks_per_nic,
          memory, n, heads, kv_heads, dim, dim_v, batch, dtype, causal, window, documents, seed, backward,
          head_parallel):
     """Predict each schedule's time on a described cluster, and recommend one.
@@ -92,9 +98,24 @@ def plan(preset, nodes, ranks_per_node, rate, intra_bw, intra_latency, inter_bw,
 
     m = PRESETS[preset].machine
     rpn = ranks_per_node or m.ranks_per_node
+    if torus is None:
+        dims = m.torus
+    elif torus.lower() == "none":
+        dims = None
+    else:
+        try:
+            dims = tuple(int(d) for d in torus.lower().split("x"))
+        except ValueError:
+            dims = ()
+        if not dims or min(dims) < 1:
+            raise click.BadParameter(f"expected dimensions like 4x4 or none, got {torus!r}", param_hint="--torus")
+    if dims is not None and math.prod(dims) != rpn:
+        raise click.BadParameter(f"a torus of {'x'.join(map(str, dims))} holds {math.prod(dims)} ranks, not the "
+                                 f"node's {rpn}: give the node's --torus (or none)", param_hint="--torus")
     machine = replace(
-        m, ranks_per_node=rpn,
+        m, ranks_per_node=rpn, torus=dims,
         rate=m.rate if rate is None else rate * 1e12,
+        backward_rate=m.backward_rate if backward_rate is None else backward_rate * 1e12,
         intra=Link(m.intra.latency if intra_latency is None else intra_latency * 1e-6,
                    m.intra.bandwidth if intra_bw is None else intra_bw * 1e9),
         inter=Link(m.inter.latency if inter_latency is None else inter_latency * 1e-6,
@@ -140,10 +161,13 @@ def plan(preset, nodes, ranks_per_node, rate, intra_bw, intra_latency, inter_bw,
     click.echo(f"ringmpi plan: N={n} B={batch} H={heads} H_kv={kv_heads} D={dim}"
                + (f" D_v={dim_v}" if dim_v and dim_v != dim else "") + f" {dtype}, {mask} "
                f"(visible pairs {100 * density:.3g}%), {'forward + backward' if backward else 'forward'}")
-    click.echo(f"machine: {preset} x {nodes} node(s) x {rpn} ranks = P {ranks}; {machine.rate / 1e12:g} TFLOP/s "
-               f"a rank; intra {machine.intra.bandwidth / 1e9:g} GB/s {machine.intra.latency * 1e6:g} us, inter "
-               f"{machine.inter.bandwidth / 1e9:g} GB/s {machine.inter.latency * 1e6:g} us ({machine.nic_sharing} "
-               f"rank(s) a port); {_size(machine.memory)} a rank" if machine.memory else "")
+    wiring = f" a link of a {'x'.join(map(str, machine.torus))} torus" if machine.torus else ""
+    backward_rate = f" (backward {machine.backward_rate / 1e12:g})" if machine.backward_rate else ""
+    click.echo(f"machine: {preset} x {nodes} node(s) x {rpn} ranks = P {ranks}; {machine.rate / 1e12:g} TFLOP/s"
+               f"{backward_rate} a rank; intra {machine.intra.bandwidth / 1e9:g} GB/s "
+               f"{machine.intra.latency * 1e6:g} us{wiring}, inter {machine.inter.bandwidth / 1e9:g} GB/s "
+               f"{machine.inter.latency * 1e6:g} us ({machine.nic_sharing} rank(s) a port)"
+               + (f"; {_size(machine.memory)} a rank" if machine.memory else ""))
     click.echo(f"{'schedule':<24} {'time s':>10} {'compute s':>10} {'exposed s':>10} {'exposed':>8} "
                f"{'recv/rank':>10} {'memory/rank':>12}  fits")
     for p in found:
