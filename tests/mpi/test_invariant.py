@@ -244,6 +244,48 @@ def test_a_pair_is_the_same_bits_whatever_shares_its_gemm_call():
         assert np.matmul(stack, k[2:6])[1].tobytes() == pv.tobytes()
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2", "plain"])
+def test_a_pair_is_the_same_bits_whatever_shares_its_compiled_call(path):
+    """Where float32 pairs take the compiled block op's Q K^T (``_fused.scores_packed``, each score
+    one chain of fused multiply-adds over d), a pair's scores do not depend on the stack's length,
+    its place in it, which operand is shared, or a row's neighbours; and they are the bits
+    ``_fused.scores`` gives the default backward."""
+    from ringmpi.backends import invariant_tiles as it
+    from ringmpi.backends import tile_pass
+
+    if tile_pass.compiled is None or path not in tile_pass.compiled.paths():
+        pytest.skip(f"no compiled {path} path here")
+    before = tile_pass.compiled.path()
+    tile_pass.compiled.use(path)
+    if not tile_pass.compiled.has_block():
+        tile_pass.compiled.use(before)
+        pytest.skip(f"the {path} path has no compiled block op on this CPU")
+    try:
+        res = type("R", (), {"products": tile_pass.compiled})()
+        rng = np.random.default_rng(12)
+        for dim in (5, 64, 128):
+            q = rng.standard_normal((6, 64, dim)).astype(np.float32)
+            k = rng.standard_normal((6, 64, dim)).astype(np.float32)
+            alone = np.empty((64, 64), np.float32)
+            tile_pass.compiled.scores(q[2], k[3], alone)
+            kp = it._packed(k, {}, "k")
+            for lo, hi in ((0, 6), (3, 5), (1, 4)):
+                s = np.empty((hi - lo, 64, 64), np.float32)
+                it._pair_scores(res, q[2], kp[lo:hi], s)  # one query tile against a stack of key tiles
+                assert s[3 - lo].tobytes() == alone.tobytes(), (path, dim, lo, hi)
+                it._stack_scores(res, q[lo:hi], kp[3], s)  # a stack of query tiles against one key tile
+                if lo <= 2 < hi:
+                    assert s[2 - lo].tobytes() == alone.tobytes(), (path, dim, lo, hi)
+            one_row = np.zeros((1, 64, dim), np.float32)
+            one_row[0, 17] = q[2, 17]
+            s = np.empty((1, 64, 64), np.float32)
+            it._stack_scores(res, one_row, kp[3], s)
+            assert s[0, 17].tobytes() == alone[17].tobytes()
+            assert np.abs(alone - q[2].astype(np.float64) @ k[3].T.astype(np.float64)).max() < 1e-4 * dim
+    finally:
+        tile_pass.compiled.use(before)
+
+
 def test_invariant_backends():
     """NumPy runs every invariant entry point, and so does CuPy (tests/gpu/test_gpu_invariant.py)."""
     from mpi4py import MPI

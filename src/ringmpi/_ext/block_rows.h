@@ -48,12 +48,12 @@ PINLINE void FN(qk_tile)(const float *qs, Py_ssize_t dim, const float *panel, fl
 }
 
 /* os[r * dvp + c..] = os (times alpha[r] when `first`) + sum_{j < nk} p[r * lds + j] * vp[j * dvp + c..]
- * for PV_MR rows and nv vectors of columns */
+ * for mr <= PV_MR rows and nv vectors of columns */
 PINLINE void FN(pv_tile)(float *os, Py_ssize_t dvp, const float *alpha, int first, const float *p, Py_ssize_t lds,
-                         const float *vp, Py_ssize_t nk, const int nv)
+                         const float *vp, Py_ssize_t nk, const int nv, const int mr)
 {
     VF acc[PV_MR][PV_NV];
-    _Pragma("GCC unroll 16") for (int r = 0; r < PV_MR; r++) {
+    _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++) {
         _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = LOAD(os + r * dvp + c * VW);
         if (first) {
             const VF a = FN(splat)(alpha[r]);
@@ -63,38 +63,60 @@ PINLINE void FN(pv_tile)(float *os, Py_ssize_t dvp, const float *alpha, int firs
     for (Py_ssize_t j = 0; j < nk; j++) {
         VF vv[PV_NV];
         _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) vv[c] = LOAD(vp + j * dvp + c * VW);
-        _Pragma("GCC unroll 16") for (int r = 0; r < PV_MR; r++) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++) {
             const VF pv = FN(splat)(p[r * lds + j]);
             _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = FN(fma)(pv, vv[c], acc[r][c]);
         }
     }
-    _Pragma("GCC unroll 16") for (int r = 0; r < PV_MR; r++)
+    _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) STORE(os + r * dvp + c * VW, acc[r][c]);
 }
 
-/* s[i * lds + j] = sum_d q[i * ldq + d] * k[j * ldk + d] for i < nq, j < nk: the scores fwd_chunk
+/* s = q K^T for K packed in panels (kp[panel][d][PANEL], zero past nk): the scores fwd_chunk
  * computes, bit for bit (each one chain of fused multiply-adds over d from 0), for the backward's
- * tiles; k packed into panels and q copied a strip at a time into `scratch` */
-PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *k,
-                                Py_ssize_t ldk, Py_ssize_t nk, float *s, Py_ssize_t lds, float *scratch)
+ * tiles and invariant=True's tile pairs.  q is copied a strip at a time into `scratch` (BQ * (dim +
+ * kbp) floats); a strip's last rows are computed only up to a whole micro-kernel tile.  With tile
+ * == 0, s[i * lds + j]; with tile > 0 (nk a multiple of it), the pairs' layout: key j of row i at
+ * s[(j / tile) * nq * tile + i * tile + j % tile] (one (nq, tile) block per run of tile keys). */
+PATH_ISA static void FN(scores_packed)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim,
+                                       const float *kp, Py_ssize_t nk, float *s, Py_ssize_t lds, Py_ssize_t tile,
+                                       float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
-    float *kp = scratch, *qs = kp + kbp * dim, *st = qs + BQ * dim;
-    for (Py_ssize_t j = 0; j < kbp; j++)
-        for (Py_ssize_t d = 0; d < dim; d++)
-            kp[(j / PANEL) * PANEL * dim + d * PANEL + j % PANEL] = j < nk ? k[j * ldk + d] : 0.0f;
+    float *qs = scratch, *st = qs + BQ * dim;
     for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
         const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
-        for (Py_ssize_t r = 0; r < BQ; r++) {
+        const int used = (int)((rows + QK_MR - 1) / QK_MR * QK_MR);
+        for (Py_ssize_t r = 0; r < used; r++) {
             if (r < rows) memcpy(qs + r * dim, q + (i0 + r) * ldq, dim * sizeof(float));
             else memset(qs + r * dim, 0, dim * sizeof(float));
         }
         for (Py_ssize_t jb = 0; jb < kbp; jb += QK_NR * VW) {
             const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
-            for (int r = 0; r < BQ; r += QK_MR) FN(qk_tile)(qs + r * dim, dim, panel, st + r * kbp + jb, kbp);
+            for (int r = 0; r < used; r += QK_MR) FN(qk_tile)(qs + r * dim, dim, panel, st + r * kbp + jb, kbp);
         }
-        for (Py_ssize_t r = 0; r < rows; r++) memcpy(s + (i0 + r) * lds, st + r * kbp, nk * sizeof(float));
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            if (tile == 0) {
+                memcpy(s + (i0 + r) * lds, st + r * kbp, nk * sizeof(float));
+                continue;
+            }
+            for (Py_ssize_t j0 = 0; j0 < nk; j0 += tile)
+                memcpy(s + (j0 / tile) * nq * tile + (i0 + r) * tile, st + r * kbp + j0, tile * sizeof(float));
+        }
     }
+}
+
+/* s[i * lds + j] = sum_d q[i * ldq + d] * k[j * ldk + d] for i < nq, j < nk: scores_packed with k
+ * packed here into panels in `scratch` */
+PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *k,
+                                Py_ssize_t ldk, Py_ssize_t nk, float *s, Py_ssize_t lds, float *scratch)
+{
+    const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
+    float *kp = scratch;
+    for (Py_ssize_t j = 0; j < kbp; j++)
+        for (Py_ssize_t d = 0; d < dim; d++)
+            kp[(j / PANEL) * PANEL * dim + d * PANEL + j % PANEL] = j < nk ? k[j * ldk + d] : 0.0f;
+    FN(scores_packed)(q, ldq, nq, dim, kp, nk, s, lds, 0, kp + kbp * dim);
 }
 
 /* the scratch of one call: a strip's scores, its rows of Q and O, per-row alpha */
@@ -188,11 +210,11 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
             for (; c + PV_NV * VW <= dvp; c += PV_NV * VW)
                 for (int r = 0; r < BQ; r += PV_MR)
                     FN(pv_tile)(os + r * dvp + c, dvp, alpha + r, jc == c0, s + r * kbp + jc, kbp, vp + jc * dvp + c,
-                                nj, PV_NV);
+                                nj, PV_NV, PV_MR);
             for (; c < dvp; c += VW)
                 for (int r = 0; r < BQ; r += PV_MR)
                     FN(pv_tile)(os + r * dvp + c, dvp, alpha + r, jc == c0, s + r * kbp + jc, kbp, vp + jc * dvp + c,
-                                nj, 1);
+                                nj, 1, PV_MR);
         }
         for (Py_ssize_t r = 0; r < rows; r++) memcpy(o + (i0 + r) * ldo, os + r * dvp, dv * sizeof(float));
     }
@@ -266,6 +288,70 @@ PINLINE void FN(tn_block)(float *acc, Py_ssize_t w, const float *a, Py_ssize_t l
         Py_ssize_t j = c0;
         for (; j + PV_MR <= c1; j += PV_MR) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, PV_MR, 1);
         for (; j < c1; j++) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, 1, 1);
+    }
+}
+
+/* ------------------------------------------------------------ invariant=True's pair products
+ * pair_products: for n pairs of (t, t) blocks a[j] and (t, w) blocks b[j] (or one b for all),
+ * out[j] = a[j] b[j] (trans 0: pv_tile) or a[j]^T b[j] (trans 1: tn_tile), each element one chain
+ * of fused multiply-adds over the pair's t terms in order, from 0: the same bits whatever the
+ * stack holds, on every path.  scratch: 2 * t * wp floats (wp: w rounded up to VW), used where w
+ * is not a multiple of VW. */
+
+/* the rows (trans 0) or keys (trans 1) [0, t) of one pair's out columns [c, c + nv * VW): whole
+ * groups of PV_MR, then the last t % PV_MR as one group */
+PINLINE void FN(pair_cols)(float *oj, Py_ssize_t wp, const float *aj, Py_ssize_t t, const float *bb, Py_ssize_t c,
+                           int trans, const int nv)
+{
+#define PAIR_GROUP(MR)                                                                                   \
+    do {                                                                                                 \
+        if (trans) FN(tn_tile)(oj + r * wp + c, wp, aj + r, t, bb + c, wp, t, MR, nv);                   \
+        else FN(pv_tile)(oj + r * wp + c, wp, NULL, 0, aj + r * t, t, bb + c, t, nv, MR);                 \
+    } while (0)
+    Py_ssize_t r = 0;
+    for (; r + PV_MR <= t; r += PV_MR) PAIR_GROUP(PV_MR);
+    switch (t - r) { /* the remainder, below PV_MR (at most 7: PV_MR <= 8) */
+    case 1: PAIR_GROUP(1); break;
+    case 2: PAIR_GROUP(2); break;
+    case 3: PAIR_GROUP(3); break;
+#if PV_MR > 4
+    case 4: PAIR_GROUP(4); break;
+#endif
+#if PV_MR > 5
+    case 5: PAIR_GROUP(5); break;
+#endif
+#if PV_MR > 6
+    case 6: PAIR_GROUP(6); break;
+#endif
+#if PV_MR > 7
+    case 7: PAIR_GROUP(7); break;
+#endif
+    default: break;
+    }
+#undef PAIR_GROUP
+}
+
+PATH_ISA static void FN(pair_products)(const float *a, Py_ssize_t n, Py_ssize_t t, const float *b, Py_ssize_t b_step,
+                                       Py_ssize_t w, float *out, int trans, float *scratch)
+{
+    _Static_assert(PV_MR >= 4 && PV_MR <= 8, "pair_cols covers remainders of 1 to 7 rows");
+    const Py_ssize_t wp = (w + VW - 1) / VW * VW;
+    const int padded = wp != w;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const float *aj = a + j * t * t, *bj = b + j * b_step;
+        float *oj = padded ? scratch + t * wp : out + j * t * w;
+        if (padded && (j == 0 || b_step)) /* b[j] with zero columns up to wp */
+            for (Py_ssize_t i = 0; i < t; i++) {
+                memcpy(scratch + i * wp, bj + i * w, w * sizeof(float));
+                memset(scratch + i * wp + w, 0, (wp - w) * sizeof(float));
+            }
+        const float *bb = padded ? scratch : bj;
+        memset(oj, 0, t * wp * sizeof(float));
+        Py_ssize_t c = 0;
+        for (; c + PV_NV * VW <= wp; c += PV_NV * VW) FN(pair_cols)(oj, wp, aj, t, bb, c, trans, PV_NV);
+        for (; c < wp; c += VW) FN(pair_cols)(oj, wp, aj, t, bb, c, trans, 1);
+        if (padded)
+            for (Py_ssize_t i = 0; i < t; i++) memcpy(out + j * t * w + i * w, oj + i * wp, w * sizeof(float));
     }
 }
 
@@ -374,10 +460,11 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
             Py_ssize_t c = 0;
             for (; c + PV_NV * VW <= dpd; c += PV_NV * VW)
                 for (int r = 0; r < BQ; r += PV_MR)
-                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj, PV_NV);
+                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj,
+                                PV_NV, PV_MR);
             for (; c < dpd; c += VW)
                 for (int r = 0; r < BQ; r += PV_MR)
-                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj, 1);
+                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj, 1, PV_MR);
         }
         for (Py_ssize_t r = 0; r < rows; r++) memcpy(dq + (i0 + r) * lddq, dqs + r * dpd, dim * sizeof(float));
     }

@@ -97,6 +97,10 @@ typedef void (*ds_rows_fn)(float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const fl
                            Py_ssize_t);
 typedef void (*scores_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t,
                           float *, Py_ssize_t, float *);
+typedef void (*scores_packed_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
+                                 float *, Py_ssize_t, Py_ssize_t, float *);
+typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t,
+                                 float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
                              const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t, float *, float *, float,
                              const int64_t *, const int64_t *, const int64_t *, float *);
@@ -112,14 +116,18 @@ static struct {
     ds_rows_fn ds_rows;
     fwd_chunk_fn fwd_chunk; /* the forward block op, or NULL where the path has no FMA */
     scores_fn scores;       /* its Q K^T alone (the backward's scores on the BLAS tiles) */
+    scores_packed_fn scores_packed; /* the same from keys already packed in panels */
+    pair_products_fn pair_products; /* invariant=True's per-pair products */
     bwd_chunk_fn bwd_chunk; /* the backward block op */
     int bq;                 /* its strip rows */
 } PATHS[] = {
 #ifdef X86_PATHS
-    {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, bwd_chunk_avx512, 48},
-    {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, bwd_chunk_avx2, 48},
+    {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, scores_packed_avx512,
+     pair_products_avx512, bwd_chunk_avx512, 48},
+    {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, scores_packed_avx2,
+     pair_products_avx2, bwd_chunk_avx2, 48},
 #endif
-    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, 0},
+    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, NULL, NULL, 0},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -146,6 +154,8 @@ static void plain_uses_fma(void)
         PATHS[N_PATHS - 1].ds_rows = ds_rows_plainfma; /* the same arithmetic (no FMA in dS) */
         PATHS[N_PATHS - 1].fwd_chunk = fwd_chunk_plainfma;
         PATHS[N_PATHS - 1].scores = scores_plainfma;
+        PATHS[N_PATHS - 1].scores_packed = scores_packed_plainfma;
+        PATHS[N_PATHS - 1].pair_products = pair_products_plainfma;
         PATHS[N_PATHS - 1].bwd_chunk = bwd_chunk_plainfma;
         PATHS[N_PATHS - 1].bq = 48;
     }
@@ -357,6 +367,94 @@ static PyObject *py_scores(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, ldk, nk, (float *)v[2].buf, lds, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 3);
+    return out;
+}
+
+/* scores_packed(q, kp, out, tile): out = q K^T from keys packed in panels, kp (panels * D, 32) as
+ * fwd_chunk's; tile 0: out (nq, nk) with nk <= panels * 32; tile > 0: out (nk / tile * nq, tile)
+ * contiguous, one (nq, tile) block per run of tile keys */
+static PyObject *py_scores_packed(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *kpo, *so;
+    Py_ssize_t tile;
+    if (!PyArg_ParseTuple(args, "OOOn", &qo, &kpo, &so, &tile)) return NULL;
+    scores_packed_fn fn = PATHS[current].scores_packed;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    Py_ssize_t nq, dim, ldq, dk, kw, ldk, sr, sc, lds, nk;
+    PyObject *out = NULL;
+    if (get2d(qo, &v[0], 0, &nq, &dim, &ldq) < 0) return NULL;
+    if (get2d(kpo, &v[1], 0, &dk, &kw, &ldk) < 0) goto done;
+    if (get2d(so, &v[2], 1, &sr, &sc, &lds) < 0) goto done;
+    nk = tile > 0 && nq > 0 ? sr / nq * sc : sc;
+    if (kw != 32 || ldk != 32 || dim < 1 || dk % dim || tile < 0 || nq < 1 || dk / dim * 32 < nk ||
+        (tile == 0 && sr != nq) || (tile > 0 && (sc != tile || lds != tile || sr % nq))) {
+        PyErr_SetString(PyExc_ValueError, "scores_packed: operand shapes do not match");
+        goto done;
+    }
+    const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (dim + kbpad)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (float *)v[2].buf, lds, tile, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 3);
+    return out;
+}
+
+/* pair_products(a, b, out, trans): a (n * t, t), b (n * t, w) or (t, w) (one b for every pair),
+ * out (n * t, w), each C-contiguous: out[j] = a[j] b[j] (trans 0) or a[j]^T b[j] (trans 1) per pair
+ * of t rows (block_rows.h's pair_products) */
+static PyObject *py_pair_products(PyObject *self, PyObject *args)
+{
+    PyObject *ao, *bo, *oo;
+    int trans;
+    if (!PyArg_ParseTuple(args, "OOOp", &ao, &bo, &oo, &trans)) return NULL;
+    pair_products_fn fn = PATHS[current].pair_products;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    Py_ssize_t ar, t, lda, br, w, ldb, orow, ow, ldo;
+    PyObject *out = NULL;
+    if (get2d(ao, &v[0], 0, &ar, &t, &lda) < 0) return NULL;
+    if (get2d(bo, &v[1], 0, &br, &w, &ldb) < 0) goto done;
+    if (get2d(oo, &v[2], 1, &orow, &ow, &ldo) < 0) goto done;
+    if (t < 1 || w < 1 || lda != t || ldb != w || ldo != w || ar % t || orow != ar || ow != w ||
+        (br != ar && br != t)) {
+        PyErr_SetString(PyExc_ValueError, "pair_products: operand shapes do not match");
+        goto done;
+    }
+    const Py_ssize_t n = ar / t, wp = (w + 15) / 16 * 16;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (2 * t * wp + 16))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, n, t, (const float *)v[1].buf, br == ar && n > 1 ? t * w : 0, w, (float *)v[2].buf,
+       trans, scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
@@ -781,6 +879,12 @@ static PyMethodDef methods[] = {
      "and key positions, or None)"},
     {"scores", py_scores, METH_VARARGS,
      "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
+    {"scores_packed", py_scores_packed, METH_VARARGS,
+     "scores_packed(q, kp, out, tile): out = q K^T as scores() gives it, the keys packed as fwd_chunk's kp; "
+     "tile > 0: out (nk / tile * nq, tile), one (nq, tile) block per run of tile keys"},
+    {"pair_products", py_pair_products, METH_VARARGS,
+     "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
+     "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},
     {"bwd_chunk", py_bwd_chunk, METH_VARARGS,
      "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos): add one key chunk's terms to dq and "
      "the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, +inf on rows that saw "

@@ -1,12 +1,16 @@
 """The NumPy backend's block ops for ``invariant=True``: fixed tile pairs, order-free sums.
 
 Every (query tile, key tile) pair -- tiles of 64 global positions
-(:mod:`ringmpi.core.global_tiles`) -- is computed by the same BLAS calls on operands of the
-same shape, strides and 64-byte alignment (tile copies), whichever rank holds it and
-whatever else that rank holds.  Several pairs go into one stacked ``np.matmul`` (one
-64 x 64 GEMM per pair) and one elementwise pass, which treat each pair alike, and each
-pair's float partial sums are added into integer fixed point
-(:mod:`ringmpi.core.fixed_point`), so no sum depends on the order of the pairs.
+(:mod:`ringmpi.core.global_tiles`) -- is computed by the same arithmetic whichever rank holds
+it and whatever else that rank holds.  Several pairs go into one call of the products and one
+elementwise pass, which treat each pair alike: for float32, where the compiled block op is
+built, the block op's own register-blocked products (``_fused.scores_packed``,
+``_fused.pair_products``: each element one chain of fused multiply-adds over the pair's terms
+in order, the same bits on every vector path; the keys packed once per chunk and reused by
+every query tile), else one stacked ``np.matmul`` (one 64 x 64 BLAS GEMM per pair, operands of
+the same shape, strides and 64-byte alignment).  Each pair's float partial sums are added into
+integer fixed point (:mod:`ringmpi.core.fixed_point`), so no sum depends on the order of the
+pairs.
 
 Forward, two ring passes.  :func:`max_block`: each row's largest visible score ``M``
 (exact in any order).  :func:`forward_block`: with ``M`` as the shift, ``p = exp(s - M) <= 1``;
@@ -33,6 +37,7 @@ import numpy as np
 from ..core.global_tiles import TILE, Tiling, aligned
 from ..core.masks import FULL, PARTIAL, classify_tiles, tile_counts
 from . import tile_pass
+from .tile_pass import PANEL
 from .fixed_sums import add as fixed_add
 
 
@@ -100,6 +105,47 @@ def _chunks(count: int, size: int = CHUNK):
     return [(lo, min(lo + size, count)) for lo in range(0, count, size)]
 
 
+def _packed(x: np.ndarray, store: dict, key) -> np.ndarray:
+    """Tiles ``x (n, TILE, D)`` as the compiled products read keys: each tile's ``TILE // PANEL``
+    panels of ``PANEL`` keys, d-major, as ``(n, TILE * D)`` (one row per tile, so a stack of tiles
+    is a take along axis 0), in the scratch ``key``."""
+    n, _, dim = x.shape
+    out = _scratch(store, key, (n, TILE // PANEL, dim, PANEL), x.dtype)
+    np.copyto(out, x.reshape(n, TILE // PANEL, PANEL, dim).transpose(0, 1, 3, 2))
+    return out.reshape(n, TILE * dim)
+
+
+def _pair_scores(res: "Resident", q_tile: np.ndarray, k_stack: np.ndarray, s: np.ndarray) -> None:
+    """``s (n, TILE, TILE)``: query tile ``q_tile (TILE, D)`` against each key tile of ``k_stack``
+    (:func:`_packed` tiles ``(n, TILE * D)`` with the compiled products, else ``(n, TILE, D)``)."""
+    if res.products is not None:
+        res.products.scores_packed(q_tile, k_stack.reshape(-1, PANEL), s.reshape(-1, TILE), TILE)
+    else:
+        np.matmul(q_tile[None], k_stack.swapaxes(1, 2), out=s)
+
+
+def _stack_scores(res: "Resident", rows: np.ndarray, k_tile: np.ndarray, s: np.ndarray) -> None:
+    """``s (n, TILE, TILE)``: each row tile of ``rows (n, TILE, D)`` against key tile ``k_tile``
+    (:func:`_packed`'s ``(TILE * D,)`` with the compiled products, else ``(TILE, D)``)."""
+    if res.products is not None:
+        res.products.scores_packed(rows.reshape(-1, rows.shape[2]), k_tile.reshape(-1, PANEL),
+                                   s.reshape(-1, TILE), 0)
+    else:
+        np.matmul(rows, k_tile.T, out=s)
+
+
+def _pair_products(res: "Resident", a: np.ndarray, b: np.ndarray, out: np.ndarray, trans: bool = False) -> None:
+    """``out[j] = a[j] @ b[j]`` (``a[j].T @ b[j]`` with ``trans``) for the stack's pairs ``a (n, TILE,
+    TILE)``, ``b (n, TILE, w)`` or one ``(TILE, w)`` for all, ``out (n, TILE, w)`` (C-contiguous):
+    the compiled products where float32 has them (each element one chain of fused multiply-adds
+    over the pair's TILE terms in order), else BLAS's stacked GEMM."""
+    if res.products is not None:
+        res.products.pair_products(a.reshape(-1, TILE), b.reshape(-1, b.shape[-1]), out.reshape(-1, out.shape[-1]),
+                                   trans)
+    else:
+        np.matmul(a.swapaxes(1, 2) if trans else a, b, out=out)
+
+
 class Resident:
     """What one call derives from its resident query rows, once (the ``resident`` of these ops).
 
@@ -118,6 +164,9 @@ class Resident:
         self.ds_pass = ds_pass    # the backward's dS: dp = (dp - dvec) * p, each step rounded
         self.tiling = Tiling.of(positions)
         self.ct, self.spec, self.kv_dtype = np.dtype(ct), spec, np.dtype(kv_dtype)
+        # the compiled block op's Q K^T (each score one chain of fused multiply-adds over d, whatever
+        # the stack) for float32 where it is built, else BLAS: either way the same for every pair
+        self.products = tile_pass.compiled if self.ct == np.float32 and tile_pass.block_op() is not None else None
         self.seg = tiled_segments(self.tiling, seg)
         self.q, self.do = q, do
         self.shape = (q.shape[0], q.shape[1], self.tiling.count, TILE)
@@ -338,6 +387,8 @@ def _forward_tiles(res: Resident, kh, vh, mask, scale, tick, pair):
             qg = res.tiles("q", b, hs, "qg")
             for t0, t1 in _chunks(blk.tiling.count):
                 kt = blk.key_tiles(kh[b, hkv], t0, t1, b, hkv, "kt")
+                if res.products is not None:  # packed once for every query tile
+                    kt = _packed(kt, st, "kp")
                 vt = None if vh is None else blk.key_tiles(vh[b, hkv], t0, t1, b, hkv, "vt")
                 for i in range(res.tiling.count):
                     for index, partial in blk.groups(blk.classes[e, i, t0:t1]):
@@ -365,7 +416,7 @@ def max_block(res: Resident, kh, m, poison, scale, mask, tick=None):
 
     def pair(b, h, hkv, i, q_tile, keys, n, terms, k_stack, v_stack):
         s = _scratch(st, "s", (n, TILE, TILE), ct)
-        np.matmul(q_tile[None], k_stack.swapaxes(1, 2), out=s)
+        _pair_scores(res, q_tile, k_stack, s)
         row_max = _row_max(s, scale, softcap, terms.full(h, st))
         np.maximum(m[b, h, i], row_max, out=m[b, h, i])
         _poison_forward(res, terms, poison, b, h, hkv, i, keys)
@@ -397,7 +448,7 @@ def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, gr
     def pair(b, h, hkv, i, q_tile, keys, n, terms, k_stack, v_stack):
         s = _scratch(st, "s", (n, TILE, TILE), ct)
         sums = _scratch(st, "sums", (n * TILE,), ct)
-        np.matmul(q_tile[None], k_stack.swapaxes(1, 2), out=s)
+        _pair_scores(res, q_tile, k_stack, s)
         pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st))
         res.exp_pass(s.reshape(n * TILE, TILE), pass_scale,
                   None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
@@ -406,7 +457,7 @@ def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, gr
         if drop is not None:
             s *= drop
         pv = _scratch(st, "pv", (n, TILE, v_stack.shape[2]), ct)
-        np.matmul(s, v_stack, out=pv)
+        _pair_products(res, s, v_stack, pv)
         bad = poison[b, h, i][None]
         fixed_add(acc_o[b, h, i][None], pv, cols=grid_o[b, hkv], bad=bad, limbs=limbs)
         fixed_add(acc_l[b, h, i][None], sums.reshape(n, TILE, 1), cols=grid_l, bad=bad, limbs=limbs)
@@ -463,6 +514,8 @@ def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs
             for hkv in range(kv_heads):
                 kt = blk.key_tiles(kh[b, hkv], t0, t1, b, hkv, "kt")
                 vt = blk.key_tiles(vh[b, hkv], t0, t1, b, hkv, "vt")
+                # what S = Q K^T and dP = dO V^T read: packed once for every query tile
+                kps, vps = (kt, vt) if res.products is None else (_packed(kt, st, "kp"), _packed(vt, st, "vp"))
                 for g in range(group):
                     h = hkv * group + g
                     qt = res.tiles("q", b, slice(h, h + 1), "qt")[0]
@@ -472,8 +525,8 @@ def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs
                         for q0, q1 in _chunks(res.tiling.count, BACKWARD_CHUNK):
                             for index, partial in blk.groups(blk.classes[e, q0:q1, j]):
                                 index = index + q0
-                                _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, kt[jj], vt[jj],
-                                                dq_acc, q_poison, tile_dk[b, hkv, jj], tile_dv[b, hkv, jj],
+                                _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, kt[jj], kps[jj],
+                                                vps[jj], dq_acc, q_poison, tile_dk[b, hkv, jj], tile_dv[b, hkv, jj],
                                                 tile_pk[b, hkv, jj], grids, limbs, scale, softcap)
                                 if tick is not None:
                                     tick()
@@ -492,11 +545,12 @@ def backward_block(res: Resident, kh, vh, dq_acc, q_poison, dk, dv, grids, limbs
     return blk.counts(batch)
 
 
-def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_tile, dq_acc, q_poison,
+def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, k_scores, v_scores, dq_acc, q_poison,
                     tile_dk, tile_dv, tile_pk, grids, limbs, scale, softcap):
     """The pairs (query tiles ``index``, key tile ``j``) of head ``h``: FlashAttention-2's terms,
     ``dv`` and ``dk`` summed into the key tile's ``tile_dv``, ``tile_dk`` (``(TILE, limbs * D)``),
-    ``dq`` into ``dq_acc[b, h, index]``."""
+    ``dq`` into ``dq_acc[b, h, index]``.  ``k_tile (TILE, D)``; ``k_scores``, ``v_scores``: the key
+    tile and its values as :func:`_stack_scores` reads them."""
     ct, spec, st = res.ct, res.spec, res.scratch
     run, n = _run(index), len(index)
     terms = _Terms(blk, b, run, j, n, partial, False, ct)
@@ -504,7 +558,7 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
     sums = _scratch(st, "sums", (n * TILE,), ct)
     qs, dos = _stack(qt, run, st, "qs"), _stack(dot, run, st, "dos")
     lse, dvec = _stack(res.lse[b, h], run, st, "lses"), _stack(res.dvec[b, h], run, st, "dvecs")
-    np.matmul(qs, k_tile.T, out=s)
+    _stack_scores(res, qs, k_scores, s)
     t = None if softcap is None else _scratch(st, "t", (n, TILE, TILE), ct)
     pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st), t)
     res.exp_pass(s.reshape(n * TILE, TILE), pass_scale, None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
@@ -518,9 +572,9 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
     drop = _drop(spec, b, h, terms.q_pos, terms.k_pos, n, False, ct)
     pd = s if drop is None else s * drop
     out_v = _scratch(st, "outv", (n, TILE, dos.shape[2]), ct)
-    np.matmul(pd.swapaxes(1, 2), dos, out=out_v)
+    _pair_products(res, pd, dos, out_v, trans=True)
     fixed_add(tile_dv[None], out_v, cols=grids.dv_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
-    np.matmul(dos, v_tile.T, out=dp)
+    _stack_scores(res, dos, v_scores, dp)
     if drop is not None:
         dp *= drop
     res.ds_pass(dp.reshape(n * TILE, TILE), s.reshape(n * TILE, TILE), np.ascontiguousarray(dvec).reshape(-1))
@@ -529,10 +583,10 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, v_t
         np.subtract(1, t, out=t)
         dp *= t
     out_d = _scratch(st, "outd", (n, TILE, qs.shape[2]), ct)
-    np.matmul(dp, k_tile, out=out_d)
+    _pair_products(res, dp, k_tile, out_d)
     fixed_add(dq_acc[b, h], out_d, rows=grids.dq_rows[b, h], cols=grids.dq_cols[b, hkv], index=index,
                     bad=q_poison[b, h], limbs=limbs)
-    np.matmul(dp.swapaxes(1, 2), qs, out=out_d)
+    _pair_products(res, dp, qs, out_d, trans=True)
     fixed_add(tile_dk[None], out_d, cols=grids.dk_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
     bad_j = blk.bad[b, hkv, j]
     if res.any_bad[b, h] or bad_j.any():

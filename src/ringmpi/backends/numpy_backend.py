@@ -455,7 +455,7 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
 # softmax: each strip's row maximum taken before its exp).  Every other forward, and every backward,
 # takes the BLAS tiles below.
 
-PANEL = 32  # keys per packed K panel (block_rows.h's PANEL)
+PANEL = tile_pass.PANEL  # keys per packed K panel
 
 
 def compiled_forward_ok(ct, scale, mask: BlockMask) -> bool:

@@ -75,6 +75,8 @@ def _load():
 # the compiled pass (its module, set to the chosen path), or None where NumPy's passes run
 compiled, _rates = _load()
 
+PANEL = 32  # keys per packed K panel of the compiled products (block_rows.h's PANEL): kp (panels * D, PANEL)
+
 
 def implementation() -> str:
     """Which elementwise pass float32 tiles use: ``"compiled"`` or ``"numpy"``."""
