@@ -559,6 +559,26 @@ static Py_ssize_t positions(PyObject *obj, Py_buffer *view, const char *what)
     return view->shape[0];
 }
 
+/* a rule's block: q_pos and kv_pos (1-D int64, nq and nk long) into pos[0] and pos[1], and out (nq * nk
+ * writable items of `format`) into *out_view; -1 with the error set (the caller releases the views) */
+static int rule_block(PyObject *qo, PyObject *ko, PyObject *oo, const char *format, Py_buffer pos[2],
+                      Py_buffer *out_view, Py_ssize_t *nq, Py_ssize_t *nk)
+{
+    if ((*nq = positions(qo, &pos[0], "q_pos")) < 0 || (*nk = positions(ko, &pos[1], "kv_pos")) < 0) return -1;
+    return get_items(oo, out_view, format, *nq * *nk, 1, 0, "out");
+}
+
+/* out[i * nk + j] = RULE (an expression in query i and key j) over the block, the GIL released: RULE
+ * reads only the C values its entry point set up */
+#define EACH_PAIR(type, out, nq, nk, RULE)                                                                   \
+    do {                                                                                                    \
+        type *const pair_out_ = (type *)(out);                                                              \
+        Py_BEGIN_ALLOW_THREADS                                                                              \
+        for (Py_ssize_t i = 0; i < (nq); i++)                                                               \
+            for (Py_ssize_t j = 0; j < (nk); j++) pair_out_[i * (nk) + j] = (RULE);                         \
+        Py_END_ALLOW_THREADS                                                                                \
+    } while (0)
+
 /* visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out[i, j] =
  * elem_visible of query i and key j (seg_q, seg_kv: one batch entry's ids, or None) */
 static PyObject *py_visible(PyObject *self, PyObject *args)
@@ -571,14 +591,13 @@ static PyObject *py_visible(PyObject *self, PyObject *args)
     Py_buffer v[5];
     memset(v, 0, sizeof v);
     PyObject *out = NULL;
-    const Py_ssize_t nq = positions(qo, &v[0], "q_pos"), nk = nq < 0 ? -1 : positions(ko, &v[1], "kv_pos");
-    if (nq < 0 || nk < 0) goto done;
+    Py_ssize_t nq, nk;
+    if (rule_block(qo, ko, oo, "?", v, &v[4], &nq, &nk) < 0) goto done;
     if ((sqo == Py_None) != (sko == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "visible: seg_q and seg_kv go together");
         goto done;
     }
-    if (get_items(sqo, &v[2], "l", nq, 0, 1, "seg_q") < 0 || get_items(sko, &v[3], "l", nk, 0, 1, "seg_kv") < 0 ||
-        get_items(oo, &v[4], "?", nq * nk, 1, 0, "out") < 0)
+    if (get_items(sqo, &v[2], "l", nq, 0, 1, "seg_q") < 0 || get_items(sko, &v[3], "l", nk, 0, 1, "seg_kv") < 0)
         goto done;
     if (nq > INT_MAX || nk > INT_MAX) {
         PyErr_SetString(PyExc_ValueError, "visible: a block of at most 2^31 - 1 rows and columns");
@@ -591,11 +610,7 @@ static PyObject *py_visible(PyObject *self, PyObject *args)
     mk.seg_q = (const long long *)v[2].buf;
     mk.seg_kv = (const long long *)v[3].buf;
     mk.has_lo = has_lo, mk.lo_delta = lo_delta, mk.has_hi = has_hi, mk.hi_delta = hi_delta;
-    bool *vis = (bool *)v[4].buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < nq; i++)
-        for (Py_ssize_t j = 0; j < nk; j++) vis[i * nk + j] = elem_visible(mk, 0, (int)i, (int)j, (int)nq, (int)nk);
-    Py_END_ALLOW_THREADS
+    EACH_PAIR(bool, v[4].buf, nq, nk, elem_visible(mk, 0, (int)i, (int)j, (int)nq, (int)nk));
     out = Py_None;
     Py_INCREF(out);
 done:
@@ -658,17 +673,13 @@ static PyObject *py_dropout_keep(PyObject *self, PyObject *args)
     Py_buffer v[3];
     memset(v, 0, sizeof v);
     PyObject *out = NULL;
-    const Py_ssize_t nq = positions(qo, &v[0], "q_pos"), nk = nq < 0 ? -1 : positions(ko, &v[1], "kv_pos");
-    if (nq < 0 || nk < 0 || get_items(oo, &v[2], "?", nq * nk, 1, 0, "out") < 0) goto done;
+    Py_ssize_t nq, nk;
+    if (rule_block(qo, ko, oo, "?", v, &v[2], &nq, &nk) < 0) goto done;
     DropoutArgs dr;
     dr.on = 1, dr.k0 = k0, dr.k1 = k1, dr.threshold = threshold;
     dr.heads = heads, dr.batch_offset = b0, dr.head_offset = h0;
     const long long *qp = (const long long *)v[0].buf, *kp = (const long long *)v[1].buf;
-    bool *keep = (bool *)v[2].buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < nq; i++)
-        for (Py_ssize_t j = 0; j < nk; j++) keep[i * nk + j] = dropout_keep(dr, b, h, qp[i], kp[j]);
-    Py_END_ALLOW_THREADS
+    EACH_PAIR(bool, v[2].buf, nq, nk, dropout_keep(dr, b, h, qp[i], kp[j]));
     out = Py_None;
     Py_INCREF(out);
 done:
@@ -688,25 +699,17 @@ static PyObject *py_alibi_terms(PyObject *self, PyObject *args)
     Py_buffer v[3];
     memset(v, 0, sizeof v);
     PyObject *out = NULL;
-    const Py_ssize_t nq = positions(qo, &v[0], "q_pos"), nk = nq < 0 ? -1 : positions(ko, &v[1], "kv_pos");
-    if (nq < 0 || nk < 0) goto done;
     const int f64 = PyObject_GetBuffer(oo, &v[2], PyBUF_FORMAT) == 0 && strcmp(v[2].format, "d") == 0;
     if (v[2].obj) { PyBuffer_Release(&v[2]); v[2].obj = NULL; }
     PyErr_Clear();
-    if (get_items(oo, &v[2], f64 ? "d" : "f", nq * nk, 1, 0, "out") < 0) goto done;
+    Py_ssize_t nq, nk;
+    if (rule_block(qo, ko, oo, f64 ? "d" : "f", v, &v[2], &nq, &nk) < 0) goto done;
     const long long *qp = (const long long *)v[0].buf, *kp = (const long long *)v[1].buf;
-    Py_BEGIN_ALLOW_THREADS
-    if (f64) {
-        double *t = (double *)v[2].buf;
-        for (Py_ssize_t i = 0; i < nq; i++)
-            for (Py_ssize_t j = 0; j < nk; j++) t[i * nk + j] = alibi_score_d(slope, qp[i], kp[j], offset, -0.0);
-    } else {
-        float *t = (float *)v[2].buf;
-        const float s = (float)slope;
-        for (Py_ssize_t i = 0; i < nq; i++)
-            for (Py_ssize_t j = 0; j < nk; j++) t[i * nk + j] = alibi_score_f(s, qp[i], kp[j], offset, -0.0f);
-    }
-    Py_END_ALLOW_THREADS
+    const float slope_f = (float)slope;
+    if (f64)
+        EACH_PAIR(double, v[2].buf, nq, nk, alibi_score_d(slope, qp[i], kp[j], offset, -0.0));
+    else
+        EACH_PAIR(float, v[2].buf, nq, nk, alibi_score_f(slope_f, qp[i], kp[j], offset, -0.0f));
     out = Py_None;
     Py_INCREF(out);
 done:

@@ -17,6 +17,7 @@ import contextlib
 
 import numpy as np
 
+from ..core.cost_model import TILE_ROWS
 from ..core.dtypes import compute_dtype, is_16bit
 from ..runtime.env import positive_int
 from ..core.masks import FULL, SKIP, BlockMask
@@ -25,8 +26,8 @@ from .interface import HostMessage
 from . import tile_pass
 from .tile_pass import ds_pass, exp_pass
 
-TILE_Q = positive_int("RINGMPI_TILE_Q", 512)
-TILE_KV = positive_int("RINGMPI_TILE_KV", 512)
+TILE_Q = positive_int("RINGMPI_TILE_Q", TILE_ROWS)
+TILE_KV = positive_int("RINGMPI_TILE_KV", TILE_ROWS)
 # a partly hidden tile runs as row bands of this many rows, each cut to its visible columns
 BAND_Q = positive_int("RINGMPI_BAND_Q", 128)
 _RENORM = 2.0 ** 40  # row sums above this move the shift up (exp reaches inf only past ~2^127)

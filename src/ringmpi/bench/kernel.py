@@ -16,12 +16,12 @@ every library pinned to the path's instructions (:data:`PINS`): our tile pass
 (``MKL_ENABLE_INSTRUCTIONS``), so every comparison is like with like.  That process first
 measures the core's **FMA peak** at the path's vector width (a compiled loop of 12
 independent FMA chains, :func:`fma_peak`) and prints every FLOP rate as a share of it
-(``%peak``), then the exp rates (the compiled pass, ``np.exp``, ``torch.exp`` on one 512 x
-512 tile), then the shapes.  ``/bnd`` is the share of the bound of a GEMM + exp design on
-this machine: per visible score the forward does ``4 D`` GEMM FLOPs and one ``exp``, the
-backward ``10 D`` and one ``exp``, so it cannot beat ``4 D / (4 D / G + 1 / E)`` (``10 D``
-for the backward) with ``G`` the float32 GEMM rate on a tile's shapes and ``E`` the better
-of the compiled pass's and ``np.exp``'s exp rates, measured in the same process.
+(``%peak``), then the exp rates (the compiled pass, ``np.exp``, ``torch.exp`` on one block-op tile,
+``cost_model.TILE_ROWS`` a side), then the shapes.  ``/bnd`` is the share of the bound of a GEMM +
+exp design on this machine: per visible score the forward does ``4 D`` GEMM FLOPs and one ``exp``,
+the backward ``10 D`` and one ``exp``, so it cannot beat ``4 D / (4 D / G + 1 / E)`` (``10 D`` for
+the backward) with ``G`` the float32 GEMM rate on a tile's shapes and ``E`` the better of the
+compiled pass's and ``np.exp``'s exp rates, measured in the same process.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from ..core.cost_model import TILE_ROWS
 from ..core.flops import attention_flops
 from .sdpa import measure_sdpa
 
@@ -48,7 +49,7 @@ def _best(fn, repeat):
     return min(times)
 
 
-def gemm_rate(dim, tile=512, repeat=5):
+def gemm_rate(dim, tile=TILE_ROWS, repeat=5):
     """FLOP/s of a tile's two float32 GEMMs, a (tile, D) x (D, tile) and a (tile, tile) x (tile, D)
     product, one thread, best of ``repeat``."""
     rng = np.random.default_rng(0)
@@ -66,7 +67,7 @@ def _exp_args(tile):
     return -np.random.default_rng(0).random((tile, tile), dtype=np.float32)
 
 
-def exp_rates(tile=512, repeat=20, paths=None):
+def exp_rates(tile=TILE_ROWS, repeat=20, paths=None):
     """float32 exp elements/s on a (tile, tile) tile, one thread, best of ``repeat`` rounds of 10
     calls, no copies: ``np.exp(a, out=b)``, and the compiled pass in place on ``-a``'s exps with
     the scale -1 (its arguments stay in [-1, -1/e]: the same range), with the row sums it makes in
@@ -107,7 +108,7 @@ print("TORCH_EXP", 10 * a.numel() / best(lambda: [torch.exp(a, out=b) for _ in r
 """
 
 
-def torch_exp_rate(tile=512, repeat=20):
+def torch_exp_rate(tile=TILE_ROWS, repeat=20):
     """``torch.exp``'s float32 elements/s on the same kind of tile (``torch.exp(a, out=b)``, no
     copies) with one thread, in a child process (see :mod:`ringmpi.bench.sdpa`), or None without
     torch."""
@@ -288,8 +289,8 @@ def measure_path(path, args, torch_ok):
         theirs = torch_exp_rate() if torch_ok else None
         torch_rate = max(torch_rate or 0, theirs or 0) or None
     if path:
-        print(f"  exp, float32 512 x 512 tile of arguments in [-1, 0), one thread (G elements/s): np.exp "
-              f"{rates['np.exp'] / 1e9:.2f}, torch.exp " + (f"{torch_rate / 1e9:.2f}" if torch_rate else "-"))
+        print(f"  exp, float32 {TILE_ROWS} x {TILE_ROWS} tile of arguments in [-1, 0), one thread (G elements/s): "
+              f"np.exp {rates['np.exp'] / 1e9:.2f}, torch.exp " + (f"{torch_rate / 1e9:.2f}" if torch_rate else "-"))
         print(f"  compiled pass, {path:>6}: {rates[path] / 1e9:.2f} = {rates[path] / rates['np.exp']:.2f}x np.exp"
               + (f", {rates[path] / torch_rate:.2f}x torch.exp" if torch_rate else ""), flush=True)
     rows = []

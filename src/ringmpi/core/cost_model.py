@@ -47,7 +47,7 @@ from .masks import window_sides
 SCHEDULES = ("ring", "routed", "allgather")
 MAX_PIECES = 4       # the all-gather's collectives per pass: its first piece's blocks start after 1/4
 MIN_PIECE_ROWS = 64  # no piece of a rank thinner than this (beyond the first)
-TILE_ROWS = 512      # the block ops' tile edge (RINGMPI_TILE_Q, RINGMPI_TILE_KV defaults)
+TILE_ROWS = 512      # the block ops' tile edge: the NumPy backend's TILE_Q and TILE_KV unless set
 WORKSPACE_TILES = 2  # tiles of scores the block ops hold at once (scores; probabilities, dS)
 
 

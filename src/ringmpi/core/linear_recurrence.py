@@ -104,12 +104,14 @@ def _keys_summed(x, per_key: bool):
     return x if per_key else x.sum(axis=-1)
 
 
-def _key_decay(c):
-    """``Gamma_ijd = exp(c_id - c_jd)`` below and on the diagonal, 0 above: ``(..., C, C, K)``."""
+def _decay(c, axis: int):
+    """``Gamma_ij = exp(c_i - c_j)`` below and on the diagonal, 0 above, of the log decays ``c``
+    summed within a chunk, its tokens on ``axis``: ``(..., C, C)`` from a per-token ``c (..., C)``
+    (``axis=-1``), ``(..., C, C, K)`` from a per-key ``c (..., C, K)`` (``axis=-2``, each key its own)."""
     xp = array_module(c)
-    lower = xp.tril(xp.ones((CHUNK, CHUNK), dtype=bool))[:, :, None]
+    lower = xp.tril(xp.ones((CHUNK, CHUNK), dtype=bool)).reshape((CHUNK, CHUNK) + (1,) * (-1 - axis))
     with np.errstate(invalid="ignore"):  # NumPy's flags only; harmless around CuPy work
-        return xp.exp(xp.where(lower, c[..., :, None, :] - c[..., None, :, :], -np.inf))
+        return xp.exp(xp.where(lower, xp.expand_dims(c, axis) - xp.expand_dims(c, axis - 1), -np.inf))
 
 
 def unit_lower_inverse(t):
@@ -140,7 +142,7 @@ def decayed(x, y, p: "Chunks"):
     xp = array_module(x)
     out = xp.empty(x.shape[:-1] + (CHUNK,), x.dtype)
     for i in range(x.shape[2]):
-        out[:, :, i] = xp.einsum("...id,...jd,...ijd->...ij", x[:, :, i], y[:, :, i], _key_decay(p.c[:, :, i]))
+        out[:, :, i] = xp.einsum("...id,...jd,...ijd->...ij", x[:, :, i], y[:, :, i], _decay(p.c[:, :, i], axis=-2))
     return out
 
 
@@ -153,7 +155,7 @@ def decayed_grads(dm, x, y, p: "Chunks"):
     xp = array_module(x)
     dx, dy = xp.empty_like(x), xp.empty_like(y)
     for i in range(x.shape[2]):
-        decay = _key_decay(p.c[:, :, i])
+        decay = _decay(p.c[:, :, i], axis=-2)
         dx[:, :, i] = xp.einsum("...ij,...jd,...ijd->...id", dm[:, :, i], y[:, :, i], decay)
         dy[:, :, i] = xp.einsum("...ij,...id,...ijd->...jd", dm[:, :, i], x[:, :, i], decay)
     return dx, dy
@@ -170,11 +172,7 @@ def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
     tok = -2 if per_key else -1
     qc, kc_, vc, gcum = _chunked(q, n), _chunked(k, n), _chunked(v, n), xp.cumsum(_chunked(g, n), axis=tok)
     gamma = xp.exp(gcum)
-    decay = None  # a per-key Gamma is made chunk by chunk where it is used
-    if not per_key:
-        lower = xp.tril(xp.ones((CHUNK, CHUNK), dtype=bool))
-        with np.errstate(invalid="ignore"):
-            decay = xp.exp(xp.where(lower, gcum[..., :, None] - gcum[..., None, :], -xp.inf))
+    decay = None if per_key else _decay(gcum, axis=tok)  # a per-key Gamma is made chunk by chunk where it is used
     last = gcum[..., -1:, :] if per_key else gcum[..., -1:]
     e = xp.exp(last - gcum)
     gc = gamma[..., -1, :] if per_key else gamma[..., -1]
