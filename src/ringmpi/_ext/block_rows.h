@@ -76,31 +76,42 @@ PINLINE void FN(pv_tile)(float *os, Py_ssize_t dvp, const float *alpha, int firs
  * computes, bit for bit (each one chain of fused multiply-adds over d from 0), for the backward's
  * tiles and invariant=True's tile pairs.  q is copied a strip at a time into `scratch` (BQ * (dim +
  * kbp) floats); a strip's last rows are computed only up to a whole micro-kernel tile.  With tile
- * == 0, s[i * lds + j]; with tile > 0 (nk a multiple of it), the pairs' layout: key j of row i at
- * s[(j / tile) * nq * tile + i * tile + j % tile] (one (nq, tile) block per run of tile keys). */
+ * == 0, s[i * lds + j]; with tile > 0 (nk a multiple of it and of QK_NR * VW), the pairs' layout:
+ * key j of row i at s[(j / tile) * nq * tile + i * tile + j % tile] (one (nq, tile) block per run
+ * of tile keys).  Micro-kernel tiles wholly inside s store there directly; the others (a strip's
+ * last rows, the keys past the last whole tile) go through the scratch strip. */
 PATH_ISA static void FN(scores_packed)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim,
                                        const float *kp, Py_ssize_t nk, float *s, Py_ssize_t lds, Py_ssize_t tile,
                                        float *scratch)
 {
-    const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
+    const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL, nw = QK_NR * VW;
+    const Py_ssize_t kw = nk / nw * nw; /* keys [0, kw) in whole micro-kernel tiles */
     float *qs = scratch, *st = qs + BQ * dim;
     for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
         const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
-        const int used = (int)((rows + QK_MR - 1) / QK_MR * QK_MR);
+        const int used = (int)((rows + QK_MR - 1) / QK_MR * QK_MR), whole = (int)(rows / QK_MR * QK_MR);
         for (Py_ssize_t r = 0; r < used; r++) {
             if (r < rows) memcpy(qs + r * dim, q + (i0 + r) * ldq, dim * sizeof(float));
             else memset(qs + r * dim, 0, dim * sizeof(float));
         }
-        for (Py_ssize_t jb = 0; jb < kbp; jb += QK_NR * VW) {
+        for (Py_ssize_t jb = 0; jb < kbp; jb += nw) {
             const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
-            for (int r = 0; r < used; r += QK_MR) FN(qk_tile)(qs + r * dim, dim, panel, st + r * kbp + jb, kbp);
+            for (int r = 0; r < used; r += QK_MR) {
+                if (jb < kw && r < whole) { /* straight into s */
+                    float *dst = tile ? s + (jb / tile) * nq * tile + (i0 + r) * tile + jb % tile
+                                      : s + (i0 + r) * lds + jb;
+                    FN(qk_tile)(qs + r * dim, dim, panel, dst, tile ? tile : lds);
+                } else
+                    FN(qk_tile)(qs + r * dim, dim, panel, st + r * kbp + jb, kbp);
+            }
         }
-        for (Py_ssize_t r = 0; r < rows; r++) {
+        for (Py_ssize_t r = 0; r < rows; r++) { /* what went through the scratch strip */
+            const Py_ssize_t from = r < whole ? kw : 0;
             if (tile == 0) {
-                memcpy(s + (i0 + r) * lds, st + r * kbp, nk * sizeof(float));
+                memcpy(s + (i0 + r) * lds + from, st + r * kbp + from, (nk - from) * sizeof(float));
                 continue;
             }
-            for (Py_ssize_t j0 = 0; j0 < nk; j0 += tile)
+            for (Py_ssize_t j0 = from; j0 < nk; j0 += tile)
                 memcpy(s + (j0 / tile) * nq * tile + (i0 + r) * tile, st + r * kbp + j0, tile * sizeof(float));
         }
     }
@@ -464,7 +475,8 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                                 PV_NV, PV_MR);
             for (; c < dpd; c += VW)
                 for (int r = 0; r < BQ; r += PV_MR)
-                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj, 1, PV_MR);
+                    FN(pv_tile)(dqs + r * dpd + c, dpd, NULL, 0, dps + r * kbp + jc, kbp, kr + jc * dpd + c, nj, 1,
+                                PV_MR);
         }
         for (Py_ssize_t r = 0; r < rows; r++) memcpy(dq + (i0 + r) * lddq, dqs + r * dpd, dim * sizeof(float));
     }

@@ -399,7 +399,7 @@ static PyObject *py_scores_packed(PyObject *self, PyObject *args)
     if (get2d(so, &v[2], 1, &sr, &sc, &lds) < 0) goto done;
     nk = tile > 0 && nq > 0 ? sr / nq * sc : sc;
     if (kw != 32 || ldk != 32 || dim < 1 || dk % dim || tile < 0 || nq < 1 || dk / dim * 32 < nk ||
-        (tile == 0 && sr != nq) || (tile > 0 && (sc != tile || lds != tile || sr % nq))) {
+        (tile == 0 && sr != nq) || (tile > 0 && (sc != tile || lds != tile || sr % nq || tile % 32))) {
         PyErr_SetString(PyExc_ValueError, "scores_packed: operand shapes do not match");
         goto done;
     }
