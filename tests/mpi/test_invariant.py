@@ -248,8 +248,8 @@ def test_a_pair_is_the_same_bits_whatever_shares_its_gemm_call():
 def test_a_pair_is_the_same_bits_whatever_shares_its_compiled_call(path):
     """Where float32 pairs take the compiled block op's Q K^T (``_fused.scores_packed``, each score
     one chain of fused multiply-adds over d), a pair's scores do not depend on the stack's length,
-    its place in it, which operand is shared, or a row's neighbours; and they are the bits
-    ``_fused.scores`` gives the default backward."""
+    its place in it, which operand is shared, or a row's neighbours; they are the bits
+    ``_fused.scores`` gives the default backward, and ``_fused.scores_max`` their rows' maxima."""
     from ringmpi.backends import invariant_tiles as it
     from ringmpi.backends import tile_pass
 
@@ -282,6 +282,12 @@ def test_a_pair_is_the_same_bits_whatever_shares_its_compiled_call(path):
             it._stack_scores(res, one_row, kp[3], s)
             assert s[0, 17].tobytes() == alone[17].tobytes()
             assert np.abs(alone - q[2].astype(np.float64) @ k[3].T.astype(np.float64)).max() < 1e-4 * dim
+            # the first pass's maxima, none stored: the maxima of those very scores
+            s = np.empty((6, 64, 64), np.float32)
+            it._pair_scores(res, q[2], kp, s)
+            row_max = np.empty(64, np.float32)
+            tile_pass.compiled.scores_max(q[2], kp.reshape(-1, it.PANEL), row_max)
+            assert row_max.tobytes() == s.max(axis=0).max(axis=1).tobytes()
     finally:
         tile_pass.compiled.use(before)
 

@@ -117,6 +117,61 @@ PATH_ISA static void FN(scores_packed)(const float *q, Py_ssize_t ldq, Py_ssize_
     }
 }
 
+/* mx[r] = max(mx[r], the scores of QK_MR rows against QK_NR * VW keys of a panel), qk_tile's
+ * arithmetic; nan[r] flags lanes that met a NaN (x86's max drops it) */
+PINLINE void FN(qk_tile_max)(const float *qs, Py_ssize_t dim, const float *panel, VF *mx, VI *nan)
+{
+    VF acc[QK_MR][QK_NR];
+    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(bc)(0.0f);
+    for (Py_ssize_t d = 0; d < dim; d++) {
+        VF kv[QK_NR];
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) kv[c] = LOAD(panel + d * PANEL + c * VW);
+        _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++) {
+            const VF qv = FN(splat)(qs[r * dim + d]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) {
+            mx[r] = FN(max)(mx[r], acc[r][c]);
+            nan[r] |= acc[r][c] != acc[r][c];
+        }
+}
+
+/* rowmax[i] = max_j sum_d q[i * ldq + d] K[j, d] over nk keys packed in whole panels (nk % PANEL
+ * == 0): the maxima of scores_packed's scores, NaN where a row met one, without storing them
+ * (invariant=True's first pass).  scratch: BQ * dim floats. */
+PATH_ISA static void FN(scores_max)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *kp,
+                                    Py_ssize_t nk, float *rowmax, float *qs)
+{
+    VF mx[BQ];
+    VI nan[BQ];
+    for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
+        const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
+        const int used = (int)((rows + QK_MR - 1) / QK_MR * QK_MR);
+        for (Py_ssize_t r = 0; r < used; r++) {
+            if (r < rows) memcpy(qs + r * dim, q + (i0 + r) * ldq, dim * sizeof(float));
+            else memset(qs + r * dim, 0, dim * sizeof(float));
+            mx[r] = FN(bc)(-INFINITY);
+            nan[r] = (VI){0};
+        }
+        for (Py_ssize_t jb = 0; jb < nk; jb += QK_NR * VW) {
+            const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
+            for (int r = 0; r < used; r += QK_MR) FN(qk_tile_max)(qs + r * dim, dim, panel, mx + r, nan + r);
+        }
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            float m = -INFINITY;
+            int any_nan = 0;
+            for (int lane = 0; lane < VW; lane++) {
+                m = mx[r][lane] > m ? mx[r][lane] : m;
+                any_nan |= nan[r][lane] != 0;
+            }
+            rowmax[i0 + r] = any_nan ? NAN : m;
+        }
+    }
+}
+
 /* s[i * lds + j] = sum_d q[i * ldq + d] * k[j * ldk + d] for i < nq, j < nk: scores_packed with k
  * packed here into panels in `scratch` */
 PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *k,

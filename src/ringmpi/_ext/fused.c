@@ -99,6 +99,8 @@ typedef void (*scores_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, con
                           float *, Py_ssize_t, float *);
 typedef void (*scores_packed_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
                                  float *, Py_ssize_t, Py_ssize_t, float *);
+typedef void (*scores_max_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, float *,
+                              float *);
 typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t,
                                  float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
@@ -117,17 +119,18 @@ static struct {
     fwd_chunk_fn fwd_chunk; /* the forward block op, or NULL where the path has no FMA */
     scores_fn scores;       /* its Q K^T alone (the backward's scores on the BLAS tiles) */
     scores_packed_fn scores_packed; /* the same from keys already packed in panels */
+    scores_max_fn scores_max;       /* the rows' largest scores from packed keys, none stored */
     pair_products_fn pair_products; /* invariant=True's per-pair products */
     bwd_chunk_fn bwd_chunk; /* the backward block op */
     int bq;                 /* its strip rows */
 } PATHS[] = {
 #ifdef X86_PATHS
     {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, scores_packed_avx512,
-     pair_products_avx512, bwd_chunk_avx512, 48},
+     scores_max_avx512, pair_products_avx512, bwd_chunk_avx512, 48},
     {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, scores_packed_avx2,
-     pair_products_avx2, bwd_chunk_avx2, 48},
+     scores_max_avx2, pair_products_avx2, bwd_chunk_avx2, 48},
 #endif
-    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, NULL, NULL, 0},
+    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, NULL, NULL, NULL, 0},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -155,6 +158,7 @@ static void plain_uses_fma(void)
         PATHS[N_PATHS - 1].fwd_chunk = fwd_chunk_plainfma;
         PATHS[N_PATHS - 1].scores = scores_plainfma;
         PATHS[N_PATHS - 1].scores_packed = scores_packed_plainfma;
+        PATHS[N_PATHS - 1].scores_max = scores_max_plainfma;
         PATHS[N_PATHS - 1].pair_products = pair_products_plainfma;
         PATHS[N_PATHS - 1].bwd_chunk = bwd_chunk_plainfma;
         PATHS[N_PATHS - 1].bq = 48;
@@ -411,6 +415,50 @@ static PyObject *py_scores_packed(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (float *)v[2].buf, lds, tile, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 3);
+    return out;
+}
+
+/* scores_max(q, kp, rowmax): rowmax (nq,) = each row's largest score of q K^T, K packed in whole
+ * panels as scores_packed's kp (nk = panels * 32); NaN where a row met one */
+static PyObject *py_scores_max(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *kpo, *mo;
+    if (!PyArg_ParseTuple(args, "OOO", &qo, &kpo, &mo)) return NULL;
+    scores_max_fn fn = PATHS[current].scores_max;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    Py_ssize_t nq, dim, ldq, dk, kw, ldk;
+    PyObject *out = NULL;
+    if (get2d(qo, &v[0], 0, &nq, &dim, &ldq) < 0) return NULL;
+    if (get2d(kpo, &v[1], 0, &dk, &kw, &ldk) < 0) goto done;
+    if (kw != 32 || ldk != 32 || dim < 1 || nq < 1 || dk % dim) {
+        PyErr_SetString(PyExc_ValueError, "scores_max: operand shapes do not match");
+        goto done;
+    }
+    if (get1d(mo, &v[2], "f", nq, 1, "rowmax") < 0) goto done;
+    if (!v[2].buf) {
+        PyErr_SetString(PyExc_ValueError, "scores_max: rowmax must be an array");
+        goto done;
+    }
+    const Py_ssize_t bq = PATHS[current].bq;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * bq * dim)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, dk / dim * 32, (float *)v[2].buf, scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
@@ -885,6 +933,9 @@ static PyMethodDef methods[] = {
     {"scores_packed", py_scores_packed, METH_VARARGS,
      "scores_packed(q, kp, out, tile): out = q K^T as scores() gives it, the keys packed as fwd_chunk's kp; "
      "tile > 0: out (nk / tile * nq, tile), one (nq, tile) block per run of tile keys"},
+    {"scores_max", py_scores_max, METH_VARARGS,
+     "scores_max(q, kp, rowmax): rowmax = each row's largest score of q K^T (scores_packed's scores, none "
+     "stored), K packed in whole panels; NaN where a row met one"},
     {"pair_products", py_pair_products, METH_VARARGS,
      "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
      "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},

@@ -415,9 +415,17 @@ def max_block(res: Resident, kh, m, poison, scale, mask, tick=None):
     st = res.scratch
 
     def pair(b, h, hkv, i, q_tile, keys, n, terms, k_stack, v_stack):
-        s = _scratch(st, "s", (n, TILE, TILE), ct)
-        _pair_scores(res, q_tile, k_stack, s)
-        row_max = _row_max(s, scale, softcap, terms.full(h, st))
+        full = terms.full(h, st)
+        if res.products is not None and softcap is None and full is None and scale > 0:
+            # the maxima straight from the products, no scores stored (a positive scale commutes
+            # with the maximum, as in _row_max)
+            row_max = _scratch(st, "rowmax", (TILE,), ct)
+            res.products.scores_max(q_tile, k_stack.reshape(-1, PANEL), row_max)
+            row_max *= scale
+        else:
+            s = _scratch(st, "s", (n, TILE, TILE), ct)
+            _pair_scores(res, q_tile, k_stack, s)
+            row_max = _row_max(s, scale, softcap, full)
         np.maximum(m[b, h, i], row_max, out=m[b, h, i])
         _poison_forward(res, terms, poison, b, h, hkv, i, keys)
 
