@@ -28,9 +28,9 @@
 #define QK_NR 2  /* vectors of keys per Q K^T micro-kernel tile */
 #define JC 64    /* keys per run of the P V product */
 
-/* s[r * lds + c] = sum_d qs[r * D + d] * kp_panel[d * PANEL + c] for QK_MR rows, QK_NR * VW keys
- * from column `col` of the panel */
-PINLINE void FN(qk_tile)(const float *qs, Py_ssize_t dim, const float *panel, float *s, Py_ssize_t lds)
+/* s[r * lds + c] = sum_{d < dim} a[r * lda + d] * panel[d * PANEL + c] for QK_MR rows, QK_NR * VW
+ * keys of the panel */
+PINLINE void FN(qk_tile)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, float *s, Py_ssize_t lds)
 {
     VF acc[QK_MR][QK_NR];
     _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
@@ -39,7 +39,7 @@ PINLINE void FN(qk_tile)(const float *qs, Py_ssize_t dim, const float *panel, fl
         VF kv[QK_NR];
         _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) kv[c] = LOAD(panel + d * PANEL + c * VW);
         _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++) {
-            const VF qv = FN(splat)(qs[r * dim + d]);
+            const VF qv = FN(splat)(a[r * lda + d]);
             _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
         }
     }
@@ -47,13 +47,17 @@ PINLINE void FN(qk_tile)(const float *qs, Py_ssize_t dim, const float *panel, fl
         _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) STORE(s + r * lds + c * VW, acc[r][c]);
 }
 
-/* os[r * dvp + c..] = os (times alpha[r] when `first`) + sum_{j < nk} p[r * lds + j] * vp[j * dvp + c..]
- * for mr <= PV_MR rows and nv vectors of columns */
+/* os[r * dvp + c..] = os (times alpha[r] when `first`; 0 when `first` without alpha) + sum_{j < nk}
+ * p[r * lds + j] * vp[j * dvp + c..] for mr <= PV_MR rows and nv vectors of columns */
 PINLINE void FN(pv_tile)(float *os, Py_ssize_t dvp, const float *alpha, int first, const float *p, Py_ssize_t lds,
                          const float *vp, Py_ssize_t nk, const int nv, const int mr)
 {
     VF acc[PV_MR][PV_NV];
     _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++) {
+        if (first && !alpha) { /* from zero: os not read */
+            _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = FN(bc)(0.0f);
+            continue;
+        }
         _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = LOAD(os + r * dvp + c * VW);
         if (first) {
             const VF a = FN(splat)(alpha[r]);
@@ -74,35 +78,38 @@ PINLINE void FN(pv_tile)(float *os, Py_ssize_t dvp, const float *alpha, int firs
 
 /* s = q K^T for K packed in panels (kp[panel][d][PANEL], zero past nk): the scores fwd_chunk
  * computes, bit for bit (each one chain of fused multiply-adds over d from 0), for the backward's
- * tiles and invariant=True's tile pairs.  q is copied a strip at a time into `scratch` (BQ * (dim +
- * kbp) floats); a strip's last rows are computed only up to a whole micro-kernel tile.  With tile
- * == 0, s[i * lds + j]; with tile > 0 (nk a multiple of it and of QK_NR * VW), the pairs' layout:
- * key j of row i at s[(j / tile) * nq * tile + i * tile + j % tile] (one (nq, tile) block per run
- * of tile keys).  Micro-kernel tiles wholly inside s store there directly; the others (a strip's
- * last rows, the keys past the last whole tile) go through the scratch strip. */
+ * tiles and invariant=True's tile pairs.  Whole groups of QK_MR rows read q in place; the last
+ * rows are copied with zero rows up to a whole group into `scratch` (QK_MR * dim floats, then BQ *
+ * kbp for the scratch strip).  With tile == 0, s[i * lds + j]; with tile > 0 (nk a multiple of it
+ * and of QK_NR * VW), the pairs' layout: key j of row i at s[(j / tile) * nq * tile + i * tile + j %
+ * tile] (one (nq, tile) block per run of tile keys).  Micro-kernel tiles wholly inside s store
+ * there directly; the others (the last rows, the keys past the last whole tile) go through the
+ * scratch strip. */
 PATH_ISA static void FN(scores_packed)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim,
                                        const float *kp, Py_ssize_t nk, float *s, Py_ssize_t lds, Py_ssize_t tile,
                                        float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL, nw = QK_NR * VW;
     const Py_ssize_t kw = nk / nw * nw; /* keys [0, kw) in whole micro-kernel tiles */
-    float *qs = scratch, *st = qs + BQ * dim;
+    float *qs = scratch, *st = qs + QK_MR * dim;
     for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
         const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
         const int used = (int)((rows + QK_MR - 1) / QK_MR * QK_MR), whole = (int)(rows / QK_MR * QK_MR);
-        for (Py_ssize_t r = 0; r < used; r++) {
-            if (r < rows) memcpy(qs + r * dim, q + (i0 + r) * ldq, dim * sizeof(float));
-            else memset(qs + r * dim, 0, dim * sizeof(float));
+        for (Py_ssize_t r = whole; r < used; r++) {
+            if (r < rows) memcpy(qs + (r - whole) * dim, q + (i0 + r) * ldq, dim * sizeof(float));
+            else memset(qs + (r - whole) * dim, 0, dim * sizeof(float));
         }
         for (Py_ssize_t jb = 0; jb < kbp; jb += nw) {
             const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
             for (int r = 0; r < used; r += QK_MR) {
+                const float *a = r < whole ? q + (i0 + r) * ldq : qs;
+                const Py_ssize_t lda = r < whole ? ldq : dim;
                 if (jb < kw && r < whole) { /* straight into s */
                     float *dst = tile ? s + (jb / tile) * nq * tile + (i0 + r) * tile + jb % tile
                                       : s + (i0 + r) * lds + jb;
-                    FN(qk_tile)(qs + r * dim, dim, panel, dst, tile ? tile : lds);
+                    FN(qk_tile)(a, lda, dim, panel, dst, tile ? tile : lds);
                 } else
-                    FN(qk_tile)(qs + r * dim, dim, panel, st + r * kbp + jb, kbp);
+                    FN(qk_tile)(a, lda, dim, panel, st + r * kbp + jb, kbp);
             }
         }
         for (Py_ssize_t r = 0; r < rows; r++) { /* what went through the scratch strip */
@@ -119,7 +126,7 @@ PATH_ISA static void FN(scores_packed)(const float *q, Py_ssize_t ldq, Py_ssize_
 
 /* mx[r] = max(mx[r], the scores of QK_MR rows against QK_NR * VW keys of a panel), qk_tile's
  * arithmetic; nan[r] flags lanes that met a NaN (x86's max drops it) */
-PINLINE void FN(qk_tile_max)(const float *qs, Py_ssize_t dim, const float *panel, VF *mx, VI *nan)
+PINLINE void FN(qk_tile_max)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, VF *mx, VI *nan)
 {
     VF acc[QK_MR][QK_NR];
     _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
@@ -128,7 +135,7 @@ PINLINE void FN(qk_tile_max)(const float *qs, Py_ssize_t dim, const float *panel
         VF kv[QK_NR];
         _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) kv[c] = LOAD(panel + d * PANEL + c * VW);
         _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++) {
-            const VF qv = FN(splat)(qs[r * dim + d]);
+            const VF qv = FN(splat)(a[r * lda + d]);
             _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
         }
     }
@@ -141,7 +148,8 @@ PINLINE void FN(qk_tile_max)(const float *qs, Py_ssize_t dim, const float *panel
 
 /* rowmax[i] = max_j sum_d q[i * ldq + d] K[j, d] over nk keys packed in whole panels (nk % PANEL
  * == 0): the maxima of scores_packed's scores, NaN where a row met one, without storing them
- * (invariant=True's first pass).  scratch: BQ * dim floats. */
+ * (invariant=True's first pass).  Whole groups of QK_MR rows read q in place, the last rows a
+ * zero-padded copy in scratch (QK_MR * dim floats). */
 PATH_ISA static void FN(scores_max)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *kp,
                                     Py_ssize_t nk, float *rowmax, float *qs)
 {
@@ -150,15 +158,18 @@ PATH_ISA static void FN(scores_max)(const float *q, Py_ssize_t ldq, Py_ssize_t n
     for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
         const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
         const int used = (int)((rows + QK_MR - 1) / QK_MR * QK_MR);
+        const int whole = (int)(rows / QK_MR * QK_MR);
         for (Py_ssize_t r = 0; r < used; r++) {
-            if (r < rows) memcpy(qs + r * dim, q + (i0 + r) * ldq, dim * sizeof(float));
-            else memset(qs + r * dim, 0, dim * sizeof(float));
+            if (r >= whole && r < rows) memcpy(qs + (r - whole) * dim, q + (i0 + r) * ldq, dim * sizeof(float));
+            else if (r >= rows) memset(qs + (r - whole) * dim, 0, dim * sizeof(float));
             mx[r] = FN(bc)(-INFINITY);
             nan[r] = (VI){0};
         }
         for (Py_ssize_t jb = 0; jb < nk; jb += QK_NR * VW) {
             const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
-            for (int r = 0; r < used; r += QK_MR) FN(qk_tile_max)(qs + r * dim, dim, panel, mx + r, nan + r);
+            for (int r = 0; r < used; r += QK_MR)
+                if (r < whole) FN(qk_tile_max)(q + (i0 + r) * ldq, ldq, dim, panel, mx + r, nan + r);
+                else FN(qk_tile_max)(qs, dim, dim, panel, mx + r, nan + r);
         }
         for (Py_ssize_t r = 0; r < rows; r++) {
             float m = -INFINITY;
@@ -233,7 +244,7 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
         }
         for (Py_ssize_t jb = c0; jb < c1; jb += QK_NR * VW) {
             const float *panel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
-            for (int r = 0; r < BQ; r += QK_MR) FN(qk_tile)(qs + r * dim, dim, panel, s + r * kbp + jb, kbp);
+            for (int r = 0; r < BQ; r += QK_MR) FN(qk_tile)(qs + r * dim, dim, dim, panel, s + r * kbp + jb, kbp);
         }
         for (Py_ssize_t r = 0; r < BQ; r++) {
             float *row = s + r * kbp + c0;
@@ -303,31 +314,15 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
  * so every element of dQ, dK, dV is one chain of fused multiply-adds in a fixed order (strips in
  * order, rows or keys in order within one) on every path: the same bits on each. */
 
-/* s[r * lds + c] = sum_{d < dim} a[r * lda + d] * panel[d * PANEL + c]: qk_tile with a row stride */
-PINLINE void FN(nt_tile)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, float *s, Py_ssize_t lds)
-{
-    VF acc[QK_MR][QK_NR];
-    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(bc)(0.0f);
-    for (Py_ssize_t d = 0; d < dim; d++) {
-        VF kv[QK_NR];
-        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) kv[c] = LOAD(panel + d * PANEL + c * VW);
-        _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++) {
-            const VF qv = FN(splat)(a[r * lda + d]);
-            _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
-        }
-    }
-    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) STORE(s + r * lds + c * VW, acc[r][c]);
-}
-
-/* acc[r * ldacc + c..] += sum_{i < rows} a[i * lda + r] * b[i * ldb + c..] for mr keys r, nv vectors c */
+/* acc[r * ldacc + c..] += sum_{i < rows} a[i * lda + r] * b[i * ldb + c..] for mr keys r, nv vectors c
+ * (acc from zero, not read, with `zero`) */
 PINLINE void FN(tn_tile)(float *accp, Py_ssize_t ldacc, const float *a, Py_ssize_t lda, const float *b,
-                         Py_ssize_t ldb, Py_ssize_t rows, const int mr, const int nv)
+                         Py_ssize_t ldb, Py_ssize_t rows, const int mr, const int nv, int zero)
 {
     VF acc[PV_MR][PV_NV];
     _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++)
-        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) acc[r][c] = LOAD(accp + r * ldacc + c * VW);
+        _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++)
+            acc[r][c] = zero ? FN(bc)(0.0f) : (VF)LOAD(accp + r * ldacc + c * VW);
     for (Py_ssize_t i = 0; i < rows; i++) {
         VF bv[PV_NV];
         _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) bv[c] = LOAD(b + i * ldb + c * VW);
@@ -347,13 +342,14 @@ PINLINE void FN(tn_block)(float *acc, Py_ssize_t w, const float *a, Py_ssize_t l
     Py_ssize_t c = 0;
     for (; c + PV_NV * VW <= w; c += PV_NV * VW) {
         Py_ssize_t j = c0;
-        for (; j + PV_MR <= c1; j += PV_MR) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, PV_MR, PV_NV);
-        for (; j < c1; j++) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, 1, PV_NV);
+        for (; j + PV_MR <= c1; j += PV_MR)
+            FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, PV_MR, PV_NV, 0);
+        for (; j < c1; j++) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, 1, PV_NV, 0);
     }
     for (; c < w; c += VW) {
         Py_ssize_t j = c0;
-        for (; j + PV_MR <= c1; j += PV_MR) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, PV_MR, 1);
-        for (; j < c1; j++) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, 1, 1);
+        for (; j + PV_MR <= c1; j += PV_MR) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, PV_MR, 1, 0);
+        for (; j < c1; j++) FN(tn_tile)(acc + j * w + c, w, a + j, lda, b + c, w, rows, 1, 1, 0);
     }
 }
 
@@ -371,8 +367,8 @@ PINLINE void FN(pair_cols)(float *oj, Py_ssize_t wp, const float *aj, Py_ssize_t
 {
 #define PAIR_GROUP(MR)                                                                                   \
     do {                                                                                                 \
-        if (trans) FN(tn_tile)(oj + r * wp + c, wp, aj + r, t, bb + c, wp, t, MR, nv);                   \
-        else FN(pv_tile)(oj + r * wp + c, wp, NULL, 0, aj + r * t, t, bb + c, t, nv, MR);                 \
+        if (trans) FN(tn_tile)(oj + r * wp + c, wp, aj + r, t, bb + c, wp, t, MR, nv, 1);                \
+        else FN(pv_tile)(oj + r * wp + c, wp, NULL, 1, aj + r * t, t, bb + c, t, nv, MR);                 \
     } while (0)
     Py_ssize_t r = 0;
     for (; r + PV_MR <= t; r += PV_MR) PAIR_GROUP(PV_MR);
@@ -412,7 +408,6 @@ PATH_ISA static void FN(pair_products)(const float *a, Py_ssize_t n, Py_ssize_t 
                 memset(scratch + i * wp + w, 0, (wp - w) * sizeof(float));
             }
         const float *bb = padded ? scratch : bj;
-        memset(oj, 0, t * wp * sizeof(float));
         Py_ssize_t c = 0;
         for (; c + PV_NV * VW <= wp; c += PV_NV * VW) FN(pair_cols)(oj, wp, aj, t, bb, c, trans, PV_NV);
         for (; c < wp; c += VW) FN(pair_cols)(oj, wp, aj, t, bb, c, trans, 1);
@@ -497,8 +492,8 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
             const float *kpanel = kp + (jb / PANEL) * PANEL * dim + jb % PANEL;
             const float *vpanel = vpn + (jb / PANEL) * PANEL * dvd + jb % PANEL;
             for (int r = 0; r < BQ; r += QK_MR) {
-                FN(nt_tile)(qs + r * dpd, dpd, dim, kpanel, s + r * kbp + jb, kbp);
-                FN(nt_tile)(dos + r * dpv, dpv, dvd, vpanel, dps + r * kbp + jb, kbp);
+                FN(qk_tile)(qs + r * dpd, dpd, dim, kpanel, s + r * kbp + jb, kbp);
+                FN(qk_tile)(dos + r * dpv, dpv, dvd, vpanel, dps + r * kbp + jb, kbp);
             }
         }
         for (Py_ssize_t r = 0; r < BQ; r++) {
