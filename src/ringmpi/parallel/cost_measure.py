@@ -7,8 +7,9 @@
   host name, backend, vector path, dtype, dims and ranks per node; rank 0 reads the
   cache and broadcasts, so every rank predicts alike.
 * :func:`links` -- latency and bandwidth of each link level (inside a node, between
-  nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages,
-  ``Sendrecv``), the slowest figure of each level over all ranks; once per
+  nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages, each
+  rank timing its receive from its predecessor: the hop that receive crosses names the
+  level), the slowest figure of each level over all ranks; once per
   communicator (kept on it); :func:`assume_links` sets them instead.
 * :func:`choose_schedule` -- collective: the predictions of
   :mod:`ringmpi.core.cost_model` for the call's shape on these parts, and the
@@ -116,13 +117,20 @@ def _min():
 
 
 def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> float:
+    """The best of ``reps`` times of receiving ``nbytes`` from ``source`` while sending as much to
+    ``dest``: the receive's own time (until it completes), so the figure is the hop from
+    ``source`` alone (a send may complete early, into the sockets' buffers, while the data is
+    still crossing a slow link)."""
     send = np.zeros(max(nbytes, 1), np.uint8)
     recv = np.empty_like(send)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        comm.Sendrecv(send, dest=dest, sendtag=7190, recvbuf=recv, source=source, recvtag=7190)
+        incoming = comm.Irecv(recv, source=source, tag=7190)
+        outgoing = comm.Isend(send, dest=dest, tag=7190)
+        incoming.Wait()
         best = min(best, time.perf_counter() - start)
+        outgoing.Wait()
     return best
 
 
@@ -139,11 +147,12 @@ def links(comm, timeout=None):
     size, rank = comm.Get_size(), comm.Get_rank()
     ring = Ring(comm, order=ring_order(comm))
     mine = None
-    with phase("the cost model's link measurement (Sendrecv with the ring neighbours)", timeout):
+    with phase("the cost model's link measurement (Isend/Irecv with the ring neighbours)", timeout):
         small = _exchange_seconds(comm, 8, 20, ring.next, ring.prev) if size > 1 else 0.0
         large = _exchange_seconds(comm, 1 << 20, 3, ring.next, ring.prev) if size > 1 else 0.0
         if size > 1:
-            mine = ("inter" if nodes[ring.next] != nodes[rank] else "intra", small,
+            # the level of the hop that each rank's timed receive crosses: from its ring predecessor
+            mine = ("inter" if nodes[ring.prev] != nodes[rank] else "intra", small,
                     (1 << 20) / max(large - small, 1e-9))
         every = comm.allgather(mine)
     levels = {}
