@@ -15,7 +15,9 @@
   :mod:`ringmpi.core.cost_model` for the call's shape on these parts, and the
   fastest that fits every rank's memory budget (:mod:`ringmpi.runtime.memory`);
   a ConfigError on every rank, naming each schedule's need, where none fits.
-  :func:`choose_plan` the same over head x ring's ``U`` too (``head_parallel="auto"``).
+  :func:`choose_plan` the same over head x ring's ``U`` too (``head_parallel="auto"``);
+  :func:`predictions_on` every prediction it chooses from (``ringmpi.bench.schedule_grid``
+  sets them beside measured times).
 """
 
 from __future__ import annotations
@@ -207,6 +209,16 @@ def machine(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> Machine
                    memory=min(known) if known else None)
 
 
+def predictions_on(comm, backend, dtype, shape: Shape, schedules: Sequence[str], head_parallel: Sequence[int],
+                   backward: bool, routed_rows: Optional[float] = None, timeout=None):
+    """``(machine, predictions)``: this communicator's measured :class:`~ringmpi.core.cost_model.Machine`
+    and :func:`~ringmpi.core.cost_model.predict_all` on it, fastest first: what :func:`choose_plan`
+    chooses from, and what a benchmark compares with its measured times (collective)."""
+    found = machine(comm, backend, dtype, shape.dim, shape.dim_v, timeout)
+    return found, predict_all(shape, found, comm.Get_size(), schedules, head_parallel=head_parallel,
+                              backward=backward, routed_rows=routed_rows)
+
+
 def choose_schedule(comm, backend, dtype, shape: Shape, schedules: Sequence[str], backward: bool,
                     routed_rows: Optional[float] = None, timeout=None):
     """``(chosen, runner-up or None)`` :class:`~ringmpi.core.cost_model.Prediction` s among
@@ -219,9 +231,8 @@ def choose_plan(comm, backend, dtype, shape: Shape, schedules: Sequence[str], he
                 backward: bool, routed_rows: Optional[float] = None, timeout=None):
     """:func:`choose_schedule` over every ``(schedule, U)`` of ``schedules`` and ``head_parallel``
     (``head_parallel="auto"``'s joint choice): the same on every rank."""
-    found = machine(comm, backend, dtype, shape.dim, shape.dim_v, timeout)
-    predictions = predict_all(shape, found, comm.Get_size(), schedules, head_parallel=head_parallel,
-                              backward=backward, routed_rows=routed_rows)
+    found, predictions = predictions_on(comm, backend, dtype, shape, schedules, head_parallel, backward,
+                                        routed_rows, timeout)
     best, runner = choose(predictions)
     if best is None:
         needs = ", ".join(f"{p.name} {p.memory / 2**20:.1f} MiB" for p in predictions)
