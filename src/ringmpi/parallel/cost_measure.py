@@ -7,14 +7,17 @@
   host name, backend, vector path, dtype, dims and ranks per node; rank 0 reads the
   cache and broadcasts, so every rank predicts alike.
 * :func:`links` -- latency and bandwidth of each link level (inside a node, between
-  nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages,
-  ``Sendrecv``), the slowest figure of each level over all ranks; once per
+  nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages, each
+  rank timing its receive from its predecessor: the hop that receive crosses names the
+  level), the slowest figure of each level over all ranks; once per
   communicator (kept on it); :func:`assume_links` sets them instead.
 * :func:`choose_schedule` -- collective: the predictions of
   :mod:`ringmpi.core.cost_model` for the call's shape on these parts, and the
   fastest that fits every rank's memory budget (:mod:`ringmpi.runtime.memory`);
   a ConfigError on every rank, naming each schedule's need, where none fits.
-  :func:`choose_plan` the same over head x ring's ``U`` too (``head_parallel="auto"``).
+  :func:`choose_plan` the same over head x ring's ``U`` too (``head_parallel="auto"``);
+  :func:`predictions_on` every prediction it chooses from (``ringmpi.bench.schedule_grid``
+  sets them beside measured times).
 """
 
 from __future__ import annotations
@@ -116,13 +119,20 @@ def _min():
 
 
 def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> float:
+    """The best of ``reps`` times of receiving ``nbytes`` from ``source`` while sending as much to
+    ``dest``: the receive's own time (until it completes), so the figure is the hop from
+    ``source`` alone (a send may complete early, into the sockets' buffers, while the data is
+    still crossing a slow link)."""
     send = np.zeros(max(nbytes, 1), np.uint8)
     recv = np.empty_like(send)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        comm.Sendrecv(send, dest=dest, sendtag=7190, recvbuf=recv, source=source, recvtag=7190)
+        incoming = comm.Irecv(recv, source=source, tag=7190)
+        outgoing = comm.Isend(send, dest=dest, tag=7190)
+        incoming.Wait()
         best = min(best, time.perf_counter() - start)
+        outgoing.Wait()
     return best
 
 
@@ -139,11 +149,12 @@ def links(comm, timeout=None):
     size, rank = comm.Get_size(), comm.Get_rank()
     ring = Ring(comm, order=ring_order(comm))
     mine = None
-    with phase("the cost model's link measurement (Sendrecv with the ring neighbours)", timeout):
+    with phase("the cost model's link measurement (Isend/Irecv with the ring neighbours)", timeout):
         small = _exchange_seconds(comm, 8, 20, ring.next, ring.prev) if size > 1 else 0.0
         large = _exchange_seconds(comm, 1 << 20, 3, ring.next, ring.prev) if size > 1 else 0.0
         if size > 1:
-            mine = ("inter" if nodes[ring.next] != nodes[rank] else "intra", small,
+            # the level of the hop that each rank's timed receive crosses: from its ring predecessor
+            mine = ("inter" if nodes[ring.prev] != nodes[rank] else "intra", small,
                     (1 << 20) / max(large - small, 1e-9))
         every = comm.allgather(mine)
     levels = {}
@@ -198,6 +209,16 @@ def machine(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> Machine
                    memory=min(known) if known else None)
 
 
+def predictions_on(comm, backend, dtype, shape: Shape, schedules: Sequence[str], head_parallel: Sequence[int],
+                   backward: bool, routed_rows: Optional[float] = None, timeout=None):
+    """``(machine, predictions)``: this communicator's measured :class:`~ringmpi.core.cost_model.Machine`
+    and :func:`~ringmpi.core.cost_model.predict_all` on it, fastest first: what :func:`choose_plan`
+    chooses from, and what a benchmark compares with its measured times (collective)."""
+    found = machine(comm, backend, dtype, shape.dim, shape.dim_v, timeout)
+    return found, predict_all(shape, found, comm.Get_size(), schedules, head_parallel=head_parallel,
+                              backward=backward, routed_rows=routed_rows)
+
+
 def choose_schedule(comm, backend, dtype, shape: Shape, schedules: Sequence[str], backward: bool,
                     routed_rows: Optional[float] = None, timeout=None):
     """``(chosen, runner-up or None)`` :class:`~ringmpi.core.cost_model.Prediction` s among
@@ -210,9 +231,8 @@ def choose_plan(comm, backend, dtype, shape: Shape, schedules: Sequence[str], he
                 backward: bool, routed_rows: Optional[float] = None, timeout=None):
     """:func:`choose_schedule` over every ``(schedule, U)`` of ``schedules`` and ``head_parallel``
     (``head_parallel="auto"``'s joint choice): the same on every rank."""
-    found = machine(comm, backend, dtype, shape.dim, shape.dim_v, timeout)
-    predictions = predict_all(shape, found, comm.Get_size(), schedules, head_parallel=head_parallel,
-                              backward=backward, routed_rows=routed_rows)
+    found, predictions = predictions_on(comm, backend, dtype, shape, schedules, head_parallel, backward,
+                                        routed_rows, timeout)
     best, runner = choose(predictions)
     if best is None:
         needs = ", ".join(f"{p.name} {p.memory / 2**20:.1f} MiB" for p in predictions)

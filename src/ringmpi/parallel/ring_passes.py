@@ -118,19 +118,42 @@ class LocalProblem:
         candidate where its plan moves fewer rows than the ring."""
         from .cost_measure import choose_schedule
 
+        schedules, routed_rows = ("ring", "allgather"), None
+        shape, rows = self._cost_shape(k, v, plan)
+        if plan is not None and plan.routed_rows() < plan.ring_rows():
+            schedules, routed_rows = schedules + ("routed",), rows
+        return choose_schedule(self.comm, self.backend, k.dtype, shape, schedules, grad_dtype is not None,
+                               routed_rows=routed_rows, timeout=self.timeout)
+
+    def _cost_shape(self, k, v, plan):
+        """``(the cost model's Shape of this call, the K/V rows the busiest rank receives under the
+        routed schedule or None)``: the shape from ``plan``'s seen rows where there is a plan."""
         size = self.comm.Get_size()
         n_kv = int(sum(self.kv_counts))
         n_q = int(sum(self.q_counts)) if self.q_counts is not None else n_kv
-        schedules, routed_rows = ("ring", "allgather"), None
-        seen = None
+        seen, rows = None, None
         if plan is not None:
             seen = max(plan.routed_rows() / max(plan.ring_rows(), 1), 1.0 / size)
-            if plan.routed_rows() < plan.ring_rows():
-                schedules += ("routed",)
-                routed_rows = float(plan.rows.sum(axis=1).max())
+            rows = float(plan.rows.sum(axis=1).max())
         shape = call_shape(n_q, n_kv, self.q_heads or k.shape[2], k, v, self.compute_dtype, self.spec, seen)
-        return choose_schedule(self.comm, self.backend, k.dtype, shape, schedules, grad_dtype is not None,
-                               routed_rows=routed_rows, timeout=self.timeout)
+        return shape, rows
+
+    def predictions(self, k, v, backward: bool = False, head_parallel: Sequence[int] = (1,)):
+        """Every schedule's :class:`~ringmpi.core.cost_model.Prediction` for this problem on this
+        communicator's measured parts, fastest first (collective): the ring, routed (its plan's
+        rows, whether or not it moves fewer than the ring), the all-gather, each for every ``U``
+        of ``head_parallel``, from the figures ``schedule="auto"`` chooses with (:meth:`schedule`);
+        what ``ringmpi.bench.schedule_grid`` compares with the measured times."""
+        from ..core.cost_model import SCHEDULES
+        from .cost_measure import predictions_on
+        from .route_plan import gather_plan
+
+        order = self.order if self.order is not None else list(range(self.comm.Get_size()))
+        plan = gather_plan(self.comm, self.q_pos, self.seg_q, self.kv_pos, self.seg_kv, self.spec, order,
+                           timeout=self.timeout)
+        shape, rows = self._cost_shape(k, v, plan)  # a dense mask's plan: every row seen, as without one
+        return predictions_on(self.comm, self.backend, k.dtype, shape, SCHEDULES, head_parallel, backward,
+                              routed_rows=rows, timeout=self.timeout)[1]
 
     def _ring(self, k, v, grad_dtype, phase: str, grad_dims):
         be = self.backend
