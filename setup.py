@@ -71,7 +71,8 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension("ringmpi._ext._fused", ["src/ringmpi/_ext/fused.c"],
                            depends=["src/ringmpi/_ext/exp_rows.h", "src/ringmpi/_ext/block_rows.h",
-                                    "src/ringmpi/_ext/path_end.h", "src/ringmpi/_ext/vector_paths.h",
+                                    "src/ringmpi/_ext/chunk_mask.h", "src/ringmpi/_ext/path_end.h",
+                                    "src/ringmpi/_ext/vector_paths.h",
                                     f"{KERNELS}/rules.h", PHILOX, MASKS],
                            include_dirs=[KERNELS], define_macros=rules_macros(),
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi"]),

@@ -246,8 +246,9 @@ def _block_paths():
     return tuple(out)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True)],
-                            ids=["full", "causal", "window", "causal-gqa"])
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True),
+                                dict(causal=True, segments=True)],
+                            ids=["full", "causal", "window", "causal-gqa", "causal-segments"])
 def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled forward block op (``_fused.fwd_chunk``: the common float32 forward) on every
     vector path that has it: the same bits on each (every score and output is one chain of fused
@@ -265,6 +266,9 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     k = rng.standard_normal((b, n, hkv, 40)).astype(np.float32)
     v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
     opts = dict(causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
+    seg = np.sort(rng.integers(0, 4, (b, n)), axis=1) if kw.get("segments") else None  # packed documents
+    if seg is not None:
+        opts["segment_ids"] = seg
     fused, before, runs = tp.compiled, tp.compiled.path(), {}
     try:
         for path in paths:
@@ -276,7 +280,7 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     for path, (o, lse) in runs.items():
         assert o.tobytes() == first[0].tobytes() and lse.tobytes() == first[1].tobytes(), \
             f"the {path} path's block op differs from the {paths[0]} path's"
-    vis = reference.visible(n, n, opts["causal"], opts["window"], None, None)
+    vis = reference.visible(n, n, opts["causal"], opts["window"], seg, seg)
     scale = 1 / np.sqrt(40)
     wide = [x.astype(np.float64) for x in (q, k, v)]
     o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale)
@@ -285,8 +289,9 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True)],
-                         ids=["full", "causal", "window", "causal-gqa"])
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True),
+                                dict(causal=True, segments=True)],
+                         ids=["full", "causal", "window", "causal-gqa", "causal-segments"])
 def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled backward block op (``_fused.bwd_chunk``: the common float32 backward) on every
     vector path that has it: the same dq, dk, dv bits on each (every element one chain of fused
@@ -307,6 +312,9 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
     do = rng.standard_normal((b, n, h, 24)).astype(np.float32)
     opts = dict(causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
+    seg = np.sort(rng.integers(0, 4, (b, n)), axis=1) if kw.get("segments") else None  # packed documents
+    if seg is not None:
+        opts["segment_ids"] = seg
     calls = []
     real = numpy_backend._compiled_backward
     monkeypatch.setattr(numpy_backend, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
@@ -323,7 +331,7 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     for path, grads in runs.items():
         for name, g, f in zip(("dq", "dk", "dv"), grads, first):
             assert g.tobytes() == f.tobytes(), f"the {path} path's backward block op differs in {name}"
-    vis = reference.visible(n, n, opts["causal"], opts["window"], None, None)
+    vis = reference.visible(n, n, opts["causal"], opts["window"], seg, seg)
     scale = 1 / np.sqrt(40)
     wide = [x.astype(np.float64) for x in (q, k, v, do)]
     g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, vis=vis, scale=scale)
@@ -334,8 +342,8 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
 
 
 def test_block_op_takes_the_common_forward_only():
-    """Which forwards take the compiled block op: float32 without segment ids, softcap, dropout or
-    score modifiers; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
+    """Which forwards take the compiled block op: float32, segment ids too, without softcap, dropout
+    or score modifiers; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
     from ringmpi.core.masks import BlockMask, ScoreSpec
 
     if tp.compiled is None or not tp.compiled.has_block():
@@ -346,7 +354,7 @@ def test_block_op_takes_the_common_forward_only():
     assert not numpy_backend.compiled_forward_ok(np.dtype(np.float64), 0.125, plain)
     assert not numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(softcap=5.0), pos, pos))
     seg = np.zeros((1, 8), np.int64)
-    assert not numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(), pos, pos, seg, seg))
+    assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(), pos, pos, seg, seg))
     import os
     old = os.environ.get("RINGMPI_CPU_BLOCK")
     os.environ["RINGMPI_CPU_BLOCK"] = "tiles"

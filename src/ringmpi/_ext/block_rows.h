@@ -12,7 +12,8 @@
  *
  *   S = Q_strip K^T        register-blocked, the keys packed in panels of PANEL columns, each
  *                          score one chain of fused multiply-adds over d = 0..D-1, from 0
- *   mask                   positions (causal, window): scores outside [lo_i, hi_i] -> -inf; a strip
+ *   mask                   positions (causal, window) and segment ids (ChunkMask): scores a row does
+ *                          not see (outside [lo_i, hi_i], another segment) -> -inf; a strip
  *                          the mask hides in part computes only the panels from the first key one of
  *                          its rows may see to the last, one it hides whole is skipped
  *   m' = max(m, scale * max_j S[i, j]), shift = m' (0 where m' = -inf)
@@ -199,43 +200,15 @@ PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, P
 /* the scratch of one call: a strip's scores, its rows of Q and O, per-row alpha */
 PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *kp,
                                    Py_ssize_t nk, const float *vp, Py_ssize_t dvp, float *o, Py_ssize_t ldo,
-                                   Py_ssize_t dv, float *m, float *l, float scale, const int64_t *lo,
-                                   const int64_t *hi, const int64_t *kvpos, float *scratch)
+                                   Py_ssize_t dv, float *m, float *l, float scale, const ChunkMask *mk, float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL; /* score columns, whole panels */
     float *s = scratch, *qs = s + BQ * kbp, *os = qs + BQ * dim, *alpha = os + BQ * dvp;
-    int64_t kmin = INT64_MAX, kmax = INT64_MIN;
-    if (kvpos)
-        for (Py_ssize_t j = 0; j < nk; j++) {
-            kmin = kvpos[j] < kmin ? kvpos[j] : kmin;
-            kmax = kvpos[j] > kmax ? kvpos[j] : kmax;
-        }
     for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
         const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
-        int partial = 0;
-        Py_ssize_t c0 = 0, c1 = nk; /* the keys the strip computes: [c0, c1) */
-        if (kvpos) { /* the strip's class: skipped (no change), full or partial (masked per score) */
-            int any = 0;
-            int64_t slo = INT64_MAX, shi = INT64_MIN;
-            for (Py_ssize_t i = i0; i < i0 + rows; i++) {
-                if (hi[i] >= kmin && lo[i] <= kmax) any = 1;
-                if (lo[i] > kmin || hi[i] < kmax) partial = 1;
-                slo = lo[i] < slo ? lo[i] : slo;
-                shi = hi[i] > shi ? hi[i] : shi;
-            }
-            if (!any) continue;
-            if (partial) { /* only the panels from the first key a row may see to the last */
-                Py_ssize_t first = nk, last = -1;
-                for (Py_ssize_t j = 0; j < nk; j++)
-                    if (kvpos[j] >= slo && kvpos[j] <= shi) {
-                        first = j < first ? j : first;
-                        last = j;
-                    }
-                if (last < 0) continue;
-                c0 = first / PANEL * PANEL;
-                c1 = last + 1;
-            }
-        }
+        int partial;
+        Py_ssize_t c0, c1; /* the keys the strip computes: [c0, c1) */
+        if (!strip_keys(mk, i0, rows, PANEL, &c0, &c1, &partial)) continue; /* hidden: no change */
         const Py_ssize_t n = c1 - c0;
         /* the strip's Q rows, padded with zero rows to BQ */
         for (Py_ssize_t r = 0; r < BQ; r++) {
@@ -254,11 +227,7 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
                 continue;
             }
             const Py_ssize_t i = i0 + r;
-            if (partial) {
-                const int64_t a = lo[i], b = hi[i];
-                for (Py_ssize_t j = 0; j < n; j++)
-                    if (kvpos[c0 + j] < a || kvpos[c0 + j] > b) row[j] = -INFINITY;
-            }
+            if (partial) mask_row(mk, i, row, c0, n);
             VF vmx = FN(bc)(-INFINITY);
             Py_ssize_t j = 0;
             for (; j + VW <= n; j += VW) vmx = FN(max)(vmx, LOAD(row + j));
@@ -441,8 +410,7 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                                    Py_ssize_t dim, Py_ssize_t dvd, const float *k, Py_ssize_t ldk, const float *v,
                                    Py_ssize_t ldv, Py_ssize_t nk, const float *lse, const float *dvec, float *dq,
                                    Py_ssize_t lddq, float *dk, Py_ssize_t lddk, float *dv, Py_ssize_t lddv,
-                                   float scale, const int64_t *lo, const int64_t *hi, const int64_t *kvpos,
-                                   float *scratch)
+                                   float scale, const ChunkMask *mk, float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
     const Py_ssize_t dpd = (dim + 15) / 16 * 16, dpv = (dvd + 15) / 16 * 16;
@@ -453,38 +421,11 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
     FN(pad_rows)(k, ldk, nk, dim, kr, dpd, kbp);
     FN(pad_rows)(dk, lddk, nk, dim, dka, dpd, kbp);
     FN(pad_rows)(dv, lddv, nk, dvd, dva, dpv, kbp);
-    int64_t kmin = INT64_MAX, kmax = INT64_MIN;
-    if (kvpos)
-        for (Py_ssize_t j = 0; j < nk; j++) {
-            kmin = kvpos[j] < kmin ? kvpos[j] : kmin;
-            kmax = kvpos[j] > kmax ? kvpos[j] : kmax;
-        }
     for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
         const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
-        int partial = 0;
-        Py_ssize_t c0 = 0, c1 = nk;
-        if (kvpos) { /* the strip's class, as fwd_chunk's */
-            int any = 0;
-            int64_t slo = INT64_MAX, shi = INT64_MIN;
-            for (Py_ssize_t i = i0; i < i0 + rows; i++) {
-                if (hi[i] >= kmin && lo[i] <= kmax) any = 1;
-                if (lo[i] > kmin || hi[i] < kmax) partial = 1;
-                slo = lo[i] < slo ? lo[i] : slo;
-                shi = hi[i] > shi ? hi[i] : shi;
-            }
-            if (!any) continue;
-            if (partial) {
-                Py_ssize_t first = nk, last = -1;
-                for (Py_ssize_t j = 0; j < nk; j++)
-                    if (kvpos[j] >= slo && kvpos[j] <= shi) {
-                        first = j < first ? j : first;
-                        last = j;
-                    }
-                if (last < 0) continue;
-                c0 = first / PANEL * PANEL;
-                c1 = last + 1;
-            }
-        }
+        int partial;
+        Py_ssize_t c0, c1;
+        if (!strip_keys(mk, i0, rows, PANEL, &c0, &c1, &partial)) continue; /* as fwd_chunk's */
         const Py_ssize_t n = c1 - c0;
         FN(pad_rows)(q + i0 * ldq, ldq, rows, dim, qs, dpd, BQ);
         FN(pad_rows)(dout + i0 * lddo, lddo, rows, dvd, dos, dpv, BQ);
@@ -504,11 +445,7 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                 continue;
             }
             const Py_ssize_t i = i0 + r;
-            if (partial) {
-                const int64_t a = lo[i], b = hi[i];
-                for (Py_ssize_t j = 0; j < n; j++)
-                    if (kvpos[c0 + j] < a || kvpos[c0 + j] > b) row[j] = -INFINITY;
-            }
+            if (partial) mask_row(mk, i, row, c0, n);
             FN(exp_row)(row, n, scale, NULL, lse[i]);
             const float d = dvec[i];
             for (Py_ssize_t j = 0; j < n; j++) drow[j] = (drow[j] - d) * row[j];

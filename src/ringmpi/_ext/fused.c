@@ -45,6 +45,7 @@
 #endif
 #define LANES 16 /* a row's sum adds into this many lanes, on every path */
 #include "rules.h" /* kernels/rules.h: setup.py adds its folder and its -D defines */
+#include "chunk_mask.h"
 
 #define PATH plain
 #define PATH_ISA
@@ -105,11 +106,11 @@ typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const fl
                                  float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
                              const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t, float *, float *, float,
-                             const int64_t *, const int64_t *, const int64_t *, float *);
+                             const ChunkMask *, float *);
 typedef void (*bwd_chunk_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
                              const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, const float *,
                              const float *, float *, Py_ssize_t, float *, Py_ssize_t, float *, Py_ssize_t, float,
-                             const int64_t *, const int64_t *, const int64_t *, float *);
+                             const ChunkMask *, float *);
 
 /* the paths, widest first; a path runs where the CPU has its extension */
 static struct {
@@ -289,10 +290,11 @@ static void release(Py_buffer *views, int n)
 /* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos) */
 static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
 {
-    PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo;
+    PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;
     Py_ssize_t nk;
     float scale;
-    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo))
+    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo, &sqo,
+                          &sko))
         return NULL;
     fwd_chunk_fn fn = PATHS[current].fwd_chunk;
     if (!fn) {
@@ -300,7 +302,7 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
                      PATHS[current].name);
         return NULL;
     }
-    Py_buffer v[9];
+    Py_buffer v[11];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, dk, kbp, ldk, nkr, dvp, ldv, oq, dv, ldo;
     PyObject *out = NULL;
@@ -322,6 +324,13 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "fwd_chunk: lo, hi and kvpos go together");
         goto done;
     }
+    if (get1d(sqo, &v[9], "l", nq, 0, "seg_q") < 0 || get1d(sko, &v[10], "l", nk, 0, "seg_kv") < 0) goto done;
+    if ((v[9].buf == NULL) != (v[10].buf == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "fwd_chunk: seg_q and seg_kv go together");
+        goto done;
+    }
+    const ChunkMask mk = chunk_mask((const int64_t *)v[6].buf, (const int64_t *)v[7].buf, (const int64_t *)v[8].buf,
+                                    (const int64_t *)v[9].buf, (const int64_t *)v[10].buf, nk);
     const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
     float *scratch = NULL;
     if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (kbpad + dim + dvp + 1)))) {
@@ -330,14 +339,14 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (const float *)v[2].buf, dvp,
-       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, (const int64_t *)v[6].buf,
-       (const int64_t *)v[7].buf, (const int64_t *)v[8].buf, scratch);
+       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, &mk,
+       scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
     Py_INCREF(out);
 done:
-    release(v, 9);
+    release(v, 11);
     return out;
 }
 
@@ -515,10 +524,10 @@ done:
 /* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos) */
 static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
 {
-    PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo;
+    PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;
     float scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale, &loo,
-                          &hio, &kvo))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale, &loo,
+                          &hio, &kvo, &sqo, &sko))
         return NULL;
     bwd_chunk_fn fn = PATHS[current].bwd_chunk;
     if (!fn) {
@@ -526,7 +535,7 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
                      PATHS[current].name);
         return NULL;
     }
-    Py_buffer v[12];
+    Py_buffer v[14];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, r1, dvd, lddo, nk, c2, ldk, r3, c3, ldv, r4, c4, lddq, r5, c5, lddk, r6, c6, lddv;
     PyObject *out = NULL;
@@ -552,6 +561,13 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "bwd_chunk: lo, hi and kvpos go together");
         goto done;
     }
+    if (get1d(sqo, &v[12], "l", nq, 0, "seg_q") < 0 || get1d(sko, &v[13], "l", nk, 0, "seg_kv") < 0) goto done;
+    if ((v[12].buf == NULL) != (v[13].buf == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "bwd_chunk: seg_q and seg_kv go together");
+        goto done;
+    }
+    const ChunkMask mk = chunk_mask((const int64_t *)v[9].buf, (const int64_t *)v[10].buf, (const int64_t *)v[11].buf,
+                                    (const int64_t *)v[12].buf, (const int64_t *)v[13].buf, nk);
     const Py_ssize_t bq = PATHS[current].bq, kbp = (nk + 31) / 32 * 32, dpd = (dim + 15) / 16 * 16,
                      dpv = (dvd + 15) / 16 * 16;
     float *scratch = NULL;
@@ -563,14 +579,13 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, (const float *)v[1].buf, lddo, nq, dim, dvd, (const float *)v[2].buf, ldk,
        (const float *)v[3].buf, ldv, nk, (const float *)v[7].buf, (const float *)v[8].buf, (float *)v[4].buf, lddq,
-       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, (const int64_t *)v[9].buf,
-       (const int64_t *)v[10].buf, (const int64_t *)v[11].buf, scratch);
+       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, &mk, scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
     Py_INCREF(out);
 done:
-    release(v, 12);
+    release(v, 14);
     return out;
 }
 
@@ -925,9 +940,9 @@ static PyMethodDef methods[] = {
      "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
     {"fwd_chunk", py_fwd_chunk, METH_VARARGS,
-     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos): fold one packed key chunk into the online "
-     "softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 position bounds "
-     "and key positions, or None)"},
+     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv]): fold one packed key chunk into "
+     "the online softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 position "
+     "bounds and key positions, or None; seg_q, seg_kv: int64 segment ids of the rows and keys, or None)"},
     {"scores", py_scores, METH_VARARGS,
      "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
     {"scores_packed", py_scores_packed, METH_VARARGS,
@@ -940,9 +955,10 @@ static PyMethodDef methods[] = {
      "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
      "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},
     {"bwd_chunk", py_bwd_chunk, METH_VARARGS,
-     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos): add one key chunk's terms to dq and "
-     "the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, +inf on rows that saw "
-     "nothing; lo, hi, kvpos: int64 position bounds and key positions, or None)"},
+     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv]): add one key chunk's "
+     "terms to dq and the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, +inf on "
+     "rows that saw nothing; lo, hi, kvpos: int64 position bounds and key positions, or None; seg_q, seg_kv: "
+     "int64 segment ids of the rows and keys, or None)"},
     {"visible", py_visible, METH_VARARGS,
      "visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out (bool, (nq, nk)) = "
      "rules.h's elem_visible of each (query, key) (seg_q, seg_kv: one batch entry's int64 ids, or None)"},

@@ -448,7 +448,7 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
 
 
 # ------------------------------------------------------------ the compiled forward block op
-# The common float32 forward (no segment ids, softcap, dropout or score modifiers) runs as one
+# The common float32 forward (segment ids too; no softcap, dropout or score modifiers) runs as one
 # compiled call per (batch entry, query head, key chunk of TILE_KV keys): ``_fused.fwd_chunk``
 # (src/ringmpi/_ext/block_rows.h), the key chunk's K and V packed once here and reused by every
 # query head of its K/V head; the call folds the chunk into the state of every query row, strip by
@@ -461,10 +461,18 @@ PANEL = tile_pass.PANEL  # keys per packed K panel
 
 def compiled_forward_ok(ct, scale, mask: BlockMask) -> bool:
     """Whether this forward block takes the compiled block op: float32, a positive scale, and none
-    of the options it does not hold yet (segment ids, softcap, dropout, score modifiers)."""
+    of the options it does not hold yet (softcap, dropout, score modifiers)."""
     spec = mask.spec
     return (tile_pass.block_op() is not None and ct == np.float32 and np.isfinite(scale) and scale > 0
-            and mask.seg_q is None and spec.softcap is None and spec.dropout is None and not spec.modifiers)
+            and spec.softcap is None and spec.dropout is None and not spec.modifiers)
+
+
+def _segments(mask: BlockMask, b: int):
+    """Batch entry ``b``'s segment ids of the rows and the keys as the compiled block op reads them
+    (contiguous int64), or ``(None, None)`` without segment ids."""
+    if mask.seg_q is None:
+        return None, None
+    return (np.ascontiguousarray(mask.seg_q[b], dtype=np.int64), np.ascontiguousarray(mask.seg_kv[b], dtype=np.int64))
 
 
 def _pack_keys(k, v, kp, vp):
@@ -485,14 +493,18 @@ def _pack_keys(k, v, kp, vp):
 
 def _tile_counts(mask: BlockMask, sq: int, skv: int, batch: int):
     """``(tiles computed, tiles skipped)`` as the BLAS tiles count them (one per TILE_Q x TILE_KV
-    tile and batch entry): what the compiled route reports too."""
+    tile and batch entry, segment ids per entry): what the compiled route reports too."""
+    per_batch = mask.seg_q is not None
+    entries = 1 if per_batch else batch
     computed = skipped = 0
     for rows in _tiles(sq, TILE_Q):
         for cols in _tiles(skv, TILE_KV):
-            if mask.spec.classify(mask.q_pos[rows], mask.kv_pos[cols]) == SKIP:
-                skipped += batch
-            else:
-                computed += batch
+            for b in (range(batch) if per_batch else [None]):
+                seg = (mask.seg_q[b, rows], mask.seg_kv[b, cols]) if per_batch else (None, None)
+                if mask.spec.classify(mask.q_pos[rows], mask.kv_pos[cols], *seg) == SKIP:
+                    skipped += entries
+                else:
+                    computed += entries
     return computed, skipped
 
 
@@ -536,6 +548,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
     total = max(1, batch * heads * len(key_chunks))
     done = 0
     for b in range(batch):
+        seg_q, seg_kv = _segments(mask, b)
         for kvh in range(kv_heads):
             bk, bv = bad_k[b, kvh], bad_v[b, kvh]
             k_src = clean_copy(k_use[b, kvh], bk) if bk.any() else k_use[b, kvh]
@@ -546,7 +559,8 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                 if not (rows_bad.any() or bk.any() or bv.any()):
                     continue
                 cols = np.flatnonzero(bk | bv)
-                vis_bad = tile_pass.visible(spec, mask.q_pos, mask.kv_pos[cols])
+                vis_bad = tile_pass.visible(spec, mask.q_pos, mask.kv_pos[cols], seg_q,
+                                            None if seg_kv is None else seg_kv[cols])
                 redo = rows_bad | vis_bad[:, bk[cols]].any(axis=1)
                 see_v = vis_bad[:, bv[cols]] & ~redo[:, None]
                 idx = np.flatnonzero(redo)
@@ -558,16 +572,21 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                 nk = cols.stop - cols.start
                 kpc, vpc = _pack_keys(k_src[cols], v_src[cols], kp, vp)
                 kv_pos = np.ascontiguousarray(mask.kv_pos[cols]) if lo is not None else None
+                seg_c = None if seg_kv is None else seg_kv[cols]
+                hidden = (lo is not None or seg_q is not None) and spec.classify(
+                    mask.q_pos, mask.kv_pos[cols], seg_q, seg_c) == SKIP
                 for h in range(kvh * group, (kvh + 1) * group):
-                    if lo is None or spec.classify(mask.q_pos, mask.kv_pos[cols]) != SKIP:
-                        fwd_chunk(q_src[h], kpc, vpc, nk, o_acc[b, h], m[b, h], l[b, h], scale, lo, hi, kv_pos)
+                    if not hidden:
+                        fwd_chunk(q_src[h], kpc, vpc, nk, o_acc[b, h], m[b, h], l[b, h], scale, lo, hi, kv_pos, seg_q,
+                                  seg_c)
                     done += 1
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(done / total)
             for h, (idx, see_v, (m_old, l_old, o_old)) in careful.items():
                 with np.errstate(invalid="ignore", over="ignore"):
                     if idx.size:
-                        vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos)
+                        vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos,
+                                                  None if seg_q is None else seg_q[idx], seg_kv)
                         m[b, h, idx], l[b, h, idx], o_acc[b, h, idx] = _redo_rows_forward(
                             q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old)
                     if see_v.any():  # clean m and l; the bad v rows' weights against the final shift
@@ -623,6 +642,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
     key_tiles = _tiles(skv, TILE_KV)
     total = max(1, batch * heads * len(key_tiles))
     done = 0
+    segs = [_segments(mask, b) for b in range(batch)]
     lse_c = [[np.ascontiguousarray(lse_use[b, h]) for h in range(heads)] for b in range(batch)]
     dvec_c = [[np.ascontiguousarray(dvec[b, h]) for h in range(heads)] for b in range(batch)]
     q_c = [[clean_copy(qh[b, h], bad_rows[b, h]) if bad_rows[b, h].any() else qh[b, h] for h in range(heads)]
@@ -642,7 +662,9 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                 bc = bad_cols[b, h // group, tile]
                 rows = bad_rows[b, h].copy()
                 if bc.any():
-                    rows |= tile_pass.visible(spec, mask.q_pos, mask.kv_pos[tile][bc]).any(axis=1)
+                    seg_q, seg_kv = segs[b]
+                    rows |= tile_pass.visible(spec, mask.q_pos, mask.kv_pos[tile][bc], seg_q,
+                                              None if seg_kv is None else seg_kv[tile][bc]).any(axis=1)
                 if rows.any():
                     redo[b, h] = np.flatnonzero(rows)
                     row_terms[b, h] = (np.where(rows, np.inf, lse_c[b][h]).astype(lse_use.dtype),
@@ -658,8 +680,10 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                     kvh = h // group
                     dk_t, dv_t = sums.views(b, kvh, cols)
                     lse_h, dvec_h = row_terms.get((b, h), (lse_c[b][h], dvec_c[b][h]))
+                    seg_q, seg_kv = segs[b]
                     bwd_chunk(q_c[b][h], do_c[b][h], k_c[b, kvh][sub], v_c[b, kvh][sub], lse_h, dvec_h,
-                              dq[b, h], dk_t, dv_t, scale, lo, hi, kv_pos)
+                              dq[b, h], dk_t, dv_t, scale, lo, hi, kv_pos, seg_q,
+                              None if seg_kv is None else seg_kv[cols])
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(min(1.0, (done + (b * heads + h + 1) * (cols.stop - tile.start) / (tile.stop - tile.start))
                                  / total))
@@ -667,7 +691,9 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
         for (b, h), idx in redo.items():
             kvh = h // group
             dk_t, dv_t = sums.views(b, kvh, tile)
-            vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos[tile])
+            seg_q, seg_kv = segs[b]
+            vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos[tile], None if seg_q is None else seg_q[idx],
+                                      None if seg_kv is None else seg_kv[tile])
             _redo_rows_backward(idx, qh[b, h], doh[b, h], kh[b, kvh, tile], vh[b, kvh, tile], lse_c[b][h],
                                 dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t)
     sums.end(skv)
