@@ -247,8 +247,10 @@ def _block_paths():
 
 
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True),
-                                dict(causal=True, segments=True)],
-                            ids=["full", "causal", "window", "causal-gqa", "causal-segments"])
+                                dict(causal=True, segments=True), dict(causal=True, softcap=2.0),
+                                dict(window=(70, 5), softcap=30.0, segments=True)],
+                            ids=["full", "causal", "window", "causal-gqa", "causal-segments",
+                                 "causal-softcap", "window-softcap-segments"])
 def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled forward block op (``_fused.fwd_chunk``: the common float32 forward) on every
     vector path that has it: the same bits on each (every score and output is one chain of fused
@@ -269,6 +271,8 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     seg = np.sort(rng.integers(0, 4, (b, n)), axis=1) if kw.get("segments") else None  # packed documents
     if seg is not None:
         opts["segment_ids"] = seg
+    if kw.get("softcap"):
+        opts["softcap"] = kw["softcap"]
     fused, before, runs = tp.compiled, tp.compiled.path(), {}
     try:
         for path in paths:
@@ -283,15 +287,18 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     vis = reference.visible(n, n, opts["causal"], opts["window"], seg, seg)
     scale = 1 / np.sqrt(40)
     wide = [x.astype(np.float64) for x in (q, k, v)]
-    o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale)
-    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, vis=vis, scale=scale)
+    cap = kw.get("softcap")
+    o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale, softcap=cap)
+    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap)
     checks = [reference.tolerance_check("o", first[0], o64, o32), reference.tolerance_check("lse", first[1], lse64, lse32)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True),
-                                dict(causal=True, segments=True)],
-                         ids=["full", "causal", "window", "causal-gqa", "causal-segments"])
+                                dict(causal=True, segments=True), dict(causal=True, softcap=2.0),
+                                dict(window=(70, 5), softcap=30.0, segments=True)],
+                         ids=["full", "causal", "window", "causal-gqa", "causal-segments",
+                                 "causal-softcap", "window-softcap-segments"])
 def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled backward block op (``_fused.bwd_chunk``: the common float32 backward) on every
     vector path that has it: the same dq, dk, dv bits on each (every element one chain of fused
@@ -315,6 +322,8 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     seg = np.sort(rng.integers(0, 4, (b, n)), axis=1) if kw.get("segments") else None  # packed documents
     if seg is not None:
         opts["segment_ids"] = seg
+    if kw.get("softcap"):
+        opts["softcap"] = kw["softcap"]
     calls = []
     real = numpy_backend._compiled_backward
     monkeypatch.setattr(numpy_backend, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
@@ -334,16 +343,17 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     vis = reference.visible(n, n, opts["causal"], opts["window"], seg, seg)
     scale = 1 / np.sqrt(40)
     wide = [x.astype(np.float64) for x in (q, k, v, do)]
-    g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, vis=vis, scale=scale)
-    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, vis=vis, scale=scale)
+    cap = kw.get("softcap")
+    g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, vis=vis, scale=scale, softcap=cap)
+    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap)
     checks = [reference.tolerance_check(name, g, r, nv, gradient=True)
               for name, g, r, nv in zip(("dq", "dk", "dv"), first, g64, g32)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 
 def test_block_op_takes_the_common_forward_only():
-    """Which forwards take the compiled block op: float32, segment ids too, without softcap, dropout
-    or score modifiers; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
+    """Which forwards take the compiled block op: float32, segment ids and the softcap too, without
+    dropout or score modifiers; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
     from ringmpi.core.masks import BlockMask, ScoreSpec
 
     if tp.compiled is None or not tp.compiled.has_block():
@@ -352,7 +362,7 @@ def test_block_op_takes_the_common_forward_only():
     plain = BlockMask(ScoreSpec(causal=True), pos, pos)
     assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, plain)
     assert not numpy_backend.compiled_forward_ok(np.dtype(np.float64), 0.125, plain)
-    assert not numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(softcap=5.0), pos, pos))
+    assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(softcap=5.0), pos, pos))
     seg = np.zeros((1, 8), np.int64)
     assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(), pos, pos, seg, seg))
     import os

@@ -200,7 +200,8 @@ PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, P
 /* the scratch of one call: a strip's scores, its rows of Q and O, per-row alpha */
 PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *kp,
                                    Py_ssize_t nk, const float *vp, Py_ssize_t dvp, float *o, Py_ssize_t ldo,
-                                   Py_ssize_t dv, float *m, float *l, float scale, const ChunkMask *mk, float *scratch)
+                                   Py_ssize_t dv, float *m, float *l, float scale, float cap, const ChunkMask *mk,
+                                   float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL; /* score columns, whole panels */
     float *s = scratch, *qs = s + BQ * kbp, *os = qs + BQ * dim, *alpha = os + BQ * dvp;
@@ -227,6 +228,7 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
                 continue;
             }
             const Py_ssize_t i = i0 + r;
+            if (cap != 0.0f) FN(softcap_row)(row, n, scale, cap, NULL); /* the scores as they enter the max */
             if (partial) mask_row(mk, i, row, c0, n);
             VF vmx = FN(bc)(-INFINITY);
             Py_ssize_t j = 0;
@@ -235,9 +237,10 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
             for (int lane = 0; lane < VW; lane++) mx = vmx[lane] > mx ? vmx[lane] : mx;
             for (; j < n; j++) mx = row[j] > mx ? row[j] : mx;
             if (mx == 0.0f) mx = 0.0f; /* +0 whichever zero won: the same bits on every path */
-            const float m_old = m[i], scaled = mx * scale, m_new = scaled > m_old ? scaled : m_old;
+            const float sc = cap != 0.0f ? 1.0f : scale; /* capped scores carry their scale */
+            const float m_old = m[i], scaled = mx * sc, m_new = scaled > m_old ? scaled : m_old;
             const float shift = m_new == -INFINITY ? 0.0f : m_new;
-            const float sum = FN(exp_row)(row, n, scale, NULL, shift);
+            const float sum = FN(exp_row)(row, n, sc, NULL, shift);
             const float a = expf(m_old - shift);
             alpha[r] = a;
             l[i] = l[i] * a + sum;
@@ -410,12 +413,13 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                                    Py_ssize_t dim, Py_ssize_t dvd, const float *k, Py_ssize_t ldk, const float *v,
                                    Py_ssize_t ldv, Py_ssize_t nk, const float *lse, const float *dvec, float *dq,
                                    Py_ssize_t lddq, float *dk, Py_ssize_t lddk, float *dv, Py_ssize_t lddv,
-                                   float scale, const ChunkMask *mk, float *scratch)
+                                   float scale, float cap, const ChunkMask *mk, float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
     const Py_ssize_t dpd = (dim + 15) / 16 * 16, dpv = (dvd + 15) / 16 * 16;
     float *kp = scratch, *vpn = kp + kbp * dim, *kr = vpn + kbp * dvd, *dka = kr + kbp * dpd, *dva = dka + kbp * dpd;
     float *s = dva + kbp * dpv, *dps = s + BQ * kbp, *qs = dps + BQ * kbp, *dos = qs + BQ * dpd, *dqs = dos + BQ * dpv;
+    float *th = dqs + BQ * dpd; /* with the softcap: a row's tanh, for the slope */
     FN(pack_panels)(k, ldk, nk, dim, kp);
     FN(pack_panels)(v, ldv, nk, dvd, vpn);
     FN(pad_rows)(k, ldk, nk, dim, kr, dpd, kbp);
@@ -445,10 +449,16 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                 continue;
             }
             const Py_ssize_t i = i0 + r;
+            if (cap != 0.0f) FN(softcap_row)(row, n, scale, cap, th);
             if (partial) mask_row(mk, i, row, c0, n);
-            FN(exp_row)(row, n, scale, NULL, lse[i]);
+            FN(exp_row)(row, n, cap != 0.0f ? 1.0f : scale, NULL, lse[i]);
             const float d = dvec[i];
             for (Py_ssize_t j = 0; j < n; j++) drow[j] = (drow[j] - d) * row[j];
+            if (cap != 0.0f) /* dS through the cap's slope 1 - t^2 (t^2 rounded, then 1 - it) */
+                for (Py_ssize_t j = 0; j < n; j++) {
+                    const float t2 = th[j] * th[j];
+                    drow[j] = drow[j] * (1.0f - t2);
+                }
         }
         FN(tn_block)(dva, dpv, s, kbp, dos, rows, c0, c1);  /* dV += P^T dO */
         FN(tn_block)(dka, dpd, dps, kbp, qs, rows, c0, c1); /* dK += dS^T Q */

@@ -179,6 +179,52 @@ PINLINE void FN(exp_vecs)(VF *x, const int n)
 #undef bcu
 }
 
+/* tanh(x), each lane alike on every path: for |x| < 0.3 the odd Taylor polynomial to x^13 (the next
+ * term is below 1e-10 relative there), else (1 - e) / (1 + e) with e = exp(-2|x|) (exp_vecs'
+ * arithmetic, |e| <= 1: no overflow), the sign put back; NaN stays NaN, +-inf gives +-1.  Within a
+ * few ulp of tanh (checked against float64 in tests/unit/test_tile_pass.py). */
+PINLINE VF FN(tanh_vec)(VF x)
+{
+#define bc FN(bc)
+    const VU sign = (VU)x & FN(bcu)(0x80000000u);
+    const VF a = (VF)((VU)x & FN(bcu)(0x7fffffffu));
+    VF e[1] = {bc(-2.0f) * a};
+    FN(exp_vecs)(e, 1);
+    const VF big = (bc(1.0f) - e[0]) / (bc(1.0f) + e[0]);
+    const VF z = a * a;
+    VF p = FN(fma)(bc(3.5920791875e-3f), z, bc(-8.8632355299e-3f)); /* 21844/6081075, -1382/155925 */
+    p = FN(fma)(p, z, bc(2.1869488536e-2f));                        /* 62/2835 */
+    p = FN(fma)(p, z, bc(-5.3968253968e-2f));                       /* -17/315 */
+    p = FN(fma)(p, z, bc(1.3333333333e-1f));                        /* 2/15 */
+    p = FN(fma)(p, z, bc(-3.3333333333e-1f));                       /* -1/3 */
+    const VF small = FN(fma)(a * z, p, a);
+    const VI near = (VI)(a < bc(0.3f));
+    return (VF)((((VU)small & (VU)near) | ((VU)big & ~(VU)near)) | sign);
+#undef bc
+}
+
+/* the logit softcap over a row: row[j] = cap * tanh((row[j] * scale) / cap), each step rounded
+ * (the BLAS tiles' order); t (when given) receives the tanh, for the backward's slope 1 - t^2 */
+PINLINE void FN(softcap_row)(float *row, Py_ssize_t n, float scale, float cap, float *t)
+{
+    const VF vs = FN(bc)(scale), vc = FN(bc)(cap);
+    Py_ssize_t j = 0;
+    for (; j + VW <= n; j += VW) {
+        const VF th = FN(tanh_vec)((LOAD(row + j) * vs) / vc);
+        if (t) STORE(t + j, th);
+        STORE(row + j, th * vc);
+    }
+    if (j < n) {
+        float buf[VW] = {0}, tb[VW];
+        memcpy(buf, row + j, (n - j) * sizeof(float));
+        const VF th = FN(tanh_vec)((LOAD(buf) * vs) / vc);
+        STORE(tb, th);
+        STORE(buf, th * vc);
+        memcpy(row + j, buf, (n - j) * sizeof(float));
+        if (t) memcpy(t + j, tb, (n - j) * sizeof(float));
+    }
+}
+
 /* n vectors of columns: v = exp(((v * scale) + b) - shift) in place, vector k added into
  * lane group k % NVEC */
 PINLINE void FN(exp_cols)(float *v, const float *b, VF scale, VF shift, VF acc[NVEC], const int n)

@@ -106,11 +106,11 @@ typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const fl
                                  float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
                              const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t, float *, float *, float,
-                             const ChunkMask *, float *);
+                             float, const ChunkMask *, float *);
 typedef void (*bwd_chunk_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
                              const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, const float *,
                              const float *, float *, Py_ssize_t, float *, Py_ssize_t, float *, Py_ssize_t, float,
-                             const ChunkMask *, float *);
+                             float, const ChunkMask *, float *);
 
 /* the paths, widest first; a path runs where the CPU has its extension */
 static struct {
@@ -292,9 +292,9 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
 {
     PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;
     Py_ssize_t nk;
-    float scale;
-    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo, &sqo,
-                          &sko))
+    float scale, cap = 0.0f;
+    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OOf", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo,
+                          &sqo, &sko, &cap))
         return NULL;
     fwd_chunk_fn fn = PATHS[current].fwd_chunk;
     if (!fn) {
@@ -339,7 +339,7 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (const float *)v[2].buf, dvp,
-       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, &mk,
+       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, cap, &mk,
        scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
@@ -525,9 +525,9 @@ done:
 static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
 {
     PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;
-    float scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale, &loo,
-                          &hio, &kvo, &sqo, &sko))
+    float scale, cap = 0.0f;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OOf", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale,
+                          &loo, &hio, &kvo, &sqo, &sko, &cap))
         return NULL;
     bwd_chunk_fn fn = PATHS[current].bwd_chunk;
     if (!fn) {
@@ -572,14 +572,14 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
                      dpv = (dvd + 15) / 16 * 16;
     float *scratch = NULL;
     if (posix_memalign((void **)&scratch, 64,
-                       sizeof(float) * (kbp * (dim + dvd + 2 * dpd + dpv) + bq * (2 * kbp + 2 * dpd + dpv)))) {
+                       sizeof(float) * (kbp * (dim + dvd + 2 * dpd + dpv) + bq * (3 * kbp + 2 * dpd + dpv)))) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, (const float *)v[1].buf, lddo, nq, dim, dvd, (const float *)v[2].buf, ldk,
        (const float *)v[3].buf, ldv, nk, (const float *)v[7].buf, (const float *)v[8].buf, (float *)v[4].buf, lddq,
-       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, &mk, scratch);
+       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, cap, &mk, scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
@@ -940,9 +940,10 @@ static PyMethodDef methods[] = {
      "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
     {"fwd_chunk", py_fwd_chunk, METH_VARARGS,
-     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv]): fold one packed key chunk into "
-     "the online softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 position "
-     "bounds and key positions, or None; seg_q, seg_kv: int64 segment ids of the rows and keys, or None)"},
+     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]): fold one packed key "
+     "chunk into the online softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 "
+     "position bounds and key positions, or None; seg_q, seg_kv: int64 segment ids of the rows and keys, or None; "
+     "softcap: the logit cap, 0 for none)"},
     {"scores", py_scores, METH_VARARGS,
      "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
     {"scores_packed", py_scores_packed, METH_VARARGS,
@@ -955,10 +956,10 @@ static PyMethodDef methods[] = {
      "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
      "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},
     {"bwd_chunk", py_bwd_chunk, METH_VARARGS,
-     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv]): add one key chunk's "
-     "terms to dq and the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, +inf on "
-     "rows that saw nothing; lo, hi, kvpos: int64 position bounds and key positions, or None; seg_q, seg_kv: "
-     "int64 segment ids of the rows and keys, or None)"},
+     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]): add one key "
+     "chunk's terms to dq and the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, "
+     "+inf on rows that saw nothing; lo, hi, kvpos: int64 position bounds and key positions, or None; seg_q, "
+     "seg_kv: int64 segment ids of the rows and keys, or None; softcap: the logit cap, 0 for none)"},
     {"visible", py_visible, METH_VARARGS,
      "visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out (bool, (nq, nk)) = "
      "rules.h's elem_visible of each (query, key) (seg_q, seg_kv: one batch entry's int64 ids, or None)"},

@@ -448,7 +448,7 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
 
 
 # ------------------------------------------------------------ the compiled forward block op
-# The common float32 forward (segment ids too; no softcap, dropout or score modifiers) runs as one
+# The common float32 forward (segment ids and the softcap too; no dropout or score modifiers) runs as one
 # compiled call per (batch entry, query head, key chunk of TILE_KV keys): ``_fused.fwd_chunk``
 # (src/ringmpi/_ext/block_rows.h), the key chunk's K and V packed once here and reused by every
 # query head of its K/V head; the call folds the chunk into the state of every query row, strip by
@@ -461,10 +461,19 @@ PANEL = tile_pass.PANEL  # keys per packed K panel
 
 def compiled_forward_ok(ct, scale, mask: BlockMask) -> bool:
     """Whether this forward block takes the compiled block op: float32, a positive scale, and none
-    of the options it does not hold yet (softcap, dropout, score modifiers)."""
+    of the options it does not hold yet (dropout, score modifiers)."""
     spec = mask.spec
     return (tile_pass.block_op() is not None and ct == np.float32 and np.isfinite(scale) and scale > 0
-            and spec.softcap is None and spec.dropout is None and not spec.modifiers)
+            and spec.dropout is None and not spec.modifiers)
+
+
+def _capped(sc, softcap):
+    """The raw scaled scores ``sc`` through the logit softcap, ``(capped, tanh)`` (as :func:`_cap`;
+    ``(sc, None)`` without one): the careful rows' redo, as the compiled block op caps its scores."""
+    if not softcap:
+        return sc, None
+    t = np.tanh(sc / softcap)
+    return t * softcap, t
 
 
 def _segments(mask: BlockMask, b: int):
@@ -508,10 +517,10 @@ def _tile_counts(mask: BlockMask, sq: int, skv: int, batch: int):
     return computed, skipped
 
 
-def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old):
+def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old, softcap=0.0):
     """Rows that see a non-finite value, over the whole block from their raw values and visible
     keys only (as :func:`_careful_forward_tile` redoes them per tile): ``(m, l, o)`` after it."""
-    sc = (q_r @ k.T) * scale
+    sc, _ = _capped((q_r @ k.T) * scale, softcap)
     sc = np.where(vis_r, sc, -np.inf).astype(q_r.dtype, copy=False)
     m_new = np.maximum(m_old, sc.max(axis=1))
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(q_r.dtype, copy=False)
@@ -538,6 +547,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
     lo = hi = None
     if spec.positional:
         lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
+    cap = float(spec.softcap or 0.0)
     chunk = min(skv, TILE_KV)
     dvp = -(-dim_v // 16) * 16
     kp_size = -(-chunk // PANEL) * PANEL * dim
@@ -578,7 +588,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                 for h in range(kvh * group, (kvh + 1) * group):
                     if not hidden:
                         fwd_chunk(q_src[h], kpc, vpc, nk, o_acc[b, h], m[b, h], l[b, h], scale, lo, hi, kv_pos, seg_q,
-                                  seg_c)
+                                  seg_c, cap)
                     done += 1
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(done / total)
@@ -588,11 +598,11 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                         vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos,
                                                   None if seg_q is None else seg_q[idx], seg_kv)
                         m[b, h, idx], l[b, h, idx], o_acc[b, h, idx] = _redo_rows_forward(
-                            q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old)
+                            q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old, cap)
                     if see_v.any():  # clean m and l; the bad v rows' weights against the final shift
                         rows = np.flatnonzero(see_v.any(axis=1))
                         bad_cols = np.flatnonzero(bv)
-                        sc = (q_use[b, h, rows] @ k_use[b, kvh, bad_cols].T) * scale
+                        sc, _ = _capped((q_use[b, h, rows] @ k_use[b, kvh, bad_cols].T) * scale, cap)
                         shift = np.where(np.isneginf(m[b, h, rows]), 0, m[b, h, rows]).astype(ct, copy=False)
                         weights = np.exp(sc - shift[:, None]).astype(ct, copy=False)
                         terms = weights[:, :, None] * v_use[b, kvh, bad_cols][None]
@@ -616,14 +626,17 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
 BWD_CHUNK = positive_int("RINGMPI_BWD_CHUNK", 512)  # keys per bwd_chunk call (inside a TILE_KV key tile)
 
 
-def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t):
+def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t, softcap=0.0):
     """The terms of the query rows ``idx`` (bad, or seeing a bad key) over one key tile, from their
     raw values and visible keys only (as :func:`_careful_backward_tile` adds them)."""
     q_r, do_r = q[idx], do[idx]
     with np.errstate(invalid="ignore", over="ignore"):
-        p_r = np.where(vis_r, np.exp((q_r @ k.T) * scale - lse[idx, None]), 0).astype(q.dtype, copy=False)
+        sc, t = _capped((q_r @ k.T) * scale, softcap)
+        p_r = np.where(vis_r, np.exp(sc - lse[idx, None]), 0).astype(q.dtype, copy=False)
         dp_r = do_r @ v.T
         ds = np.where(vis_r, p_r * (dp_r - dvec[idx, None]), 0).astype(q.dtype, copy=False)
+        if t is not None:  # through the cap's slope
+            ds = (ds * (1 - t * t)).astype(q.dtype, copy=False)
         dv_t += _visible_matmul(p_r.T, do_r, vis_r.T)
         dq[idx] += _visible_matmul(ds, k, vis_r)
         dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
@@ -639,6 +652,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
     lo = hi = None
     if spec.positional:
         lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
+    cap = float(spec.softcap or 0.0)
     key_tiles = _tiles(skv, TILE_KV)
     total = max(1, batch * heads * len(key_tiles))
     done = 0
@@ -683,7 +697,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                     seg_q, seg_kv = segs[b]
                     bwd_chunk(q_c[b][h], do_c[b][h], k_c[b, kvh][sub], v_c[b, kvh][sub], lse_h, dvec_h,
                               dq[b, h], dk_t, dv_t, scale, lo, hi, kv_pos, seg_q,
-                              None if seg_kv is None else seg_kv[cols])
+                              None if seg_kv is None else seg_kv[cols], cap)
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(min(1.0, (done + (b * heads + h + 1) * (cols.stop - tile.start) / (tile.stop - tile.start))
                                  / total))
@@ -695,7 +709,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
             vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos[tile], None if seg_q is None else seg_q[idx],
                                       None if seg_kv is None else seg_kv[tile])
             _redo_rows_backward(idx, qh[b, h], doh[b, h], kh[b, kvh, tile], vh[b, kvh, tile], lse_c[b][h],
-                                dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t)
+                                dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t, cap)
     sums.end(skv)
     return _tile_counts(mask, sq, skv, batch)
 
