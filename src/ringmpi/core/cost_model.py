@@ -73,7 +73,11 @@ class Link:
 class Machine:
     """What a rank computes and how ranks talk: ``rate`` FLOP/s of one rank's block op (the
     call's dtype and head dim), ``intra``/``inter`` the links inside a node and between
-    nodes, ``ranks_per_node``, ``memory`` bytes a rank may hold (None: unlimited)."""
+    nodes, ``ranks_per_node``, ``memory`` bytes a rank may hold (None: unlimited);
+    ``block_overhead``: seconds per visiting K/V row and K/V head a block op spends besides
+    its tiles (the NumPy backend's NaN/Inf scans of the block, its widening: measured on a block
+    whose tiles are all masked, :func:`ringmpi.parallel.cost_measure.block_rate`; 0, the
+    default, for the described GPU machines, where a block op is a few kernel launches)."""
 
     rate: float
     intra: Link
@@ -83,6 +87,13 @@ class Machine:
     ranks_per_nic: Optional[int] = None  # ranks of a node sharing one inter-node link (None: all of them)
     backward_rate: Optional[float] = None  # FLOP/s of the backward's block ops (None: ``rate``)
     torus: Optional[Tuple[int, ...]] = None  # a node's ranks as a torus with wraparound, rank-major (None: a switch)
+    block_overhead: float = 0.0  # seconds a block op spends per visiting K/V row and K/V head besides its tiles
+
+    def block_op(self, kv_rows: float, kv_heads: int, batch: int = 1) -> float:
+        """Seconds block ops spend on ``kv_rows`` visiting K/V rows beyond their tiles (the scans of
+        the block, computed tiles or not: ``block_overhead`` per row and K/V head; 0 on a
+        described machine)."""
+        return self.block_overhead * batch * kv_rows * kv_heads
 
     @property
     def nic_sharing(self) -> int:
@@ -100,7 +111,10 @@ class Shape:
     compute dtype (the backward's partial sums); ``density``: the share of (query, key)
     pairs visible (1 dense, about 1/2 causal, less with windows or documents);
     ``seen``: the share of the other ranks' K/V rows a rank's queries see (what the
-    routed schedule moves; 1 for dense and causal masks)."""
+    routed schedule moves; 1 for dense and causal masks); ``tile_pairs``: the (query, key)
+    pairs of the tiles the busiest rank's block ops compute, per batch entry and head (the
+    kernels compute a partially masked tile whole: with windows and documents this is well
+    above the visible pairs; None: ``density`` of the rank's share)."""
 
     n_q: int
     n_kv: int
@@ -113,6 +127,16 @@ class Shape:
     grad_itemsize: int = 4
     density: float = 1.0
     seen: float = 1.0
+    tile_pairs: Optional[float] = None
+
+    def busiest_flops(self, ranks: int, backward: bool = False) -> float:
+        """FLOPs of the busiest of ``ranks`` ranks: its block ops' whole tiles (``tile_pairs``, the
+        (query, key) pairs of every tile they compute, partial tiles whole, per batch entry and
+        head) where the call's shards gave them, else its share of :meth:`flops`."""
+        if self.tile_pairs is None:
+            return self.flops(backward) / ranks
+        fwd = 2.0 * self.batch * self.heads * self.tile_pairs * (self.dim + self.dim_v)
+        return fwd * (2.5 if backward else 1.0)
 
     def kv_row(self, itemsize: Optional[int] = None) -> float:
         """Bytes of one K/V row (all batch entries and K/V heads, K and V)."""
@@ -269,29 +293,33 @@ def _inner(shape: Shape, machine: Machine, ranks: int, per_node: int, schedule: 
     kv, grad = shape.kv_row(), shape.kv_row(shape.grad_itemsize)
     own = compute / ranks
     nic = min(machine.nic_sharing, ranks * sharing)  # every rank of a node moves at once
+    scan = machine.block_op(s_kv, shape.kv_heads, shape.batch)  # one whole block's scans, tiles or none
     if schedule == "ring":
         step_bytes = s_kv * (kv + (grad if backward else 0))
         hop = replace(link, bandwidth=link.bandwidth / sharing)
-        step = max(own, hop.seconds(step_bytes))
-        seconds = own + (ranks - 1) * step + (hop.seconds(s_kv * grad) if backward else 0.0)
+        step = max(own + scan, hop.seconds(step_bytes))  # every block visits, its tiles masked or not
+        seconds = own + scan + (ranks - 1) * step + (hop.seconds(s_kv * grad) if backward else 0.0)
         return seconds, (ranks - 1) * step_bytes + (s_kv * grad if backward else 0)
     if schedule == "routed":
         rows = (shape.n_kv - s_kv) * shape.seen if routed_rows is None else routed_rows
         nbytes = rows * (kv + grad if backward else kv)  # backward: and the partial sums of its own rows
         senders = ranks - 1 if rows else 0
         move = _gather_seconds(nbytes, ranks, per_node, machine, senders, nic, torus)
-        return own + max(compute - own, move), nbytes
+        rest = compute - own + machine.block_op(rows, shape.kv_heads, shape.batch)  # only the rows seen visit
+        return own + scan + max(rest, move), nbytes
     if schedule == "allgather":
         rows, pieces = shape.n_kv - s_kv, piece_count([s_kv])
         gather = _gather_seconds(rows * kv, ranks, per_node, machine, pieces * math.ceil(math.log2(ranks)), nic,
                                  torus)
-        last = (compute - own) / pieces
-        seconds = own + max(compute - own, gather + last)
+        rest = compute - own + machine.block_op(rows, shape.kv_heads, shape.batch)
+        last = rest / pieces
+        own += scan
+        seconds = own + max(rest, gather + last)
         nbytes = rows * kv
         if backward:
             back = _gather_seconds(rows * grad / pieces, ranks, per_node, machine, math.ceil(math.log2(ranks)),
                                    nic, torus)
-            seconds = own + max(compute - own, 2 * gather + last) + back
+            seconds = own + max(rest, 2 * gather + last) + back
             nbytes = 2 * rows * kv + rows * grad
         return seconds, nbytes
     raise ValueError(f"unknown schedule {schedule!r}")
@@ -303,7 +331,7 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
     group; ``routed_rows``: K/V rows the busiest rank receives under the routed schedule, from
     its plan, else ``shape.seen`` of the others'); ``backward``: the gradient pass."""
     u = int(head_parallel)
-    compute = shape.flops(backward) / ranks / machine.rate_of(backward)
+    compute = shape.busiest_flops(ranks, backward) / machine.rate_of(backward)
     wired = machine.torus if machine.torus and math.prod(machine.torus) == machine.ranks_per_node else None
     cut = split_torus(wired, u)
     members, heads = cut if cut else ((), ())
