@@ -77,7 +77,10 @@ class Machine:
     ``block_overhead``: seconds per visiting K/V row and K/V head a block op spends besides
     its tiles (the NumPy backend's NaN/Inf scans of the block, its widening: measured on a block
     whose tiles are all masked, :func:`ringmpi.parallel.cost_measure.block_rate`; 0, the
-    default, for the described GPU machines, where a block op is a few kernel launches)."""
+    default, for the described GPU machines, where a block op is a few kernel launches);
+    ``segment_rate``: FLOP/s of forward block ops with segment ids (the NumPy backend's
+    compiled block op holds none: they take its BLAS tiles, measured separately; None, the
+    default, where they run at ``rate``)."""
 
     rate: float
     intra: Link
@@ -88,6 +91,7 @@ class Machine:
     backward_rate: Optional[float] = None  # FLOP/s of the backward's block ops (None: ``rate``)
     torus: Optional[Tuple[int, ...]] = None  # a node's ranks as a torus with wraparound, rank-major (None: a switch)
     block_overhead: float = 0.0  # seconds a block op spends per visiting K/V row and K/V head besides its tiles
+    segment_rate: Optional[float] = None  # FLOP/s of the forward's block ops with segment ids (None: ``rate``)
 
     def block_op(self, kv_rows: float, kv_heads: int, batch: int = 1) -> float:
         """Seconds block ops spend on ``kv_rows`` visiting K/V rows beyond their tiles (the scans of
@@ -99,9 +103,12 @@ class Machine:
     def nic_sharing(self) -> int:
         return self.ranks_per_node if self.ranks_per_nic is None else self.ranks_per_nic
 
-    def rate_of(self, backward: bool = False) -> float:
-        """FLOP/s of the forward's (or the backward's) block ops."""
-        return self.backward_rate if backward and self.backward_rate else self.rate
+    def rate_of(self, backward: bool = False, segments: bool = False) -> float:
+        """FLOP/s of the forward's (or the backward's) block ops; ``segments``: with segment ids
+        (``segment_rate`` where measured: a backend may take another path for them)."""
+        if backward and self.backward_rate:
+            return self.backward_rate
+        return self.segment_rate if segments and not backward and self.segment_rate else self.rate
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,12 @@ class Shape:
     routed schedule moves; 1 for dense and causal masks); ``tile_pairs``: the (query, key)
     pairs of the tiles the busiest rank's block ops compute, per batch entry and head (the
     kernels compute a partially masked tile whole: with windows and documents this is well
-    above the visible pairs; None: ``density`` of the rank's share)."""
+    above the visible pairs; None: ``density`` of the rank's share); ``routed_split``: from a
+    route plan, ``(rows the busiest rank receives from its own node, rows the busiest node's
+    ranks receive from other nodes together)`` (None: ``seen``'s rows, a share of them remote
+    in proportion to the ranks off the node, every rank of the node moving at once);
+    ``segments``: the call has segment ids (packed documents): its block ops run at
+    ``Machine.segment_rate``."""
 
     n_q: int
     n_kv: int
@@ -128,6 +140,8 @@ class Shape:
     density: float = 1.0
     seen: float = 1.0
     tile_pairs: Optional[float] = None
+    routed_split: Optional[Tuple[float, float]] = None
+    segments: bool = False
 
     def busiest_flops(self, ranks: int, backward: bool = False) -> float:
         """FLOPs of the busiest of ``ranks`` ranks: its block ops' whole tiles (``tile_pairs``, the
@@ -305,6 +319,14 @@ def _inner(shape: Shape, machine: Machine, ranks: int, per_node: int, schedule: 
         nbytes = rows * (kv + grad if backward else kv)  # backward: and the partial sums of its own rows
         senders = ranks - 1 if rows else 0
         move = _gather_seconds(nbytes, ranks, per_node, machine, senders, nic, torus)
+        if shape.routed_split is not None and rows:
+            # where each row comes from (the plan's): the same node's over the node's link, the
+            # other nodes' over the node's link into the network, all its ranks' at once
+            near_rows, far_rows = shape.routed_split
+            per_row = nbytes / rows
+            near = machine.intra.seconds(near_rows * per_row, senders if near_rows else 0)
+            far = machine.inter.seconds(far_rows * per_row, senders if far_rows else 0) if ranks > per_node else 0.0
+            move = max(near, far)
         rest = compute - own + machine.block_op(rows, shape.kv_heads, shape.batch)  # only the rows seen visit
         return own + scan + max(rest, move), nbytes
     if schedule == "allgather":
@@ -331,7 +353,7 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
     group; ``routed_rows``: K/V rows the busiest rank receives under the routed schedule, from
     its plan, else ``shape.seen`` of the others'); ``backward``: the gradient pass."""
     u = int(head_parallel)
-    compute = shape.busiest_flops(ranks, backward) / machine.rate_of(backward)
+    compute = shape.busiest_flops(ranks, backward) / machine.rate_of(backward, shape.segments)
     wired = machine.torus if machine.torus and math.prod(machine.torus) == machine.ranks_per_node else None
     cut = split_torus(wired, u)
     members, heads = cut if cut else ((), ())

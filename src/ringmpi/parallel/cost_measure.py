@@ -56,10 +56,11 @@ def _rate_key(backend, dtype, dim: int, dim_v: int) -> str:
 
 
 def _measure_rate(backend, dtype, dim: int, dim_v: int):
-    """``(FLOP/s of the block op's tiles, seconds per visiting K/V row and head besides them)``: one
-    dense block and the same block with every tile masked (a causal mask, keys after the queries),
-    each timed five times (the medians: ranks' blocks overlap); the rate is of the difference (the
-    tiles alone), the overhead the masked block's time per row and head (the block's scans)."""
+    """``(FLOP/s of the block op's tiles, seconds per visiting K/V row and head besides them, FLOP/s
+    of its tiles with segment ids)``: one dense block, the same block with every tile masked (a
+    causal mask, keys after the queries) and with segment ids (one document: every tile whole),
+    each timed five times (the medians: ranks' blocks overlap); the rates are of the difference
+    (the tiles alone), the overhead the masked block's time per row and head (the block's scans)."""
     from ..core.masks import BlockMask, ScoreSpec
     from ..core.online_softmax import SoftmaxState
 
@@ -86,7 +87,10 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int):
     dense = median(BlockMask(ScoreSpec(), pos, pos, None, None))
     masked = median(BlockMask(ScoreSpec(causal=True), pos, pos + s, None, None))  # every tile skipped
     masked = min(masked, dense / 2)  # a noisy masked time never leaves the tiles less than half the block
-    return 2.0 * heads * s * s * (dim + dim_v) / (dense - masked), masked / (s * heads)
+    one = np.zeros((1, s), np.int64)  # one document: every tile whole, on the path segment ids take
+    segmented = max(median(BlockMask(ScoreSpec(), pos, pos, one, one)), 2 * masked)
+    flops = 2.0 * heads * s * s * (dim + dim_v)
+    return flops / (dense - masked), masked / (s * heads), flops / (segmented - masked)
 
 
 def block_rate(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> float:
@@ -98,9 +102,10 @@ def block_rate(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> floa
 
 
 def block_parts(comm, backend, dtype, dim: int, dim_v: int, timeout=None):
-    """``(rate, overhead)``: :func:`block_rate`'s FLOP/s of the tiles and the block op's seconds
-    per visiting K/V row and head besides them (``Machine.block_overhead``), measured together
-    (every rank at once; the slowest rank's of each) and cached together."""
+    """``(rate, overhead, segment rate)``: :func:`block_rate`'s FLOP/s of the tiles, the block op's
+    seconds per visiting K/V row and head besides them (``Machine.block_overhead``) and the FLOP/s
+    of its tiles with segment ids (``Machine.segment_rate``), measured together (every rank at
+    once; the slowest rank's of each) and cached together."""
     nodes = cached_node_ids(comm)
     key = f"{_rate_key(backend, dtype, dim, dim_v)}|{max(nodes.count(n) for n in set(nodes))} ranks"
     parts = _RATES.get(key)
@@ -112,16 +117,17 @@ def block_parts(comm, backend, dtype, dim: int, dim_v: int, timeout=None):
             table = json.loads(path.read_text())
         except (OSError, ValueError):
             table = {}
-    cached = table.get(key), table.get(f"{key}|overhead")
+    cached = table.get(key), table.get(f"{key}|overhead"), table.get(f"{key}|segments")
     with phase("the cost model's block rate (bcast from rank 0)", timeout):
         cached = comm.bcast(cached if None not in cached else None, root=0)
     if cached is None:
         with phase("the cost model's block rate (every rank times one block; MIN)", timeout):
             comm.Barrier()
-            rate, overhead = _measure_rate(backend, dtype, dim, dim_v)
-            cached = (comm.allreduce(rate, op=_min()), comm.allreduce(overhead, op=_max()))
+            rate, overhead, segmented = _measure_rate(backend, dtype, dim, dim_v)
+            cached = (comm.allreduce(rate, op=_min()), comm.allreduce(overhead, op=_max()),
+                      comm.allreduce(segmented, op=_min()))
         if comm.Get_rank() == 0:
-            table[key], table[f"{key}|overhead"] = cached
+            table[key], table[f"{key}|overhead"], table[f"{key}|segments"] = cached
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -129,7 +135,7 @@ def block_parts(comm, backend, dtype, dim: int, dim_v: int, timeout=None):
                 tmp.replace(path)
             except OSError:
                 pass  # a read-only home: measured again by the next process
-    _RATES[key] = (float(cached[0]), float(cached[1]))
+    _RATES[key] = tuple(float(x) for x in cached)
     return _RATES[key]
 
 
@@ -227,13 +233,14 @@ def machine(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> Machine
     smallest budget over its ranks, None when unknown)."""
     from ..runtime.memory import budget
 
-    rate, overhead = block_parts(comm, backend, dtype, dim, dim_v, timeout)
+    rate, overhead, segmented = block_parts(comm, backend, dtype, dim, dim_v, timeout)
     intra, inter, per_node = links(comm, timeout)
     with phase("the ranks' memory budgets (allgather)", timeout):
         budgets = comm.allgather(budget(on_device=backend.name == "cupy"))
     known = [b for b in budgets if b is not None]
     return Machine(rate=rate, intra=intra, inter=inter, ranks_per_node=per_node,
-                   memory=min(known) if known else None, block_overhead=overhead)
+                   memory=min(known) if known else None, block_overhead=overhead,
+                   segment_rate=segmented)
 
 
 def predictions_on(comm, backend, dtype, shape: Shape, schedules: Sequence[str], head_parallel: Sequence[int],

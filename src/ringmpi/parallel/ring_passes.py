@@ -138,7 +138,16 @@ class LocalProblem:
         shape = call_shape(n_q, n_kv, self.q_heads or k.shape[2], k, v, self.compute_dtype, self.spec, seen)
         pairs = busiest_tile_pairs(self.comm, self.q_pos, self.seg_q, self.kv_pos, self.seg_kv, self.spec,
                                    self.timeout)
-        return replace(shape, tile_pairs=pairs), rows
+        split = None
+        if plan is not None:
+            from .topology import cached_node_ids
+
+            node = np.asarray(cached_node_ids(self.comm))
+            same = node[:, None] == node[None, :]
+            near = float((plan.rows * same).sum(axis=1).max())  # the busiest rank's rows from its own node
+            far = max(float(plan.rows[node == n][:, node != n].sum()) for n in set(node.tolist()))
+            split = (near, far)
+        return replace(shape, tile_pairs=pairs, routed_split=split, segments=self.seg_q is not None), rows
 
     def predictions(self, k, v, backward: bool = False, head_parallel: Sequence[int] = (1,)):
         """Every schedule's :class:`~ringmpi.core.cost_model.Prediction` for this problem on this
@@ -322,7 +331,8 @@ class AgreedCall:
         shape = call_shape(self.place_q.n, self.place_kv.n, self.heads, k, v, self.compute_dtype, self.spec)
         shape = replace(shape, tile_pairs=busiest_tile_pairs(self.comm, self.place_q.mine, self.seg_q,
                                                              self.place_kv.mine, self.seg_kv, self.spec,
-                                                             self.timeout))
+                                                             self.timeout),
+                        segments=self.seg_q is not None)
         best, runner = choose_plan(self.comm, self.backend, k.dtype, shape, schedules, candidates, backward,
                                    timeout=self.timeout)
         if self.kv_schedule == "auto" and self.masked and not invariant:
