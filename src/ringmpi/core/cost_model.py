@@ -6,17 +6,26 @@ bandwidth, measured once per communicator) and ``schedule="auto"`` takes the
 fastest prediction that fits the memory budget; ``ringmpi plan`` fills it from a
 description of a cluster.  The parts:
 
-* **compute** ``C``: the visible (query, key) pairs of the busiest rank times
+* **compute** ``C``: the (query, key) pairs of the busiest rank times
   ``2 (D + D_v)`` FLOPs (FlashAttention's count; the backward 2.5x), over the block
   op's rate (the backward's own rate where the machine gives one: FlashAttention's
-  backward runs below its forward's rate; else the forward's).  Every schedule computes the same pairs; they differ in what they move
-  and how much of it hides behind ``C``.
+  backward runs below its forward's rate; with segment ids ``Machine.segment_rate``
+  where measured; else the forward's).  The pairs are those of the tiles its block
+  ops compute where the call gave them (``Shape.tile_pairs``: a partially masked tile
+  is computed whole), else the visible ones (``density``).  Every schedule computes the
+  same pairs; they differ in what they move and how much of it hides behind ``C``.
+* **scans** ``B``: a block op's cost beyond its tiles, ``Machine.block_overhead`` per
+  visiting K/V row and K/V head (measured: a block whose tiles are all masked; 0 on a
+  described machine): the ring pays a whole block's every step, masked or not; routed
+  and the all-gather the rows they receive.
 * **ring** (P ranks, node-major order: one hop per node crosses the inter-node link
   per step): the own block, then ``P - 1`` steps of
-  ``max(C / P, latency + shard bytes / bandwidth)``; the backward's dK/dV partial
+  ``max(C / P + B, latency + shard bytes / bandwidth)``; the backward's dK/dV partial
   sums travel with the K/V and take one more hop home.
 * **routed**: the rank's own block, then ``max(rest of C, transfer of the visible rows)``
-  (one message per sender that has rows to send).
+  (one message per sender that has rows to send); where the route plan is known
+  (``Shape.routed_split``) the rows from the rank's own node cross the intra link and
+  those all of a node's ranks receive from other nodes share its inter link.
 * **all-gather**: the own block, then ``max(rest of C, the gather + the last piece's
   compute)``; the backward hands its partial sums back, the last piece's exposed.
   The gather crosses the node boundary for ``(P - ranks per node) / (P - 1)`` of its
