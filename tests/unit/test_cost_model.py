@@ -192,3 +192,36 @@ def test_a_torus_widens_the_collectives_not_the_rings_hop():
     assert predict(SHAPE, torus, 16, "ring", 8).seconds < predict(SHAPE, switch, 16, "ring", 8).seconds
     mismatched = Machine(rate=1e12, intra=link, inter=link, ranks_per_node=16, torus=(2, 2))
     assert predict(SHAPE, mismatched, 16, "allgather").seconds == predict(SHAPE, switch, 16, "allgather").seconds
+
+
+def test_the_tiles_computed_and_the_block_scans_are_what_a_rank_pays():
+    """Issue 53's grid: a partially masked tile is computed whole (``tile_pairs``, not the visible
+    pairs), every block op scans its visiting rows (``block_overhead``: the ring a whole block each
+    step, routed only the rows it receives), segment ids run at their own rate; all three
+    default to the plain model (a described machine)."""
+    machine = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8)
+    sparse = Shape(**{**vars(SHAPE), "density": 0.1})
+    tiled = Shape(**{**vars(sparse), "tile_pairs": 0.2 * 8192 * 8192 / 8})
+    assert predict(tiled, machine, 8, "ring").compute == pytest.approx(2 * predict(sparse, machine, 8, "ring").compute)
+    scans = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8, block_overhead=1e-7)
+    shard = 8192 // 8
+    ring, plain = predict(sparse, scans, 8, "ring"), predict(sparse, machine, 8, "ring")
+    assert ring.seconds - plain.seconds == pytest.approx(8 * shard * 8 * 1e-7, rel=1e-3)
+    routed = predict(sparse, scans, 8, "routed", routed_rows=100)
+    assert routed.seconds - predict(sparse, machine, 8, "routed", routed_rows=100).seconds == \
+        pytest.approx((shard + 100) * 8 * 1e-7, rel=1e-3)
+    docs = Shape(**{**vars(sparse), "segments": True})
+    slower = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8, segment_rate=0.5e12)
+    assert predict(docs, slower, 8, "ring").compute == pytest.approx(2 * predict(sparse, slower, 8, "ring").compute)
+    assert predict(docs, machine, 8, "ring").compute == predict(sparse, machine, 8, "ring").compute
+
+
+def test_routed_rows_from_the_own_node_stay_off_the_slow_link():
+    """``routed_split``: the plan's rows from the rank's own node cross the intra link, only those
+    the node's ranks receive from other nodes the inter link."""
+    machine = Machine(rate=1e15, intra=FAST, inter=SLOW, ranks_per_node=2)
+    row = SHAPE.kv_row()
+    near = Shape(**{**vars(SHAPE), "routed_split": (1000.0, 0.0)})
+    far = Shape(**{**vars(SHAPE), "routed_split": (0.0, 1000.0)})
+    assert predict(near, machine, 4, "routed", routed_rows=1000).exposed < 1e-3
+    assert predict(far, machine, 4, "routed", routed_rows=1000).seconds == pytest.approx(1000 * row / 1e6, rel=0.01)

@@ -236,7 +236,9 @@ def worker(spec_path: str, out_path: str) -> None:
             predicted["auto"] = predicted.get(chosen)
             results.append(dict(rate=spec["rate"], cell=cell, measured=measured, predicted=predicted,
                                 auto_chosen=chosen, machine=dict(rate=parts.rate, intra=vars(parts.intra),
-                                                                 inter=vars(parts.inter))))
+                                                                 inter=vars(parts.inter),
+                                                                 block_overhead=parts.block_overhead,
+                                                                 segment_rate=parts.segment_rate)))
             print(f"schedule_grid: {spec['rate']} cell {i + 1}/{len(spec['cells'])} {label(results[-1])} "
                   f"{time.monotonic() - start:.1f} s; auto chose {chosen}", flush=True)
             Path(out_path).write_text(json.dumps(results))  # what is done survives a later failure
@@ -328,8 +330,21 @@ def machine_notes(rows: Sequence[dict]) -> List[str]:
         link = lambda x: f"{1e6 * x['latency']:.0f} us, {x['bandwidth'] / 1e6:.0f} MB/s"  # noqa: E731
         out.append(f"model's parts at {rate}: block rate " + ", ".join(f"D={d} {x / 1e9:.1f} GFLOP/s"
                                                                      for d, x in sorted(rates.items()))
-                   + f" per rank; intra-host link {link(m['intra'])}; inter-host link {link(m['inter'])}")
+                   + f" per rank; intra-host link {link(m['intra'])}; inter-host link {link(m['inter'])}"
+                   + _block_notes(mine))
     return out
+
+
+def _block_notes(mine: Sequence[dict]) -> str:
+    """The block op's other measured parts per head dim, where the results hold them: its
+    overhead per visiting K/V row and head, its rate with segment ids."""
+    parts = []
+    for d, m in sorted({r["cell"]["dim"]: r["machine"] for r in mine}.items()):
+        if m.get("block_overhead") is not None:
+            parts.append(f"D={d} block overhead {1e9 * m['block_overhead']:.0f} ns per K/V row and head")
+        if m.get("segment_rate"):
+            parts.append(f"D={d} block rate with segment ids {m['segment_rate'] / 1e9:.1f} GFLOP/s")
+    return "".join(f"; {p}" for p in parts)
 
 
 def notes(cores: int, rates: Sequence[str], quick: bool, repeat: int, warmup: int) -> List[str]:

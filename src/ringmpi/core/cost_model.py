@@ -6,17 +6,26 @@ bandwidth, measured once per communicator) and ``schedule="auto"`` takes the
 fastest prediction that fits the memory budget; ``ringmpi plan`` fills it from a
 description of a cluster.  The parts:
 
-* **compute** ``C``: the visible (query, key) pairs of the busiest rank times
+* **compute** ``C``: the (query, key) pairs of the busiest rank times
   ``2 (D + D_v)`` FLOPs (FlashAttention's count; the backward 2.5x), over the block
   op's rate (the backward's own rate where the machine gives one: FlashAttention's
-  backward runs below its forward's rate; else the forward's).  Every schedule computes the same pairs; they differ in what they move
-  and how much of it hides behind ``C``.
+  backward runs below its forward's rate; with segment ids ``Machine.segment_rate``
+  where measured; else the forward's).  The pairs are those of the tiles its block
+  ops compute where the call gave them (``Shape.tile_pairs``: a partially masked tile
+  is computed whole), else the visible ones (``density``).  Every schedule computes the
+  same pairs; they differ in what they move and how much of it hides behind ``C``.
+* **scans** ``B``: a block op's cost beyond its tiles, ``Machine.block_overhead`` per
+  visiting K/V row and K/V head (measured: a block whose tiles are all masked; 0 on a
+  described machine): the ring pays a whole block's every step, masked or not; routed
+  and the all-gather the rows they receive.
 * **ring** (P ranks, node-major order: one hop per node crosses the inter-node link
   per step): the own block, then ``P - 1`` steps of
-  ``max(C / P, latency + shard bytes / bandwidth)``; the backward's dK/dV partial
+  ``max(C / P + B, latency + shard bytes / bandwidth)``; the backward's dK/dV partial
   sums travel with the K/V and take one more hop home.
 * **routed**: the rank's own block, then ``max(rest of C, transfer of the visible rows)``
-  (one message per sender that has rows to send).
+  (one message per sender that has rows to send); where the route plan is known
+  (``Shape.routed_split``) the rows from the rank's own node cross the intra link and
+  those all of a node's ranks receive from other nodes share its inter link.
 * **all-gather**: the own block, then ``max(rest of C, the gather + the last piece's
   compute)``; the backward hands its partial sums back, the last piece's exposed.
   The gather crosses the node boundary for ``(P - ranks per node) / (P - 1)`` of its
@@ -73,7 +82,14 @@ class Link:
 class Machine:
     """What a rank computes and how ranks talk: ``rate`` FLOP/s of one rank's block op (the
     call's dtype and head dim), ``intra``/``inter`` the links inside a node and between
-    nodes, ``ranks_per_node``, ``memory`` bytes a rank may hold (None: unlimited)."""
+    nodes, ``ranks_per_node``, ``memory`` bytes a rank may hold (None: unlimited);
+    ``block_overhead``: seconds per visiting K/V row and K/V head a block op spends besides
+    its tiles (the NumPy backend's NaN/Inf scans of the block, its widening: measured on a block
+    whose tiles are all masked, :func:`ringmpi.parallel.cost_measure.block_rate`; 0, the
+    default, for the described GPU machines, where a block op is a few kernel launches);
+    ``segment_rate``: FLOP/s of forward block ops with segment ids (the NumPy backend's
+    compiled block op holds none: they take its BLAS tiles, measured separately; None, the
+    default, where they run at ``rate``)."""
 
     rate: float
     intra: Link
@@ -83,14 +99,25 @@ class Machine:
     ranks_per_nic: Optional[int] = None  # ranks of a node sharing one inter-node link (None: all of them)
     backward_rate: Optional[float] = None  # FLOP/s of the backward's block ops (None: ``rate``)
     torus: Optional[Tuple[int, ...]] = None  # a node's ranks as a torus with wraparound, rank-major (None: a switch)
+    block_overhead: float = 0.0  # seconds a block op spends per visiting K/V row and K/V head besides its tiles
+    segment_rate: Optional[float] = None  # FLOP/s of the forward's block ops with segment ids (None: ``rate``)
+
+    def block_op(self, kv_rows: float, kv_heads: int, batch: int = 1) -> float:
+        """Seconds block ops spend on ``kv_rows`` visiting K/V rows beyond their tiles (the scans of
+        the block, computed tiles or not: ``block_overhead`` per row and K/V head; 0 on a
+        described machine)."""
+        return self.block_overhead * batch * kv_rows * kv_heads
 
     @property
     def nic_sharing(self) -> int:
         return self.ranks_per_node if self.ranks_per_nic is None else self.ranks_per_nic
 
-    def rate_of(self, backward: bool = False) -> float:
-        """FLOP/s of the forward's (or the backward's) block ops."""
-        return self.backward_rate if backward and self.backward_rate else self.rate
+    def rate_of(self, backward: bool = False, segments: bool = False) -> float:
+        """FLOP/s of the forward's (or the backward's) block ops; ``segments``: with segment ids
+        (``segment_rate`` where measured: a backend may take another path for them)."""
+        if backward and self.backward_rate:
+            return self.backward_rate
+        return self.segment_rate if segments and not backward and self.segment_rate else self.rate
 
 
 @dataclass(frozen=True)
@@ -100,7 +127,15 @@ class Shape:
     compute dtype (the backward's partial sums); ``density``: the share of (query, key)
     pairs visible (1 dense, about 1/2 causal, less with windows or documents);
     ``seen``: the share of the other ranks' K/V rows a rank's queries see (what the
-    routed schedule moves; 1 for dense and causal masks)."""
+    routed schedule moves; 1 for dense and causal masks); ``tile_pairs``: the (query, key)
+    pairs of the tiles the busiest rank's block ops compute, per batch entry and head (the
+    kernels compute a partially masked tile whole: with windows and documents this is well
+    above the visible pairs; None: ``density`` of the rank's share); ``routed_split``: from a
+    route plan, ``(rows the busiest rank receives from its own node, rows the busiest node's
+    ranks receive from other nodes together)`` (None: ``seen``'s rows, a share of them remote
+    in proportion to the ranks off the node, every rank of the node moving at once);
+    ``segments``: the call has segment ids (packed documents): its block ops run at
+    ``Machine.segment_rate``."""
 
     n_q: int
     n_kv: int
@@ -113,6 +148,18 @@ class Shape:
     grad_itemsize: int = 4
     density: float = 1.0
     seen: float = 1.0
+    tile_pairs: Optional[float] = None
+    routed_split: Optional[Tuple[float, float]] = None
+    segments: bool = False
+
+    def busiest_flops(self, ranks: int, backward: bool = False) -> float:
+        """FLOPs of the busiest of ``ranks`` ranks: its block ops' whole tiles (``tile_pairs``, the
+        (query, key) pairs of every tile they compute, partial tiles whole, per batch entry and
+        head) where the call's shards gave them, else its share of :meth:`flops`."""
+        if self.tile_pairs is None:
+            return self.flops(backward) / ranks
+        fwd = 2.0 * self.batch * self.heads * self.tile_pairs * (self.dim + self.dim_v)
+        return fwd * (2.5 if backward else 1.0)
 
     def kv_row(self, itemsize: Optional[int] = None) -> float:
         """Bytes of one K/V row (all batch entries and K/V heads, K and V)."""
@@ -269,29 +316,41 @@ def _inner(shape: Shape, machine: Machine, ranks: int, per_node: int, schedule: 
     kv, grad = shape.kv_row(), shape.kv_row(shape.grad_itemsize)
     own = compute / ranks
     nic = min(machine.nic_sharing, ranks * sharing)  # every rank of a node moves at once
+    scan = machine.block_op(s_kv, shape.kv_heads, shape.batch)  # one whole block's scans, tiles or none
     if schedule == "ring":
         step_bytes = s_kv * (kv + (grad if backward else 0))
         hop = replace(link, bandwidth=link.bandwidth / sharing)
-        step = max(own, hop.seconds(step_bytes))
-        seconds = own + (ranks - 1) * step + (hop.seconds(s_kv * grad) if backward else 0.0)
+        step = max(own + scan, hop.seconds(step_bytes))  # every block visits, its tiles masked or not
+        seconds = own + scan + (ranks - 1) * step + (hop.seconds(s_kv * grad) if backward else 0.0)
         return seconds, (ranks - 1) * step_bytes + (s_kv * grad if backward else 0)
     if schedule == "routed":
         rows = (shape.n_kv - s_kv) * shape.seen if routed_rows is None else routed_rows
         nbytes = rows * (kv + grad if backward else kv)  # backward: and the partial sums of its own rows
         senders = ranks - 1 if rows else 0
         move = _gather_seconds(nbytes, ranks, per_node, machine, senders, nic, torus)
-        return own + max(compute - own, move), nbytes
+        if shape.routed_split is not None and rows:
+            # where each row comes from (the plan's): the same node's over the node's link, the
+            # other nodes' over the node's link into the network, all its ranks' at once
+            near_rows, far_rows = shape.routed_split
+            per_row = nbytes / rows
+            near = machine.intra.seconds(near_rows * per_row, senders if near_rows else 0)
+            far = machine.inter.seconds(far_rows * per_row, senders if far_rows else 0) if ranks > per_node else 0.0
+            move = max(near, far)
+        rest = compute - own + machine.block_op(rows, shape.kv_heads, shape.batch)  # only the rows seen visit
+        return own + scan + max(rest, move), nbytes
     if schedule == "allgather":
         rows, pieces = shape.n_kv - s_kv, piece_count([s_kv])
         gather = _gather_seconds(rows * kv, ranks, per_node, machine, pieces * math.ceil(math.log2(ranks)), nic,
                                  torus)
-        last = (compute - own) / pieces
-        seconds = own + max(compute - own, gather + last)
+        rest = compute - own + machine.block_op(rows, shape.kv_heads, shape.batch)
+        last = rest / pieces
+        own += scan
+        seconds = own + max(rest, gather + last)
         nbytes = rows * kv
         if backward:
             back = _gather_seconds(rows * grad / pieces, ranks, per_node, machine, math.ceil(math.log2(ranks)),
                                    nic, torus)
-            seconds = own + max(compute - own, 2 * gather + last) + back
+            seconds = own + max(rest, 2 * gather + last) + back
             nbytes = 2 * rows * kv + rows * grad
         return seconds, nbytes
     raise ValueError(f"unknown schedule {schedule!r}")
@@ -303,7 +362,7 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
     group; ``routed_rows``: K/V rows the busiest rank receives under the routed schedule, from
     its plan, else ``shape.seen`` of the others'); ``backward``: the gradient pass."""
     u = int(head_parallel)
-    compute = shape.flops(backward) / ranks / machine.rate_of(backward)
+    compute = shape.busiest_flops(ranks, backward) / machine.rate_of(backward, shape.segments)
     wired = machine.torus if machine.torus and math.prod(machine.torus) == machine.ranks_per_node else None
     cut = split_torus(wired, u)
     members, heads = cut if cut else ((), ())

@@ -2,7 +2,9 @@
 
 * :func:`block_rate` -- the block op's FLOP/s for a dtype and head dims: one dense
   block timed (median of five) on every rank at once (ranks that share cores share them,
-  as in a call), the slowest rank's; measured once per machine and cached in
+  as in a call), less the same block with every tile masked (the block op's scans, which
+  :func:`block_parts` keeps as ``Machine.block_overhead``: seconds per visiting K/V row and
+  head), the slowest rank's; measured once per machine and cached in
   ``$RINGMPI_CACHE`` (default ``~/.cache/ringmpi``)/``block_rates.json`` under the
   host name, backend, vector path, dtype, dims and ranks per node; rank 0 reads the
   cache and broadcasts, so every rank predicts alike.
@@ -53,7 +55,12 @@ def _rate_key(backend, dtype, dim: int, dim_v: int) -> str:
     return f"{socket.gethostname()}|{backend.name}|{path}|{np.dtype(dtype).name}|{dim}|{dim_v}"
 
 
-def _measure_rate(backend, dtype, dim: int, dim_v: int) -> float:
+def _measure_rate(backend, dtype, dim: int, dim_v: int):
+    """``(FLOP/s of the block op's tiles, seconds per visiting K/V row and head besides them, FLOP/s
+    of its tiles with segment ids)``: one dense block, the same block with every tile masked (a
+    causal mask, keys after the queries) and with segment ids (one document: every tile whole),
+    each timed five times (the medians: ranks' blocks overlap); the rates are of the difference
+    (the tiles alone), the overhead the masked block's time per row and head (the block's scans)."""
     from ..core.masks import BlockMask, ScoreSpec
     from ..core.online_softmax import SoftmaxState
 
@@ -65,16 +72,25 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int) -> float:
     k = backend.asarray(rng.standard_normal((1, heads, s, dim)).astype(dtype))
     v = backend.asarray(rng.standard_normal((1, heads, s, dim_v)).astype(dtype))
     pos = np.arange(s, dtype=np.int64)
-    mask = BlockMask(ScoreSpec(), pos, pos, None, None)
-    times = []
-    for _ in range(5):
-        state = SoftmaxState(backend, (1, heads, s), dim_v, ct)
-        backend.synchronize()
-        start = time.perf_counter()
-        backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
-        backend.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2.0 * heads * s * s * (dim + dim_v) / sorted(times)[2]  # the median: ranks' blocks overlap
+
+    def median(mask) -> float:
+        times = []
+        for _ in range(5):
+            state = SoftmaxState(backend, (1, heads, s), dim_v, ct)
+            backend.synchronize()
+            start = time.perf_counter()
+            backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
+            backend.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[2]
+
+    dense = median(BlockMask(ScoreSpec(), pos, pos, None, None))
+    masked = median(BlockMask(ScoreSpec(causal=True), pos, pos + s, None, None))  # every tile skipped
+    masked = min(masked, dense / 2)  # a noisy masked time never leaves the tiles less than half the block
+    one = np.zeros((1, s), np.int64)  # one document: every tile whole, on the path segment ids take
+    segmented = max(median(BlockMask(ScoreSpec(), pos, pos, one, one)), 2 * masked)
+    flops = 2.0 * heads * s * s * (dim + dim_v)
+    return flops / (dense - masked), masked / (s * heads), flops / (segmented - masked)
 
 
 def block_rate(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> float:
@@ -82,25 +98,36 @@ def block_rate(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> floa
     puts there, on every rank: rank 0 reads the cache; where it has no figure, every rank
     times the block at once (ranks sharing cores share them, as in a call) and the slowest
     rank's rate is kept and written."""
+    return block_parts(comm, backend, dtype, dim, dim_v, timeout)[0]
+
+
+def block_parts(comm, backend, dtype, dim: int, dim_v: int, timeout=None):
+    """``(rate, overhead, segment rate)``: :func:`block_rate`'s FLOP/s of the tiles, the block op's
+    seconds per visiting K/V row and head besides them (``Machine.block_overhead``) and the FLOP/s
+    of its tiles with segment ids (``Machine.segment_rate``), measured together (every rank at
+    once; the slowest rank's of each) and cached together."""
     nodes = cached_node_ids(comm)
     key = f"{_rate_key(backend, dtype, dim, dim_v)}|{max(nodes.count(n) for n in set(nodes))} ranks"
-    rate = _RATES.get(key)
-    if rate is not None:
-        return rate
+    parts = _RATES.get(key)
+    if parts is not None:
+        return parts
     table, path = {}, cache_path()
     if comm.Get_rank() == 0:
         try:
             table = json.loads(path.read_text())
         except (OSError, ValueError):
             table = {}
+    cached = table.get(key), table.get(f"{key}|overhead"), table.get(f"{key}|segments")
     with phase("the cost model's block rate (bcast from rank 0)", timeout):
-        rate = comm.bcast(table.get(key), root=0)
-    if rate is None:
+        cached = comm.bcast(cached if None not in cached else None, root=0)
+    if cached is None:
         with phase("the cost model's block rate (every rank times one block; MIN)", timeout):
             comm.Barrier()
-            rate = comm.allreduce(_measure_rate(backend, dtype, dim, dim_v), op=_min())
+            rate, overhead, segmented = _measure_rate(backend, dtype, dim, dim_v)
+            cached = (comm.allreduce(rate, op=_min()), comm.allreduce(overhead, op=_max()),
+                      comm.allreduce(segmented, op=_min()))
         if comm.Get_rank() == 0:
-            table[key] = rate
+            table[key], table[f"{key}|overhead"], table[f"{key}|segments"] = cached
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -108,14 +135,20 @@ def block_rate(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> floa
                 tmp.replace(path)
             except OSError:
                 pass  # a read-only home: measured again by the next process
-    _RATES[key] = float(rate)
-    return float(rate)
+    _RATES[key] = tuple(float(x) for x in cached)
+    return _RATES[key]
 
 
 def _min():
     from mpi4py import MPI
 
     return MPI.MIN
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> float:
@@ -200,13 +233,14 @@ def machine(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> Machine
     smallest budget over its ranks, None when unknown)."""
     from ..runtime.memory import budget
 
-    rate = block_rate(comm, backend, dtype, dim, dim_v, timeout)
+    rate, overhead, segmented = block_parts(comm, backend, dtype, dim, dim_v, timeout)
     intra, inter, per_node = links(comm, timeout)
     with phase("the ranks' memory budgets (allgather)", timeout):
         budgets = comm.allgather(budget(on_device=backend.name == "cupy"))
     known = [b for b in budgets if b is not None]
     return Machine(rate=rate, intra=intra, inter=inter, ranks_per_node=per_node,
-                   memory=min(known) if known else None)
+                   memory=min(known) if known else None, block_overhead=overhead,
+                   segment_rate=segmented)
 
 
 def predictions_on(comm, backend, dtype, shape: Shape, schedules: Sequence[str], head_parallel: Sequence[int],

@@ -14,7 +14,7 @@ accumulators (backward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -136,7 +136,18 @@ class LocalProblem:
             seen = max(plan.routed_rows() / max(plan.ring_rows(), 1), 1.0 / size)
             rows = float(plan.rows.sum(axis=1).max())
         shape = call_shape(n_q, n_kv, self.q_heads or k.shape[2], k, v, self.compute_dtype, self.spec, seen)
-        return shape, rows
+        pairs = busiest_tile_pairs(self.comm, self.q_pos, self.seg_q, self.kv_pos, self.seg_kv, self.spec,
+                                   self.timeout)
+        split = None
+        if plan is not None:
+            from .topology import cached_node_ids
+
+            node = np.asarray(cached_node_ids(self.comm))
+            same = node[:, None] == node[None, :]
+            near = float((plan.rows * same).sum(axis=1).max())  # the busiest rank's rows from its own node
+            far = max(float(plan.rows[node == n][:, node != n].sum()) for n in set(node.tolist()))
+            split = (near, far)
+        return replace(shape, tile_pairs=pairs, routed_split=split, segments=self.seg_q is not None), rows
 
     def predictions(self, k, v, backward: bool = False, head_parallel: Sequence[int] = (1,)):
         """Every schedule's :class:`~ringmpi.core.cost_model.Prediction` for this problem on this
@@ -190,6 +201,48 @@ class LocalProblem:
         return AllGatherSchedule(comm, be, kh, vh, kv_counts=self.kv_counts, kv_runs=kv_runs, q_pos=self.q_pos,
                                  kv_pos=self.kv_pos, spec=self.spec, seg_q=self.seg_q, seg_kv=self.seg_kv,
                                  grad_dtype=grad_dtype, timeout=self.timeout, phase=phase, order=self.order)
+
+
+def busiest_tile_pairs(comm, q_pos, seg_q, kv_pos, seg_kv, spec: ScoreSpec, timeout=None) -> Optional[float]:
+    """The (query, key) pairs of the tiles the busiest rank's block ops compute over one pass (every
+    rank's K/V block against its queries; partially masked tiles whole, as the kernels compute
+    them; per batch entry and head): the cost model's ``Shape.tile_pairs``, from every rank's
+    K/V tile bounds (one allgather) and the tile rule of the kernels
+    (:func:`ringmpi.core.masks.classify_tiles`, tiles of :data:`ringmpi.core.cost_model.TILE_ROWS`);
+    None where there is no mask (every tile computed: the visible pairs are the same).
+    Collective."""
+    from ..core.cost_model import TILE_ROWS
+    from ..core.masks import SKIP, classify_tiles, tile_bounds
+    from ..runtime.watchdog import phase
+
+    if q_pos is None or kv_pos is None or not (spec.positional or seg_q is not None):
+        return None
+    mine = (len(kv_pos), tile_bounds(kv_pos, seg_kv, TILE_ROWS)) if len(kv_pos) else (0, None)
+    with phase("the cost model's tile count (allgather of K/V tile bounds)", timeout):
+        every = comm.allgather(mine)
+    batch = 1 if seg_q is None else seg_q.shape[0]
+    sq = len(q_pos)
+    pairs = 0.0
+    if sq:
+        nqt = -(-sq // TILE_ROWS)
+        q_rows = np.minimum(TILE_ROWS, sq - TILE_ROWS * np.arange(nqt))
+        q_bounds = tile_bounds(q_pos, seg_q, TILE_ROWS)
+        for skv, bounds in every:
+            if not skv:
+                continue
+            nkt = -(-skv // TILE_ROWS)
+            k_rows = np.minimum(TILE_ROWS, skv - TILE_ROWS * np.arange(nkt))
+            classes = classify_tiles(spec, q_bounds, bounds, nqt, nkt, batch, seg_q is not None)
+            sizes = q_rows[:, None] * k_rows[None, :]
+            pairs += float(((classes != SKIP) * sizes[None]).sum()) / classes.shape[0]
+    with phase("the cost model's tile count (allreduce MAX)", timeout):
+        return float(comm.allreduce(pairs, op=_max_op()))
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def call_shape(n_q: int, n_kv: int, heads: int, k, v, compute_dtype, spec: ScoreSpec, seen=None):
@@ -276,6 +329,10 @@ class AgreedCall:
         else:
             schedules = (self.kv_schedule,)
         shape = call_shape(self.place_q.n, self.place_kv.n, self.heads, k, v, self.compute_dtype, self.spec)
+        shape = replace(shape, tile_pairs=busiest_tile_pairs(self.comm, self.place_q.mine, self.seg_q,
+                                                             self.place_kv.mine, self.seg_kv, self.spec,
+                                                             self.timeout),
+                        segments=self.seg_q is not None)
         best, runner = choose_plan(self.comm, self.backend, k.dtype, shape, schedules, candidates, backward,
                                    timeout=self.timeout)
         if self.kv_schedule == "auto" and self.masked and not invariant:
