@@ -87,9 +87,9 @@ class Machine:
     its tiles (the NumPy backend's NaN/Inf scans of the block, its widening: measured on a block
     whose tiles are all masked, :func:`ringmpi.parallel.cost_measure.block_rate`; 0, the
     default, for the described GPU machines, where a block op is a few kernel launches);
-    ``segment_rate``: FLOP/s of forward block ops with segment ids (the NumPy backend's
-    compiled block op holds none: they take its BLAS tiles, measured separately; None, the
-    default, where they run at ``rate``)."""
+    ``segment_rate``: FLOP/s of forward block ops with segment ids (measured separately: a
+    backend may take another path for them, and their strips' masks cost; None, the default,
+    where they run at ``rate``)."""
 
     rate: float
     intra: Link
