@@ -246,9 +246,9 @@ def _block_paths():
     return tuple(out)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True),
-                                dict(causal=True, segments=True), dict(causal=True, softcap=2.0),
-                                dict(window=(70, 5), softcap=30.0, segments=True)],
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
+                                dict(causal=True, gqa=True), dict(causal=True, segments=True),
+                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True)],
                             ids=["full", "causal", "window", "causal-gqa", "causal-segments",
                                  "causal-softcap", "window-softcap-segments"])
 def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
@@ -294,9 +294,9 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True),
-                                dict(causal=True, segments=True), dict(causal=True, softcap=2.0),
-                                dict(window=(70, 5), softcap=30.0, segments=True)],
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
+                                dict(causal=True, gqa=True), dict(causal=True, segments=True),
+                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True)],
                          ids=["full", "causal", "window", "causal-gqa", "causal-segments",
                                  "causal-softcap", "window-softcap-segments"])
 def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
@@ -349,6 +349,40 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     checks = [reference.tolerance_check(name, g, r, nv, gradient=True)
               for name, g, r, nv in zip(("dq", "dk", "dv"), first, g64, g32)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+def test_block_op_softcap_tanh_within_4_ulp_and_the_same_bits_on_every_path():
+    """The compiled block op's logit softcap: with one key k = 1 (D = 1), scale 1 and cap 1, a row's
+    state m is tanh(q) as ``exp_rows.h``'s ``tanh_vec`` computes it: within 4 ulp of float64's tanh
+    over both of its branches (below and above 0.3), exact at 0, +-1 at +-inf, the same bits on
+    every path."""
+    paths = _block_paths()
+    if not paths:
+        pytest.skip("no compiled block op (not built, RINGMPI_CPU_KERNEL=numpy or RINGMPI_CPU_BLOCK=tiles)")
+    x = np.concatenate([np.linspace(-12, 12, 20011), np.geomspace(1e-30, 0.3, 4001), [0.0, np.inf, -np.inf]])
+    x = x.astype(np.float32)
+    kp = np.zeros((1, 32), np.float32)
+    kp[0, 0] = 1.0
+    vp = np.zeros((1, 16), np.float32)
+    fused, before, out = tp.compiled, tp.compiled.path(), {}
+    try:
+        for path in paths:
+            fused.use(path)
+            m = np.full(x.size, -np.inf, np.float32)
+            l = np.zeros(x.size, np.float32)
+            o = np.zeros((x.size, 1), np.float32)
+            fused.fwd_chunk(x[:, None].copy(), kp, vp, 1, o, m, l, 1.0, None, None, None, None, None, 1.0)
+            out[path] = m
+    finally:
+        fused.use(before)
+    first = out[paths[0]]
+    for path, m in out.items():
+        assert m.tobytes() == first.tobytes(), f"the {path} path's tanh differs"
+    want = np.tanh(x.astype(np.float64))
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    err = np.abs(first - want) / ulp
+    assert err.max() <= 4, f"tanh off by {err.max():.2f} ulp at {x[err.argmax()]}"
+    assert first[-3] == 0 and first[-2] == 1 and first[-1] == -1
 
 
 def test_block_op_takes_the_common_forward_only():

@@ -15,7 +15,9 @@
  *   mask                   positions (causal, window) and segment ids (ChunkMask): scores a row does
  *                          not see (outside [lo_i, hi_i], another segment) -> -inf; a strip
  *                          the mask hides in part computes only the panels from the first key one of
- *                          its rows may see to the last, one it hides whole is skipped
+ *                          its rows may see to the last, one it hides whole is skipped; with the
+ *                          logit softcap each score first becomes c tanh(scale S / c) (softcap_row,
+ *                          each step rounded) and the scale below is 1
  *   m' = max(m, scale * max_j S[i, j]), shift = m' (0 where m' = -inf)
  *   P = exp(scale * S - shift) with its row sums (exp_rows.h's exp_row: the tile pass's exp)
  *   alpha = exp(m - shift), l = l * alpha + sum, m = m'
@@ -274,12 +276,14 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
  * the chunk's dK, dV accumulators (padded copies in scratch) stay resident while the query strips
  * of BQ rows stream past; per strip
  *
- *   S = Q_strip K^T, dP = dO_strip V^T   nt_tile: each one chain of fused multiply-adds from 0
+ *   S = Q_strip K^T, dP = dO_strip V^T   qk_tile: each one chain of fused multiply-adds from 0
  *                                        (S bit for bit the forward's scores, so P matches its lse)
- *   mask                                 as fwd_chunk: positions outside [lo_i, hi_i] -> -inf, a
- *                                        strip computes only its clipped key range, skips a hidden one
- *   P = exp(scale * S - lse_i)           exp_rows.h's exp_row (the tile pass's exp)
- *   dS = (dP - dvec_i) * P               each step rounded (ds_rows's arithmetic)
+ *   mask                                 as fwd_chunk (positions and segment ids, ChunkMask): hidden
+ *                                        scores -> -inf, a strip computes only its clipped key range,
+ *                                        skips a hidden one; with the softcap S first capped as there
+ *   P = exp(scale * S - lse_i)           exp_rows.h's exp_row (the tile pass's exp; scale 1 when capped)
+ *   dS = (dP - dvec_i) * P               each step rounded (ds_rows's arithmetic); with the softcap then
+ *                                        times its slope 1 - t^2 (t = the score's tanh; 0 where hidden)
  *   dV += P^T dO, dK += dS^T Q           tn_tile: each element one chain over the strip's rows in order
  *   dQ += dS K                           pv_tile: each element one chain over the keys in order
  *
@@ -451,6 +455,9 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
             const Py_ssize_t i = i0 + r;
             if (cap != 0.0f) FN(softcap_row)(row, n, scale, cap, th);
             if (partial) mask_row(mk, i, row, c0, n);
+            if (cap != 0.0f && partial) /* a hidden score's slope is 0: nothing of it reaches dS */
+                for (Py_ssize_t j = 0; j < n; j++)
+                    if (row[j] == -INFINITY) th[j] = 1.0f;
             FN(exp_row)(row, n, cap != 0.0f ? 1.0f : scale, NULL, lse[i]);
             const float d = dvec[i];
             for (Py_ssize_t j = 0; j < n; j++) drow[j] = (drow[j] - d) * row[j];

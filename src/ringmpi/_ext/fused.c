@@ -287,7 +287,7 @@ static void release(Py_buffer *views, int n)
         if (views[i].obj) PyBuffer_Release(&views[i]);
 }
 
-/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos) */
+/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]) */
 static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
 {
     PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;
@@ -311,12 +311,16 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
     if (get2d(vpo, &v[2], 0, &nkr, &dvp, &ldv) < 0) goto done;
     if (get2d(oo, &v[3], 1, &oq, &dv, &ldo) < 0) goto done;
     /* kp: the keys' panels, (panels * D, 32) contiguous; vp: (>= nk, dvp) contiguous, dvp % 16 == 0 */
-    if (kbp != 32 || ldk != 32 || dk % dim || dk / dim * 32 < nk || nk < 1 || ldv != dvp || dvp % 16 ||
+    if (kbp != 32 || ldk != 32 || dim < 1 || dk % dim || dk / dim * 32 < nk || nk < 1 || ldv != dvp || dvp % 16 ||
         nkr < nk || dv > dvp || oq != nq) {
         PyErr_SetString(PyExc_ValueError, "fwd_chunk: operand shapes do not match");
         goto done;
     }
     if (get1d(mo, &v[4], "f", nq, 1, "m") < 0 || get1d(lo_, &v[5], "f", nq, 1, "l") < 0) goto done;
+    if (!v[4].buf || !v[5].buf) {
+        PyErr_SetString(PyExc_ValueError, "fwd_chunk: m and l are required");
+        goto done;
+    }
     if (get1d(loo, &v[6], "l", nq, 0, "lo") < 0 || get1d(hio, &v[7], "l", nq, 0, "hi") < 0 ||
         get1d(kvo, &v[8], "l", nk, 0, "kvpos") < 0)
         goto done;
@@ -521,7 +525,7 @@ done:
     return out;
 }
 
-/* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos) */
+/* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]) */
 static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
 {
     PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;

@@ -164,9 +164,12 @@ class Resident:
         self.ds_pass = ds_pass    # the backward's dS: dp = (dp - dvec) * p, each step rounded
         self.tiling = Tiling.of(positions)
         self.ct, self.spec, self.kv_dtype = np.dtype(ct), spec, np.dtype(kv_dtype)
-        # the compiled block op's Q K^T (each score one chain of fused multiply-adds over d, whatever
-        # the stack) for float32 where it is built, else BLAS: either way the same for every pair
-        self.products = tile_pass.compiled if self.ct == np.float32 and tile_pass.block_op() is not None else None
+        # the compiled block op's products (each element one chain of fused multiply-adds, whatever
+        # the stack) for float32 where it is built with FMA, else BLAS: either way the same for every
+        # pair (RINGMPI_CPU_BLOCK, the default path's comparison switch, does not change these bits;
+        # every rank runs the same build, as it runs the same BLAS)
+        compiled = tile_pass.compiled
+        self.products = compiled if self.ct == np.float32 and compiled is not None and compiled.has_block() else None
         self.seg = tiled_segments(self.tiling, seg)
         self.q, self.do = q, do
         self.shape = (q.shape[0], q.shape[1], self.tiling.count, TILE)

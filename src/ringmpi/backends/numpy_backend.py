@@ -453,8 +453,8 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
 # (src/ringmpi/_ext/block_rows.h), the key chunk's K and V packed once here and reused by every
 # query head of its K/V head; the call folds the chunk into the state of every query row, strip by
 # strip, with no Python between its tiles (its own register-blocked products, the exact online
-# softmax: each strip's row maximum taken before its exp).  Every other forward, and every backward,
-# takes the BLAS tiles below.
+# softmax: each strip's row maximum taken before its exp).  Every other forward takes the BLAS tiles
+# below; the backward, the compiled backward block op under the same conditions (further below).
 
 PANEL = tile_pass.PANEL  # keys per packed K panel
 
@@ -690,6 +690,9 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
             if lo is not None and spec.classify(mask.q_pos, mask.kv_pos[cols]) == SKIP:
                 continue
             for b in range(batch):
+                if segs[b][0] is not None and spec.classify(mask.q_pos, mask.kv_pos[cols], segs[b][0],
+                                                           segs[b][1][cols]) == SKIP:
+                    continue  # hidden by segment ids in this batch entry
                 for h in range(heads):
                     kvh = h // group
                     dk_t, dv_t = sums.views(b, kvh, cols)
@@ -948,7 +951,8 @@ class NumpyBackend:
         scratch_t = None if softcap is None else _scratch(resident, "t", size, ct)
         dropout = mask.spec.dropout
         # where the forward took the compiled block op, the backward's scores are its scores, bit
-        # for bit (its P then matches the forward's lse; the rest stays on BLAS)
+        # for bit (its P then matches the forward's lse, the softcap's tanh to a few ulp; the rest
+        # stays on BLAS)
         scores = tile_pass.compiled.scores if compiled else None
         tiles = _TilePlan(mask, sq, skv, batch, ct, kv_major=True)
         sums = _KeyTileSums(dk, dv, ct, resident, kv_need, kv_done)
