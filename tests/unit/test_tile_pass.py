@@ -248,9 +248,11 @@ def _block_paths():
 
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
                                 dict(causal=True, gqa=True), dict(causal=True, segments=True),
-                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True)],
+                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True),
+                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True)],
                             ids=["full", "causal", "window", "causal-gqa", "causal-segments",
-                                 "causal-softcap", "window-softcap-segments"])
+                                 "causal-softcap", "window-softcap-segments", "causal-alibi",
+                                 "window-softcap-alibi-gqa"])
 def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled forward block op (``_fused.fwd_chunk``: the common float32 forward) on every
     vector path that has it: the same bits on each (every score and output is one chain of fused
@@ -273,6 +275,9 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
         opts["segment_ids"] = seg
     if kw.get("softcap"):
         opts["softcap"] = kw["softcap"]
+    slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32) if kw.get("alibi") else None  # geometric slopes
+    if slopes is not None:
+        opts["alibi_slopes"] = slopes
     fused, before, runs = tp.compiled, tp.compiled.path(), {}
     try:
         for path in paths:
@@ -288,17 +293,19 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     scale = 1 / np.sqrt(40)
     wide = [x.astype(np.float64) for x in (q, k, v)]
     cap = kw.get("softcap")
-    o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale, softcap=cap)
-    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap)
+    o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale, softcap=cap, alibi=slopes)
+    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap, alibi=slopes)
     checks = [reference.tolerance_check("o", first[0], o64, o32), reference.tolerance_check("lse", first[1], lse64, lse32)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
                                 dict(causal=True, gqa=True), dict(causal=True, segments=True),
-                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True)],
+                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True),
+                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True)],
                          ids=["full", "causal", "window", "causal-gqa", "causal-segments",
-                                 "causal-softcap", "window-softcap-segments"])
+                                 "causal-softcap", "window-softcap-segments", "causal-alibi",
+                                 "window-softcap-alibi-gqa"])
 def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled backward block op (``_fused.bwd_chunk``: the common float32 backward) on every
     vector path that has it: the same dq, dk, dv bits on each (every element one chain of fused
@@ -324,6 +331,9 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
         opts["segment_ids"] = seg
     if kw.get("softcap"):
         opts["softcap"] = kw["softcap"]
+    slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32) if kw.get("alibi") else None  # geometric slopes
+    if slopes is not None:
+        opts["alibi_slopes"] = slopes
     calls = []
     real = numpy_backend._compiled_backward
     monkeypatch.setattr(numpy_backend, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
@@ -344,8 +354,9 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     scale = 1 / np.sqrt(40)
     wide = [x.astype(np.float64) for x in (q, k, v, do)]
     cap = kw.get("softcap")
-    g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, vis=vis, scale=scale, softcap=cap)
-    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap)
+    g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, vis=vis, scale=scale, softcap=cap,
+                                   alibi=slopes)
+    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap, alibi=slopes)
     checks = [reference.tolerance_check(name, g, r, nv, gradient=True)
               for name, g, r, nv in zip(("dq", "dk", "dv"), first, g64, g32)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
@@ -386,8 +397,8 @@ def test_block_op_softcap_tanh_within_4_ulp_and_the_same_bits_on_every_path():
 
 
 def test_block_op_takes_the_common_forward_only():
-    """Which forwards take the compiled block op: float32, segment ids and the softcap too, without
-    dropout or score modifiers; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
+    """Which forwards take the compiled block op: float32, segment ids, the softcap and ALiBi too,
+    without dropout; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
     from ringmpi.core.masks import BlockMask, ScoreSpec
 
     if tp.compiled is None or not tp.compiled.has_block():
@@ -399,6 +410,12 @@ def test_block_op_takes_the_common_forward_only():
     assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(softcap=5.0), pos, pos))
     seg = np.zeros((1, 8), np.int64)
     assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(ScoreSpec(), pos, pos, seg, seg))
+    from ringmpi.core.modifiers import Alibi
+
+    alibi = ScoreSpec(modifiers=(Alibi((0.5,)),))
+    assert numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(alibi, pos, pos))
+    far = pos + 2 ** 52  # distances no longer exact in float64: the BLAS tiles
+    assert not numpy_backend.compiled_forward_ok(np.dtype(np.float32), 0.125, BlockMask(alibi, far, far))
     import os
     old = os.environ.get("RINGMPI_CPU_BLOCK")
     os.environ["RINGMPI_CPU_BLOCK"] = "tiles"

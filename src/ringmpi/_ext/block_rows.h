@@ -28,6 +28,10 @@
  * width only decides how many elements go side by side), so every path gives the same bits. */
 
 #define PANEL 32 /* keys per packed K panel: kp[panel][d][PANEL] */
+#define VD CAT(vd, VW)
+#define VQ CAT(vq, VW)
+typedef double VD __attribute__((vector_size(VW * 8)));
+typedef uint64_t VQ __attribute__((vector_size(VW * 8)));
 #define QK_NR 2  /* vectors of keys per Q K^T micro-kernel tile */
 #define JC 64    /* keys per run of the P V product */
 
@@ -77,6 +81,35 @@ PINLINE void FN(pv_tile)(float *os, Py_ssize_t dvp, const float *alpha, int firs
     }
     _Pragma("GCC unroll 16") for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 8") for (int c = 0; c < nv; c++) STORE(os + r * dvp + c * VW, acc[r][c]);
+}
+
+/* the score modifiers over a row of raw scores (keys c0 .. c0 + n - 1 of row i): x = scale s, then
+ * the cap (softcap_row; t, when given, receives its tanh), then ALiBi's x - slope |qd_i - kd_j| (the
+ * distance exact in float64, rounded once to float32; the product and the difference each rounded) */
+PINLINE void FN(modified_row)(float *row, Py_ssize_t n, float scale, const ScoreMods *md, Py_ssize_t i, Py_ssize_t c0,
+                              float *t)
+{
+    if (md->cap != 0.0f) FN(softcap_row)(row, n, scale, md->cap, t);
+    else {
+        const VF vs = FN(bc)(scale);
+        Py_ssize_t j = 0;
+        for (; j + VW <= n; j += VW) STORE(row + j, LOAD(row + j) * vs);
+        for (; j < n; j++) row[j] = row[j] * scale;
+    }
+    if (md->slope == 0.0f) return;
+    const double qd = md->qd[i];
+    const double *kd = md->kd + c0;
+    const VD vq = (VD){0} + qd;
+    const VQ mag = (VQ){0} + 0x7fffffffffffffffull;
+    const VF vsl = FN(bc)(md->slope);
+    Py_ssize_t j = 0;
+    for (; j + VW <= n; j += VW) {
+        VD d;
+        memcpy(&d, kd + j, sizeof d);
+        const VF dist = __builtin_convertvector((VD)((VQ)(vq - d) & mag), VF);
+        STORE(row + j, LOAD(row + j) - vsl * dist);
+    }
+    for (; j < n; j++) row[j] = row[j] - md->slope * (float)fabs(qd - kd[j]);
 }
 
 /* s = q K^T for K packed in panels (kp[panel][d][PANEL], zero past nk): the scores fwd_chunk
@@ -202,8 +235,8 @@ PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, P
 /* the scratch of one call: a strip's scores, its rows of Q and O, per-row alpha */
 PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *kp,
                                    Py_ssize_t nk, const float *vp, Py_ssize_t dvp, float *o, Py_ssize_t ldo,
-                                   Py_ssize_t dv, float *m, float *l, float scale, float cap, const ChunkMask *mk,
-                                   float *scratch)
+                                   Py_ssize_t dv, float *m, float *l, float scale, const ScoreMods *md,
+                                   const ChunkMask *mk, float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL; /* score columns, whole panels */
     float *s = scratch, *qs = s + BQ * kbp, *os = qs + BQ * dim, *alpha = os + BQ * dvp;
@@ -230,7 +263,8 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
                 continue;
             }
             const Py_ssize_t i = i0 + r;
-            if (cap != 0.0f) FN(softcap_row)(row, n, scale, cap, NULL); /* the scores as they enter the max */
+            const int modified = md->cap != 0.0f || md->slope != 0.0f;
+            if (modified) FN(modified_row)(row, n, scale, md, i, c0, NULL); /* the scores as they enter the max */
             if (partial) mask_row(mk, i, row, c0, n);
             VF vmx = FN(bc)(-INFINITY);
             Py_ssize_t j = 0;
@@ -239,7 +273,7 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
             for (int lane = 0; lane < VW; lane++) mx = vmx[lane] > mx ? vmx[lane] : mx;
             for (; j < n; j++) mx = row[j] > mx ? row[j] : mx;
             if (mx == 0.0f) mx = 0.0f; /* +0 whichever zero won: the same bits on every path */
-            const float sc = cap != 0.0f ? 1.0f : scale; /* capped scores carry their scale */
+            const float sc = modified ? 1.0f : scale; /* modified scores carry their scale */
             const float m_old = m[i], scaled = mx * sc, m_new = scaled > m_old ? scaled : m_old;
             const float shift = m_new == -INFINITY ? 0.0f : m_new;
             const float sum = FN(exp_row)(row, n, sc, NULL, shift);
@@ -417,7 +451,7 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                                    Py_ssize_t dim, Py_ssize_t dvd, const float *k, Py_ssize_t ldk, const float *v,
                                    Py_ssize_t ldv, Py_ssize_t nk, const float *lse, const float *dvec, float *dq,
                                    Py_ssize_t lddq, float *dk, Py_ssize_t lddk, float *dv, Py_ssize_t lddv,
-                                   float scale, float cap, const ChunkMask *mk, float *scratch)
+                                   float scale, const ScoreMods *md, const ChunkMask *mk, float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
     const Py_ssize_t dpd = (dim + 15) / 16 * 16, dpv = (dvd + 15) / 16 * 16;
@@ -453,12 +487,14 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                 continue;
             }
             const Py_ssize_t i = i0 + r;
-            if (cap != 0.0f) FN(softcap_row)(row, n, scale, cap, th);
+            const float cap = md->cap;
+            const int modified = cap != 0.0f || md->slope != 0.0f;
+            if (modified) FN(modified_row)(row, n, scale, md, i, c0, th);
             if (partial) mask_row(mk, i, row, c0, n);
             if (cap != 0.0f && partial) /* a hidden score's slope is 0: nothing of it reaches dS */
                 for (Py_ssize_t j = 0; j < n; j++)
                     if (row[j] == -INFINITY) th[j] = 1.0f;
-            FN(exp_row)(row, n, cap != 0.0f ? 1.0f : scale, NULL, lse[i]);
+            FN(exp_row)(row, n, modified ? 1.0f : scale, NULL, lse[i]);
             const float d = dvec[i];
             for (Py_ssize_t j = 0; j < n; j++) drow[j] = (drow[j] - d) * row[j];
             if (cap != 0.0f) /* dS through the cap's slope 1 - t^2 (t^2 rounded, then 1 - it) */
@@ -491,6 +527,8 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
 }
 
 #undef PANEL
+#undef VD
+#undef VQ
 #undef QK_NR
 #undef JC
 #undef QK_MR

@@ -70,6 +70,16 @@ static int strip_keys(const ChunkMask *mk, Py_ssize_t i0, Py_ssize_t rows, Py_ss
     return 1;
 }
 
+/* A chunk's score modifiers, the same on every path: the logit softcap (cap; 0: none) and ALiBi
+ * (slope, this head's; 0: none; qd: each row's position plus N_kv - N_q, kd: each key's position,
+ * both float64, exact below 2^53).  A score becomes cap tanh(scale s / cap) (or scale s without the
+ * cap) - slope |qd_i - kd_j|, each step rounded: rules.h's softcap_score, then alibi_score with the
+ * distance exact and rounded once to float32. */
+typedef struct {
+    float cap, slope;
+    const double *qd, *kd;
+} ScoreMods;
+
 /* row[j] = -inf for the keys c0 + j (j < n) that row i does not see */
 static void mask_row(const ChunkMask *mk, Py_ssize_t i, float *row, Py_ssize_t c0, Py_ssize_t n)
 {

@@ -106,11 +106,11 @@ typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const fl
                                  float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
                              const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t, float *, float *, float,
-                             float, const ChunkMask *, float *);
+                             const ScoreMods *, const ChunkMask *, float *);
 typedef void (*bwd_chunk_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
                              const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, const float *,
                              const float *, float *, Py_ssize_t, float *, Py_ssize_t, float *, Py_ssize_t, float,
-                             float, const ChunkMask *, float *);
+                             const ScoreMods *, const ChunkMask *, float *);
 
 /* the paths, widest first; a path runs where the CPU has its extension */
 static struct {
@@ -287,14 +287,15 @@ static void release(Py_buffer *views, int n)
         if (views[i].obj) PyBuffer_Release(&views[i]);
 }
 
-/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]) */
+/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, alibi_kv]) */
 static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
 {
-    PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;
+    PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None, *aqo = Py_None,
+             *ako = Py_None;
     Py_ssize_t nk;
-    float scale, cap = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OOf", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo,
-                          &sqo, &sko, &cap))
+    float scale, cap = 0.0f, slope = 0.0f;
+    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OOffOO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo,
+                          &sqo, &sko, &cap, &slope, &aqo, &ako))
         return NULL;
     fwd_chunk_fn fn = PATHS[current].fwd_chunk;
     if (!fn) {
@@ -302,7 +303,7 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
                      PATHS[current].name);
         return NULL;
     }
-    Py_buffer v[11];
+    Py_buffer v[13];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, dk, kbp, ldk, nkr, dvp, ldv, oq, dv, ldo;
     PyObject *out = NULL;
@@ -335,6 +336,12 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
     }
     const ChunkMask mk = chunk_mask((const int64_t *)v[6].buf, (const int64_t *)v[7].buf, (const int64_t *)v[8].buf,
                                     (const int64_t *)v[9].buf, (const int64_t *)v[10].buf, nk);
+    if (get1d(aqo, &v[11], "d", nq, 0, "alibi_q") < 0 || get1d(ako, &v[12], "d", nk, 0, "alibi_kv") < 0) goto done;
+    if (slope != 0.0f && (!v[11].buf || !v[12].buf)) {
+        PyErr_SetString(PyExc_ValueError, "fwd_chunk: ALiBi needs the rows' and keys' float64 positions");
+        goto done;
+    }
+    const ScoreMods md = {cap, slope, (const double *)v[11].buf, (const double *)v[12].buf};
     const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
     float *scratch = NULL;
     if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (kbpad + dim + dvp + 1)))) {
@@ -343,14 +350,14 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (const float *)v[2].buf, dvp,
-       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, cap, &mk,
+       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, &md, &mk,
        scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
     Py_INCREF(out);
 done:
-    release(v, 11);
+    release(v, 13);
     return out;
 }
 
@@ -525,13 +532,15 @@ done:
     return out;
 }
 
-/* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]) */
+/* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q,
+ * alibi_kv]) */
 static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
 {
-    PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None;
-    float scale, cap = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OOf", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale,
-                          &loo, &hio, &kvo, &sqo, &sko, &cap))
+    PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None,
+             *aqo = Py_None, *ako = Py_None;
+    float scale, cap = 0.0f, slope = 0.0f;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OOffOO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale,
+                          &loo, &hio, &kvo, &sqo, &sko, &cap, &slope, &aqo, &ako))
         return NULL;
     bwd_chunk_fn fn = PATHS[current].bwd_chunk;
     if (!fn) {
@@ -539,7 +548,7 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
                      PATHS[current].name);
         return NULL;
     }
-    Py_buffer v[14];
+    Py_buffer v[16];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, r1, dvd, lddo, nk, c2, ldk, r3, c3, ldv, r4, c4, lddq, r5, c5, lddk, r6, c6, lddv;
     PyObject *out = NULL;
@@ -572,6 +581,12 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
     }
     const ChunkMask mk = chunk_mask((const int64_t *)v[9].buf, (const int64_t *)v[10].buf, (const int64_t *)v[11].buf,
                                     (const int64_t *)v[12].buf, (const int64_t *)v[13].buf, nk);
+    if (get1d(aqo, &v[14], "d", nq, 0, "alibi_q") < 0 || get1d(ako, &v[15], "d", nk, 0, "alibi_kv") < 0) goto done;
+    if (slope != 0.0f && (!v[14].buf || !v[15].buf)) {
+        PyErr_SetString(PyExc_ValueError, "bwd_chunk: ALiBi needs the rows' and keys' float64 positions");
+        goto done;
+    }
+    const ScoreMods md = {cap, slope, (const double *)v[14].buf, (const double *)v[15].buf};
     const Py_ssize_t bq = PATHS[current].bq, kbp = (nk + 31) / 32 * 32, dpd = (dim + 15) / 16 * 16,
                      dpv = (dvd + 15) / 16 * 16;
     float *scratch = NULL;
@@ -583,13 +598,13 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, (const float *)v[1].buf, lddo, nq, dim, dvd, (const float *)v[2].buf, ldk,
        (const float *)v[3].buf, ldv, nk, (const float *)v[7].buf, (const float *)v[8].buf, (float *)v[4].buf, lddq,
-       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, cap, &mk, scratch);
+       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, &md, &mk, scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
     Py_INCREF(out);
 done:
-    release(v, 14);
+    release(v, 16);
     return out;
 }
 
@@ -944,10 +959,12 @@ static PyMethodDef methods[] = {
      "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
     {"fwd_chunk", py_fwd_chunk, METH_VARARGS,
-     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]): fold one packed key "
+     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, alibi_kv]): "
+     "fold one packed key "
      "chunk into the online softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 "
      "position bounds and key positions, or None; seg_q, seg_kv: int64 segment ids of the rows and keys, or None; "
-     "softcap: the logit cap, 0 for none)"},
+     "softcap: the logit cap, 0 for none; alibi: this head's ALiBi slope, 0 for none, with alibi_q, alibi_kv the "
+     "rows' positions plus N_kv - N_q and the keys' positions as float64)"},
     {"scores", py_scores, METH_VARARGS,
      "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
     {"scores_packed", py_scores_packed, METH_VARARGS,
@@ -960,10 +977,12 @@ static PyMethodDef methods[] = {
      "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
      "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},
     {"bwd_chunk", py_bwd_chunk, METH_VARARGS,
-     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap]): add one key "
+     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, "
+     "alibi_kv]): add one key "
      "chunk's terms to dq and the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, "
      "+inf on rows that saw nothing; lo, hi, kvpos: int64 position bounds and key positions, or None; seg_q, "
-     "seg_kv: int64 segment ids of the rows and keys, or None; softcap: the logit cap, 0 for none)"},
+     "seg_kv: int64 segment ids of the rows and keys, or None; softcap: the logit cap, 0 for none; alibi, "
+     "alibi_q, alibi_kv: as fwd_chunk's)"},
     {"visible", py_visible, METH_VARARGS,
      "visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out (bool, (nq, nk)) = "
      "rules.h's elem_visible of each (query, key) (seg_q, seg_kv: one batch entry's int64 ids, or None)"},

@@ -448,7 +448,7 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
 
 
 # ------------------------------------------------------------ the compiled forward block op
-# The common float32 forward (segment ids and the softcap too; no dropout or score modifiers) runs as one
+# The common float32 forward (segment ids, the softcap and ALiBi too; no dropout) runs as one
 # compiled call per (batch entry, query head, key chunk of TILE_KV keys): ``_fused.fwd_chunk``
 # (src/ringmpi/_ext/block_rows.h), the key chunk's K and V packed once here and reused by every
 # query head of its K/V head; the call folds the chunk into the state of every query row, strip by
@@ -460,11 +460,37 @@ PANEL = tile_pass.PANEL  # keys per packed K panel
 
 
 def compiled_forward_ok(ct, scale, mask: BlockMask) -> bool:
-    """Whether this forward block takes the compiled block op: float32, a positive scale, and none
-    of the options it does not hold yet (dropout, score modifiers)."""
+    """Whether this forward block takes the compiled block op: float32, a positive scale, no dropout
+    (which it does not hold yet), and at most one score modifier, ALiBi, with positions it measures
+    exactly in float64."""
     spec = mask.spec
     return (tile_pass.block_op() is not None and ct == np.float32 and np.isfinite(scale) and scale > 0
-            and spec.dropout is None and not spec.modifiers)
+            and spec.dropout is None and _alibi_ok(spec, mask))
+
+
+_EXACT = 2 ** 52  # positions and offsets below this are exact in float64, their differences too
+
+
+def _alibi_ok(spec, mask: BlockMask) -> bool:
+    """No score modifier, or one ALiBi whose distances the block op computes exactly in float64."""
+    from ..core.modifiers import Alibi
+
+    if not spec.modifiers:
+        return True
+    if len(spec.modifiers) != 1 or type(spec.modifiers[0]) is not Alibi:
+        return False
+    reach = abs(int(spec.offset)) + max((int(np.abs(p).max()) for p in (mask.q_pos, mask.kv_pos) if len(p)), default=0)
+    return reach < _EXACT
+
+
+def _alibi_args(spec, mask: BlockMask):
+    """``(slopes (H,) float32, rows' positions plus N_kv - N_q, keys' positions)``, float64, for the
+    block op's ALiBi, or None without it."""
+    if not spec.modifiers:
+        return None
+    slopes = np.asarray(spec.modifiers[0].values, dtype=np.float32)
+    return (slopes, (np.asarray(mask.q_pos, dtype=np.int64) + int(spec.offset)).astype(np.float64),
+            np.asarray(mask.kv_pos, dtype=np.float64))
 
 
 def _capped(sc, softcap):
@@ -517,10 +543,19 @@ def _tile_counts(mask: BlockMask, sq: int, skv: int, batch: int):
     return computed, skipped
 
 
-def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old, softcap=0.0):
+def _terms_of(spec, q_pos, kv_pos, dtype, h: int):
+    """Head ``h``'s score-modifier terms (ALiBi's) of those rows and keys, or None without any."""
+    terms = tile_pass.modifier_terms(spec, q_pos, kv_pos, dtype)
+    return None if terms is None else terms(h)
+
+
+def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old, softcap=0.0, extra=None):
     """Rows that see a non-finite value, over the whole block from their raw values and visible
-    keys only (as :func:`_careful_forward_tile` redoes them per tile): ``(m, l, o)`` after it."""
+    keys only (as :func:`_careful_forward_tile` redoes them per tile): ``(m, l, o)`` after it.
+    ``extra``: the score modifiers' terms of those rows and keys (ALiBi's), or None."""
     sc, _ = _capped((q_r @ k.T) * scale, softcap)
+    if extra is not None:
+        sc = sc + extra
     sc = np.where(vis_r, sc, -np.inf).astype(q_r.dtype, copy=False)
     m_new = np.maximum(m_old, sc.max(axis=1))
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(q_r.dtype, copy=False)
@@ -548,6 +583,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
     if spec.positional:
         lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
     cap = float(spec.softcap or 0.0)
+    alibi = _alibi_args(spec, mask)
     chunk = min(skv, TILE_KV)
     dvp = -(-dim_v // 16) * 16
     kp_size = -(-chunk // PANEL) * PANEL * dim
@@ -585,10 +621,11 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                 seg_c = None if seg_kv is None else seg_kv[cols]
                 hidden = (lo is not None or seg_q is not None) and spec.classify(
                     mask.q_pos, mask.kv_pos[cols], seg_q, seg_c) == SKIP
+                terms = () if alibi is None else (alibi[1], np.ascontiguousarray(alibi[2][cols]))
                 for h in range(kvh * group, (kvh + 1) * group):
                     if not hidden:
                         fwd_chunk(q_src[h], kpc, vpc, nk, o_acc[b, h], m[b, h], l[b, h], scale, lo, hi, kv_pos, seg_q,
-                                  seg_c, cap)
+                                  seg_c, cap, *((float(alibi[0][h]),) + terms if alibi is not None else ()))
                     done += 1
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(done / total)
@@ -597,12 +634,17 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                     if idx.size:
                         vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos,
                                                   None if seg_q is None else seg_q[idx], seg_kv)
+                        extra = _terms_of(spec, mask.q_pos[idx], mask.kv_pos, ct, h)
                         m[b, h, idx], l[b, h, idx], o_acc[b, h, idx] = _redo_rows_forward(
-                            q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old, cap)
+                            q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old, cap,
+                            extra)
                     if see_v.any():  # clean m and l; the bad v rows' weights against the final shift
                         rows = np.flatnonzero(see_v.any(axis=1))
                         bad_cols = np.flatnonzero(bv)
                         sc, _ = _capped((q_use[b, h, rows] @ k_use[b, kvh, bad_cols].T) * scale, cap)
+                        extra = _terms_of(spec, mask.q_pos[rows], mask.kv_pos[bad_cols], ct, h)
+                        if extra is not None:
+                            sc = sc + extra
                         shift = np.where(np.isneginf(m[b, h, rows]), 0, m[b, h, rows]).astype(ct, copy=False)
                         weights = np.exp(sc - shift[:, None]).astype(ct, copy=False)
                         terms = weights[:, :, None] * v_use[b, kvh, bad_cols][None]
@@ -626,12 +668,15 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
 BWD_CHUNK = positive_int("RINGMPI_BWD_CHUNK", 512)  # keys per bwd_chunk call (inside a TILE_KV key tile)
 
 
-def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t, softcap=0.0):
+def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t, softcap=0.0, extra=None):
     """The terms of the query rows ``idx`` (bad, or seeing a bad key) over one key tile, from their
-    raw values and visible keys only (as :func:`_careful_backward_tile` adds them)."""
+    raw values and visible keys only (as :func:`_careful_backward_tile` adds them; ``extra``: the
+    score modifiers' terms, as :func:`_redo_rows_forward`'s)."""
     q_r, do_r = q[idx], do[idx]
     with np.errstate(invalid="ignore", over="ignore"):
         sc, t = _capped((q_r @ k.T) * scale, softcap)
+        if extra is not None:
+            sc = sc + extra
         p_r = np.where(vis_r, np.exp(sc - lse[idx, None]), 0).astype(q.dtype, copy=False)
         dp_r = do_r @ v.T
         ds = np.where(vis_r, p_r * (dp_r - dvec[idx, None]), 0).astype(q.dtype, copy=False)
@@ -653,6 +698,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
     if spec.positional:
         lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
     cap = float(spec.softcap or 0.0)
+    alibi = _alibi_args(spec, mask)
     key_tiles = _tiles(skv, TILE_KV)
     total = max(1, batch * heads * len(key_tiles))
     done = 0
@@ -689,6 +735,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
             kv_pos = np.ascontiguousarray(mask.kv_pos[cols]) if lo is not None else None
             if lo is not None and spec.classify(mask.q_pos, mask.kv_pos[cols]) == SKIP:
                 continue
+            alibi_kv = None if alibi is None else np.ascontiguousarray(alibi[2][cols])
             for b in range(batch):
                 if segs[b][0] is not None and spec.classify(mask.q_pos, mask.kv_pos[cols], segs[b][0],
                                                            segs[b][1][cols]) == SKIP:
@@ -700,7 +747,8 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                     seg_q, seg_kv = segs[b]
                     bwd_chunk(q_c[b][h], do_c[b][h], k_c[b, kvh][sub], v_c[b, kvh][sub], lse_h, dvec_h,
                               dq[b, h], dk_t, dv_t, scale, lo, hi, kv_pos, seg_q,
-                              None if seg_kv is None else seg_kv[cols], cap)
+                              None if seg_kv is None else seg_kv[cols], cap,
+                              *(() if alibi is None else (float(alibi[0][h]), alibi[1], alibi_kv)))
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(min(1.0, (done + (b * heads + h + 1) * (cols.stop - tile.start) / (tile.stop - tile.start))
                                  / total))
@@ -712,7 +760,8 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
             vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos[tile], None if seg_q is None else seg_q[idx],
                                       None if seg_kv is None else seg_kv[tile])
             _redo_rows_backward(idx, qh[b, h], doh[b, h], kh[b, kvh, tile], vh[b, kvh, tile], lse_c[b][h],
-                                dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t, cap)
+                                dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t, cap,
+                                _terms_of(spec, mask.q_pos[idx], mask.kv_pos[tile], qh.dtype, h))
     sums.end(skv)
     return _tile_counts(mask, sq, skv, batch)
 
