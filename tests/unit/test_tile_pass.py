@@ -249,10 +249,11 @@ def _block_paths():
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
                                 dict(causal=True, gqa=True), dict(causal=True, segments=True),
                                 dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True),
-                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True)],
+                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True),
+                                dict(causal=True, dropout=0.25), dict(softcap=5.0, dropout=0.5, segments=True)],
                             ids=["full", "causal", "window", "causal-gqa", "causal-segments",
                                  "causal-softcap", "window-softcap-segments", "causal-alibi",
-                                 "window-softcap-alibi-gqa"])
+                                 "window-softcap-alibi-gqa", "causal-dropout", "softcap-dropout-segments"])
 def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled forward block op (``_fused.fwd_chunk``: the common float32 forward) on every
     vector path that has it: the same bits on each (every score and output is one chain of fused
@@ -278,6 +279,10 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32) if kw.get("alibi") else None  # geometric slopes
     if slopes is not None:
         opts["alibi_slopes"] = slopes
+    drop = None
+    if kw.get("dropout"):
+        opts.update(dropout_p=kw["dropout"], dropout_seed=4321)
+        drop = reference.dropout_factors(4321, kw["dropout"], b, h, n, n)
     fused, before, runs = tp.compiled, tp.compiled.path(), {}
     try:
         for path in paths:
@@ -293,8 +298,10 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     scale = 1 / np.sqrt(40)
     wide = [x.astype(np.float64) for x in (q, k, v)]
     cap = kw.get("softcap")
-    o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale, softcap=cap, alibi=slopes)
-    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap, alibi=slopes)
+    o64, lse64 = reference.dense_forward(*wide, dtype=np.float64, vis=vis, scale=scale, softcap=cap, alibi=slopes,
+                                         drop=drop)
+    o32, lse32 = reference.dense_forward(q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap, alibi=slopes,
+                                         drop=drop)
     checks = [reference.tolerance_check("o", first[0], o64, o32), reference.tolerance_check("lse", first[1], lse64, lse32)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
@@ -302,10 +309,11 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
                                 dict(causal=True, gqa=True), dict(causal=True, segments=True),
                                 dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True),
-                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True)],
+                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True),
+                                dict(causal=True, dropout=0.25), dict(softcap=5.0, dropout=0.5, segments=True)],
                          ids=["full", "causal", "window", "causal-gqa", "causal-segments",
                                  "causal-softcap", "window-softcap-segments", "causal-alibi",
-                                 "window-softcap-alibi-gqa"])
+                                 "window-softcap-alibi-gqa", "causal-dropout", "softcap-dropout-segments"])
 def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled backward block op (``_fused.bwd_chunk``: the common float32 backward) on every
     vector path that has it: the same dq, dk, dv bits on each (every element one chain of fused
@@ -334,6 +342,10 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32) if kw.get("alibi") else None  # geometric slopes
     if slopes is not None:
         opts["alibi_slopes"] = slopes
+    drop = None
+    if kw.get("dropout"):
+        opts.update(dropout_p=kw["dropout"], dropout_seed=4321)
+        drop = reference.dropout_factors(4321, kw["dropout"], b, h, n, n)
     calls = []
     real = numpy_backend._compiled_backward
     monkeypatch.setattr(numpy_backend, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
@@ -355,8 +367,9 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     wide = [x.astype(np.float64) for x in (q, k, v, do)]
     cap = kw.get("softcap")
     g64 = reference.dense_backward(wide[3], *wide[:3], dtype=np.float64, vis=vis, scale=scale, softcap=cap,
-                                   alibi=slopes)
-    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap, alibi=slopes)
+                                   alibi=slopes, drop=drop)
+    g32 = reference.dense_backward(do, q, k, v, dtype=np.float32, vis=vis, scale=scale, softcap=cap, alibi=slopes,
+                                   drop=drop)
     checks = [reference.tolerance_check(name, g, r, nv, gradient=True)
               for name, g, r, nv in zip(("dq", "dk", "dv"), first, g64, g32)]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
@@ -397,8 +410,9 @@ def test_block_op_softcap_tanh_within_4_ulp_and_the_same_bits_on_every_path():
 
 
 def test_block_op_takes_the_common_forward_only():
-    """Which forwards take the compiled block op: float32, segment ids, the softcap and ALiBi too,
-    without dropout; ``RINGMPI_CPU_BLOCK=tiles`` sends every one to the BLAS tiles."""
+    """Which forwards take the compiled block op: float32 with every option (segment ids, the softcap,
+    ALiBi whose distances float64 holds exactly, dropout); ``RINGMPI_CPU_BLOCK=tiles`` sends every one
+    to the BLAS tiles."""
     from ringmpi.core.masks import BlockMask, ScoreSpec
 
     if tp.compiled is None or not tp.compiled.has_block():

@@ -112,6 +112,45 @@ PINLINE void FN(modified_row)(float *row, Py_ssize_t n, float scale, const Score
     for (; j < n; j++) row[j] = row[j] - md->slope * (float)fabs(qd - kd[j]);
 }
 
+/* z[j] = dropout's factor of row i's weight of key c0 + j (j < n): rescale where Philox 4x32-10's word
+ * 0 of the (query, key) counter reaches the threshold, else 0 (rules.h's dropout_keep, lane by lane:
+ * the 32 x 32 -> 64-bit products in 64-bit lanes) */
+PINLINE void FN(dropout_factors)(float *z, Py_ssize_t n, const DropoutRow *dr, Py_ssize_t i, Py_ssize_t c0)
+{
+    const uint64_t ui = (uint64_t)dr->qpos[i];
+    const int64_t *kp = dr->kvpos + c0;
+    const VQ low = (VQ){0} + 0xffffffffull, thr = (VQ){0} + dr->threshold;
+    const VI rescale = (VI)FN(bc)(dr->rescale);
+    for (Py_ssize_t j = 0; j < n; j += VW) {
+        VQ kj = (VQ){0};
+        const Py_ssize_t take = n - j < VW ? n - j : VW;
+        memcpy(&kj, kp + j, take * sizeof(int64_t));
+        VU c0v = __builtin_convertvector(kj & low, VU);
+        VU c1v = FN(bcu)((uint32_t)ui);
+        VU c2v = __builtin_convertvector((((VQ){0} + (ui >> 32)) | ((kj >> 32) << 16)) & low, VU);
+        VU c3v = FN(bcu)(dr->row);
+        uint32_t k0 = dr->k0, k1 = dr->k1;
+        for (int r = 0; r < PHILOX_ROUNDS; r++) {
+            if (r) {
+                k0 += PHILOX_W0;
+                k1 += PHILOX_W1;
+            }
+            const VQ p0 = __builtin_convertvector(c0v, VQ) * ((VQ){0} + PHILOX_M0);
+            const VQ p1 = __builtin_convertvector(c2v, VQ) * ((VQ){0} + PHILOX_M1);
+            const VU hi0 = __builtin_convertvector(p0 >> 32, VU), lo0 = __builtin_convertvector(p0 & low, VU);
+            const VU hi1 = __builtin_convertvector(p1 >> 32, VU), lo1 = __builtin_convertvector(p1 & low, VU);
+            c0v = hi1 ^ c1v ^ FN(bcu)(k0);
+            c1v = lo1;
+            c2v = hi0 ^ c3v ^ FN(bcu)(k1);
+            c3v = lo0;
+        }
+        const VI keep = __builtin_convertvector(__builtin_convertvector(c0v, VQ) >= thr, VI);
+        float f[VW];
+        STORE(f, (VF)(rescale & keep));
+        memcpy(z + j, f, take * sizeof(float));
+    }
+}
+
 /* s = q K^T for K packed in panels (kp[panel][d][PANEL], zero past nk): the scores fwd_chunk
  * computes, bit for bit (each one chain of fused multiply-adds over d from 0), for the backward's
  * tiles and invariant=True's tile pairs.  Whole groups of QK_MR rows read q in place; the last
@@ -236,10 +275,10 @@ PATH_ISA static void FN(scores)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, P
 PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq, Py_ssize_t dim, const float *kp,
                                    Py_ssize_t nk, const float *vp, Py_ssize_t dvp, float *o, Py_ssize_t ldo,
                                    Py_ssize_t dv, float *m, float *l, float scale, const ScoreMods *md,
-                                   const ChunkMask *mk, float *scratch)
+                                   const ChunkMask *mk, const DropoutRow *dr, float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL; /* score columns, whole panels */
-    float *s = scratch, *qs = s + BQ * kbp, *os = qs + BQ * dim, *alpha = os + BQ * dvp;
+    float *s = scratch, *qs = s + BQ * kbp, *os = qs + BQ * dim, *alpha = os + BQ * dvp, *z = alpha + BQ;
     for (Py_ssize_t i0 = 0; i0 < nq; i0 += BQ) {
         const Py_ssize_t rows = nq - i0 < BQ ? nq - i0 : BQ;
         int partial;
@@ -277,6 +316,10 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
             const float m_old = m[i], scaled = mx * sc, m_new = scaled > m_old ? scaled : m_old;
             const float shift = m_new == -INFINITY ? 0.0f : m_new;
             const float sum = FN(exp_row)(row, n, sc, NULL, shift);
+            if (dr->on) { /* dropout after the row sums: it changes what reaches P V, not l */
+                FN(dropout_factors)(z, n, dr, i, c0);
+                for (Py_ssize_t j = 0; j < n; j++) row[j] = row[j] * z[j];
+            }
             const float a = expf(m_old - shift);
             alpha[r] = a;
             l[i] = l[i] * a + sum;
@@ -451,13 +494,15 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                                    Py_ssize_t dim, Py_ssize_t dvd, const float *k, Py_ssize_t ldk, const float *v,
                                    Py_ssize_t ldv, Py_ssize_t nk, const float *lse, const float *dvec, float *dq,
                                    Py_ssize_t lddq, float *dk, Py_ssize_t lddk, float *dv, Py_ssize_t lddv,
-                                   float scale, const ScoreMods *md, const ChunkMask *mk, float *scratch)
+                                   float scale, const ScoreMods *md, const ChunkMask *mk, const DropoutRow *dr,
+                                   float *scratch)
 {
     const Py_ssize_t kbp = (nk + PANEL - 1) / PANEL * PANEL;
     const Py_ssize_t dpd = (dim + 15) / 16 * 16, dpv = (dvd + 15) / 16 * 16;
     float *kp = scratch, *vpn = kp + kbp * dim, *kr = vpn + kbp * dvd, *dka = kr + kbp * dpd, *dva = dka + kbp * dpd;
     float *s = dva + kbp * dpv, *dps = s + BQ * kbp, *qs = dps + BQ * kbp, *dos = qs + BQ * dpd, *dqs = dos + BQ * dpv;
     float *th = dqs + BQ * dpd; /* with the softcap: a row's tanh, for the slope */
+    float *z = th + kbp;        /* with dropout: a row's factors */
     FN(pack_panels)(k, ldk, nk, dim, kp);
     FN(pack_panels)(v, ldv, nk, dvd, vpn);
     FN(pad_rows)(k, ldk, nk, dim, kr, dpd, kbp);
@@ -496,7 +541,14 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                     if (row[j] == -INFINITY) th[j] = 1.0f;
             FN(exp_row)(row, n, modified ? 1.0f : scale, NULL, lse[i]);
             const float d = dvec[i];
-            for (Py_ssize_t j = 0; j < n; j++) drow[j] = (drow[j] - d) * row[j];
+            if (dr->on) { /* dS = (dP Z - dvec) P, then P Z for dV (each product rounded) */
+                FN(dropout_factors)(z, n, dr, i, c0);
+                for (Py_ssize_t j = 0; j < n; j++) {
+                    drow[j] = (drow[j] * z[j] - d) * row[j];
+                    row[j] = row[j] * z[j];
+                }
+            } else
+                for (Py_ssize_t j = 0; j < n; j++) drow[j] = (drow[j] - d) * row[j];
             if (cap != 0.0f) /* dS through the cap's slope 1 - t^2 (t^2 rounded, then 1 - it) */
                 for (Py_ssize_t j = 0; j < n; j++) {
                     const float t2 = th[j] * th[j];

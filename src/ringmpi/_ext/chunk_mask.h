@@ -80,6 +80,18 @@ typedef struct {
     const double *qd, *kd;
 } ScoreMods;
 
+/* A chunk's dropout (on 0: none), the same on every path: rules.h's dropout_keep with key (k0, k1),
+ * threshold and the counter word of this (batch entry, head), `row`; qpos, kvpos: the rows' and the
+ * keys' positions.  A kept weight is multiplied by rescale (rounded on the host), a dropped one by 0,
+ * after the row sums. */
+typedef struct {
+    int on;
+    unsigned int k0, k1, row;
+    unsigned long long threshold;
+    float rescale;
+    const int64_t *qpos, *kvpos;
+} DropoutRow;
+
 /* row[j] = -inf for the keys c0 + j (j < n) that row i does not see */
 static void mask_row(const ChunkMask *mk, Py_ssize_t i, float *row, Py_ssize_t c0, Py_ssize_t n)
 {

@@ -106,11 +106,11 @@ typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const fl
                                  float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
                              const float *, Py_ssize_t, float *, Py_ssize_t, Py_ssize_t, float *, float *, float,
-                             const ScoreMods *, const ChunkMask *, float *);
+                             const ScoreMods *, const ChunkMask *, const DropoutRow *, float *);
 typedef void (*bwd_chunk_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
                              const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, const float *,
                              const float *, float *, Py_ssize_t, float *, Py_ssize_t, float *, Py_ssize_t, float,
-                             const ScoreMods *, const ChunkMask *, float *);
+                             const ScoreMods *, const ChunkMask *, const DropoutRow *, float *);
 
 /* the paths, widest first; a path runs where the CPU has its extension */
 static struct {
@@ -287,15 +287,38 @@ static void release(Py_buffer *views, int n)
         if (views[i].obj) PyBuffer_Release(&views[i]);
 }
 
-/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, alibi_kv]) */
+/* dropout's (k0, k1, row, threshold, rescale, q_pos, kv_pos) or None into *dr, its two position arrays
+ * held in views[0..1] (released by the caller): 0, or -1 with an exception set */
+static int get_dropout(PyObject *obj, Py_ssize_t nq, Py_ssize_t nk, DropoutRow *dr, Py_buffer *views)
+{
+    memset(dr, 0, sizeof *dr);
+    if (obj == Py_None) return 0;
+    PyObject *qpo, *kpo;
+    if (!PyArg_ParseTuple(obj, "IIIKfOO", &dr->k0, &dr->k1, &dr->row, &dr->threshold, &dr->rescale, &qpo, &kpo))
+        return -1;
+    if (get1d(qpo, &views[0], "l", nq, 0, "dropout q_pos") < 0 ||
+        get1d(kpo, &views[1], "l", nk, 0, "dropout kv_pos") < 0)
+        return -1;
+    if (!views[0].buf || !views[1].buf) {
+        PyErr_SetString(PyExc_ValueError, "dropout needs the rows' and keys' positions");
+        return -1;
+    }
+    dr->qpos = (const int64_t *)views[0].buf;
+    dr->kvpos = (const int64_t *)views[1].buf;
+    dr->on = 1;
+    return 0;
+}
+
+/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, alibi_kv,
+ * dropout]) */
 static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
 {
     PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None, *aqo = Py_None,
-             *ako = Py_None;
+             *ako = Py_None, *dro = Py_None;
     Py_ssize_t nk;
     float scale, cap = 0.0f, slope = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OOffOO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo,
-                          &sqo, &sko, &cap, &slope, &aqo, &ako))
+    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OOffOOO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo,
+                          &sqo, &sko, &cap, &slope, &aqo, &ako, &dro))
         return NULL;
     fwd_chunk_fn fn = PATHS[current].fwd_chunk;
     if (!fn) {
@@ -303,7 +326,7 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
                      PATHS[current].name);
         return NULL;
     }
-    Py_buffer v[13];
+    Py_buffer v[15];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, dk, kbp, ldk, nkr, dvp, ldv, oq, dv, ldo;
     PyObject *out = NULL;
@@ -342,22 +365,24 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
         goto done;
     }
     const ScoreMods md = {cap, slope, (const double *)v[11].buf, (const double *)v[12].buf};
+    DropoutRow dr;
+    if (get_dropout(dro, nq, nk, &dr, &v[13]) < 0) goto done;
     const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
     float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (kbpad + dim + dvp + 1)))) {
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (kbpad + dim + dvp + 1) + kbpad))) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (const float *)v[2].buf, dvp,
-       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, &md, &mk,
+       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, &md, &mk, &dr,
        scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
     Py_INCREF(out);
 done:
-    release(v, 13);
+    release(v, 15);
     return out;
 }
 
@@ -533,14 +558,14 @@ done:
 }
 
 /* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q,
- * alibi_kv]) */
+ * alibi_kv, dropout]) */
 static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
 {
     PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None,
-             *aqo = Py_None, *ako = Py_None;
+             *aqo = Py_None, *ako = Py_None, *dro = Py_None;
     float scale, cap = 0.0f, slope = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OOffOO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale,
-                          &loo, &hio, &kvo, &sqo, &sko, &cap, &slope, &aqo, &ako))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OOffOOO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale,
+                          &loo, &hio, &kvo, &sqo, &sko, &cap, &slope, &aqo, &ako, &dro))
         return NULL;
     bwd_chunk_fn fn = PATHS[current].bwd_chunk;
     if (!fn) {
@@ -548,7 +573,7 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
                      PATHS[current].name);
         return NULL;
     }
-    Py_buffer v[16];
+    Py_buffer v[18];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, r1, dvd, lddo, nk, c2, ldk, r3, c3, ldv, r4, c4, lddq, r5, c5, lddk, r6, c6, lddv;
     PyObject *out = NULL;
@@ -587,6 +612,8 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
         goto done;
     }
     const ScoreMods md = {cap, slope, (const double *)v[14].buf, (const double *)v[15].buf};
+    DropoutRow dr;
+    if (get_dropout(dro, nq, nk, &dr, &v[16]) < 0) goto done;
     const Py_ssize_t bq = PATHS[current].bq, kbp = (nk + 31) / 32 * 32, dpd = (dim + 15) / 16 * 16,
                      dpv = (dvd + 15) / 16 * 16;
     float *scratch = NULL;
@@ -598,13 +625,13 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     fn((const float *)v[0].buf, ldq, (const float *)v[1].buf, lddo, nq, dim, dvd, (const float *)v[2].buf, ldk,
        (const float *)v[3].buf, ldv, nk, (const float *)v[7].buf, (const float *)v[8].buf, (float *)v[4].buf, lddq,
-       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, &md, &mk, scratch);
+       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, &md, &mk, &dr, scratch);
     Py_END_ALLOW_THREADS
     free(scratch);
     out = Py_None;
     Py_INCREF(out);
 done:
-    release(v, 16);
+    release(v, 18);
     return out;
 }
 
@@ -964,7 +991,8 @@ static PyMethodDef methods[] = {
      "chunk into the online softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 "
      "position bounds and key positions, or None; seg_q, seg_kv: int64 segment ids of the rows and keys, or None; "
      "softcap: the logit cap, 0 for none; alibi: this head's ALiBi slope, 0 for none, with alibi_q, alibi_kv the "
-     "rows' positions plus N_kv - N_q and the keys' positions as float64)"},
+     "rows' positions plus N_kv - N_q and the keys' positions as float64; dropout: (k0, k1, row, threshold, "
+     "rescale, q_pos, kv_pos) as rules.h's dropout_keep takes them, or None)"},
     {"scores", py_scores, METH_VARARGS,
      "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
     {"scores_packed", py_scores_packed, METH_VARARGS,
@@ -982,7 +1010,7 @@ static PyMethodDef methods[] = {
      "chunk's terms to dq and the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, "
      "+inf on rows that saw nothing; lo, hi, kvpos: int64 position bounds and key positions, or None; seg_q, "
      "seg_kv: int64 segment ids of the rows and keys, or None; softcap: the logit cap, 0 for none; alibi, "
-     "alibi_q, alibi_kv: as fwd_chunk's)"},
+     "alibi_q, alibi_kv, dropout: as fwd_chunk's)"},
     {"visible", py_visible, METH_VARARGS,
      "visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out (bool, (nq, nk)) = "
      "rules.h's elem_visible of each (query, key) (seg_q, seg_kv: one batch entry's int64 ids, or None)"},

@@ -448,7 +448,7 @@ def _softcap_backward_tile(q_t, do_t, k_t, v_t, lse_t, dvec_t, p, dp, bias, scal
 
 
 # ------------------------------------------------------------ the compiled forward block op
-# The common float32 forward (segment ids, the softcap and ALiBi too; no dropout) runs as one
+# The float32 forward (segment ids, the softcap, ALiBi and dropout too) runs as one
 # compiled call per (batch entry, query head, key chunk of TILE_KV keys): ``_fused.fwd_chunk``
 # (src/ringmpi/_ext/block_rows.h), the key chunk's K and V packed once here and reused by every
 # query head of its K/V head; the call folds the chunk into the state of every query row, strip by
@@ -460,12 +460,10 @@ PANEL = tile_pass.PANEL  # keys per packed K panel
 
 
 def compiled_forward_ok(ct, scale, mask: BlockMask) -> bool:
-    """Whether this forward block takes the compiled block op: float32, a positive scale, no dropout
-    (which it does not hold yet), and at most one score modifier, ALiBi, with positions it measures
-    exactly in float64."""
-    spec = mask.spec
+    """Whether this forward block takes the compiled block op: float32, a positive scale, and at most
+    one score modifier, ALiBi, with positions it measures exactly in float64."""
     return (tile_pass.block_op() is not None and ct == np.float32 and np.isfinite(scale) and scale > 0
-            and spec.dropout is None and _alibi_ok(spec, mask))
+            and _alibi_ok(mask.spec, mask))
 
 
 _EXACT = 2 ** 52  # positions and offsets below this are exact in float64, their differences too
@@ -481,6 +479,23 @@ def _alibi_ok(spec, mask: BlockMask) -> bool:
         return False
     reach = abs(int(spec.offset)) + max((int(np.abs(p).max()) for p in (mask.q_pos, mask.kv_pos) if len(p)), default=0)
     return reach < _EXACT
+
+
+def _dropout_args(spec, mask: BlockMask, ct):
+    """``dropout(b, h, cols)``: the block op's dropout argument for batch entry ``b``, head ``h`` and
+    key columns ``cols`` (rules.h's ``dropout_keep`` inputs and the rescale), or None without dropout."""
+    dropout = spec.dropout
+    if dropout is None:
+        return None
+    k0, k1 = dropout.key()
+    rescale = float(dropout.rescale(ct))
+    q_pos = np.ascontiguousarray(mask.q_pos, dtype=np.int64)
+    kv_pos = np.ascontiguousarray(mask.kv_pos, dtype=np.int64)
+
+    def args(b: int, h: int, cols):
+        return (int(k0), int(k1), dropout.row(b, h) & 0xFFFFFFFF, int(dropout.threshold), rescale, q_pos,
+                np.ascontiguousarray(kv_pos[cols]))
+    return args
 
 
 def _alibi_args(spec, mask: BlockMask):
@@ -549,10 +564,18 @@ def _terms_of(spec, q_pos, kv_pos, dtype, h: int):
     return None if terms is None else terms(h)
 
 
-def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old, softcap=0.0, extra=None):
+def _drop_of(spec, b: int, h: int, q_pos, kv_pos, dtype):
+    """Dropout's factors of batch entry ``b``, head ``h`` over those rows and keys, or None."""
+    if spec.dropout is None:
+        return None
+    return tile_pass.dropout_multiplier(spec.dropout, b, h, q_pos, kv_pos, dtype)
+
+
+def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old, softcap=0.0, extra=None, drop=None):
     """Rows that see a non-finite value, over the whole block from their raw values and visible
     keys only (as :func:`_careful_forward_tile` redoes them per tile): ``(m, l, o)`` after it.
-    ``extra``: the score modifiers' terms of those rows and keys (ALiBi's), or None."""
+    ``extra``: the score modifiers' terms of those rows and keys (ALiBi's), or None; ``drop``:
+    dropout's factors there (on what reaches P V, after the row sums), or None."""
     sc, _ = _capped((q_r @ k.T) * scale, softcap)
     if extra is not None:
         sc = sc + extra
@@ -561,7 +584,8 @@ def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old, softcap=0.0
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(q_r.dtype, copy=False)
     p = np.where(vis_r, np.exp(sc - shift[:, None]), 0).astype(q_r.dtype, copy=False)
     alpha = np.exp(m_old - shift)
-    return m_new, l_old * alpha + p.sum(axis=1), o_old * alpha[:, None] + _visible_matmul(p, v, vis_r)
+    pd = p if drop is None else (p * drop).astype(q_r.dtype, copy=False)
+    return m_new, l_old * alpha + p.sum(axis=1), o_old * alpha[:, None] + _visible_matmul(pd, v, vis_r)
 
 
 def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: BlockMask, tick, resident,
@@ -584,6 +608,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
         lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
     cap = float(spec.softcap or 0.0)
     alibi = _alibi_args(spec, mask)
+    dropout = _dropout_args(spec, mask, ct)
     chunk = min(skv, TILE_KV)
     dvp = -(-dim_v // 16) * 16
     kp_size = -(-chunk // PANEL) * PANEL * dim
@@ -621,11 +646,13 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                 seg_c = None if seg_kv is None else seg_kv[cols]
                 hidden = (lo is not None or seg_q is not None) and spec.classify(
                     mask.q_pos, mask.kv_pos[cols], seg_q, seg_c) == SKIP
-                terms = () if alibi is None else (alibi[1], np.ascontiguousarray(alibi[2][cols]))
+                alibi_kv = None if alibi is None else np.ascontiguousarray(alibi[2][cols])
                 for h in range(kvh * group, (kvh + 1) * group):
                     if not hidden:
                         fwd_chunk(q_src[h], kpc, vpc, nk, o_acc[b, h], m[b, h], l[b, h], scale, lo, hi, kv_pos, seg_q,
-                                  seg_c, cap, *((float(alibi[0][h]),) + terms if alibi is not None else ()))
+                                  seg_c, cap, 0.0 if alibi is None else float(alibi[0][h]),
+                                  None if alibi is None else alibi[1], alibi_kv,
+                                  None if dropout is None else dropout(b, h, cols))
                     done += 1
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(done / total)
@@ -635,9 +662,10 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                         vis_r = tile_pass.visible(spec, mask.q_pos[idx], mask.kv_pos,
                                                   None if seg_q is None else seg_q[idx], seg_kv)
                         extra = _terms_of(spec, mask.q_pos[idx], mask.kv_pos, ct, h)
+                        drop = _drop_of(spec, b, h, mask.q_pos[idx], mask.kv_pos, ct)
                         m[b, h, idx], l[b, h, idx], o_acc[b, h, idx] = _redo_rows_forward(
                             q_use[b, h, idx], k_use[b, kvh], v_use[b, kvh], scale, vis_r, m_old, l_old, o_old, cap,
-                            extra)
+                            extra, drop)
                     if see_v.any():  # clean m and l; the bad v rows' weights against the final shift
                         rows = np.flatnonzero(see_v.any(axis=1))
                         bad_cols = np.flatnonzero(bv)
@@ -647,6 +675,9 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                             sc = sc + extra
                         shift = np.where(np.isneginf(m[b, h, rows]), 0, m[b, h, rows]).astype(ct, copy=False)
                         weights = np.exp(sc - shift[:, None]).astype(ct, copy=False)
+                        drop = _drop_of(spec, b, h, mask.q_pos[rows], mask.kv_pos[bad_cols], ct)
+                        if drop is not None:
+                            weights = (weights * drop).astype(ct, copy=False)
                         terms = weights[:, :, None] * v_use[b, kvh, bad_cols][None]
                         o_acc[b, h, rows] += np.where(see_v[rows][:, :, None], terms, 0).sum(axis=1)
     return _tile_counts(mask, sq, skv, batch)
@@ -668,10 +699,11 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
 BWD_CHUNK = positive_int("RINGMPI_BWD_CHUNK", 512)  # keys per bwd_chunk call (inside a TILE_KV key tile)
 
 
-def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t, softcap=0.0, extra=None):
+def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_t, softcap=0.0, extra=None,
+                        drop=None):
     """The terms of the query rows ``idx`` (bad, or seeing a bad key) over one key tile, from their
-    raw values and visible keys only (as :func:`_careful_backward_tile` adds them; ``extra``: the
-    score modifiers' terms, as :func:`_redo_rows_forward`'s)."""
+    raw values and visible keys only (as :func:`_careful_backward_tile` adds them; ``extra``,
+    ``drop``: the score modifiers' terms and dropout's factors, as :func:`_redo_rows_forward`'s)."""
     q_r, do_r = q[idx], do[idx]
     with np.errstate(invalid="ignore", over="ignore"):
         sc, t = _capped((q_r @ k.T) * scale, softcap)
@@ -679,10 +711,13 @@ def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_
             sc = sc + extra
         p_r = np.where(vis_r, np.exp(sc - lse[idx, None]), 0).astype(q.dtype, copy=False)
         dp_r = do_r @ v.T
+        if drop is not None:
+            dp_r = (dp_r * drop).astype(q.dtype, copy=False)
         ds = np.where(vis_r, p_r * (dp_r - dvec[idx, None]), 0).astype(q.dtype, copy=False)
         if t is not None:  # through the cap's slope
             ds = (ds * (1 - t * t)).astype(q.dtype, copy=False)
-        dv_t += _visible_matmul(p_r.T, do_r, vis_r.T)
+        pd = p_r if drop is None else (p_r * drop).astype(q.dtype, copy=False)
+        dv_t += _visible_matmul(pd.T, do_r, vis_r.T)
         dq[idx] += _visible_matmul(ds, k, vis_r)
         dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
 
@@ -699,6 +734,7 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
         lo, hi = (np.ascontiguousarray(x) for x in spec.key_bounds(mask.q_pos))
     cap = float(spec.softcap or 0.0)
     alibi = _alibi_args(spec, mask)
+    dropout = _dropout_args(spec, mask, qh.dtype)
     key_tiles = _tiles(skv, TILE_KV)
     total = max(1, batch * heads * len(key_tiles))
     done = 0
@@ -748,7 +784,8 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                     bwd_chunk(q_c[b][h], do_c[b][h], k_c[b, kvh][sub], v_c[b, kvh][sub], lse_h, dvec_h,
                               dq[b, h], dk_t, dv_t, scale, lo, hi, kv_pos, seg_q,
                               None if seg_kv is None else seg_kv[cols], cap,
-                              *(() if alibi is None else (float(alibi[0][h]), alibi[1], alibi_kv)))
+                              0.0 if alibi is None else float(alibi[0][h]), None if alibi is None else alibi[1],
+                              alibi_kv, None if dropout is None else dropout(b, h, cols))
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(min(1.0, (done + (b * heads + h + 1) * (cols.stop - tile.start) / (tile.stop - tile.start))
                                  / total))
@@ -761,7 +798,8 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                                       None if seg_kv is None else seg_kv[tile])
             _redo_rows_backward(idx, qh[b, h], doh[b, h], kh[b, kvh, tile], vh[b, kvh, tile], lse_c[b][h],
                                 dvec_c[b][h], scale, vis_r, dq[b, h], dk_t, dv_t, cap,
-                                _terms_of(spec, mask.q_pos[idx], mask.kv_pos[tile], qh.dtype, h))
+                                _terms_of(spec, mask.q_pos[idx], mask.kv_pos[tile], qh.dtype, h),
+                                _drop_of(spec, b, h, mask.q_pos[idx], mask.kv_pos[tile], qh.dtype))
     sums.end(skv)
     return _tile_counts(mask, sq, skv, batch)
 
