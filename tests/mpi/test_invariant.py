@@ -249,7 +249,8 @@ def test_a_pair_is_the_same_bits_whatever_shares_its_compiled_call(path):
     """Where float32 pairs take the compiled block op's Q K^T (``_fused.scores_packed``, each score
     one chain of fused multiply-adds over d), a pair's scores do not depend on the stack's length,
     its place in it, which operand is shared, or a row's neighbours; they are the bits
-    ``_fused.scores`` gives the default backward, and ``_fused.scores_max`` their rows' maxima."""
+    ``_fused.scores`` gives the default backward, ``_fused.scores_max`` their rows' maxima, and
+    ``_fused.pair_forward`` (the second pass fused) the scores, exp pass and products in turn."""
     from ringmpi.backends import invariant_tiles as it
     from ringmpi.backends import tile_pass
 
@@ -288,6 +289,17 @@ def test_a_pair_is_the_same_bits_whatever_shares_its_compiled_call(path):
             row_max = np.empty(64, np.float32)
             tile_pass.compiled.scores_max(q[2], kp.reshape(-1, it.PANEL), row_max)
             assert row_max.tobytes() == s.max(axis=0).max(axis=1).tobytes()
+            # the second pass fused: bit for bit the scores, the exp pass and the products in turn
+            v = rng.standard_normal((6, 64, 24)).astype(np.float32)
+            shift = s.max(axis=0).max(axis=1) * np.float32(0.5)
+            sums = np.empty(6 * 64, np.float32)
+            tile_pass.compiled.exp_tile(s.reshape(-1, 64), np.float32(0.5), None, np.tile(shift, 6), sums)
+            pv = np.empty((6, 64, 24), np.float32)
+            it._pair_products(res, s, v, pv)
+            fused_pv, fused_sums = np.empty_like(pv), np.empty_like(sums)
+            tile_pass.compiled.pair_forward(q[2], kp.reshape(-1, it.PANEL), v.reshape(-1, 24), shift, 0.5,
+                                            fused_pv.reshape(-1, 24), fused_sums)
+            assert fused_pv.tobytes() == pv.tobytes() and fused_sums.tobytes() == sums.tobytes()
     finally:
         tile_pass.compiled.use(before)
 

@@ -469,6 +469,23 @@ PATH_ISA static void FN(pair_products)(const float *a, Py_ssize_t n, Py_ssize_t 
     }
 }
 
+/* invariant=True's second pass over a stack of n pairs of one query tile (t rows of q) and key tiles
+ * (kp: t keys each, packed in panels; v: their (t, w) values): per pair, its scores (scores_packed),
+ * exp(scale s - shift) with each row's sum (exp_row, the tile pass's exp) into sums[j * t + r], and
+ * P V into out[j] (pair_products): bit for bit what those three calls give one after the other, the
+ * scores never leaving the cache.  scratch: t * t + QK_MR * dim + BQ * t + 2 * t * wp floats. */
+PATH_ISA static void FN(pair_forward)(const float *q, Py_ssize_t dim, const float *kp, Py_ssize_t n, Py_ssize_t t,
+                                      const float *v, Py_ssize_t w, const float *shift, float scale, float *out,
+                                      float *sums, float *scratch)
+{
+    float *st = scratch, *sp = st + t * t, *pad = sp + QK_MR * dim + BQ * t;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        FN(scores_packed)(q, dim, t, dim, kp + j * t * dim, t, st, t, 0, sp);
+        for (Py_ssize_t r = 0; r < t; r++) sums[j * t + r] = FN(exp_row)(st + r * t, t, scale, NULL, shift[r]);
+        FN(pair_products)(st, 1, t, v + j * t * w, 0, w, out + j * t * w, 0, pad);
+    }
+}
+
 /* pack (n, w) rows into panels of PANEL: out[panel][d][PANEL], zero past n */
 static inline void FN(pack_panels)(const float *x, Py_ssize_t ldx, Py_ssize_t n, Py_ssize_t w, float *out)
 {

@@ -102,6 +102,8 @@ typedef void (*scores_packed_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize
                                  float *, Py_ssize_t, Py_ssize_t, float *);
 typedef void (*scores_max_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, float *,
                               float *);
+typedef void (*pair_forward_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, const float *,
+                                Py_ssize_t, const float *, float, float *, float *, float *);
 typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t,
                                  float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
@@ -122,16 +124,17 @@ static struct {
     scores_packed_fn scores_packed; /* the same from keys already packed in panels */
     scores_max_fn scores_max;       /* the rows' largest scores from packed keys, none stored */
     pair_products_fn pair_products; /* invariant=True's per-pair products */
+    pair_forward_fn pair_forward;   /* its second pass over a stack of pairs, fused */
     bwd_chunk_fn bwd_chunk; /* the backward block op */
     int bq;                 /* its strip rows */
 } PATHS[] = {
 #ifdef X86_PATHS
     {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, scores_packed_avx512,
-     scores_max_avx512, pair_products_avx512, bwd_chunk_avx512, 48},
+     scores_max_avx512, pair_products_avx512, pair_forward_avx512, bwd_chunk_avx512, 48},
     {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, scores_packed_avx2,
-     scores_max_avx2, pair_products_avx2, bwd_chunk_avx2, 48},
+     scores_max_avx2, pair_products_avx2, pair_forward_avx2, bwd_chunk_avx2, 48},
 #endif
-    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, NULL, NULL, NULL, 0},
+    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -161,6 +164,7 @@ static void plain_uses_fma(void)
         PATHS[N_PATHS - 1].scores_packed = scores_packed_plainfma;
         PATHS[N_PATHS - 1].scores_max = scores_max_plainfma;
         PATHS[N_PATHS - 1].pair_products = pair_products_plainfma;
+        PATHS[N_PATHS - 1].pair_forward = pair_forward_plainfma;
         PATHS[N_PATHS - 1].bwd_chunk = bwd_chunk_plainfma;
         PATHS[N_PATHS - 1].bq = 48;
     }
@@ -510,6 +514,57 @@ static PyObject *py_scores_max(PyObject *self, PyObject *args)
     Py_INCREF(out);
 done:
     release(v, 3);
+    return out;
+}
+
+/* pair_forward(q, kp, v, shift, scale, out, sums): a query tile q (t, D) against the n key tiles of kp
+ * (packed panels, t keys each) with their values v (n * t, w): sums (n * t,) and out (n * t, w) as
+ * block_rows.h's pair_forward makes them */
+static PyObject *py_pair_forward(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *kpo, *vo, *ho, *oo, *so;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOOfOO", &qo, &kpo, &vo, &ho, &scale, &oo, &so)) return NULL;
+    pair_forward_fn fn = PATHS[current].pair_forward;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[6];
+    memset(v, 0, sizeof v);
+    Py_ssize_t t, dim, ldq, dk, kw, ldk, vr, w, ldv, orow, ow, ldo;
+    PyObject *out = NULL;
+    if (get2d(qo, &v[0], 0, &t, &dim, &ldq) < 0) return NULL;
+    if (get2d(kpo, &v[1], 0, &dk, &kw, &ldk) < 0 || get2d(vo, &v[2], 0, &vr, &w, &ldv) < 0 ||
+        get2d(oo, &v[3], 1, &orow, &ow, &ldo) < 0)
+        goto done;
+    if (t < 1 || dim < 1 || t % 32 || ldq != dim || kw != 32 || ldk != 32 || dk % (t * dim / 32) || w < 1 ||
+        ldv != w || vr != dk / (t * dim / 32) * t || orow != vr || ow != w || ldo != w) {
+        PyErr_SetString(PyExc_ValueError, "pair_forward: operand shapes do not match");
+        goto done;
+    }
+    const Py_ssize_t n = vr / t;
+    if (get1d(ho, &v[4], "f", t, 0, "shift") < 0 || get1d(so, &v[5], "f", n * t, 1, "sums") < 0) goto done;
+    if (!v[4].buf || !v[5].buf) {
+        PyErr_SetString(PyExc_ValueError, "pair_forward: shift and sums are required");
+        goto done;
+    }
+    const Py_ssize_t bq = PATHS[current].bq, wp = (w + 15) / 16 * 16;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (t * t + bq * dim + bq * t + 2 * t * wp + 16))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, dim, (const float *)v[1].buf, n, t, (const float *)v[2].buf, w,
+       (const float *)v[4].buf, scale, (float *)v[3].buf, (float *)v[5].buf, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 6);
     return out;
 }
 
@@ -1001,6 +1056,10 @@ static PyMethodDef methods[] = {
     {"scores_max", py_scores_max, METH_VARARGS,
      "scores_max(q, kp, rowmax): rowmax = each row's largest score of q K^T (scores_packed's scores, none "
      "stored), K packed in whole panels; NaN where a row met one"},
+    {"pair_forward", py_pair_forward, METH_VARARGS,
+     "pair_forward(q, kp, v, shift, scale, out, sums): invariant=True's second pass over a stack of tile pairs of "
+     "one query tile, fused: per pair its scores, exp(scale s - shift) with the row sums, and P V, bit for bit "
+     "scores_packed, exp_tile and pair_products one after the other"},
     {"pair_products", py_pair_products, METH_VARARGS,
      "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
      "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},

@@ -457,18 +457,24 @@ def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, gr
     q_pos = res.tiling.pos
 
     def pair(b, h, hkv, i, q_tile, keys, n, terms, k_stack, v_stack):
-        s = _scratch(st, "s", (n, TILE, TILE), ct)
         sums = _scratch(st, "sums", (n * TILE,), ct)
-        _pair_scores(res, q_tile, k_stack, s)
-        pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st))
-        res.exp_pass(s.reshape(n * TILE, TILE), pass_scale,
-                  None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
-                  _shift_rows(_scratch(st, "shift", (n * TILE,), ct), shift[b, h, i], n), sums)
-        drop = _drop(spec, b, h, q_pos[i], terms.k_pos, n, True, ct)
-        if drop is not None:
-            s *= drop
         pv = _scratch(st, "pv", (n, TILE, v_stack.shape[2]), ct)
-        _pair_products(res, s, v_stack, pv)
+        full = terms.full(h, st)
+        if res.products is not None and softcap is None and full is None and spec.dropout is None:
+            # the three steps below in one call, the scores kept in cache: the same bits
+            res.products.pair_forward(q_tile, k_stack.reshape(-1, PANEL), v_stack.reshape(-1, v_stack.shape[2]),
+                                      np.ascontiguousarray(shift[b, h, i]), scale, pv.reshape(-1, pv.shape[2]), sums)
+        else:
+            s = _scratch(st, "s", (n, TILE, TILE), ct)
+            _pair_scores(res, q_tile, k_stack, s)
+            pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, full)
+            res.exp_pass(s.reshape(n * TILE, TILE), pass_scale,
+                         None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
+                         _shift_rows(_scratch(st, "shift", (n * TILE,), ct), shift[b, h, i], n), sums)
+            drop = _drop(spec, b, h, q_pos[i], terms.k_pos, n, True, ct)
+            if drop is not None:
+                s *= drop
+            _pair_products(res, s, v_stack, pv)
         bad = poison[b, h, i][None]
         fixed_add(acc_o[b, h, i][None], pv, cols=grid_o[b, hkv], bad=bad, limbs=limbs)
         fixed_add(acc_l[b, h, i][None], sums.reshape(n, TILE, 1), cols=grid_l, bad=bad, limbs=limbs)
