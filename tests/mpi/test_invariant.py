@@ -250,7 +250,8 @@ def test_a_pair_is_the_same_bits_whatever_shares_its_compiled_call(path):
     one chain of fused multiply-adds over d), a pair's scores do not depend on the stack's length,
     its place in it, which operand is shared, or a row's neighbours; they are the bits
     ``_fused.scores`` gives the default backward, ``_fused.scores_max`` their rows' maxima, and
-    ``_fused.pair_forward`` (the second pass fused) the scores, exp pass and products in turn."""
+    ``_fused.pair_forward`` (the second pass fused) the scores, exp pass and products in turn, and
+    ``_fused.pair_backward`` the backward's steps in turn."""
     from ringmpi.backends import invariant_tiles as it
     from ringmpi.backends import tile_pass
 
@@ -300,6 +301,29 @@ def test_a_pair_is_the_same_bits_whatever_shares_its_compiled_call(path):
             tile_pass.compiled.pair_forward(q[2], kp.reshape(-1, it.PANEL), v.reshape(-1, 24), shift, 0.5,
                                             fused_pv.reshape(-1, 24), fused_sums)
             assert fused_pv.tobytes() == pv.tobytes() and fused_sums.tobytes() == sums.tobytes()
+            # the backward fused: query tiles 0..5 against key tile 3, as its steps in turn
+            do = rng.standard_normal((6, 64, 24)).astype(np.float32)
+            lse = (s.max(axis=2) * np.float32(0.5) + 1).astype(np.float32).reshape(-1)
+            dvec = rng.standard_normal(6 * 64).astype(np.float32)
+            p = np.empty((6, 64, 64), np.float32)
+            it._stack_scores(res, q, kp[3], p)
+            p_sums = np.empty(6 * 64, np.float32)
+            tile_pass.compiled.exp_tile(p.reshape(-1, 64), np.float32(0.5), None, lse, p_sums)
+            dv_t = np.empty((6, 64, 24), np.float32)
+            it._pair_products(res, p, do, dv_t, trans=True)
+            vp = it._packed(v[3:4], {}, "v")
+            dp = np.empty((6, 64, 64), np.float32)
+            it._stack_scores(res, do, vp[0], dp)
+            tile_pass.compiled.ds_tile(dp.reshape(-1, 64), p.reshape(-1, 64), dvec)
+            dq_t, dk_t = np.empty((6, 64, dim), np.float32), np.empty((6, 64, dim), np.float32)
+            it._pair_products(res, dp, k[3], dq_t)
+            it._pair_products(res, dp, q, dk_t, trans=True)
+            got = [np.empty_like(x) for x in (dv_t, dq_t, dk_t, p_sums)]
+            tile_pass.compiled.pair_backward(q.reshape(-1, dim), do.reshape(-1, 24), kp[3].reshape(-1, it.PANEL),
+                                             vp[0].reshape(-1, it.PANEL), k[3], lse, dvec, 0.5,
+                                             got[0].reshape(-1, 24), got[1].reshape(-1, dim), got[2].reshape(-1, dim),
+                                             got[3])
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(got, (dv_t, dq_t, dk_t, p_sums)))
     finally:
         tile_pass.compiled.use(before)
 

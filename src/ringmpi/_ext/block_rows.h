@@ -486,6 +486,32 @@ PATH_ISA static void FN(pair_forward)(const float *q, Py_ssize_t dim, const floa
     }
 }
 
+/* invariant=True's backward over a stack of n pairs of query tiles (qs, dos: t rows each) and one key
+ * tile (kp, vp: its K and V packed in panels; k: its K rows, (t, dim)): per pair, S (scores_packed),
+ * P = exp(scale S - lse) with each row's sum into sums (exp_row), dV = P^T dO, dP = dO V^T, dS =
+ * (dP - dvec) P (ds_rows), dQ = dS K, dK = dS^T Q (pair_products) into outv, outq, outk: bit for bit
+ * those calls one after the other, S and dP never leaving the cache.  scratch: 2 * t * t + QK_MR *
+ * wmax + BQ * t + 2 * t * wp floats (wmax = max(dim, dv), wp: it rounded up to VW). */
+PATH_ISA static void FN(pair_backward)(const float *qs, const float *dos, Py_ssize_t n, Py_ssize_t t, Py_ssize_t dim,
+                                       Py_ssize_t dv, const float *kp, const float *vp, const float *k,
+                                       const float *lse, const float *dvec, float scale, float *outv, float *outq,
+                                       float *outk, float *sums, float *scratch)
+{
+    const Py_ssize_t wmax = dim > dv ? dim : dv;
+    float *st = scratch, *dpt = st + t * t, *sp = dpt + t * t, *pad = sp + QK_MR * wmax + BQ * t;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const float *qj = qs + j * t * dim, *doj = dos + j * t * dv;
+        FN(scores_packed)(qj, dim, t, dim, kp, t, st, t, 0, sp);
+        for (Py_ssize_t r = 0; r < t; r++)
+            sums[j * t + r] = FN(exp_row)(st + r * t, t, scale, NULL, lse[j * t + r]);
+        FN(pair_products)(st, 1, t, doj, 0, dv, outv + j * t * dv, 1, pad);
+        FN(scores_packed)(doj, dv, t, dv, vp, t, dpt, t, 0, sp);
+        FN(ds_rows)(dpt, t, t, t, st, t, dvec + j * t, 1);
+        FN(pair_products)(dpt, 1, t, k, 0, dim, outq + j * t * dim, 0, pad);
+        FN(pair_products)(dpt, 1, t, qj, 0, dim, outk + j * t * dim, 1, pad);
+    }
+}
+
 /* pack (n, w) rows into panels of PANEL: out[panel][d][PANEL], zero past n */
 static inline void FN(pack_panels)(const float *x, Py_ssize_t ldx, Py_ssize_t n, Py_ssize_t w, float *out)
 {

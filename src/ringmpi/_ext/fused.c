@@ -104,6 +104,9 @@ typedef void (*scores_max_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t,
                               float *);
 typedef void (*pair_forward_fn)(const float *, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t, const float *,
                                 Py_ssize_t, const float *, float, float *, float *, float *);
+typedef void (*pair_backward_fn)(const float *, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
+                                 const float *, const float *, const float *, const float *, const float *, float,
+                                 float *, float *, float *, float *, float *);
 typedef void (*pair_products_fn)(const float *, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t, Py_ssize_t,
                                  float *, int, float *);
 typedef void (*fwd_chunk_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, const float *, Py_ssize_t,
@@ -125,16 +128,18 @@ static struct {
     scores_max_fn scores_max;       /* the rows' largest scores from packed keys, none stored */
     pair_products_fn pair_products; /* invariant=True's per-pair products */
     pair_forward_fn pair_forward;   /* its second pass over a stack of pairs, fused */
+    pair_backward_fn pair_backward; /* its backward over a stack of pairs, fused */
     bwd_chunk_fn bwd_chunk; /* the backward block op */
     int bq;                 /* its strip rows */
 } PATHS[] = {
 #ifdef X86_PATHS
     {"avx512", exp_rows_avx512, ds_rows_avx512, fwd_chunk_avx512, scores_avx512, scores_packed_avx512,
-     scores_max_avx512, pair_products_avx512, pair_forward_avx512, bwd_chunk_avx512, 48},
+     scores_max_avx512, pair_products_avx512, pair_forward_avx512,
+     pair_backward_avx512, bwd_chunk_avx512, 48},
     {"avx2", exp_rows_avx2, ds_rows_avx2, fwd_chunk_avx2, scores_avx2, scores_packed_avx2,
-     scores_max_avx2, pair_products_avx2, pair_forward_avx2, bwd_chunk_avx2, 48},
+     scores_max_avx2, pair_products_avx2, pair_forward_avx2, pair_backward_avx2, bwd_chunk_avx2, 48},
 #endif
-    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0},
+    {"plain", exp_rows_plain, ds_rows_plain, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0},
 };
 #define N_PATHS ((int)(sizeof PATHS / sizeof PATHS[0]))
 
@@ -165,6 +170,7 @@ static void plain_uses_fma(void)
         PATHS[N_PATHS - 1].scores_max = scores_max_plainfma;
         PATHS[N_PATHS - 1].pair_products = pair_products_plainfma;
         PATHS[N_PATHS - 1].pair_forward = pair_forward_plainfma;
+        PATHS[N_PATHS - 1].pair_backward = pair_backward_plainfma;
         PATHS[N_PATHS - 1].bwd_chunk = bwd_chunk_plainfma;
         PATHS[N_PATHS - 1].bq = 48;
     }
@@ -565,6 +571,66 @@ static PyObject *py_pair_forward(PyObject *self, PyObject *args)
     Py_INCREF(out);
 done:
     release(v, 6);
+    return out;
+}
+
+/* pair_backward(qs, dos, kp, vp, k, lse, dvec, scale, outv, outq, outk, sums): n query tiles qs (n * t, D),
+ * dos (n * t, D_v) against one key tile (kp, vp: its K, V in panels; k (t, D)): block_rows.h's
+ * pair_backward into outv (n * t, D_v), outq, outk (n * t, D) and sums (n * t,) */
+static PyObject *py_pair_backward(PyObject *self, PyObject *args)
+{
+    PyObject *qo, *doo, *kpo, *vpo, *ko, *lo_, *dvo, *ovo, *oqo, *oko, *so;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOOOOOfOOOO", &qo, &doo, &kpo, &vpo, &ko, &lo_, &dvo, &scale, &ovo, &oqo, &oko, &so))
+        return NULL;
+    pair_backward_fn fn = PATHS[current].pair_backward;
+    if (!fn) {
+        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
+                     PATHS[current].name);
+        return NULL;
+    }
+    Py_buffer v[11];
+    memset(v, 0, sizeof v);
+    Py_ssize_t qr, dim, ldq, dr, dv, ldd, kpr, kpw, ldkp, vpr, vpw, ldvp, kr, kc, ldk, vr_, vc, ldov, qr2, qc2, ldoq,
+        kr2, kc2, ldok;
+    PyObject *out = NULL;
+    if (get2d(qo, &v[0], 0, &qr, &dim, &ldq) < 0) return NULL;
+    if (get2d(doo, &v[1], 0, &dr, &dv, &ldd) < 0 || get2d(kpo, &v[2], 0, &kpr, &kpw, &ldkp) < 0 ||
+        get2d(vpo, &v[3], 0, &vpr, &vpw, &ldvp) < 0 || get2d(ko, &v[4], 0, &kr, &kc, &ldk) < 0 ||
+        get2d(ovo, &v[7], 1, &vr_, &vc, &ldov) < 0 || get2d(oqo, &v[8], 1, &qr2, &qc2, &ldoq) < 0 ||
+        get2d(oko, &v[9], 1, &kr2, &kc2, &ldok) < 0)
+        goto done;
+    const Py_ssize_t t = kr;
+    if (t < 1 || t % 32 || dim < 1 || dv < 1 || ldq != dim || ldd != dv || qr % t || dr != qr || kc != dim ||
+        ldk != dim || kpw != 32 || ldkp != 32 || kpr != t / 32 * dim || vpw != 32 || ldvp != 32 ||
+        vpr != t / 32 * dv || vr_ != qr || vc != dv || ldov != dv || qr2 != qr || qc2 != dim || ldoq != dim ||
+        kr2 != qr || kc2 != dim || ldok != dim) {
+        PyErr_SetString(PyExc_ValueError, "pair_backward: operand shapes do not match");
+        goto done;
+    }
+    if (get1d(lo_, &v[5], "f", qr, 0, "lse") < 0 || get1d(dvo, &v[6], "f", qr, 0, "dvec") < 0 ||
+        get1d(so, &v[10], "f", qr, 1, "sums") < 0)
+        goto done;
+    if (!v[5].buf || !v[6].buf || !v[10].buf) {
+        PyErr_SetString(PyExc_ValueError, "pair_backward: lse, dvec and sums are required");
+        goto done;
+    }
+    const Py_ssize_t bq = PATHS[current].bq, wmax = dim > dv ? dim : dv, wp = (wmax + 15) / 16 * 16;
+    float *scratch = NULL;
+    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (2 * t * t + bq * wmax + bq * t + 2 * t * wp + 16))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fn((const float *)v[0].buf, (const float *)v[1].buf, qr / t, t, dim, dv, (const float *)v[2].buf,
+       (const float *)v[3].buf, (const float *)v[4].buf, (const float *)v[5].buf, (const float *)v[6].buf, scale,
+       (float *)v[7].buf, (float *)v[8].buf, (float *)v[9].buf, (float *)v[10].buf, scratch);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    release(v, 11);
     return out;
 }
 
@@ -1060,6 +1126,10 @@ static PyMethodDef methods[] = {
      "pair_forward(q, kp, v, shift, scale, out, sums): invariant=True's second pass over a stack of tile pairs of "
      "one query tile, fused: per pair its scores, exp(scale s - shift) with the row sums, and P V, bit for bit "
      "scores_packed, exp_tile and pair_products one after the other"},
+    {"pair_backward", py_pair_backward, METH_VARARGS,
+     "pair_backward(qs, dos, kp, vp, k, lse, dvec, scale, outv, outq, outk, sums): invariant=True's backward "
+     "over a stack of tile pairs of one key tile, fused: per pair dV, dQ, dK partials and P's row sums, bit for "
+     "bit the scores, exp, products and dS passes one after the other"},
     {"pair_products", py_pair_products, METH_VARARGS,
      "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
      "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},

@@ -575,6 +575,21 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, k_s
     sums = _scratch(st, "sums", (n * TILE,), ct)
     qs, dos = _stack(qt, run, st, "qs"), _stack(dot, run, st, "dos")
     lse, dvec = _stack(res.lse[b, h], run, st, "lses"), _stack(res.dvec[b, h], run, st, "dvecs")
+    if res.products is not None and softcap is None and spec.dropout is None and terms.full(h, st) is None:
+        out_v = _scratch(st, "outv", (n, TILE, dos.shape[2]), ct)
+        out_q, out_k = (_scratch(st, key, (n, TILE, qs.shape[2]), ct) for key in ("outq", "outk"))
+        res.products.pair_backward(qs.reshape(-1, qs.shape[2]), dos.reshape(-1, dos.shape[2]),
+                                   k_scores.reshape(-1, PANEL), v_scores.reshape(-1, PANEL), k_tile,
+                                   np.ascontiguousarray(lse).reshape(-1), np.ascontiguousarray(dvec).reshape(-1),
+                                   scale, out_v.reshape(-1, out_v.shape[2]), out_q.reshape(-1, qs.shape[2]),
+                                   out_k.reshape(-1, qs.shape[2]), sums)
+        if sums.max() <= 2:  # else the steps below again, which poison what lse does not bound
+            fixed_add(tile_dv[None], out_v, cols=grids.dv_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
+            fixed_add(dq_acc[b, h], out_q, rows=grids.dq_rows[b, h], cols=grids.dq_cols[b, hkv], index=index,
+                      bad=q_poison[b, h], limbs=limbs)
+            fixed_add(tile_dk[None], out_k, cols=grids.dk_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
+            _poison_backward(res, blk, terms, b, h, hkv, j, index, q_poison, tile_pk)
+            return
     _stack_scores(res, qs, k_scores, s)
     t = None if softcap is None else _scratch(st, "t", (n, TILE, TILE), ct)
     pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st), t)
@@ -605,6 +620,11 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, k_s
                     bad=q_poison[b, h], limbs=limbs)
     _pair_products(res, dp, qs, out_d, trans=True)
     fixed_add(tile_dk[None], out_d, cols=grids.dk_cols[b, hkv], bad=tile_pk[None], limbs=limbs)
+    _poison_backward(res, blk, terms, b, h, hkv, j, index, q_poison, tile_pk)
+
+
+def _poison_backward(res, blk, terms, b, h, hkv, j, index, q_poison, tile_pk):
+    """The rows of query tiles ``index`` and the keys of key tile ``j`` that flagged values reach."""
     bad_j = blk.bad[b, hkv, j]
     if res.any_bad[b, h] or bad_j.any():
         rows_p, keys_p = _poison_pairs(terms.visibility(), res.bad[b, h, index], bad_j)
