@@ -319,17 +319,19 @@ static int get_dropout(PyObject *obj, Py_ssize_t nq, Py_ssize_t nk, DropoutRow *
     return 0;
 }
 
-/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, alibi_kv,
- * dropout]) */
+/* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, dropout]); alibi:
+ * None or (slope, alibi_q, alibi_kv) (at most 16 arguments: CPython 3.11 keeps every 20-argument call's
+ * tuple) */
 static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
 {
-    PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None, *aqo = Py_None,
-             *ako = Py_None, *dro = Py_None;
+    PyObject *qo, *kpo, *vpo, *oo, *mo, *lo_, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None, *alo = Py_None,
+             *aqo = Py_None, *ako = Py_None, *dro = Py_None;
     Py_ssize_t nk;
     float scale, cap = 0.0f, slope = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OOffOOO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo,
-                          &sqo, &sko, &cap, &slope, &aqo, &ako, &dro))
+    if (!PyArg_ParseTuple(args, "OOOnOOOfOOO|OOfOO", &qo, &kpo, &vpo, &nk, &oo, &mo, &lo_, &scale, &loo, &hio, &kvo,
+                          &sqo, &sko, &cap, &alo, &dro))
         return NULL;
+    if (alo != Py_None && !PyArg_ParseTuple(alo, "fOO", &slope, &aqo, &ako)) return NULL;
     fwd_chunk_fn fn = PATHS[current].fwd_chunk;
     if (!fn) {
         PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
@@ -678,16 +680,16 @@ done:
     return out;
 }
 
-/* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q,
- * alibi_kv, dropout]) */
+/* bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, dropout]) */
 static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
 {
     PyObject *qo, *doo, *ko, *vo, *lseo, *dveco, *dqo, *dko, *dvo, *loo, *hio, *kvo, *sqo = Py_None, *sko = Py_None,
-             *aqo = Py_None, *ako = Py_None, *dro = Py_None;
+             *alo = Py_None, *aqo = Py_None, *ako = Py_None, *dro = Py_None;
     float scale, cap = 0.0f, slope = 0.0f;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OOffOOO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale,
-                          &loo, &hio, &kvo, &sqo, &sko, &cap, &slope, &aqo, &ako, &dro))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOfOOO|OOfOO", &qo, &doo, &ko, &vo, &lseo, &dveco, &dqo, &dko, &dvo, &scale,
+                          &loo, &hio, &kvo, &sqo, &sko, &cap, &alo, &dro))
         return NULL;
+    if (alo != Py_None && !PyArg_ParseTuple(alo, "fOO", &slope, &aqo, &ako)) return NULL;
     bwd_chunk_fn fn = PATHS[current].bwd_chunk;
     if (!fn) {
         PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
@@ -1107,12 +1109,12 @@ static PyMethodDef methods[] = {
      "ds_tile(dp, p, dvec): dp = (dp - dvec[:, None]) * p in place, float32, each step rounded"},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, best first ('avx512', 'avx2', 'plain')"},
     {"fwd_chunk", py_fwd_chunk, METH_VARARGS,
-     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, alibi_kv]): "
+     "fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, dropout]): "
      "fold one packed key "
      "chunk into the online softmax state (o, m, l) of the query rows q (see block_rows.h; lo, hi, kvpos: int64 "
      "position bounds and key positions, or None; seg_q, seg_kv: int64 segment ids of the rows and keys, or None; "
-     "softcap: the logit cap, 0 for none; alibi: this head's ALiBi slope, 0 for none, with alibi_q, alibi_kv the "
-     "rows' positions plus N_kv - N_q and the keys' positions as float64; dropout: (k0, k1, row, threshold, "
+     "softcap: the logit cap, 0 for none; alibi: None or (this head's slope, the rows' positions plus N_kv - N_q, "
+     "the keys' positions), the positions float64; dropout: (k0, k1, row, threshold, "
      "rescale, q_pos, kv_pos) as rules.h's dropout_keep takes them, or None)"},
     {"scores", py_scores, METH_VARARGS,
      "scores(q, k, out): out = q k^T, float32, each score the block op's chain of fused multiply-adds"},
@@ -1134,12 +1136,12 @@ static PyMethodDef methods[] = {
      "pair_products(a, b, out, trans): per pair of t rows, out[j] = a[j] b[j] (or a[j]^T b[j] with trans), "
      "a (n * t, t), b (n * t, w) or (t, w) shared, each element one chain of fused multiply-adds in order"},
     {"bwd_chunk", py_bwd_chunk, METH_VARARGS,
-     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, alibi_q, "
-     "alibi_kv]): add one key "
+     "bwd_chunk(q, do, k, v, lse, dvec, dq, dk, dv, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, dropout]): "
+     "add one key "
      "chunk's terms to dq and the chunk's dk, dv (FlashAttention-2 order, see block_rows.h; lse the forward's, "
      "+inf on rows that saw nothing; lo, hi, kvpos: int64 position bounds and key positions, or None; seg_q, "
      "seg_kv: int64 segment ids of the rows and keys, or None; softcap: the logit cap, 0 for none; alibi, "
-     "alibi_q, alibi_kv, dropout: as fwd_chunk's)"},
+     "dropout: as fwd_chunk's)"},
     {"visible", py_visible, METH_VARARGS,
      "visible(q_pos, kv_pos, seg_q, seg_kv, has_lo, lo_delta, has_hi, hi_delta, out): out (bool, (nq, nk)) = "
      "rules.h's elem_visible of each (query, key) (seg_q, seg_kv: one batch entry's int64 ids, or None)"},

@@ -650,8 +650,7 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                 for h in range(kvh * group, (kvh + 1) * group):
                     if not hidden:
                         fwd_chunk(q_src[h], kpc, vpc, nk, o_acc[b, h], m[b, h], l[b, h], scale, lo, hi, kv_pos, seg_q,
-                                  seg_c, cap, 0.0 if alibi is None else float(alibi[0][h]),
-                                  None if alibi is None else alibi[1], alibi_kv,
+                                  seg_c, cap, None if alibi is None else (float(alibi[0][h]), alibi[1], alibi_kv),
                                   None if dropout is None else dropout(b, h, cols))
                     done += 1
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
@@ -784,8 +783,8 @@ def _compiled_backward(qh, doh, lse_use, dvec, kh, vh, dq, scale, mask: BlockMas
                     bwd_chunk(q_c[b][h], do_c[b][h], k_c[b, kvh][sub], v_c[b, kvh][sub], lse_h, dvec_h,
                               dq[b, h], dk_t, dv_t, scale, lo, hi, kv_pos, seg_q,
                               None if seg_kv is None else seg_kv[cols], cap,
-                              0.0 if alibi is None else float(alibi[0][h]), None if alibi is None else alibi[1],
-                              alibi_kv, None if dropout is None else dropout(b, h, cols))
+                              None if alibi is None else (float(alibi[0][h]), alibi[1], alibi_kv),
+                              None if dropout is None else dropout(b, h, cols))
                     if tick is not None:  # every few ms: an MPI without a progress thread moves data only here
                         tick(min(1.0, (done + (b * heads + h + 1) * (cols.stop - tile.start) / (tile.stop - tile.start))
                                  / total))
