@@ -151,6 +151,20 @@ PINLINE void FN(dropout_factors)(float *z, Py_ssize_t n, const DropoutRow *dr, P
     }
 }
 
+/* row[j] = 0 where 0 < row[j] < 2^-126 (j < n): weights below the smallest normal float, at most
+ * 2^-126 of the row's largest (1), which no float32 output can show, are left out of the products
+ * (a subnormal operand costs an FMA a hundred times its time; ALiBi's far keys make many) */
+PINLINE void FN(flush_row)(float *row, Py_ssize_t n)
+{
+    const VF tiny = FN(bc)(0x1p-126f);
+    Py_ssize_t j = 0;
+    for (; j + VW <= n; j += VW) {
+        const VF x = LOAD(row + j);
+        STORE(row + j, (VF)((VI)x & (VI)(x >= tiny)));
+    }
+    for (; j < n; j++) row[j] = row[j] >= 0x1p-126f ? row[j] : 0.0f;
+}
+
 /* s = q K^T for K packed in panels (kp[panel][d][PANEL], zero past nk): the scores fwd_chunk
  * computes, bit for bit (each one chain of fused multiply-adds over d from 0), for the backward's
  * tiles and invariant=True's tile pairs.  Whole groups of QK_MR rows read q in place; the last
@@ -316,6 +330,7 @@ PATH_ISA static void FN(fwd_chunk)(const float *q, Py_ssize_t ldq, Py_ssize_t nq
             const float m_old = m[i], scaled = mx * sc, m_new = scaled > m_old ? scaled : m_old;
             const float shift = m_new == -INFINITY ? 0.0f : m_new;
             const float sum = FN(exp_row)(row, n, sc, NULL, shift);
+            FN(flush_row)(row, n); /* after the sum, which keeps them */
             if (dr->on) { /* dropout after the row sums: it changes what reaches P V, not l */
                 FN(dropout_factors)(z, n, dr, i, c0);
                 for (Py_ssize_t j = 0; j < n; j++) row[j] = row[j] * z[j];
@@ -583,6 +598,7 @@ PATH_ISA static void FN(bwd_chunk)(const float *q, Py_ssize_t ldq, const float *
                 for (Py_ssize_t j = 0; j < n; j++)
                     if (row[j] == -INFINITY) th[j] = 1.0f;
             FN(exp_row)(row, n, modified ? 1.0f : scale, NULL, lse[i]);
+            FN(flush_row)(row, n);
             const float d = dvec[i];
             if (dr->on) { /* dS = (dP Z - dvec) P, then P Z for dV (each product rounded) */
                 FN(dropout_factors)(z, n, dr, i, c0);
