@@ -246,14 +246,37 @@ def _block_paths():
     return tuple(out)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
-                                dict(causal=True, gqa=True), dict(causal=True, segments=True),
-                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True),
-                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True),
-                                dict(causal=True, dropout=0.25), dict(softcap=5.0, dropout=0.5, segments=True)],
-                            ids=["full", "causal", "window", "causal-gqa", "causal-segments",
-                                 "causal-softcap", "window-softcap-segments", "causal-alibi",
-                                 "window-softcap-alibi-gqa", "causal-dropout", "softcap-dropout-segments"])
+# the block op's cases, forward and backward: every mask and option it holds
+BLOCK_OP_CASES = [dict(causal=False), dict(causal=True), dict(window=(70, 5)), dict(causal=True, gqa=True),
+                  dict(causal=True, segments=True), dict(causal=True, softcap=2.0),
+                  dict(window=(70, 5), softcap=30.0, segments=True), dict(causal=True, alibi=True),
+                  dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True), dict(causal=True, dropout=0.25),
+                  dict(softcap=5.0, dropout=0.5, segments=True)]
+BLOCK_OP_IDS = ["full", "causal", "window", "causal-gqa", "causal-segments", "causal-softcap",
+                "window-softcap-segments", "causal-alibi", "window-softcap-alibi-gqa", "causal-dropout",
+                "softcap-dropout-segments"]
+
+
+def _block_op_options(kw, rng, b: int, h: int, n: int):
+    """A block-op case's keywords for the calls and what the reference needs of them: ``(opts,
+    segment ids or None, ALiBi slopes or None, dropout factors or None)``."""
+    opts = dict(causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
+    seg = np.sort(rng.integers(0, 4, (b, n)), axis=1) if kw.get("segments") else None  # packed documents
+    if seg is not None:
+        opts["segment_ids"] = seg
+    if kw.get("softcap"):
+        opts["softcap"] = kw["softcap"]
+    slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32) if kw.get("alibi") else None  # geometric slopes
+    if slopes is not None:
+        opts["alibi_slopes"] = slopes
+    drop = None
+    if kw.get("dropout"):
+        opts.update(dropout_p=kw["dropout"], dropout_seed=4321)
+        drop = reference.dropout_factors(4321, kw["dropout"], b, h, n, n)
+    return opts, seg, slopes, drop
+
+
+@pytest.mark.parametrize("kw", BLOCK_OP_CASES, ids=BLOCK_OP_IDS)
 def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled forward block op (``_fused.fwd_chunk``: the common float32 forward) on every
     vector path that has it: the same bits on each (every score and output is one chain of fused
@@ -270,19 +293,7 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     q = rng.standard_normal((b, n, h, 40)).astype(np.float32)
     k = rng.standard_normal((b, n, hkv, 40)).astype(np.float32)
     v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
-    opts = dict(causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
-    seg = np.sort(rng.integers(0, 4, (b, n)), axis=1) if kw.get("segments") else None  # packed documents
-    if seg is not None:
-        opts["segment_ids"] = seg
-    if kw.get("softcap"):
-        opts["softcap"] = kw["softcap"]
-    slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32) if kw.get("alibi") else None  # geometric slopes
-    if slopes is not None:
-        opts["alibi_slopes"] = slopes
-    drop = None
-    if kw.get("dropout"):
-        opts.update(dropout_p=kw["dropout"], dropout_seed=4321)
-        drop = reference.dropout_factors(4321, kw["dropout"], b, h, n, n)
+    opts, seg, slopes, drop = _block_op_options(kw, rng, b, h, n)
     fused, before, runs = tp.compiled, tp.compiled.path(), {}
     try:
         for path in paths:
@@ -306,14 +317,7 @@ def test_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(70, 5)),
-                                dict(causal=True, gqa=True), dict(causal=True, segments=True),
-                                dict(causal=True, softcap=2.0), dict(window=(70, 5), softcap=30.0, segments=True),
-                                dict(causal=True, alibi=True), dict(window=(70, 5), softcap=5.0, alibi=True, gqa=True),
-                                dict(causal=True, dropout=0.25), dict(softcap=5.0, dropout=0.5, segments=True)],
-                         ids=["full", "causal", "window", "causal-gqa", "causal-segments",
-                                 "causal-softcap", "window-softcap-segments", "causal-alibi",
-                                 "window-softcap-alibi-gqa", "causal-dropout", "softcap-dropout-segments"])
+@pytest.mark.parametrize("kw", BLOCK_OP_CASES, ids=BLOCK_OP_IDS)
 def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypatch, kw):
     """The compiled backward block op (``_fused.bwd_chunk``: the common float32 backward) on every
     vector path that has it: the same dq, dk, dv bits on each (every element one chain of fused
@@ -333,19 +337,7 @@ def test_backward_block_op_same_bits_on_every_path_and_against_float64(monkeypat
     k = rng.standard_normal((b, n, hkv, 40)).astype(np.float32)
     v = rng.standard_normal((b, n, hkv, 24)).astype(np.float32)
     do = rng.standard_normal((b, n, h, 24)).astype(np.float32)
-    opts = dict(causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
-    seg = np.sort(rng.integers(0, 4, (b, n)), axis=1) if kw.get("segments") else None  # packed documents
-    if seg is not None:
-        opts["segment_ids"] = seg
-    if kw.get("softcap"):
-        opts["softcap"] = kw["softcap"]
-    slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32) if kw.get("alibi") else None  # geometric slopes
-    if slopes is not None:
-        opts["alibi_slopes"] = slopes
-    drop = None
-    if kw.get("dropout"):
-        opts.update(dropout_p=kw["dropout"], dropout_seed=4321)
-        drop = reference.dropout_factors(4321, kw["dropout"], b, h, n, n)
+    opts, seg, slopes, drop = _block_op_options(kw, rng, b, h, n)
     calls = []
     real = numpy_backend._compiled_backward
     monkeypatch.setattr(numpy_backend, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
