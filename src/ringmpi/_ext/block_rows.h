@@ -35,11 +35,11 @@ typedef uint64_t VQ __attribute__((vector_size(VW * 8)));
 #define QK_NR 2  /* vectors of keys per Q K^T micro-kernel tile */
 #define JC 64    /* keys per run of the P V product */
 
-/* s[r * lds + c] = sum_{d < dim} a[r * lda + d] * panel[d * PANEL + c] for QK_MR rows, QK_NR * VW
- * keys of the panel */
-PINLINE void FN(qk_tile)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, float *s, Py_ssize_t lds)
+/* acc[r][c] = sum_{d < dim} a[r * lda + d] * panel[d * PANEL + c * VW..] for QK_MR rows, QK_NR * VW
+ * keys of the panel: each score one chain of fused multiply-adds over d from 0 (the accumulators
+ * stay in registers once inlined) */
+PINLINE void FN(qk_acc)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, VF acc[QK_MR][QK_NR])
 {
-    VF acc[QK_MR][QK_NR];
     _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
         _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(bc)(0.0f);
     for (Py_ssize_t d = 0; d < dim; d++) {
@@ -50,6 +50,13 @@ PINLINE void FN(qk_tile)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const f
             _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
         }
     }
+}
+
+/* s[r * lds + c] = the scores of qk_acc, stored */
+PINLINE void FN(qk_tile)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, float *s, Py_ssize_t lds)
+{
+    VF acc[QK_MR][QK_NR];
+    FN(qk_acc)(a, lda, dim, panel, acc);
     _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
         _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) STORE(s + r * lds + c * VW, acc[r][c]);
 }
@@ -218,16 +225,7 @@ PATH_ISA static void FN(scores_packed)(const float *q, Py_ssize_t ldq, Py_ssize_
 PINLINE void FN(qk_tile_max)(const float *a, Py_ssize_t lda, Py_ssize_t dim, const float *panel, VF *mx, VI *nan)
 {
     VF acc[QK_MR][QK_NR];
-    _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(bc)(0.0f);
-    for (Py_ssize_t d = 0; d < dim; d++) {
-        VF kv[QK_NR];
-        _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) kv[c] = LOAD(panel + d * PANEL + c * VW);
-        _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++) {
-            const VF qv = FN(splat)(a[r * lda + d]);
-            _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) acc[r][c] = FN(fma)(qv, kv[c], acc[r][c]);
-        }
-    }
+    FN(qk_acc)(a, lda, dim, panel, acc);
     _Pragma("GCC unroll 16") for (int r = 0; r < QK_MR; r++)
         _Pragma("GCC unroll 4") for (int c = 0; c < QK_NR; c++) {
             mx[r] = FN(max)(mx[r], acc[r][c]);
