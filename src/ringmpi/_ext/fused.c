@@ -297,6 +297,15 @@ static void release(Py_buffer *views, int n)
         if (views[i].obj) PyBuffer_Release(&views[i]);
 }
 
+/* 1 where the path in use has the compiled block op (its entry `fn` is not NULL), else 0 with
+ * ValueError set */
+static int has_block_op(const void *fn)
+{
+    if (fn) return 1;
+    PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)", PATHS[current].name);
+    return 0;
+}
+
 /* dropout's (k0, k1, row, threshold, rescale, q_pos, kv_pos) or None into *dr, its two position arrays
  * held in views[0..1] (released by the caller): 0, or -1 with an exception set */
 static int get_dropout(PyObject *obj, Py_ssize_t nq, Py_ssize_t nk, DropoutRow *dr, Py_buffer *views)
@@ -333,11 +342,7 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
         return NULL;
     if (alo != Py_None && !PyArg_ParseTuple(alo, "fOO", &slope, &aqo, &ako)) return NULL;
     fwd_chunk_fn fn = PATHS[current].fwd_chunk;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[15];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, dk, kbp, ldk, nkr, dvp, ldv, oq, dv, ldo;
@@ -404,11 +409,7 @@ static PyObject *py_scores(PyObject *self, PyObject *args)
     PyObject *qo, *ko, *so;
     if (!PyArg_ParseTuple(args, "OOO", &qo, &ko, &so)) return NULL;
     scores_fn fn = PATHS[current].scores;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[3];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, nk, dk, ldk, sr, sc, lds;
@@ -446,11 +447,7 @@ static PyObject *py_scores_packed(PyObject *self, PyObject *args)
     Py_ssize_t tile;
     if (!PyArg_ParseTuple(args, "OOOn", &qo, &kpo, &so, &tile)) return NULL;
     scores_packed_fn fn = PATHS[current].scores_packed;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[3];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, dk, kw, ldk, sr, sc, lds, nk;
@@ -488,11 +485,7 @@ static PyObject *py_scores_max(PyObject *self, PyObject *args)
     PyObject *qo, *kpo, *mo;
     if (!PyArg_ParseTuple(args, "OOO", &qo, &kpo, &mo)) return NULL;
     scores_max_fn fn = PATHS[current].scores_max;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[3];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, dk, kw, ldk;
@@ -534,11 +527,7 @@ static PyObject *py_pair_forward(PyObject *self, PyObject *args)
     float scale;
     if (!PyArg_ParseTuple(args, "OOOOfOO", &qo, &kpo, &vo, &ho, &scale, &oo, &so)) return NULL;
     pair_forward_fn fn = PATHS[current].pair_forward;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[6];
     memset(v, 0, sizeof v);
     Py_ssize_t t, dim, ldq, dk, kw, ldk, vr, w, ldv, orow, ow, ldo;
@@ -586,11 +575,7 @@ static PyObject *py_pair_backward(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOOOOOfOOOO", &qo, &doo, &kpo, &vpo, &ko, &lo_, &dvo, &scale, &ovo, &oqo, &oko, &so))
         return NULL;
     pair_backward_fn fn = PATHS[current].pair_backward;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[11];
     memset(v, 0, sizeof v);
     Py_ssize_t qr, dim, ldq, dr, dv, ldd, kpr, kpw, ldkp, vpr, vpw, ldvp, kr, kc, ldk, vr_, vc, ldov, qr2, qc2, ldoq,
@@ -645,11 +630,7 @@ static PyObject *py_pair_products(PyObject *self, PyObject *args)
     int trans;
     if (!PyArg_ParseTuple(args, "OOOp", &ao, &bo, &oo, &trans)) return NULL;
     pair_products_fn fn = PATHS[current].pair_products;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[3];
     memset(v, 0, sizeof v);
     Py_ssize_t ar, t, lda, br, w, ldb, orow, ow, ldo;
@@ -691,11 +672,7 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
         return NULL;
     if (alo != Py_None && !PyArg_ParseTuple(alo, "fOO", &slope, &aqo, &ako)) return NULL;
     bwd_chunk_fn fn = PATHS[current].bwd_chunk;
-    if (!fn) {
-        PyErr_Format(PyExc_ValueError, "the %s path has no compiled block op (no FMA instructions)",
-                     PATHS[current].name);
-        return NULL;
-    }
+    if (!has_block_op(fn)) return NULL;
     Py_buffer v[18];
     memset(v, 0, sizeof v);
     Py_ssize_t nq, dim, ldq, r1, dvd, lddo, nk, c2, ldk, r3, c3, ldv, r4, c4, lddq, r5, c5, lddk, r6, c6, lddv;
