@@ -129,27 +129,31 @@ def _run_case(comm, case):
                  for st in (fwd_stats, bwd_stats)]
     exchanges = [sum(isinstance(r, ExchangeRecord) for r in st) for st in (fwd_stats, bwd_stats)]
     u_int = u if isinstance(u, int) else case.get("expect_U")
-    if isinstance(u_int, list):  # auto on measured links: any of these, the one that ran
-        ran_u = next((r.head_parallel for r in fwd_stats if isinstance(r, ExchangeRecord)), 1)
-        if ran_u not in u_int:
-            results["traffic"] = f"auto ran U={ran_u}, expected one of {u_int}"
-        u_int = ran_u
+    u_pass = [u_int, u_int]  # the U each pass ran (forward, backward)
+    if isinstance(u_int, list):  # auto on measured links: any of these, the one each pass ran
+        # (each call chooses by its own predicted cost: the backward's may differ from the forward's)
+        u_pass = [next((r.head_parallel for r in st if isinstance(r, ExchangeRecord)), 1)
+                  for st in (fwd_stats, bwd_stats)]
+        for name, ran_u in zip(("forward", "backward"), u_pass[:2 if case.get("backward") else 1]):
+            if ran_u not in u_int:
+                results["traffic"] = f"auto ran U={ran_u} in the {name}, expected one of {u_int}"
     if case.get("chosen"):
         problem = comm.allgather(_chosen_problem(case, fwd_stats, bwd_stats))
         if any(problem):
             results["traffic"] = next(p for p in problem if p)
         ran = {r.schedule for r in fwd_stats if not isinstance(r, ExchangeRecord)}
-        u_int = u_int if ran == {"ring"} else None  # the byte counts below are the ring's
+        u_pass = u_pass if ran == {"ring"} else [None, None]  # the byte counts below are the ring's
     ring_steps = sum(not isinstance(r, ExchangeRecord) for r in fwd_stats)
-    if u_int is not None and ring_steps != comm.Get_size() // u_int:
-        results["traffic"] = f"{ring_steps} forward ring steps, expected P/U = {comm.Get_size() // u_int}"
-    if u_int is not None:
+    if u_pass[0] is not None and ring_steps != comm.Get_size() // u_pass[0]:
+        results["traffic"] = f"{ring_steps} forward ring steps, expected P/U = {comm.Get_size() // u_pass[0]}"
+    if u_pass[0] is not None:
         dtype = ring_cases.dtype_of(case)
-        want = want_ring_bytes(comm, case, u_int, k, seg_kv is not None, dtype.itemsize,
-                               8 if dtype == np.float64 else 4, case.get("backward"))
+        want = [want_ring_bytes(comm, case, u_p, k, seg_kv is not None, dtype.itemsize,
+                                8 if dtype == np.float64 else 4, case.get("backward"))[i]
+                for i, u_p in enumerate(u_pass)]
         if ring_sent != want and "traffic" not in results:
             results["traffic"] = f"ring bytes sent (forward, backward) {ring_sent}, expected {want}"
-        want_exchanges = [2, 2 if case.get("backward") else 0] if u_int > 1 else [0, 0]
+        want_exchanges = [2 if u_pass[0] > 1 else 0, 2 if case.get("backward") and u_pass[1] > 1 else 0]
         if exchanges != want_exchanges:
             results["traffic"] = f"all-to-all records (forward, backward) {exchanges}, expected {want_exchanges}"
     gathered = comm.gather(results, root=0)

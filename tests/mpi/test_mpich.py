@@ -143,15 +143,19 @@ def test_library_cases(mpich_venv, tmp_path):
         assert ok, f"{case_id}: {msg}"
 
 
-@pytest.mark.parametrize("fault,message", [
-    ("exit:1:1", "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"),   # Hydra names the dead rank's job
-    ("raise:3:2:fwd", "[rank 3] ringmpi: InjectedFault: injected fault on rank 3"),
+@pytest.mark.parametrize("fault,message,code", [
+    # a rank that dies without a word (os._exit(3)): Hydra ends the job.  When its proxy kills the
+    # others it prints its banner with the killed rank's code; when the others' MPI sees the dead
+    # peer and they end first (a loaded machine), Hydra prints nothing and exits with the dead
+    # rank's code, 3.  Either way the job ends at once, with a failing exit code
+    ("exit:1:1", "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", 3),
+    ("raise:3:2:fwd", "[rank 3] ringmpi: InjectedFault: injected fault on rank 3", None),
 ])
-def test_a_failing_rank_ends_the_job(mpich_venv, fault, message):
+def test_a_failing_rank_ends_the_job(mpich_venv, fault, message, code):
     rc, out, err, _ = mpich(4, [VENV / "bin" / "python", DRIVERS / "fault_job.py", "--timeout", "600"],
                             env=mpirun_env(RINGMPI_FAULT=fault), deadline=60)
     assert rc != 0
-    assert message in out + err, (out + err)[-3000:]
+    assert message in out + err or rc == code, f"exit code {rc}\n{(out + err)[-3000:]}"
 
 
 def test_a_mixed_stack_is_reported_not_crashed_on(mpich_venv, tmp_path):
