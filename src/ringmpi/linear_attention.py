@@ -5,11 +5,12 @@ rank order is token order) and gets the outputs of its own tokens, exactly as on
 computing the whole sequence would (to rounding).  Per head the state ``S`` (``K x V``) follows
 the layer's recurrence (``core/linear_recurrence.py``); a rank's shard moves it by one affine
 map ``S -> M_r S + U_r``, computed in chunks from a zero state while also tracking ``M_r`` and
-how each token's output sees the entering state.  The ranks then compose their maps in an
-exclusive scan (``parallel/state_scan.py``: ``ceil(log2 P)`` messages of ``K (K + V)`` numbers
-per row and head, independent of the sequence length) and each rank corrects its outputs
-and end state from the state that arrives.  The backward is the same scan in reverse over
-``dS -> M_r^T dS + c_r``, then each rank's local reverse pass.  Packed documents
+each chunk's entering map.  The ranks then compose their maps in an exclusive scan
+(``parallel/state_scan.py``: ``ceil(log2 P)`` messages of ``K (K + V)`` numbers per row and
+head, independent of the sequence length); each rank corrects its chunks' states and end state
+from the state that arrives and only then makes its outputs, once (the same products as one
+process's).  The backward is the same scan in reverse over ``dS -> M_r^T dS + c_r`` (``c_r``
+from the chunks' reverse recursion), then each rank's local reverse pass.  Packed documents
 (``cu_seqlens`` in global positions) cut a shard into segments: a document starting inside a
 shard makes ``M_r = 0``.
 
@@ -189,7 +190,9 @@ class ShardRecurrence:
     def forward(self, keep_states: bool = False, outputs: bool = True):
         """This rank's outputs, head-major ``(B, HV, T, V)`` (None without ``outputs``: the
         backward's recomputation); the runs' end states are the true ones afterwards (and their
-        chunk states, with ``keep_states``)."""
+        chunk states, with ``keep_states``).  The outputs are made after the scan, from the
+        chunks' true states: before it a rank finds only its map (the chunk pieces and the
+        states' recurrence), so that the ranks after it wait for no more than that."""
         call = self.call
         start = time.perf_counter()
         o = self.xp.zeros((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype) if outputs else None
@@ -198,9 +201,7 @@ class ShardRecurrence:
             part = slice(seg.lo, seg.hi)
             pieces = _rec.chunks(self.q[:, :, part], self.k[:, :, part], self.v[:, :, part], self.g[:, :, part],
                                  None if self.beta is None else self.beta[:, :, part], call.delta)
-            fwd = _rec.run_forward(pieces, self._start_state(seg), track_map=not seg.starts, outputs=outputs)
-            if outputs:
-                o[:, :, part] = fwd.o
+            fwd = _rec.run_forward(pieces, self._start_state(seg), track_map=not seg.starts, outputs=False)
             self.runs.append(_Run(seg, pieces, fwd))
         head = self.head
         if not self.runs:
@@ -217,16 +218,13 @@ class ShardRecurrence:
         start = time.perf_counter()
         self.seconds["scan"] += start - scan_start
         if head is not None:
-            fwd, part = head.fwd, slice(head.seg.lo, head.seg.hi)
-            if outputs:
-                o[:, :, part] += fwd.qs @ s_in
+            fwd = head.fwd
             fwd.s_end = fwd.s_end + apply_m(call.kind, fwd.m, s_in)
-            if keep_states:
-                if call.kind == "dense":
-                    fwd.states = fwd.states + fwd.states_m @ s_in[:, :, None]
-                else:
-                    m = fwd.states_m[..., None] if call.kind == "diagonal" else fwd.states_m[..., None, None]
-                    fwd.states = fwd.states + m * s_in[:, :, None]
+            if keep_states or outputs:
+                fwd.states = _rec.entered(head.pieces, fwd, s_in)
+        if outputs:
+            for run in self.runs:
+                o[:, :, run.seg.lo:run.seg.hi] = _rec.outputs_of(run.pieces, run.fwd.states)
         self.seconds["local"] += time.perf_counter() - start
         return o
 
@@ -258,8 +256,10 @@ class ShardRecurrence:
         xp = self.xp
         c = xp.zeros(call.state_shape(call.b), call.dtype)
         head = self.head
-        if head is not None:
-            c = head.fwd.qs.swapaxes(-1, -2) @ do[:, :, head.seg.lo:head.seg.hi]
+        head_seen = None
+        if head is not None:  # what the head's outputs ask of the state entering this rank
+            head_seen = _rec.seen_outputs(head.pieces, do[:, :, head.seg.lo:head.seg.hi])
+            c = _rec.state_grads(head.pieces, head_seen, c)[1]
             if head.seg.ends and dfinal is not None:
                 head_map_t = transposed(StateMap(call.kind, head.fwd.m, c), c)  # the head's own map
                 c = c + head_map_t.apply(dfinal[call.rows(head.seg.doc)])
@@ -278,7 +278,8 @@ class ShardRecurrence:
             ds_end = ds_out if i == len(self.runs) - 1 else xp.zeros_like(ds_out)
             if seg.ends and dfinal is not None:
                 ds_end = ds_end + dfinal[call.rows(seg.doc)]
-            got = _rec.run_backward(run.pieces, run.fwd.states, do[:, :, part], ds_end)
+            got = _rec.run_backward(run.pieces, run.fwd.states, do[:, :, part], ds_end,
+                                    seen_do=head_seen if run is head else None)
             for name in ("q", "k", "v", "g", "beta"):
                 if grads[name] is not None:
                     grads[name][:, :, part] = getattr(got, "d" + name)

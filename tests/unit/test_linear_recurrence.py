@@ -57,8 +57,18 @@ def test_chunked_run_against_the_recurrence(delta, t, per_key):
     from_zero = lr.run_forward(pieces, np.zeros_like(s0), track_map=True)
     m = from_zero.m if delta else (from_zero.m[..., :, None] if per_key else from_zero.m[..., None, None]) * np.eye(5)
     assert err(m @ s0 + from_zero.s_end, fwd.s_end) < 1e-12
-    assert err(from_zero.o + from_zero.qs @ s0, fwd.o) < 1e-12
+    states = lr.entered(pieces, from_zero, s0)
+    assert err(states, fwd.states) < 1e-12
+    assert err(lr.outputs_of(pieces, states), fwd.o) < 1e-12
     grads = lr.run_backward(pieces, fwd.states, _head_major(do), dfinal)
+    # what the outputs ask of the entering state (the reverse recursion from a zero end gradient),
+    # plus the map's transpose of the end state's gradient: the entering state's whole gradient
+    seen = lr.seen_outputs(pieces, _head_major(do))
+    c = lr.state_grads(pieces, seen, np.zeros_like(dfinal))[1]
+    assert err(c + np.swapaxes(m, -1, -2) @ dfinal, grads.ds0) < 1e-12
+    again = lr.run_backward(pieces, fwd.states, _head_major(do), dfinal, seen_do=seen)
+    for name in ("dq", "dk", "dv", "dg", "ds0"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(grads, name))
     for ours, leaf in ((np.moveaxis(grads.dq, 1, 2) * scale, "q"), (np.moveaxis(grads.dk, 1, 2), "k"),
                        (np.moveaxis(grads.dv, 1, 2), "v"), (np.moveaxis(grads.dg, 1, 2), "g"), (grads.ds0, "s0")):
         assert err(ours, ref[leaf].grad.numpy()) < 1e-12, leaf
@@ -174,7 +184,7 @@ def test_chunked_run_keeps_the_inputs_array_type(monkeypatch, delta, per_key):
         pieces = lr.chunks(*(cast(x[n]) for n in ("q", "k", "v", "g", "beta")), delta)
         fwd = lr.run_forward(pieces, cast(s0), track_map=True)
         grads = lr.run_backward(pieces, fwd.states, cast(do), cast(ds_end))
-        return [fwd.o, fwd.s_end, fwd.m, fwd.qs, grads.dq, grads.dk, grads.dv, grads.dg, grads.ds0] + (
+        return [fwd.o, fwd.s_end, fwd.m, fwd.states_m, grads.dq, grads.dk, grads.dv, grads.dg, grads.ds0] + (
             [grads.dbeta] if delta else [])
 
     plain, foreign = run(lambda a: a), run(lambda a: a.view(_Foreign))

@@ -23,9 +23,12 @@ computes the same pieces).  The chunks are then composed in order, one ``K x K``
 each; the ranks compose their runs' maps the same way (``core/state_maps.py``,
 ``parallel/state_scan.py``).  :func:`run_forward` can also carry the run's own map along
 (``track_map``): beside the states it composes the chunks' maps from ``M_0 = I``, giving the
-run's map ``M`` and each token's query as it sees the entering state (``q~_t``, so that
-``o_t += S_in^T q~_t`` once ``S_in`` is known).  :func:`run_backward` is the reverse-mode of
-the same steps.  Work is ``O(T (C d + d^2))`` per head.
+run's map ``M`` and each chunk's entering map, so that once the run's true entering state
+``S_in`` is known the chunks' entering states follow (:func:`entered`) and the outputs are
+made from them once (:func:`outputs_of`).  :func:`run_backward` is the reverse-mode of the same
+steps; :func:`state_grads` alone is its reverse recursion over the chunks, which with a zero
+end-state gradient gives what a run's outputs ask of its entering state (``c_r``, the reverse
+scan's offset), before that scan.  Work is ``O(T (C d + d^2))`` per head.
 
 Arrays are head-major: ``q, k (B, H, T, K)`` (q already scaled), ``v (B, H, T, V)``,
 ``g, beta (B, H, T)``, states ``(B, H, K, V)``; float32 or float64 throughout.
@@ -199,15 +202,14 @@ def chunks(q, k, v, g, beta, delta: bool) -> Chunks:
 class Forward:
     """A run's outputs from its entering state ``s0``; ``states`` are the chunks' entering
     states (what :func:`run_backward` needs).  With ``track_map``: ``m``, the run's map
-    (``(B, H, K, K)`` for the delta rule, ``(B, H)`` for scalar decay), and ``qs``, each
-    token's query as it sees the entering state, ``(B, H, T, K)``; ``states_m`` the map
-    part of the chunks' entering states (``(B, H, n, K, K)`` or ``(B, H, n)``)."""
+    (``(B, H, K, K)`` for the delta rule, ``(B, H)`` for scalar decay, ``(B, H, K)`` per key),
+    and ``states_m`` the map part of the chunks' entering states (``(B, H, n, K, K)``,
+    ``(B, H, n)`` or ``(B, H, n, K)``)."""
 
     o: Optional[np.ndarray]
     s_end: np.ndarray
     states: np.ndarray
     m: Optional[np.ndarray] = None
-    qs: Optional[np.ndarray] = None
     states_m: Optional[np.ndarray] = None
 
 
@@ -223,9 +225,15 @@ def _flushed(x):
     return x
 
 
+def outputs_of(p: Chunks, states):
+    """Every token's output ``(B, H, T, V)`` from the chunks' entering states: ``Qt S + A Wv``."""
+    return _unchunked(p.qt @ states + p.attn @ p.wv, p.t)
+
+
 def run_forward(p: Chunks, s0, track_map: bool = False, outputs: bool = True) -> Forward:
     """Compose the chunk maps in order from ``s0`` ``(B, H, K, V)``; the outputs of every token
-    (``o`` None without ``outputs``: the backward's recomputation needs only the states)."""
+    (``o`` None without ``outputs``: the backward's recomputation needs only the states, and a
+    run whose entering state is not yet known makes them after :func:`entered`)."""
     xp = array_module(s0)
     b, h, n, _, kdim = p.q.shape
     dense = p.delta
@@ -238,8 +246,7 @@ def run_forward(p: Chunks, s0, track_map: bool = False, outputs: bool = True) ->
         else:
             x = (p.gc[:, :, i, :, None] if p.per_key else p.gc[:, :, i, None, None]) * x
         x += p.uc[:, :, i]
-    o = _unchunked(p.qt @ states + p.attn @ p.wv, p.t) if outputs else None
-    out = Forward(o=o, s_end=x, states=states)
+    out = Forward(o=outputs_of(p, states) if outputs else None, s_end=x, states=states)
     if track_map:
         if dense:  # the chunks' entering maps, composed apart from the states (K x K each)
             m = xp.broadcast_to(xp.eye(kdim, dtype=s0.dtype), (b, h, kdim, kdim))
@@ -248,13 +255,42 @@ def run_forward(p: Chunks, s0, track_map: bool = False, outputs: bool = True) ->
                 before[:, :, i] = m
                 m = _flushed(p.mc[:, :, i] @ m)
             out.m, out.states_m = m, before
-            out.qs = _flushed(_unchunked(p.qt @ before, p.t))
         else:
             ones = xp.ones((b, h, 1) + p.gc.shape[3:], s0.dtype)
             before = _flushed(xp.cumprod(xp.concatenate([ones, p.gc[:, :, :-1]], axis=2), axis=2))  # entering maps
             out.m, out.states_m = _flushed(before[:, :, -1] * p.gc[:, :, -1]), before
-            out.qs = _flushed(_unchunked(p.qt * (before[..., None, :] if p.per_key else before[..., None, None]), p.t))
     return out
+
+
+def entered(p: Chunks, fwd: Forward, s_in):
+    """The chunks' entering states of a run tracked from a zero state (``track_map``) once its
+    true entering state ``s_in`` ``(B, H, K, V)`` is known: ``states + states_m S_in``."""
+    if p.delta:
+        return fwd.states + fwd.states_m @ s_in[:, :, None]
+    m = fwd.states_m[..., None] if p.per_key else fwd.states_m[..., None, None]
+    return fwd.states + m * s_in[:, :, None]
+
+
+def seen_outputs(p: Chunks, do):
+    """``Qt^T do`` per chunk ``(B, H, n, K, V)``: what the outputs' gradient ``do (B, H, T, V)``
+    asks of each chunk's entering state."""
+    return _t(p.qt) @ _chunked(do, p.n)
+
+
+def state_grads(p: Chunks, seen_do, ds_end):
+    """The reverse recursion over the chunks: ``(ds_after, ds0)``, the gradients of each
+    chunk's end state ``(B, H, n, K, V)`` and of the run's entering state, from ``seen_do``
+    (:func:`seen_outputs`) and ``ds_end``, the gradient of the run's end state."""
+    xp = array_module(seen_do)
+    ds_after = xp.empty_like(seen_do)
+    ds = ds_end
+    for i in range(p.n - 1, -1, -1):
+        ds_after[:, :, i] = ds
+        if p.delta:
+            ds = _t(p.mc[:, :, i]) @ ds + seen_do[:, :, i]
+        else:
+            ds = (p.gc[:, :, i, :, None] if p.per_key else p.gc[:, :, i, None, None]) * ds + seen_do[:, :, i]
+    return ds_after, ds
 
 
 @dataclass
@@ -270,23 +306,16 @@ class Grads:
     ds0: np.ndarray
 
 
-def run_backward(p: Chunks, states, do, ds_end) -> Grads:
+def run_backward(p: Chunks, states, do, ds_end, seen_do=None) -> Grads:
     """Reverse mode of :func:`run_forward` (and :func:`chunks`): ``states`` are the chunks'
     entering states of the forward that ran, ``do (B, H, T, V)``, ``ds_end`` the gradient of
-    the run's end state ``(B, H, K, V)``."""
+    the run's end state ``(B, H, K, V)``; ``seen_do`` the run's :func:`seen_outputs` when
+    already made."""
     xp = array_module(do)
     n = p.n
     per_key = p.per_key
     doc = _chunked(do, n)
-    seen_do = _t(p.qt) @ doc                      # Qt^T do: what the outputs ask of each entering state
-    ds_after = xp.empty_like(states)
-    ds = ds_end
-    for i in range(n - 1, -1, -1):
-        ds_after[:, :, i] = ds
-        if p.delta:
-            ds = _t(p.mc[:, :, i]) @ ds + seen_do[:, :, i]
-        else:
-            ds = (p.gc[:, :, i, :, None] if per_key else p.gc[:, :, i, None, None]) * ds + seen_do[:, :, i]
+    ds_after, ds = state_grads(p, seen_outputs(p, do) if seen_do is None else seen_do, ds_end)
     # o = Qt S + A Wv; S_end = Mc S + Kt^T Wv
     dqt = doc @ _t(states)
     dattn = doc @ _t(p.wv)
