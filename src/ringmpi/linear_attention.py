@@ -195,7 +195,8 @@ class ShardRecurrence:
         states' recurrence), so that the ranks after it wait for no more than that."""
         call = self.call
         start = time.perf_counter()
-        o = self.xp.zeros((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype) if outputs else None
+        # (the segments cover the shard: every output is written below)
+        o = self.xp.empty((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype) if outputs else None
         self.runs = []
         for seg in self.segments:
             part = slice(seg.lo, seg.hi)
@@ -270,8 +271,9 @@ class ShardRecurrence:
         self.bytes_received += nbytes
         start = time.perf_counter()
         self.seconds["scan"] += start - scan_start
-        grads = {name: xp.zeros_like(x) for name, x in (("q", self.q), ("k", self.k), ("v", self.v), ("g", self.g))}
-        grads["beta"] = None if self.beta is None else xp.zeros_like(self.beta)
+        # every token's gradients are written by its segment's run (the segments cover the shard)
+        grads = {name: xp.empty_like(x) for name, x in (("q", self.q), ("k", self.k), ("v", self.v), ("g", self.g))}
+        grads["beta"] = None if self.beta is None else xp.empty_like(self.beta)
         dinitial = None if self.initial is None else xp.zeros(call.state_shape(), call.dtype)
         for i, run in enumerate(self.runs):
             seg, part = run.seg, slice(run.seg.lo, run.seg.hi)
