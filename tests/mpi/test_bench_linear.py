@@ -31,4 +31,8 @@ def test_bench_linear_bytes_are_flat_in_n(tmp_path):
         assert [pt["world_size"] for pt in report[key]] == [1, 2, 3]
         assert all(pt["median_s"] > 0 and pt["local_median_s"] > 0 and pt["cpu_median_s"] > 0 for pt in report[key])
     assert report["strong"][0]["bytes_received_max"] == 0  # one rank: nothing to scan
+    # beside each P > 1 of the weak sweep: its ranks' one-rank calls, all at once
+    assert [("alone_median_s" in pt) for pt in report["weak"]] == [False, True, True]
+    assert all(pt["alone_median_s"] > 0 for pt in report["weak"][1:])
+    assert "alone/tP" in stdout
     assert "bytes received per rank per call" in stdout

@@ -15,7 +15,11 @@ local chunked runs (and corrections) and the scans (waiting for the ranks before
   messages), for ``N = n/16, n/8, .., n`` (``n = --n``; 2^14 .. 2^18 for ``--n 262144``), one call
   each: flat in ``N``;
 * ``strong``: ``N = n/16`` on ``P = 1, 2, 4, ...`` ranks of the job, speedup ``t(1) / t(P)``;
-* ``weak``: ``n/16 / size`` tokens per rank on ``P = 1, 2, 4, ...``, efficiency ``t(1) / t(P)``.
+* ``weak``: ``n/16 / size`` tokens per rank on ``P = 1, 2, 4, ...``, efficiency ``t(1) / t(P)``;
+  beside each ``P > 1``, ``alone``: the same ``P`` ranks each running the one-rank call on its
+  own tokens at the same time (no scan, no wait for another rank), so that ``alone / t(P)``
+  is the scaling of the scan itself and ``t(1) / alone`` what the ranks cost each other on
+  this machine (cores, memory bandwidth, caches shared).
 """
 
 from __future__ import annotations
@@ -93,6 +97,18 @@ def _on_ranks(comm, p, cfg, n):
     return None if every is None else [r for r in every if r is not None]
 
 
+def _alone_at_once(comm, p, cfg, n_local):
+    """The first ``p`` ranks each measure a one-rank call on ``n_local`` tokens of their own, all
+    at once; every rank's record gathered to rank 0 (others: None)."""
+    rank = comm.Get_rank()
+    alone = comm.Split(rank if rank < p else p, 0)  # one rank each (the idle ranks together)
+    mine = _measure(alone, cfg, n_local) if rank < p else None
+    alone.Free()
+    idle_barrier(comm)
+    every = comm.gather(mine, root=0)
+    return None if every is None else [r for r in every if r is not None]
+
+
 def _point(records, p, n):
     wall = np.max([r["wall"] for r in records], axis=0)
     slowest = int(np.argmax([np.median(r["wall"]) for r in records]))
@@ -120,12 +136,16 @@ def _format(report):
         base = report[key][0]["median_s"]
         base_cpu = report[key][0]["cpu_median_s"]
         ratio_name = "t1/tP" if key == "strong" else "eff"
+        extra = f" {'alone':>10} {'alone/tP':>8} {'t1/alone':>8}" if key == "weak" else ""
         lines.append(f"{name}:  {'P':>3} {'median':>10} {'local':>10} {'scan':>10} {ratio_name:>7} "
-                     f"{'cpu':>10} {'cpu ' + ratio_name:>9}")
+                     f"{'cpu':>10} {'cpu ' + ratio_name:>9}{extra}")
         for pt in report[key]:
+            alone = pt.get("alone_median_s")
+            extra = (f" {alone:>10.3e} {alone / pt['median_s']:>8.2f} {base / alone:>8.2f}"
+                     if alone else "") if key == "weak" else ""
             lines.append(f"  {'':{len(name)}}{pt['world_size']:>3} {pt['median_s']:>10.3e} "
                          f"{pt['local_median_s']:>10.3e} {pt['scan_median_s']:>10.3e} {base / pt['median_s']:>7.2f} "
-                         f"{pt['cpu_median_s']:>10.3e} {base_cpu / pt['cpu_median_s']:>9.2f}")
+                         f"{pt['cpu_median_s']:>10.3e} {base_cpu / pt['cpu_median_s']:>9.2f}{extra}")
     return "\n".join(lines)
 
 
@@ -147,8 +167,11 @@ def run(comm, cfg, json_path=None):
         if rank == 0:
             strong.append(_point(recs, p, n))
         recs = _on_ranks(comm, p, cfg, per_rank * p)
+        alone = _alone_at_once(comm, p, cfg, per_rank) if p > 1 else None
         if rank == 0:
             weak.append(_point(recs, p, per_rank * p))
+            if alone:  # the slowest of the ranks running alone at once, call by call
+                weak[-1]["alone_median_s"] = float(np.median(np.max([r["wall"] for r in alone], axis=0)))
     if rank != 0:
         return None
     report.update(bytes=bytes_points, strong=strong, weak=weak)
