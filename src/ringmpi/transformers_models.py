@@ -33,7 +33,8 @@ forward passes through :func:`sharded_call` first:
     ``alibi_slopes``: ringmpi's ALiBi in global positions, the same softmax under
     the causal mask.
 
-  - *Qwen3-Next's Gated DeltaNet layers* (``linear_attention`` in its
+  - *The Gated DeltaNet layers* of Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Qwen4-Exp
+    (``linear_attention`` in their
     ``layer_types``) run sharded: the short causal convolution with its halo from
     the previous rank (``ringmpi.torch_linear.causal_conv1d``) and the gated delta
     rule through ringmpi's state scan (``ringmpi.torch_linear.gated_delta_rule``), on
@@ -293,26 +294,46 @@ def _bloom_attention(module, config, original):
     return forward
 
 
-def _gated_deltanet(module, config, original):
-    """Qwen3-Next's Gated DeltaNet on this rank's shard: its convolution with the previous rank's
-    halo and its gated delta rule from the state the earlier ranks' shards leave (ringmpi's scan),
-    on contiguous shards (other layouts move the layer's input and output there and back).
+def _interleaved_projections(module, hidden):
+    """Qwen3-Next's projections: q, k, v, z interleaved per key head in one, b and a in another
+    (the layer's own ``fix_query_key_value_ordering`` takes them apart); q|k|v before the
+    convolution as ``(B, T, 2 key_dim + value_dim)``, ``z (B, T, HV, d_v)``, ``b, a (B, T, HV)``."""
+    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden), module.in_proj_ba(hidden))
+    return torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1), z, b, a
 
-    The same computation as the layer's own forward: projections, the causal convolution (SiLU),
-    q and k L2-normalised (the kernel's ``use_qk_l2norm_in_kernel``), the decay
-    ``g = -exp(A_log) softplus(a + dt_bias)`` in float32 as the layer computes it, ``beta = sigmoid(b)``,
-    the rule with scale ``1/sqrt(d_k)``, the gated RMSNorm and the output projection."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+def _split_projections(module, hidden):
+    """Qwen3.5's (and its MoE's, Qwen4-Exp's) projections: q|k|v, z, b and a each their own, the
+    same four tensors as :func:`_interleaved_projections`."""
+    z = module.in_proj_z(hidden).reshape(hidden.shape[0], hidden.shape[1], -1, module.head_v_dim)
+    return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+
+
+def _gated_deltanet(module, config, original):
+    """A Gated DeltaNet layer (Qwen3-Next's, Qwen3.5's) on this rank's shard: its convolution with
+    the previous rank's halo and its gated delta rule from the state the earlier ranks' shards
+    leave (ringmpi's scan), on contiguous shards (other layouts move the layer's input and output
+    there and back).
+
+    The same computation as the layer's own forward: projections (the model's own split,
+    :data:`_GDN_PROJECTIONS`), the causal convolution (SiLU), q and k L2-normalised (the kernel's
+    ``use_qk_l2norm_in_kernel``), the decay ``g = -exp(A_log) softplus(a + dt_bias)`` in float32
+    as the layer computes it, ``beta = sigmoid(b)``, the rule with scale ``1/sqrt(d_k)``, the
+    gated RMSNorm and the output projection."""
+    import sys
+
     from . import torch_linear
     from .core.layout import Layout
 
+    family = sys.modules[type(module).__module__]  # the model's own l2norm and padding mask
+    projections = _GDN_PROJECTIONS[_qualname(type(module))]
+
     def mix(hidden, comm):
-        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden), module.in_proj_ba(hidden))
-        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+        mixed, z, b, a = projections(module, hidden)
         mixed = torch_linear.causal_conv1d(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias,
                                            activation=module.activation, context=RingContext(comm))
         q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        q, k = (qwen3_next.l2norm(x.reshape(x.shape[0], x.shape[1], -1, module.head_k_dim), dim=-1, eps=1e-6)
+        q, k = (family.l2norm(x.reshape(x.shape[0], x.shape[1], -1, module.head_k_dim), dim=-1, eps=1e-6)
                 for x in (q, k))
         v = v.reshape(v.shape[0], v.shape[1], -1, module.head_v_dim)
         g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
@@ -328,7 +349,7 @@ def _gated_deltanet(module, config, original):
         if cache is not None:  # alike on every rank (the call's arguments)
             raise ConfigError(f"{type(module).__name__} (layer {module.layer_idx}) runs sharded without a cache "
                               "(shard_batch sets use_cache=False): do not pass a cache to a sharded forward")
-        hidden_states = qwen3_next.apply_mask_to_padding_states(hidden_states, attention_mask)
+        hidden_states = family.apply_mask_to_padding_states(hidden_states, attention_mask)
         if ctx.layout.kind == "contiguous":
             return mix(hidden_states, ctx.comm)
         contiguous = Layout("contiguous", ctx.layout.n, ctx.layout.world_size)
@@ -337,11 +358,17 @@ def _gated_deltanet(module, config, original):
     return forward
 
 
+# the Gated DeltaNet layers ringmpi runs sharded, each with its model's projections
+_GDN_PROJECTIONS = {
+    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet": _interleaved_projections,
+    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet": _split_projections,
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet": _split_projections,
+    "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextGatedDeltaNet": _split_projections,
+}
 _ADAPTERS = {"transformers.models.bloom.modeling_bloom.BloomAttention": _bloom_attention,
-             "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet": _gated_deltanet}
+             **{name: _gated_deltanet for name in _GDN_PROJECTIONS}}
 # the config layer type each adapted sequence mixer runs sharded (attention adapters: none)
-_ADAPTED_LAYER_TYPES = {"transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet":
-                        "linear_attention"}
+_ADAPTED_LAYER_TYPES = {name: "linear_attention" for name in _GDN_PROJECTIONS}
 
 
 def _qualname(cls) -> str:

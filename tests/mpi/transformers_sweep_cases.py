@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from case_driver import run_all  # first: it puts tests/support on the path
 import hf_architectures as archs
-from linear_reference import float64_delta_rule
+from linear_reference import float64_delta_rule, float64_gated_norms
 from transformers_cases import float64_softmax
 import ringmpi.transformers as rmt
 from ringmpi import RingContext
@@ -82,7 +82,8 @@ def batch_for():
 def reference(model, batch):
     """One process, eager attention: logits, out.loss, gradients of out.loss."""
     model.zero_grad(set_to_none=True)
-    with float64_softmax(), float64_delta_rule():  # HF's float32 islands, float64 in the reference
+    # HF's float32 islands, float64 in the reference (the gated norms in ours too: the same modules)
+    with float64_softmax(), float64_delta_rule(), float64_gated_norms():
         out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
         out.loss.backward()
     grads = {n: p.grad.double().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
@@ -93,8 +94,9 @@ def sharded(comm, model, batch, layout):
     """ringmpi on comm: gathered logits, out.loss and gradients summed over the ranks."""
     model.zero_grad(set_to_none=True)
     shard = rmt.shard_batch(batch, context=RingContext(comm, layout=layout), step=0)
-    out = model(**shard)
-    out.loss.backward()
+    with float64_gated_norms():
+        out = model(**shard)
+        out.loss.backward()
     params = list(model.named_parameters())
     flat = np.concatenate([np.zeros(p.numel()) if p.grad is None else p.grad.double().numpy().ravel()
                            for _, p in params] + [[float(out.loss.detach())]])

@@ -49,22 +49,63 @@ def recurrence(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, del
 
 @contextlib.contextmanager
 def float64_delta_rule():
-    """transformers' chunked gated delta rule (Qwen3-Next's) computes in float32 whatever the dtype;
-    inside this context a float64 reference model runs :func:`recurrence` in float64 instead."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    """transformers' chunked gated delta rule (Qwen3-Next's, and its copies in Qwen3.5, Qwen3.5-MoE
+    and Qwen4-Exp) computes in float32 whatever the dtype; inside this context a float64 reference
+    model runs :func:`recurrence` in float64 instead."""
+    import importlib
 
-    def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
-             use_qk_l2norm_in_kernel=False, **_):
-        if query.dtype != torch.float64:
-            return real(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        if use_qk_l2norm_in_kernel:
-            query, key = (qwen3_next.l2norm(x, dim=-1, eps=1e-6) for x in (query, key))
-        o, final = recurrence(query, key, value, g.to(query.dtype), beta, query.shape[-1] ** -0.5, initial_state)
-        return o, final if output_final_state else None
-    real = qwen3_next.torch_chunk_gated_delta_rule
-    qwen3_next.torch_chunk_gated_delta_rule = rule
+    families = [importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+                for name in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp")]
+    reals = [family.torch_chunk_gated_delta_rule for family in families]
+
+    def rule_of(family, real):
+        def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **_):
+            if query.dtype != torch.float64:
+                return real(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            if use_qk_l2norm_in_kernel:
+                query, key = (family.l2norm(x, dim=-1, eps=1e-6) for x in (query, key))
+            o, final = recurrence(query, key, value, g.to(query.dtype), beta, query.shape[-1] ** -0.5, initial_state)
+            return o, final if output_final_state else None
+        return rule
+
+    for family, real in zip(families, reals):
+        family.torch_chunk_gated_delta_rule = rule_of(family, real)
     try:
         yield
     finally:
-        qwen3_next.torch_chunk_gated_delta_rule = real
+        for family, real in zip(families, reals):
+            family.torch_chunk_gated_delta_rule = real
+
+
+@contextlib.contextmanager
+def float64_gated_norms():
+    """The gated RMSNorm after transformers' Gated DeltaNet layers (Qwen3-Next's and its copies)
+    computes in float32 whatever the dtype; inside this context a float64 model keeps float64 there
+    (ours and the reference alike: the same module serves both)."""
+    import importlib
+
+    from transformers.activations import ACT2FN
+
+    classes = [getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+               for module, name in (("qwen3_next", "Qwen3NextRMSNormGated"), ("qwen3_5", "Qwen3_5RMSNormGated"),
+                                    ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated"),
+                                    ("qwen4_exp", "Qwen4ExpTextRMSNormGated"))]
+    reals = [cls.forward for cls in classes]
+
+    def forward_of(real):
+        def forward(self, x, gate):
+            if x.dtype != torch.float64:
+                return real(self, x, gate)
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * normed * ACT2FN[getattr(self, "activation", "silu")](gate)
+        return forward
+
+    for cls, real in zip(classes, reals):
+        cls.forward = forward_of(real)
+    try:
+        yield
+    finally:
+        for cls, real in zip(classes, reals):
+            cls.forward = real
