@@ -251,8 +251,8 @@ def test_a_calls_own_cost_is_added_to_its_schedule_and_u_alone():
 
 def test_a_links_sustained_bandwidth_is_what_the_larger_message_adds():
     """A token bucket lets its burst through at the wire's speed: a 1 MiB message inside the burst
-    says nothing of the rate; the 3 MiB a 4 MiB message adds does.  Where the larger message adds
-    no time beyond the noise, its own rate is taken instead of a huge difference quotient."""
+    says nothing of the rate; the 3 MiB a 4 MiB message adds does.  Never above the larger
+    message's own rate: a slowed smaller message leaves too small a difference."""
     from ringmpi.parallel.cost_measure import sustained_bandwidth
 
     one, big, wire, rate, burst = 1 << 20, 1 << 22, 2e9, 125e6, 1.25e6
@@ -265,6 +265,7 @@ def test_a_links_sustained_bandwidth_is_what_the_larger_message_adds():
     assert sustained_bandwidth(one, 1e-3, big, 4e-3, 0.0) == pytest.approx(3 * one / 3e-3)
     noisy = sustained_bandwidth(one, 3e-3, big, 3.1e-3, 0.0)  # the smaller message was slowed
     assert noisy == pytest.approx(big / 3.1e-3)
+    assert sustained_bandwidth(one, 5e-3, big, 4e-3, 0.0) == pytest.approx(big / 4e-3)  # no difference at all
 
 
 def test_call_costs_time_a_minimal_call_once_per_communicator():

@@ -218,12 +218,11 @@ def links(comm, timeout=None):
 def sustained_bandwidth(one: int, t_one: float, big: int, t_big: float, latency: float) -> float:
     """Bytes/s of a link from the best times ``t_one``, ``t_big`` of receiving ``one`` and ``big``
     bytes: the rate of the bytes the larger adds (a token bucket's burst, or any allowance a link
-    grants its first bytes, rides in both and cancels); the larger message's own rate where the
-    difference is lost in the noise (not longer than the smaller message took, less its latency)."""
+    grants its first bytes, rides in both and cancels), never above the larger message's own rate
+    (a slowed smaller message would leave the difference too small)."""
+    own = big / max(t_big - latency, 1e-9)
     extra = t_big - t_one
-    if extra > max(t_one - latency, 0.0) * (big - one) / one / 4:
-        return (big - one) / extra
-    return big / max(t_big - latency, 1e-9)
+    return min((big - one) / extra, own) if extra > 0 else own
 
 
 def assume_links(comm, intra: Link, inter: Link) -> None:
