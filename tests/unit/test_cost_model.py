@@ -7,6 +7,7 @@ shared by a node's ranks costs the all-gather and not the node-major ring.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -225,3 +226,66 @@ def test_routed_rows_from_the_own_node_stay_off_the_slow_link():
     far = Shape(**{**vars(SHAPE), "routed_split": (0.0, 1000.0)})
     assert predict(near, machine, 4, "routed", routed_rows=1000).exposed < 1e-3
     assert predict(far, machine, 4, "routed", routed_rows=1000).seconds == pytest.approx(1000 * row / 1e6, rel=0.01)
+
+
+def test_a_calls_own_cost_is_added_to_its_schedule_and_u_alone():
+    """``Machine.call_seconds``: a minimal call's time per (schedule, U), added whole to that
+    schedule's prediction (``Prediction.fixed``), never counted as exposed communication; 0 for a
+    pair it does not name (a described machine names none)."""
+    bare = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8)
+    timed = Machine(rate=1e12, intra=FAST, inter=FAST, ranks_per_node=8,
+                    call_seconds=(("ring", 1, 0.03), ("allgather", 1, 0.05), ("ring", 2, 0.04)))
+    assert timed.call_cost("ring") == 0.03 and timed.call_cost("ring", 2) == 0.04
+    assert timed.call_cost("routed") == 0.0 and bare.call_cost("ring") == 0.0
+    for schedule, u, fixed in (("ring", 1, 0.03), ("allgather", 1, 0.05), ("ring", 2, 0.04), ("routed", 1, 0.0)):
+        before, after = predict(SHAPE, bare, 8, schedule, u), predict(SHAPE, timed, 8, schedule, u)
+        assert after.fixed == fixed
+        assert after.seconds == pytest.approx(before.seconds + fixed)
+        assert after.exposed == pytest.approx(before.exposed)
+    # a small call's choice follows the calls' own costs where the blocks cost next to nothing
+    every = replace(timed, call_seconds=timed.call_seconds + (("routed", 1, 0.02), ("routed", 2, 0.06),
+                                                              ("allgather", 2, 0.07)))
+    tiny = Shape(n_q=64, n_kv=64, heads=8, kv_heads=8)
+    assert choose(predict_all(tiny, every, 8, head_parallel=(1, 2)))[0].name == "routed"
+
+
+def test_a_links_sustained_bandwidth_is_what_the_larger_message_adds():
+    """A token bucket lets its burst through at the wire's speed: a 1 MiB message inside the burst
+    says nothing of the rate; the 3 MiB a 4 MiB message adds does.  Never above the larger
+    message's own rate: a slowed smaller message leaves too small a difference."""
+    from ringmpi.parallel.cost_measure import sustained_bandwidth
+
+    one, big, wire, rate, burst = 1 << 20, 1 << 22, 2e9, 125e6, 1.25e6
+
+    def bucket(nbytes):  # seconds to receive nbytes through a full token bucket
+        return nbytes / wire + max(nbytes - burst, 0) / rate
+
+    got = sustained_bandwidth(one, bucket(one), big, bucket(big), 3e-6)
+    assert 0.9 * rate < got < 1.15 * rate  # the 1 MiB message's own rate would say 2 GB/s
+    assert sustained_bandwidth(one, 1e-3, big, 4e-3, 0.0) == pytest.approx(3 * one / 3e-3)
+    noisy = sustained_bandwidth(one, 3e-3, big, 3.1e-3, 0.0)  # the smaller message was slowed
+    assert noisy == pytest.approx(big / 3.1e-3)
+    assert sustained_bandwidth(one, 5e-3, big, 4e-3, 0.0) == pytest.approx(big / 4e-3)  # no difference at all
+
+
+def test_call_costs_time_a_minimal_call_once_per_communicator():
+    """On one rank (COMM_SELF's duplicate): each (schedule, U) asked is timed once (a second ask
+    returns the kept figure), positive and well under a second; after ``assume_links`` (a
+    described machine) there are none."""
+    from mpi4py import MPI
+
+    from ringmpi.backends import get_backend
+    from ringmpi.core.cost_model import Link as L
+    from ringmpi.parallel import cost_measure
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        be = get_backend("numpy")
+        got = cost_measure.call_costs(comm, be, [("ring", 1), ("allgather", 1)])
+        assert [(s, u) for s, u, _ in got] == [("ring", 1), ("allgather", 1)]
+        assert all(0 < t < 1 for _, _, t in got)
+        assert cost_measure.call_costs(comm, be, [("ring", 1)]) == got[:1]  # kept, not timed again
+        cost_measure.assume_links(comm, L(1e-6, 1e10), L(1e-6, 1e10))
+        assert cost_measure.call_costs(comm, be, [("ring", 1)]) == ()
+    finally:
+        comm.Free()

@@ -120,6 +120,8 @@ def _format_phase(name, s):
         choice = s.get("choice")
         lines.append(f"{'':<9}K/V schedule {', '.join(s['schedule'])}" + ("" if choice is None else
                      f" (chosen by auto: {choice['chosen'] or s['schedule'][0]}, predicted {choice['predicted_s']:.4g} s"
+                     + (f" of which {choice['predicted_fixed_s']:.3g} s per call" if choice.get("predicted_fixed_s")
+                        else "")
                      + (f", runner-up {choice['runner_up']} {choice['runner_up_s']:.4g} s" if choice["runner_up"]
                         else "") + ")"))
     return lines

@@ -12,7 +12,8 @@ only.  In a cell every schedule runs (:data:`RUNS`: the ring, routed, the all-ga
 ring with U = 2, and ``auto`` for both ``schedule`` and ``head_parallel``), ``warmup`` untimed
 then ``repeat`` timed calls each (:func:`ringmpi.bench.measure.timed_calls`: a barrier before
 each; a call's time is its slowest rank's, the cell's the median over the repeats), and the
-cost model predicts each schedule on the parts it measured on that communicator
+cost model predicts each schedule on the parts it measured on that communicator (block rate,
+links, each schedule's per-call cost)
 (:meth:`ringmpi.parallel.ring_passes.LocalProblem.predictions`: the same block rate, links and
 call shape ``"auto"`` chooses with; one source of truth).  ``auto``'s prediction is that of
 the schedule it chose.
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 # (column name, schedule, head_parallel): what each run of a cell asks for
 RUNS = (("ring", "ring", 1), ("routed", "routed", 1), ("allgather", "allgather", 1),
@@ -173,8 +174,8 @@ def _inputs(comm, cell: dict, seed: int):
     return q, k, v, kw, mine, seg, [int(c) for c in layout.counts()]
 
 
-def _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts) -> Dict[str, float]:
-    """``{name: predicted s}`` of every schedule and every U that ``head_parallel="auto"`` weighs
+def _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts) -> dict:
+    """``{name: Prediction}`` of every schedule and every U that ``head_parallel="auto"`` weighs
     for this cell (collective)."""
     from ..options import AttentionOptions
     from ..parallel.ring_passes import LocalProblem
@@ -186,7 +187,7 @@ def _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts) -> Dict[str, fl
                            seg_kv=seg, order=ring_order(comm), kv_schedule="auto", q_counts=counts,
                            q_heads=cell["heads"])
     us = head_parallel_candidates(cached_node_ids(comm), cell["heads"])  # those auto weighs
-    return {p.name: p.seconds for p in problem.predictions(k, v, backward=False, head_parallel=us)}
+    return {p.name: p for p in problem.predictions(k, v, backward=False, head_parallel=us)}
 
 
 def _chosen(records: List[dict]) -> str:
@@ -230,7 +231,8 @@ def worker(spec_path: str, out_path: str) -> None:
                 if name == "auto":
                     chosen = _chosen(out["forward"]["records"][0])
             idle_barrier(comm)
-        predicted = _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts)
+        predictions = _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts)
+        predicted = {name: p.seconds for name, p in predictions.items()}
         parts = cost_machine(comm, be, k.dtype, cell["dim"], cell["dim"])  # what they were predicted on
         if rank == 0:
             predicted["auto"] = predicted.get(chosen)
@@ -238,7 +240,9 @@ def worker(spec_path: str, out_path: str) -> None:
                                 auto_chosen=chosen, machine=dict(rate=parts.rate, intra=vars(parts.intra),
                                                                  inter=vars(parts.inter),
                                                                  block_overhead=parts.block_overhead,
-                                                                 segment_rate=parts.segment_rate)))
+                                                                 segment_rate=parts.segment_rate,
+                                                                 call_seconds={name: p.fixed for name, p
+                                                                               in predictions.items()})))
             print(f"schedule_grid: {spec['rate']} cell {i + 1}/{len(spec['cells'])} {label(results[-1])} "
                   f"{time.monotonic() - start:.1f} s; auto chose {chosen}", flush=True)
             Path(out_path).write_text(json.dumps(results))  # what is done survives a later failure
@@ -344,6 +348,10 @@ def _block_notes(mine: Sequence[dict]) -> str:
             parts.append(f"D={d} block overhead {1e9 * m['block_overhead']:.0f} ns per K/V row and head")
         if m.get("segment_rate"):
             parts.append(f"D={d} block rate with segment ids {m['segment_rate'] / 1e9:.1f} GFLOP/s")
+    calls = mine[0]["machine"].get("call_seconds")
+    if calls:
+        parts.append("per call (a minimal call's time) " + ", ".join(f"{name} {1e3 * s:.0f} ms"
+                                                                     for name, s in calls.items()))
     return "".join(f"; {p}" for p in parts)
 
 

@@ -97,10 +97,11 @@ def phase_summary(phase_per_rank, flops, gemm):
 
 
 def _choice(steps):
-    """``{"chosen", "predicted_s", "runner_up", "runner_up_s"}`` of rank 0's first ring step where
-    ``schedule="auto"`` or ``head_parallel="auto"`` chose (issue 53), else None."""
+    """``{"chosen", "predicted_s", "predicted_fixed_s", "runner_up", "runner_up_s"}`` of rank 0's first
+    ring step where ``schedule="auto"`` or ``head_parallel="auto"`` chose (issue 53), else None."""
     first = next((s for s in steps if s.get("predicted_s") is not None), None)
-    return None if first is None else {k: first.get(k) for k in ("chosen", "predicted_s", "runner_up", "runner_up_s")}
+    keys = ("chosen", "predicted_s", "predicted_fixed_s", "runner_up", "runner_up_s")
+    return None if first is None else {k: first.get(k) for k in keys}
 
 
 def _instrumentation(summary, costs):

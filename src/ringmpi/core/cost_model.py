@@ -33,6 +33,10 @@ description of a cluster.  The parts:
 * **head x ring** with ``U`` ranks per group: an all-to-all over heads inside the
   node before and after (exposed), then the schedule above over the ring of ``P / U``
   groups, ``U`` rings sharing each node's link.
+* **per call** ``F``: what a call costs besides its blocks and transfers (the ranks' agreement on
+  the call, the plan's and the schedule's collectives, Python), ``Machine.call_seconds`` per
+  (schedule, U) (measured: a minimal call of that schedule timed on the communicator; 0 on a
+  described machine), added to every schedule's time (``Prediction.fixed``).
 * **torus** (a node's ranks wired as a torus, e.g. a TPU slice's ICI; ``Machine.torus``):
   ``intra`` is then one link; the ring's neighbour exchange uses one, a gather inside
   the node as many as a rank has (``2`` a dimension, ``1`` for a dimension of 2) unless
@@ -89,7 +93,8 @@ class Machine:
     default, for the described GPU machines, where a block op is a few kernel launches);
     ``segment_rate``: FLOP/s of forward block ops with segment ids (measured separately: a
     backend may take another path for them, and their strips' masks cost; None, the default,
-    where they run at ``rate``)."""
+    where they run at ``rate``); ``call_seconds``: ``(schedule, U, seconds)`` a call costs besides
+    its blocks and transfers (:meth:`call_cost`; empty, the default, on a described machine)."""
 
     rate: float
     intra: Link
@@ -101,6 +106,13 @@ class Machine:
     torus: Optional[Tuple[int, ...]] = None  # a node's ranks as a torus with wraparound, rank-major (None: a switch)
     block_overhead: float = 0.0  # seconds a block op spends per visiting K/V row and K/V head besides its tiles
     segment_rate: Optional[float] = None  # FLOP/s of the forward's block ops with segment ids (None: ``rate``)
+    call_seconds: Tuple[Tuple[str, int, float], ...] = ()  # (schedule, U, seconds of a minimal call)
+
+    def call_cost(self, schedule: str, head_parallel: int = 1) -> float:
+        """Seconds a call of ``schedule`` with ``head_parallel`` U costs besides its blocks and
+        transfers: ``call_seconds``' figure (a minimal call's time, measured on the communicator by
+        :func:`ringmpi.parallel.cost_measure.call_costs`); 0 where it has none (a described machine)."""
+        return next((s for name, u, s in self.call_seconds if name == schedule and u == head_parallel), 0.0)
 
     def block_op(self, kv_rows: float, kv_heads: int, batch: int = 1) -> float:
         """Seconds block ops spend on ``kv_rows`` visiting K/V rows beyond their tiles (the scans of
@@ -174,8 +186,9 @@ class Shape:
 @dataclass(frozen=True)
 class Prediction:
     """One schedule's predicted cost on every rank (the busiest rank's): ``seconds`` in all,
-    ``compute`` of it, ``exposed`` communication (``seconds - compute``), ``bytes`` received
-    per rank, ``memory`` bytes a rank holds for the call (shards, buffers, accumulators)."""
+    ``compute`` of it, ``exposed`` communication (``seconds - compute - fixed``), ``bytes`` received
+    per rank, ``memory`` bytes a rank holds for the call (shards, buffers, accumulators), ``fixed``
+    the call's cost besides its blocks and transfers (:meth:`Machine.call_cost`)."""
 
     schedule: str
     head_parallel: int
@@ -184,10 +197,11 @@ class Prediction:
     bytes: float
     memory: float
     fits: bool = True
+    fixed: float = 0.0
 
     @property
     def exposed(self) -> float:
-        return max(self.seconds - self.compute, 0.0)
+        return max(self.seconds - self.compute - self.fixed, 0.0)
 
     @property
     def name(self) -> str:
@@ -386,7 +400,8 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
         nbytes += (into + out) * share
         memory += 2 * (into + out)
     fits = machine.memory is None or memory <= machine.memory
-    return Prediction(schedule, u, seconds, compute, nbytes, memory, fits)
+    fixed = machine.call_cost(schedule, u)
+    return Prediction(schedule, u, seconds + fixed, compute, nbytes, memory, fits, fixed)
 
 
 def predict_all(shape: Shape, machine: Machine, ranks: int, schedules: Sequence[str] = SCHEDULES,

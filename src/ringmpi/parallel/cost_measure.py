@@ -9,10 +9,16 @@
   host name, backend, vector path, dtype, dims and ranks per node; rank 0 reads the
   cache and broadcasts, so every rank predicts alike.
 * :func:`links` -- latency and bandwidth of each link level (inside a node, between
-  nodes) from a short exchange with the ring neighbours (8-byte and 1 MiB messages, each
-  rank timing its receive from its predecessor: the hop that receive crosses names the
-  level), the slowest figure of each level over all ranks; once per
-  communicator (kept on it); :func:`assume_links` sets them instead.
+  nodes) from a short exchange with the ring neighbours (8-byte, 1 MiB and 4 MiB messages,
+  each rank timing its receive from its predecessor: the hop that receive crosses names the
+  level; the bandwidth is the sustained one, of the 3 MiB the large message adds, so that a
+  link's burst allowance, as a token bucket's, does not pass for its rate), the slowest figure
+  of each level over all ranks; once per communicator (kept on it); :func:`assume_links` sets
+  them instead.
+* :func:`call_costs` -- what a call of each (schedule, U) costs besides its blocks and
+  transfers (``Machine.call_seconds``): a minimal call (a few tokens per rank) of each, timed
+  on the communicator (the median over three of the slowest rank's); once per communicator
+  and pair (kept on it); 0 where :func:`assume_links` describes the links.
 * :func:`choose_schedule` -- collective: the predictions of
   :mod:`ringmpi.core.cost_model` for the call's shape on these parts, and the
   fastest that fits every rank's memory budget (:mod:`ringmpi.runtime.memory`);
@@ -28,6 +34,7 @@ import json
 import os
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -39,6 +46,9 @@ from ..runtime.watchdog import phase
 from .topology import cached_node_ids
 
 _LINKS_KEY = "cost_model_links"
+_CALLS_KEY = "cost_model_calls"
+LARGE_MESSAGES = (1 << 20, 1 << 22)  # the link measurement's large messages: the bandwidth is their difference's
+CALL_ROWS = 4  # tokens per rank of the minimal call that call_costs times
 _RATES: dict = {}  # this process's measured rates (the file is the machine's)
 
 
@@ -183,12 +193,14 @@ def links(comm, timeout=None):
     ring = Ring(comm, order=ring_order(comm))
     mine = None
     with phase("the cost model's link measurement (Isend/Irecv with the ring neighbours)", timeout):
-        small = _exchange_seconds(comm, 8, 20, ring.next, ring.prev) if size > 1 else 0.0
-        large = _exchange_seconds(comm, 1 << 20, 3, ring.next, ring.prev) if size > 1 else 0.0
         if size > 1:
+            small = _exchange_seconds(comm, 8, 20, ring.next, ring.prev)
+            one, big = LARGE_MESSAGES
+            t_one = _exchange_seconds(comm, one, 3, ring.next, ring.prev)
+            t_big = _exchange_seconds(comm, big, 3, ring.next, ring.prev)
             # the level of the hop that each rank's timed receive crosses: from its ring predecessor
             mine = ("inter" if nodes[ring.prev] != nodes[rank] else "intra", small,
-                    (1 << 20) / max(large - small, 1e-9))
+                    sustained_bandwidth(one, t_one, big, t_big, small))
         every = comm.allgather(mine)
     levels = {}
     for level in ("intra", "inter"):
@@ -203,12 +215,61 @@ def links(comm, timeout=None):
     return attr[_LINKS_KEY]
 
 
+def sustained_bandwidth(one: int, t_one: float, big: int, t_big: float, latency: float) -> float:
+    """Bytes/s of a link from the best times ``t_one``, ``t_big`` of receiving ``one`` and ``big``
+    bytes: the rate of the bytes the larger adds (a token bucket's burst, or any allowance a link
+    grants its first bytes, rides in both and cancels), never above the larger message's own rate
+    (a slowed smaller message would leave the difference too small)."""
+    own = big / max(t_big - latency, 1e-9)
+    extra = t_big - t_one
+    return min((big - one) / extra, own) if extra > 0 else own
+
+
 def assume_links(comm, intra: Link, inter: Link) -> None:
     """Take ``intra`` and ``inter`` as this communicator's link figures instead of measuring them
     (collective: the node layout): to ask ``"auto"`` what it would choose on the links of
-    another machine, as ``ringmpi plan`` does without MPI.  Every rank must give the same."""
+    another machine, as ``ringmpi plan`` does without MPI.  Every rank must give the same.  The
+    calls' own costs (:func:`call_costs`) are then those of a described machine: none."""
     nodes = cached_node_ids(comm)
-    _attr(comm)[_LINKS_KEY] = (intra, inter, max(nodes.count(n) for n in set(nodes)))
+    attr = _attr(comm)
+    attr[_LINKS_KEY] = (intra, inter, max(nodes.count(n) for n in set(nodes)))
+    attr[_CALLS_KEY] = None  # described: no measured per-call cost
+
+
+def call_costs(comm, backend, pairs: Sequence[tuple], timeout=None) -> tuple:
+    """``((schedule, U, seconds), ...)`` for each ``(schedule, U)`` of ``pairs``: what a call of it
+    costs on ``comm`` besides its blocks and transfers (``Machine.call_seconds``), timed as a
+    minimal call (:data:`CALL_ROWS` tokens per rank, ``U`` heads of dim 8, causal, forward, one
+    warm-up) median over three of the slowest rank's time; each pair once per communicator (kept
+    on it), none (an empty tuple) after :func:`assume_links`.  Collective; every rank gets the same."""
+    attr = _attr(comm)
+    known = attr.setdefault(_CALLS_KEY, {})
+    if known is None:
+        return ()
+    for schedule, u in pairs:
+        if (backend.name, schedule, int(u)) not in known:
+            with phase(f"the cost model's per-call cost ({schedule}, U={u}: a minimal call)", timeout):
+                known[(backend.name, schedule, int(u))] = _minimal_call_seconds(comm, backend, schedule, int(u))
+    return tuple((schedule, int(u), known[(backend.name, schedule, int(u))]) for schedule, u in pairs)
+
+
+def _minimal_call_seconds(comm, backend, schedule: str, u: int, repeat: int = 3) -> float:
+    """The median over ``repeat`` (after one warm-up) of the slowest rank's time of a minimal
+    forward call of ``schedule`` with ``head_parallel=u`` on ``comm`` (a barrier before each)."""
+    from ..attention import ring_attention
+    from ..context import RingContext
+
+    rng = np.random.default_rng(comm.Get_rank())
+    q, k, v = (backend.asarray(rng.standard_normal((1, CALL_ROWS, u, 8)).astype(np.float32)) for _ in range(3))
+    context = RingContext(comm=comm, layout="contiguous", backend=backend.name, schedule=schedule, head_parallel=u)
+    times = []
+    for _ in range(repeat + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        ring_attention(q, k, v, causal=True, context=context)
+        backend.synchronize()
+        times.append(comm.allreduce(time.perf_counter() - start, op=_max()))
+    return float(np.median(times[1:]))
 
 
 _KEYVAL = None
@@ -249,6 +310,8 @@ def predictions_on(comm, backend, dtype, shape: Shape, schedules: Sequence[str],
     and :func:`~ringmpi.core.cost_model.predict_all` on it, fastest first: what :func:`choose_plan`
     chooses from, and what a benchmark compares with its measured times (collective)."""
     found = machine(comm, backend, dtype, shape.dim, shape.dim_v, timeout)
+    pairs = [(s, u) for u in head_parallel if not (comm.Get_size() % u or shape.heads % u) for s in schedules]
+    found = replace(found, call_seconds=call_costs(comm, backend, pairs, timeout))
     return found, predict_all(shape, found, comm.Get_size(), schedules, head_parallel=head_parallel,
                               backward=backward, routed_rows=routed_rows)
 

@@ -31,7 +31,9 @@ class StepRecord:
     :class:`ringmpi.parallel.allgather_schedule.AllGatherSchedule`); where ``schedule="auto"``
     (or ``head_parallel="auto"``) chose it, step 0's record holds the choice (``chosen``: the
     :class:`~ringmpi.core.cost_model.Prediction`'s name, e.g. ``"head x ring, U=2"``), its
-    prediction (``predicted_s``) and the runner-up's (``runner_up``, ``runner_up_s``)."""
+    prediction (``predicted_s``; of it ``predicted_fixed_s`` the call's own cost besides its blocks
+    and transfers, :meth:`ringmpi.core.cost_model.Machine.call_cost`) and the runner-up's
+    (``runner_up``, ``runner_up_s``)."""
 
     step: int
     compute_s: float = 0.0
@@ -47,6 +49,7 @@ class StepRecord:
     predicted_s: Optional[float] = None
     runner_up: Optional[str] = None
     runner_up_s: Optional[float] = None
+    predicted_fixed_s: Optional[float] = None
 
 
 @dataclass

@@ -266,7 +266,7 @@ def call_shape(n_q: int, n_kv: int, heads: int, k, v, compute_dtype, spec: Score
 def stamp(record, choice) -> None:
     """Write ``choice`` (``(chosen, runner-up or None)`` predictions) into a pass's first record."""
     best, runner = choice
-    record.chosen, record.predicted_s = best.name, best.seconds
+    record.chosen, record.predicted_s, record.predicted_fixed_s = best.name, best.seconds, best.fixed
     if runner is not None:
         record.runner_up, record.runner_up_s = runner.name, runner.seconds
 
