@@ -33,8 +33,8 @@ forward passes through :func:`sharded_call` first:
     ``alibi_slopes``: ringmpi's ALiBi in global positions, the same softmax under
     the causal mask.
 
-  - *The Gated DeltaNet layers* of Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Qwen4-Exp
-    (``linear_attention`` in their
+  - *The Gated DeltaNet layers* of Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Qwen4-Exp, and
+    *Kimi Linear's KDA layers* (a decay per key: ``ringmpi.kda``) (``linear_attention`` in their
     ``layer_types``) run sharded: the short causal convolution with its halo from
     the previous rank (``ringmpi.torch_linear.causal_conv1d``) and the gated delta
     rule through ringmpi's state scan (``ringmpi.torch_linear.gated_delta_rule``), on
@@ -294,6 +294,31 @@ def _bloom_attention(module, config, original):
     return forward
 
 
+def _contiguous_mixer(module, family, mix, original):
+    """The forward of an adapted recurrent mixer: ``mix(hidden, comm)`` on contiguous shards (other
+    layouts move the layer's input there and its output back, one Alltoallv each way), the
+    padding mask applied first as the layer does (``family.apply_mask_to_padding_states``); the
+    layer's own forward outside a sharded call, and a recurrent-state cache refused."""
+    from . import torch_linear
+    from .core.layout import Layout
+
+    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+        ctx = ACTIVE.get()
+        if ctx is None:
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        cache = kwargs.pop("cache_params", cache)
+        if cache is not None:  # alike on every rank (the call's arguments)
+            raise ConfigError(f"{type(module).__name__} (layer {module.layer_idx}) runs sharded without a cache "
+                              "(shard_batch sets use_cache=False): do not pass a cache to a sharded forward")
+        hidden_states = family.apply_mask_to_padding_states(hidden_states, attention_mask)
+        if ctx.layout.kind == "contiguous":
+            return mix(hidden_states, ctx.comm)
+        contiguous = Layout("contiguous", ctx.layout.n, ctx.layout.world_size)
+        hidden = torch_linear.relayout(hidden_states, ctx.layout, contiguous, context=ctx.ring)
+        return torch_linear.relayout(mix(hidden, ctx.comm), contiguous, ctx.layout, context=ctx.ring)
+    return forward
+
+
 def _interleaved_projections(module, hidden):
     """Qwen3-Next's projections: q, k, v, z interleaved per key head in one, b and a in another
     (the layer's own ``fix_query_key_value_ordering`` takes them apart); q|k|v before the
@@ -323,7 +348,6 @@ def _gated_deltanet(module, config, original):
     import sys
 
     from . import torch_linear
-    from .core.layout import Layout
 
     family = sys.modules[type(module).__module__]  # the model's own l2norm and padding mask
     projections = _GDN_PROJECTIONS[_qualname(type(module))]
@@ -341,21 +365,35 @@ def _gated_deltanet(module, config, original):
         o = module.norm(o.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(o.reshape(hidden.shape[0], hidden.shape[1], -1))
 
-    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
-        ctx = ACTIVE.get()
-        if ctx is None:
-            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        cache = kwargs.pop("cache_params", cache)
-        if cache is not None:  # alike on every rank (the call's arguments)
-            raise ConfigError(f"{type(module).__name__} (layer {module.layer_idx}) runs sharded without a cache "
-                              "(shard_batch sets use_cache=False): do not pass a cache to a sharded forward")
-        hidden_states = family.apply_mask_to_padding_states(hidden_states, attention_mask)
-        if ctx.layout.kind == "contiguous":
-            return mix(hidden_states, ctx.comm)
-        contiguous = Layout("contiguous", ctx.layout.n, ctx.layout.world_size)
-        hidden = torch_linear.relayout(hidden_states, ctx.layout, contiguous, context=ctx.ring)
-        return torch_linear.relayout(mix(hidden, ctx.comm), contiguous, ctx.layout, context=ctx.ring)
-    return forward
+    return _contiguous_mixer(module, family, mix, original)
+
+
+def _kimi_delta_attention(module, config, original):
+    """Kimi Linear's KDA layer on this rank's shard, as :func:`_gated_deltanet` runs a Gated
+    DeltaNet: q, k, v projected apart and convolved together (the previous rank's halo), q and k
+    L2-normalised, the per-key log decay of the layer's forget gate (float32, as the layer makes
+    it) and ``beta = sigmoid(b)`` into ringmpi's KDA on the state scan (scale ``1/sqrt(d)``),
+    then the sigmoid-gated RMSNorm and the output projection."""
+    import sys
+
+    from . import torch_linear
+
+    family = sys.modules[type(module).__module__]  # the model's own l2norm and padding mask
+
+    def mix(hidden, comm):
+        shape = (hidden.shape[0], hidden.shape[1], -1, module.head_dim)
+        mixed = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], dim=-1)
+        mixed = torch_linear.causal_conv1d(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias,
+                                           activation=module.activation, context=RingContext(comm))
+        q, k, v = (x.reshape(shape) for x in torch.split(mixed, [module.qkv_dim] * 3, dim=-1))
+        q, k = (family.l2norm(x, dim=-1, eps=1e-6) for x in (q, k))
+        g = module.forget_gate(hidden)  # (B, T, H, d): a log decay per key
+        beta = torch.sigmoid(module.b_proj(hidden))
+        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), beta, context=RingContext(comm))
+        gate = module.g_b_proj(module.g_a_proj(hidden)).reshape(shape)
+        return module.o_proj(module.o_norm(o, gate).reshape(hidden.shape[0], hidden.shape[1], -1))
+
+    return _contiguous_mixer(module, family, mix, original)
 
 
 # the Gated DeltaNet layers ringmpi runs sharded, each with its model's projections
@@ -365,10 +403,13 @@ _GDN_PROJECTIONS = {
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet": _split_projections,
     "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextGatedDeltaNet": _split_projections,
 }
+# the Kimi Delta Attention layers ringmpi runs sharded
+_KDA_LAYERS = ("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",)
 _ADAPTERS = {"transformers.models.bloom.modeling_bloom.BloomAttention": _bloom_attention,
-             **{name: _gated_deltanet for name in _GDN_PROJECTIONS}}
+             **{name: _gated_deltanet for name in _GDN_PROJECTIONS},
+             **{name: _kimi_delta_attention for name in _KDA_LAYERS}}
 # the config layer type each adapted sequence mixer runs sharded (attention adapters: none)
-_ADAPTED_LAYER_TYPES = {name: "linear_attention" for name in _GDN_PROJECTIONS}
+_ADAPTED_LAYER_TYPES = {name: "linear_attention" for name in (*_GDN_PROJECTIONS, *_KDA_LAYERS)}
 
 
 def _qualname(cls) -> str:

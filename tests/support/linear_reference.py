@@ -50,13 +50,17 @@ def recurrence(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, del
 @contextlib.contextmanager
 def float64_delta_rule():
     """transformers' chunked gated delta rule (Qwen3-Next's, and its copies in Qwen3.5, Qwen3.5-MoE
-    and Qwen4-Exp) computes in float32 whatever the dtype; inside this context a float64 reference
+    and Qwen4-Exp) and Kimi Linear's KDA compute in float32 whatever the dtype; inside this context a float64 reference
     model runs :func:`recurrence` in float64 instead."""
     import importlib
 
-    families = [importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-                for name in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp")]
-    reals = [family.torch_chunk_gated_delta_rule for family in families]
+    families = [(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), rule)
+                for name, rule in (("qwen3_next", "torch_chunk_gated_delta_rule"),
+                                   ("qwen3_5", "torch_chunk_gated_delta_rule"),
+                                   ("qwen3_5_moe", "torch_chunk_gated_delta_rule"),
+                                   ("qwen4_exp", "torch_chunk_gated_delta_rule"),
+                                   ("kimi_linear", "chunk_kimi_delta_attention"))]  # KDA: g per key
+    reals = [getattr(family, rule) for family, rule in families]
 
     def rule_of(family, real):
         def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
@@ -70,18 +74,18 @@ def float64_delta_rule():
             return o, final if output_final_state else None
         return rule
 
-    for family, real in zip(families, reals):
-        family.torch_chunk_gated_delta_rule = rule_of(family, real)
+    for (family, rule), real in zip(families, reals):
+        setattr(family, rule, rule_of(family, real))
     try:
         yield
     finally:
-        for family, real in zip(families, reals):
-            family.torch_chunk_gated_delta_rule = real
+        for (family, rule), real in zip(families, reals):
+            setattr(family, rule, real)
 
 
 @contextlib.contextmanager
 def float64_gated_norms():
-    """The gated RMSNorm after transformers' Gated DeltaNet layers (Qwen3-Next's and its copies)
+    """The gated RMSNorm after transformers' Gated DeltaNet layers (Qwen3-Next's and its copies) and KDA
     computes in float32 whatever the dtype; inside this context a float64 model keeps float64 there
     (ours and the reference alike: the same module serves both)."""
     import importlib
@@ -91,12 +95,13 @@ def float64_gated_norms():
     classes = [getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
                for module, name in (("qwen3_next", "Qwen3NextRMSNormGated"), ("qwen3_5", "Qwen3_5RMSNormGated"),
                                     ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated"),
-                                    ("qwen4_exp", "Qwen4ExpTextRMSNormGated"))]
+                                    ("qwen4_exp", "Qwen4ExpTextRMSNormGated"),
+                                    ("kimi_linear", "KimiLinearRMSNormGated"))]
     reals = [cls.forward for cls in classes]
 
     def forward_of(real):
-        def forward(self, x, gate):
-            if x.dtype != torch.float64:
+        def forward(self, x, gate=None):
+            if x.dtype != torch.float64 or gate is None:
                 return real(self, x, gate)
             normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
             return self.weight * normed * ACT2FN[getattr(self, "activation", "silu")](gate)
