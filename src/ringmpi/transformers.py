@@ -97,6 +97,22 @@ class ShardContext:
     batch_shape: tuple = (1, 0)
     position_max: Optional[int] = None
     _checked: set = field(default_factory=set, repr=False)
+    _bounds: Optional[np.ndarray] = field(default=None, repr=False)
+
+    def document_bounds(self) -> Optional[np.ndarray]:
+        """Collective: the global token positions ``[0, ..., N]`` where the one row's runs of equal
+        segment ids (its documents, and runs of padding) start and end, what the recurrent layers
+        take as ``cu_seqlens``; None without segment ids.  Every rank's ids gathered once per
+        forward (the first such layer)."""
+        if self.segment_ids is None:
+            return None
+        if self._bounds is None:
+            with phase("transformers: every rank's segment ids for the recurrent layers (allgather)"):
+                parts = self.comm.allgather(self.segment_ids.cpu())
+            ids = self.layout.unshard(parts, axis=1)[0].numpy()
+            cut = np.flatnonzero(np.diff(ids) != 0) + 1
+            self._bounds = np.concatenate([[0], cut, [ids.shape[0]]]).astype(np.int64)
+        return self._bounds
 
     def global_padding_mask(self) -> Optional[torch.Tensor]:
         """Collective: ``(B, N)`` 1 = token, 0 = padding, every rank's tokens rank after rank

@@ -40,8 +40,10 @@ forward passes through :func:`sharded_call` first:
     rule through ringmpi's state scan (``ringmpi.torch_linear.gated_delta_rule``), on
     contiguous shards; under the zigzag and balanced layouts the layer's input and
     output move to contiguous shards and back (``ringmpi.torch_linear.relayout``, one
-    Alltoallv each way).  Packed documents and padding (the context's segment ids)
-    are refused by name before compute, and so is a recurrent-state cache.
+    Alltoallv each way).  Packed documents and padding (the context's segment ids) of one row
+    (several rows under ``layout="balanced"`` are one) are the rule's and the convolution's
+    ``cu_seqlens``: each document its own state; padded rows otherwise are refused by name
+    before compute, and so is a recurrent-state cache.
   - *Rotary embeddings whose frequencies depend on the sequence length* (HF's
     ``dynamic_rope_update``: dynamic NTK, LongRoPE, any rope type it
     recomputes): the frequencies are computed from the global largest position
@@ -232,13 +234,12 @@ def sharded_call(call, model, args, kwargs):
                           "loss_function (which takes shard_batch's num_items_in_batch and shift_labels), so its "
                           "out.loss would be a per-shard mean: drop labels and compute the loss from out.logits "
                           "and shard['shift_labels'] / shard['num_items_in_batch']")
-    if ctx.segment_ids is not None:  # shard_batch's segments come from the global batch: alike on every rank
+    if ctx.segment_ids is not None and ctx.batch_shape[0] > 1:  # from the global batch: alike on every rank
         linear = _linear_modules(model)
         if linear:
-            raise ConfigError(f"{type(model).__name__}'s {_module_names(linear)} run sharded on whole rows only: "
-                              "packed documents (restarting position_ids) and padding (an attention_mask, or "
-                              "several rows under layout='balanced') would carry its recurrent state across "
-                              "document boundaries; pass one unpadded sequence per row without packed documents")
+            raise ConfigError(f"{type(model).__name__}'s {_module_names(linear)} take packed documents and "
+                              "padding in one row only (a row's documents are their cu_seqlens): with several "
+                              "rows use layout='balanced' (which packs the rows into one), or one row per call")
     ctx.check_positions(kwargs.get("position_ids"))
     token = ACTIVE.set(ctx)
     try:
@@ -295,10 +296,12 @@ def _bloom_attention(module, config, original):
 
 
 def _contiguous_mixer(module, family, mix, original):
-    """The forward of an adapted recurrent mixer: ``mix(hidden, comm)`` on contiguous shards (other
-    layouts move the layer's input there and its output back, one Alltoallv each way), the
-    padding mask applied first as the layer does (``family.apply_mask_to_padding_states``); the
-    layer's own forward outside a sharded call, and a recurrent-state cache refused."""
+    """The forward of an adapted recurrent mixer: ``mix(hidden, comm, cu_seqlens)`` on contiguous
+    shards (other layouts move the layer's input there and its output back, one Alltoallv each
+    way), the padding mask applied first as the layer does (``family.apply_mask_to_padding_states``),
+    the row's documents and padding runs as ``cu_seqlens`` (global positions, each its own state
+    and convolution: ``ShardContext.document_bounds``); the layer's own forward outside a sharded
+    call, and a recurrent-state cache refused."""
     from . import torch_linear
     from .core.layout import Layout
 
@@ -311,11 +314,12 @@ def _contiguous_mixer(module, family, mix, original):
             raise ConfigError(f"{type(module).__name__} (layer {module.layer_idx}) runs sharded without a cache "
                               "(shard_batch sets use_cache=False): do not pass a cache to a sharded forward")
         hidden_states = family.apply_mask_to_padding_states(hidden_states, attention_mask)
+        bounds = ctx.document_bounds()
         if ctx.layout.kind == "contiguous":
-            return mix(hidden_states, ctx.comm)
+            return mix(hidden_states, ctx.comm, bounds)
         contiguous = Layout("contiguous", ctx.layout.n, ctx.layout.world_size)
         hidden = torch_linear.relayout(hidden_states, ctx.layout, contiguous, context=ctx.ring)
-        return torch_linear.relayout(mix(hidden, ctx.comm), contiguous, ctx.layout, context=ctx.ring)
+        return torch_linear.relayout(mix(hidden, ctx.comm, bounds), contiguous, ctx.layout, context=ctx.ring)
     return forward
 
 
@@ -352,16 +356,18 @@ def _gated_deltanet(module, config, original):
     family = sys.modules[type(module).__module__]  # the model's own l2norm and padding mask
     projections = _GDN_PROJECTIONS[_qualname(type(module))]
 
-    def mix(hidden, comm):
+    def mix(hidden, comm, cu_seqlens):
         mixed, z, b, a = projections(module, hidden)
         mixed = torch_linear.causal_conv1d(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias,
-                                           activation=module.activation, context=RingContext(comm))
+                                           activation=module.activation, cu_seqlens=cu_seqlens,
+                                           context=RingContext(comm))
         q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
         q, k = (family.l2norm(x.reshape(x.shape[0], x.shape[1], -1, module.head_k_dim), dim=-1, eps=1e-6)
                 for x in (q, k))
         v = v.reshape(v.shape[0], v.shape[1], -1, module.head_v_dim)
         g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
-        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), b.sigmoid(), context=RingContext(comm))
+        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), b.sigmoid(), cu_seqlens=cu_seqlens,
+                                             context=RingContext(comm))
         o = module.norm(o.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(o.reshape(hidden.shape[0], hidden.shape[1], -1))
 
@@ -380,16 +386,18 @@ def _kimi_delta_attention(module, config, original):
 
     family = sys.modules[type(module).__module__]  # the model's own l2norm and padding mask
 
-    def mix(hidden, comm):
+    def mix(hidden, comm, cu_seqlens):
         shape = (hidden.shape[0], hidden.shape[1], -1, module.head_dim)
         mixed = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], dim=-1)
         mixed = torch_linear.causal_conv1d(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias,
-                                           activation=module.activation, context=RingContext(comm))
+                                           activation=module.activation, cu_seqlens=cu_seqlens,
+                                           context=RingContext(comm))
         q, k, v = (x.reshape(shape) for x in torch.split(mixed, [module.qkv_dim] * 3, dim=-1))
         q, k = (family.l2norm(x, dim=-1, eps=1e-6) for x in (q, k))
         g = module.forget_gate(hidden)  # (B, T, H, d): a log decay per key
         beta = torch.sigmoid(module.b_proj(hidden))
-        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), beta, context=RingContext(comm))
+        o, _ = torch_linear.gated_delta_rule(q, k, v, g.to(hidden.dtype), beta, cu_seqlens=cu_seqlens,
+                                             context=RingContext(comm))
         gate = module.g_b_proj(module.g_a_proj(hidden)).reshape(shape)
         return module.o_proj(module.o_norm(o, gate).reshape(hidden.shape[0], hidden.shape[1], -1))
 

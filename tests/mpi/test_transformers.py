@@ -43,6 +43,8 @@ def cases_for(p):
     add("mixtral-padded-float64", model="mixtral-padded", dtype="float64", B=2)  # router loss over padding
     for layout in ("contiguous", "zigzag"):  # the hybrid: Gated DeltaNet on the scan, attention on the ring (issue 51)
         add(f"qwen3-next-{layout}-float64", model="qwen3-next", dtype="float64", layout=layout)
+    for layout in ("zigzag", "balanced"):  # packed documents: each its own state (cu_seqlens), as run one by one
+        add(f"qwen3-next-packed-{layout}-float64", model="qwen3-next-packed", dtype="float64", layout=layout)
     for layout in ("contiguous", "balanced"):  # dynamic NTK over packed documents (explicit positions)
         add(f"packed-dynamic-{layout}-float64", model="packed-dynamic", dtype="float64", layout=layout)
     if p == 3:  # packed rows flattened into one, on the balanced layout, K/V routed (issue 42)

@@ -17,13 +17,15 @@ Case kinds:
              parameter gradient against HF on one process: float64 <= 1e-10 and
              float32 <= 1e-4 relative (max error / max magnitude per tensor);
              bfloat16 under docs/design.md's gradient rule against a float64 HF run,
-             with a bfloat16 HF run as the naive error.
+             with a bfloat16 HF run as the naive error.  ``qwen3-next-packed``: three
+             documents in one row, the reference each document run on its own (HF's Gated
+             DeltaNet layer would carry its state from one into the next).
 ``dropout``  attention dropout in training mode: logits and gradients at P ranks equal
              a one-rank ringmpi run (COMM_SELF) for one seed, and differ for
              another step.
 ``errors``   one ConfigError on every rank: position_ids that do not match the
              layout, no shard context, a shard given to HF's own attention, dropout
-             without a seed, packed documents through Qwen3-Next's Gated DeltaNet.
+             without a seed, padded rows (B > 1) through Qwen3-Next's Gated DeltaNet.
 ``invariant`` ``shard_batch(..., context=RingContext(..., invariant=True))``: every attention call's
              ``o`` and the gradients of its ``q, k, v`` (gathered over the ranks) are bitwise what
              ``ringmpi.torch.ring_attention`` with ``invariant=True`` gives on one rank for the same
@@ -79,7 +81,8 @@ def config_for(model: str):
         return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
                                           output_router_logits=True, router_aux_loss_coef=0.5,
                                           experts_implementation="eager"), "eager"
-    if model == "qwen3-next":  # the hybrid: Gated DeltaNet layers (the scan) between attention layers (the ring)
+    if model in ("qwen3-next", "qwen3-next-packed"):  # the hybrid: Gated DeltaNet layers (the scan) between
+        # attention layers (the ring); -packed: three documents in one row
         return transformers.Qwen3NextConfig(**dict(SMALL, num_hidden_layers=4), layer_types=[
             "linear_attention", "full_attention", "linear_attention", "full_attention"], linear_num_value_heads=4,
             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
@@ -97,7 +100,7 @@ def build(case, impl, dtype, dropout=0.0):
     if case["model"] == "gpt-oss":  # sinks well away from zero, so that a wrong gradient shows
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
-    if case["model"] == "qwen3-next":  # decays well inside (0, 1), as the Gated DeltaNet layer test's
+    if case["model"] in ("qwen3-next", "qwen3-next-packed"):  # decays well inside (0, 1), as the layer test's
         with torch.no_grad():
             for layer in model.model.layers:
                 if hasattr(layer, "linear_attn"):
@@ -111,7 +114,8 @@ def make_batch(case):
     b, n = case.get("B", 1), case["n"]
     ids = torch.from_numpy(rng.integers(1, 64, size=(b, n)))
     batch = {"input_ids": ids, "labels": ids.clone()}
-    if case["model"] in ("packed", "packed-dynamic"):  # three documents in one row: position_ids restart
+    if case["model"] in ("packed", "packed-dynamic", "qwen3-next-packed"):  # three documents in one row:
+        # position_ids restart
         cuts = [0, n // 3, n // 3 + n // 2, n]
         batch["position_ids"] = torch.cat([torch.arange(cuts[i + 1] - cuts[i]) for i in range(3)])[None]
     if case["model"] == "packed-rows":  # a different pack per row (one long document in row 0)
@@ -191,10 +195,21 @@ def run_reference(case, dtype):
     model = build(case, "ref", dtype)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with float64_softmax(), float64_delta_rule():
-        out = model(**inputs, labels=labels, shift_labels=labels, use_cache=False)
-        mean_loss(out.logits, labels, count).backward()
+        if case["model"] == "qwen3-next-packed":  # each document on its own (HF's Gated DeltaNet would carry
+            # its state across them): the logits side by side, the loss over all of them
+            starts = [0] + [i for i in range(1, batch["position_ids"].shape[1]) if batch["position_ids"][0, i] == 0]
+            ends = starts[1:] + [batch["position_ids"].shape[1]]
+            logits = torch.cat([model(input_ids=batch["input_ids"][:, a:z], use_cache=False).logits
+                                for a, z in zip(starts, ends)], dim=1)
+            loss = mean_loss(logits, labels, count)
+            loss.backward()
+            loss = loss.item()
+        else:
+            out = model(**inputs, labels=labels, shift_labels=labels, use_cache=False)
+            logits, loss = out.logits, out.loss.item()
+            mean_loss(logits, labels, count).backward()
     grads = {name: p.grad.double().numpy().copy() for name, p in model.named_parameters()}
-    return out.logits.detach().double().numpy(), out.loss.item(), grads
+    return logits.detach().double().numpy(), loss, grads
 
 
 def run_ringmpi(comm, case, dtype, layout="zigzag", dropout=0.0, seed=None, step=0, train=False):
@@ -366,9 +381,9 @@ def errors_case(comm, case):
     attempt("dropout without a seed", lambda: model(**rmt.shard_batch(batch, context=zigzag, step=0)),
             "needs shard_batch(..., dropout_seed=SEED)")
     hybrid = build(dict(case, model="qwen3-next"), "ringmpi", "float64")
-    packed = make_batch(dict(case, model="packed"))  # the Gated DeltaNet's state would cross documents
-    attempt("packed documents through Gated DeltaNet",
-            lambda: hybrid(**rmt.shard_batch(packed, context=zigzag, step=0)), "Qwen3NextGatedDeltaNet")
+    padded = make_batch(dict(case, model="left-padding", B=2))  # documents in several rows: no cu_seqlens
+    attempt("padded rows through Gated DeltaNet",
+            lambda: hybrid(**rmt.shard_batch(padded, context=zigzag, step=0)), "Qwen3NextGatedDeltaNet")
     return not problems, "; ".join(problems) or "errors raised alike on every rank"
 
 
