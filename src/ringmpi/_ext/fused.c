@@ -328,6 +328,57 @@ static int get_dropout(PyObject *obj, Py_ssize_t nq, Py_ssize_t nk, DropoutRow *
     return 0;
 }
 
+/* what fwd_chunk and bwd_chunk (`who`, in the errors) take alike: lo, hi (nq,) and kvpos (nk,) int64, all or
+ * none; seg_q (nq,) and seg_kv (nk,) int64, both or neither; the ALiBi rows' and keys' float64 positions
+ * (needed where slope != 0); dropout.  Into views[0..8] (released by the caller), *mk, *md, *dr: 0, or -1
+ * with an exception set */
+static int get_chunk_terms(const char *who, Py_ssize_t nq, Py_ssize_t nk, PyObject *loo, PyObject *hio,
+                           PyObject *kvo, PyObject *sqo, PyObject *sko, float cap, float slope, PyObject *aqo,
+                           PyObject *ako, PyObject *dro, Py_buffer *views, ChunkMask *mk, ScoreMods *md,
+                           DropoutRow *dr)
+{
+    if (get1d(loo, &views[0], "l", nq, 0, "lo") < 0 || get1d(hio, &views[1], "l", nq, 0, "hi") < 0 ||
+        get1d(kvo, &views[2], "l", nk, 0, "kvpos") < 0)
+        return -1;
+    if ((views[0].buf == NULL) != (views[2].buf == NULL) || (views[1].buf == NULL) != (views[2].buf == NULL)) {
+        PyErr_Format(PyExc_ValueError, "%s: lo, hi and kvpos go together", who);
+        return -1;
+    }
+    if (get1d(sqo, &views[3], "l", nq, 0, "seg_q") < 0 || get1d(sko, &views[4], "l", nk, 0, "seg_kv") < 0)
+        return -1;
+    if ((views[3].buf == NULL) != (views[4].buf == NULL)) {
+        PyErr_Format(PyExc_ValueError, "%s: seg_q and seg_kv go together", who);
+        return -1;
+    }
+    *mk = chunk_mask((const int64_t *)views[0].buf, (const int64_t *)views[1].buf, (const int64_t *)views[2].buf,
+                     (const int64_t *)views[3].buf, (const int64_t *)views[4].buf, nk);
+    if (get1d(aqo, &views[5], "d", nq, 0, "alibi_q") < 0 || get1d(ako, &views[6], "d", nk, 0, "alibi_kv") < 0)
+        return -1;
+    if (slope != 0.0f && (!views[5].buf || !views[6].buf)) {
+        PyErr_Format(PyExc_ValueError, "%s: ALiBi needs the rows' and keys' float64 positions", who);
+        return -1;
+    }
+    *md = (ScoreMods){cap, slope, (const double *)views[5].buf, (const double *)views[6].buf};
+    return get_dropout(dro, nq, nk, dr, &views[7]);
+}
+
+/* a block op's call: CALL (an expression reading `scratch`, `floats` floats 64-byte aligned) run without the
+ * GIL, then `out` = None; `out` unchanged, MemoryError set, where there is no scratch */
+#define CALL_WITH_SCRATCH(out, floats, CALL)                                                                  \
+    do {                                                                                                     \
+        float *scratch = NULL;                                                                               \
+        if (posix_memalign((void **)&scratch, 64, sizeof(float) * (floats))) {                               \
+            PyErr_NoMemory();                                                                                \
+            break;                                                                                           \
+        }                                                                                                    \
+        Py_BEGIN_ALLOW_THREADS                                                                               \
+        CALL;                                                                                                \
+        Py_END_ALLOW_THREADS                                                                                 \
+        free(scratch);                                                                                       \
+        Py_INCREF(Py_None);                                                                                  \
+        (out) = Py_None;                                                                                     \
+    } while (0)
+
 /* fwd_chunk(q, kp, vp, nk, o, m, l, scale, lo, hi, kvpos[, seg_q, seg_kv, softcap, alibi, dropout]); alibi:
  * None or (slope, alibi_q, alibi_kv) (at most 16 arguments: CPython 3.11 keeps every 20-argument call's
  * tuple) */
@@ -362,42 +413,17 @@ static PyObject *py_fwd_chunk(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "fwd_chunk: m and l are required");
         goto done;
     }
-    if (get1d(loo, &v[6], "l", nq, 0, "lo") < 0 || get1d(hio, &v[7], "l", nq, 0, "hi") < 0 ||
-        get1d(kvo, &v[8], "l", nk, 0, "kvpos") < 0)
-        goto done;
-    if ((v[6].buf == NULL) != (v[8].buf == NULL) || (v[7].buf == NULL) != (v[8].buf == NULL)) {
-        PyErr_SetString(PyExc_ValueError, "fwd_chunk: lo, hi and kvpos go together");
-        goto done;
-    }
-    if (get1d(sqo, &v[9], "l", nq, 0, "seg_q") < 0 || get1d(sko, &v[10], "l", nk, 0, "seg_kv") < 0) goto done;
-    if ((v[9].buf == NULL) != (v[10].buf == NULL)) {
-        PyErr_SetString(PyExc_ValueError, "fwd_chunk: seg_q and seg_kv go together");
-        goto done;
-    }
-    const ChunkMask mk = chunk_mask((const int64_t *)v[6].buf, (const int64_t *)v[7].buf, (const int64_t *)v[8].buf,
-                                    (const int64_t *)v[9].buf, (const int64_t *)v[10].buf, nk);
-    if (get1d(aqo, &v[11], "d", nq, 0, "alibi_q") < 0 || get1d(ako, &v[12], "d", nk, 0, "alibi_kv") < 0) goto done;
-    if (slope != 0.0f && (!v[11].buf || !v[12].buf)) {
-        PyErr_SetString(PyExc_ValueError, "fwd_chunk: ALiBi needs the rows' and keys' float64 positions");
-        goto done;
-    }
-    const ScoreMods md = {cap, slope, (const double *)v[11].buf, (const double *)v[12].buf};
+    ChunkMask mk;
+    ScoreMods md;
     DropoutRow dr;
-    if (get_dropout(dro, nq, nk, &dr, &v[13]) < 0) goto done;
-    const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (kbpad + dim + dvp + 1) + kbpad))) {
-        PyErr_NoMemory();
+    if (get_chunk_terms("fwd_chunk", nq, nk, loo, hio, kvo, sqo, sko, cap, slope, aqo, ako, dro, &v[6], &mk, &md,
+                        &dr) < 0)
         goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (const float *)v[2].buf, dvp,
-       (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, &md, &mk, &dr,
-       scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
+    CALL_WITH_SCRATCH(out, bq * (kbpad + dim + dvp + 1) + kbpad,
+                      fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (const float *)v[2].buf,
+                         dvp, (float *)v[3].buf, ldo, dv, (float *)v[4].buf, (float *)v[5].buf, scale, &md, &mk, &dr,
+                         scratch));
 done:
     release(v, 15);
     return out;
@@ -422,17 +448,9 @@ static PyObject *py_scores(PyObject *self, PyObject *args)
         goto done;
     }
     const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (kbpad * dim + bq * (dim + kbpad)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, ldk, nk, (float *)v[2].buf, lds, scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    CALL_WITH_SCRATCH(out, kbpad * dim + bq * (dim + kbpad),
+                      fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, ldk, nk, (float *)v[2].buf,
+                         lds, scratch));
 done:
     release(v, 3);
     return out;
@@ -462,17 +480,9 @@ static PyObject *py_scores_packed(PyObject *self, PyObject *args)
         goto done;
     }
     const Py_ssize_t bq = PATHS[current].bq, kbpad = (nk + 31) / 32 * 32;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (bq * (dim + kbpad)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (float *)v[2].buf, lds, tile, scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    CALL_WITH_SCRATCH(out, bq * (dim + kbpad),
+                      fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, nk, (float *)v[2].buf, lds,
+                         tile, scratch));
 done:
     release(v, 3);
     return out;
@@ -502,17 +512,9 @@ static PyObject *py_scores_max(PyObject *self, PyObject *args)
         goto done;
     }
     const Py_ssize_t bq = PATHS[current].bq;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * bq * dim)) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, dk / dim * 32, (float *)v[2].buf, scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    CALL_WITH_SCRATCH(out, bq * dim,
+                      fn((const float *)v[0].buf, ldq, nq, dim, (const float *)v[1].buf, dk / dim * 32,
+                         (float *)v[2].buf, scratch));
 done:
     release(v, 3);
     return out;
@@ -548,18 +550,9 @@ static PyObject *py_pair_forward(PyObject *self, PyObject *args)
         goto done;
     }
     const Py_ssize_t bq = PATHS[current].bq, wp = (w + 15) / 16 * 16;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (t * t + bq * dim + bq * t + 2 * t * wp + 16))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, dim, (const float *)v[1].buf, n, t, (const float *)v[2].buf, w,
-       (const float *)v[4].buf, scale, (float *)v[3].buf, (float *)v[5].buf, scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    CALL_WITH_SCRATCH(out, t * t + bq * dim + bq * t + 2 * t * wp + 16,
+                      fn((const float *)v[0].buf, dim, (const float *)v[1].buf, n, t, (const float *)v[2].buf, w,
+                         (const float *)v[4].buf, scale, (float *)v[3].buf, (float *)v[5].buf, scratch));
 done:
     release(v, 6);
     return out;
@@ -603,19 +596,11 @@ static PyObject *py_pair_backward(PyObject *self, PyObject *args)
         goto done;
     }
     const Py_ssize_t bq = PATHS[current].bq, wmax = dim > dv ? dim : dv, wp = (wmax + 15) / 16 * 16;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (2 * t * t + bq * wmax + bq * t + 2 * t * wp + 16))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, (const float *)v[1].buf, qr / t, t, dim, dv, (const float *)v[2].buf,
-       (const float *)v[3].buf, (const float *)v[4].buf, (const float *)v[5].buf, (const float *)v[6].buf, scale,
-       (float *)v[7].buf, (float *)v[8].buf, (float *)v[9].buf, (float *)v[10].buf, scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    CALL_WITH_SCRATCH(out, 2 * t * t + bq * wmax + bq * t + 2 * t * wp + 16,
+                      fn((const float *)v[0].buf, (const float *)v[1].buf, qr / t, t, dim, dv, (const float *)v[2].buf,
+                         (const float *)v[3].buf, (const float *)v[4].buf, (const float *)v[5].buf,
+                         (const float *)v[6].buf, scale, (float *)v[7].buf, (float *)v[8].buf, (float *)v[9].buf,
+                         (float *)v[10].buf, scratch));
 done:
     release(v, 11);
     return out;
@@ -644,18 +629,9 @@ static PyObject *py_pair_products(PyObject *self, PyObject *args)
         goto done;
     }
     const Py_ssize_t n = ar / t, wp = (w + 15) / 16 * 16;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64, sizeof(float) * (2 * t * wp + 16))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, n, t, (const float *)v[1].buf, br == ar && n > 1 ? t * w : 0, w, (float *)v[2].buf,
-       trans, scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    CALL_WITH_SCRATCH(out, 2 * t * wp + 16,
+                      fn((const float *)v[0].buf, n, t, (const float *)v[1].buf, br == ar && n > 1 ? t * w : 0, w,
+                         (float *)v[2].buf, trans, scratch));
 done:
     release(v, 3);
     return out;
@@ -687,49 +663,24 @@ static PyObject *py_bwd_chunk(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "bwd_chunk: operand shapes do not match");
         goto done;
     }
-    if (get1d(lseo, &v[7], "f", nq, 0, "lse") < 0 || get1d(dveco, &v[8], "f", nq, 0, "dvec") < 0 ||
-        get1d(loo, &v[9], "l", nq, 0, "lo") < 0 || get1d(hio, &v[10], "l", nq, 0, "hi") < 0 ||
-        get1d(kvo, &v[11], "l", nk, 0, "kvpos") < 0)
-        goto done;
+    if (get1d(lseo, &v[7], "f", nq, 0, "lse") < 0 || get1d(dveco, &v[8], "f", nq, 0, "dvec") < 0) goto done;
     if (!v[7].buf || !v[8].buf) {
         PyErr_SetString(PyExc_ValueError, "bwd_chunk: lse and dvec are required");
         goto done;
     }
-    if ((v[9].buf == NULL) != (v[11].buf == NULL) || (v[10].buf == NULL) != (v[11].buf == NULL)) {
-        PyErr_SetString(PyExc_ValueError, "bwd_chunk: lo, hi and kvpos go together");
-        goto done;
-    }
-    if (get1d(sqo, &v[12], "l", nq, 0, "seg_q") < 0 || get1d(sko, &v[13], "l", nk, 0, "seg_kv") < 0) goto done;
-    if ((v[12].buf == NULL) != (v[13].buf == NULL)) {
-        PyErr_SetString(PyExc_ValueError, "bwd_chunk: seg_q and seg_kv go together");
-        goto done;
-    }
-    const ChunkMask mk = chunk_mask((const int64_t *)v[9].buf, (const int64_t *)v[10].buf, (const int64_t *)v[11].buf,
-                                    (const int64_t *)v[12].buf, (const int64_t *)v[13].buf, nk);
-    if (get1d(aqo, &v[14], "d", nq, 0, "alibi_q") < 0 || get1d(ako, &v[15], "d", nk, 0, "alibi_kv") < 0) goto done;
-    if (slope != 0.0f && (!v[14].buf || !v[15].buf)) {
-        PyErr_SetString(PyExc_ValueError, "bwd_chunk: ALiBi needs the rows' and keys' float64 positions");
-        goto done;
-    }
-    const ScoreMods md = {cap, slope, (const double *)v[14].buf, (const double *)v[15].buf};
+    ChunkMask mk;
+    ScoreMods md;
     DropoutRow dr;
-    if (get_dropout(dro, nq, nk, &dr, &v[16]) < 0) goto done;
+    if (get_chunk_terms("bwd_chunk", nq, nk, loo, hio, kvo, sqo, sko, cap, slope, aqo, ako, dro, &v[9], &mk, &md,
+                        &dr) < 0)
+        goto done;
     const Py_ssize_t bq = PATHS[current].bq, kbp = (nk + 31) / 32 * 32, dpd = (dim + 15) / 16 * 16,
                      dpv = (dvd + 15) / 16 * 16;
-    float *scratch = NULL;
-    if (posix_memalign((void **)&scratch, 64,
-                       sizeof(float) * (kbp * (dim + dvd + 2 * dpd + dpv) + bq * (3 * kbp + 2 * dpd + dpv)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)v[0].buf, ldq, (const float *)v[1].buf, lddo, nq, dim, dvd, (const float *)v[2].buf, ldk,
-       (const float *)v[3].buf, ldv, nk, (const float *)v[7].buf, (const float *)v[8].buf, (float *)v[4].buf, lddq,
-       (float *)v[5].buf, lddk, (float *)v[6].buf, lddv, scale, &md, &mk, &dr, scratch);
-    Py_END_ALLOW_THREADS
-    free(scratch);
-    out = Py_None;
-    Py_INCREF(out);
+    CALL_WITH_SCRATCH(out, kbp * (dim + dvd + 2 * dpd + dpv) + bq * (3 * kbp + 2 * dpd + dpv),
+                      fn((const float *)v[0].buf, ldq, (const float *)v[1].buf, lddo, nq, dim, dvd,
+                         (const float *)v[2].buf, ldk, (const float *)v[3].buf, ldv, nk, (const float *)v[7].buf,
+                         (const float *)v[8].buf, (float *)v[4].buf, lddq, (float *)v[5].buf, lddk, (float *)v[6].buf,
+                         lddv, scale, &md, &mk, &dr, scratch));
 done:
     release(v, 18);
     return out;

@@ -436,6 +436,13 @@ def max_block(res: Resident, kh, m, poison, scale, mask, tick=None):
     return counts
 
 
+def _may_fuse(res: Resident, softcap, full) -> bool:
+    """Whether a stack of pairs may run as one compiled call (``pair_forward``, ``pair_backward``: the
+    scores kept in cache, the same bits as the steps apart): float32's compiled products, and no
+    softcap, additive terms (``full``) or dropout."""
+    return res.products is not None and softcap is None and full is None and res.spec.dropout is None
+
+
 def _poison_forward(res, terms, poison, b, h, hkv, i, keys):
     """Rows of query tile ``i`` that see a flagged key of ``keys``, or are flagged and see one."""
     bad_keys = terms.blk.bad[b, hkv, keys]
@@ -460,7 +467,7 @@ def forward_block(res: Resident, kh, vh, shift, acc_l, acc_o, poison, grid_l, gr
         sums = _scratch(st, "sums", (n * TILE,), ct)
         pv = _scratch(st, "pv", (n, TILE, v_stack.shape[2]), ct)
         full = terms.full(h, st)
-        if res.products is not None and softcap is None and full is None and spec.dropout is None:
+        if _may_fuse(res, softcap, full):
             # the three steps below in one call, the scores kept in cache: the same bits
             res.products.pair_forward(q_tile, k_stack.reshape(-1, PANEL), v_stack.reshape(-1, v_stack.shape[2]),
                                       np.ascontiguousarray(shift[b, h, i]), scale, pv.reshape(-1, pv.shape[2]), sums)
@@ -575,7 +582,8 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, k_s
     sums = _scratch(st, "sums", (n * TILE,), ct)
     qs, dos = _stack(qt, run, st, "qs"), _stack(dot, run, st, "dos")
     lse, dvec = _stack(res.lse[b, h], run, st, "lses"), _stack(res.dvec[b, h], run, st, "dvecs")
-    if res.products is not None and softcap is None and spec.dropout is None and terms.full(h, st) is None:
+    full = terms.full(h, st)
+    if _may_fuse(res, softcap, full):
         out_v = _scratch(st, "outv", (n, TILE, dos.shape[2]), ct)
         out_q, out_k = (_scratch(st, key, (n, TILE, qs.shape[2]), ct) for key in ("outq", "outk"))
         res.products.pair_backward(qs.reshape(-1, qs.shape[2]), dos.reshape(-1, dos.shape[2]),
@@ -592,7 +600,7 @@ def _backward_pairs(res, blk, b, h, hkv, j, index, partial, qt, dot, k_tile, k_s
             return
     _stack_scores(res, qs, k_scores, s)
     t = None if softcap is None else _scratch(st, "t", (n, TILE, TILE), ct)
-    pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, terms.full(h, st), t)
+    pass_scale, pass_bias = _scores_for_pass(s, scale, softcap, full, t)
     res.exp_pass(s.reshape(n * TILE, TILE), pass_scale, None if pass_bias is None else pass_bias.reshape(n * TILE, TILE),
               np.ascontiguousarray(lse).reshape(-1), sums)
     if not sums.max() <= 2:  # lse does not bound some rows' scores: poison them and the keys they see

@@ -508,13 +508,22 @@ def _alibi_args(spec, mask: BlockMask):
             np.asarray(mask.kv_pos, dtype=np.float64))
 
 
-def _capped(sc, softcap):
-    """The raw scaled scores ``sc`` through the logit softcap, ``(capped, tanh)`` (as :func:`_cap`;
-    ``(sc, None)`` without one): the careful rows' redo, as the compiled block op caps its scores."""
-    if not softcap:
-        return sc, None
-    t = np.tanh(sc / softcap)
-    return t * softcap, t
+def _modified_scores(q_r, k, scale, softcap, extra):
+    """Rows ``q_r`` against keys ``k`` with the score modifiers as the compiled block op applies them:
+    ``(scores, tanh)``, the scores scaled, through the logit softcap (as :func:`_cap`; ``tanh`` None
+    without one), then plus ``extra`` (the modifiers' terms, ALiBi's; or None): the careful rows' redo."""
+    sc, t = (q_r @ k.T) * scale, None
+    if softcap:
+        t = np.tanh(sc / softcap)
+        sc = t * softcap
+    if extra is not None:
+        sc = sc + extra
+    return sc, t
+
+
+def _dropped(x, drop, dtype):
+    """``x`` times dropout's factors ``drop`` in ``dtype`` (``x`` itself without dropout)."""
+    return x if drop is None else (x * drop).astype(dtype, copy=False)
 
 
 def _segments(mask: BlockMask, b: int):
@@ -576,15 +585,13 @@ def _redo_rows_forward(q_r, k, v, scale, vis_r, m_old, l_old, o_old, softcap=0.0
     keys only (as :func:`_careful_forward_tile` redoes them per tile): ``(m, l, o)`` after it.
     ``extra``: the score modifiers' terms of those rows and keys (ALiBi's), or None; ``drop``:
     dropout's factors there (on what reaches P V, after the row sums), or None."""
-    sc, _ = _capped((q_r @ k.T) * scale, softcap)
-    if extra is not None:
-        sc = sc + extra
+    sc, _ = _modified_scores(q_r, k, scale, softcap, extra)
     sc = np.where(vis_r, sc, -np.inf).astype(q_r.dtype, copy=False)
     m_new = np.maximum(m_old, sc.max(axis=1))
     shift = np.where(np.isneginf(m_new), 0, m_new).astype(q_r.dtype, copy=False)
     p = np.where(vis_r, np.exp(sc - shift[:, None]), 0).astype(q_r.dtype, copy=False)
     alpha = np.exp(m_old - shift)
-    pd = p if drop is None else (p * drop).astype(q_r.dtype, copy=False)
+    pd = _dropped(p, drop, q_r.dtype)
     return m_new, l_old * alpha + p.sum(axis=1), o_old * alpha[:, None] + _visible_matmul(pd, v, vis_r)
 
 
@@ -668,15 +675,11 @@ def _compiled_forward(q_use, kh, vh, k_use, v_use, o_acc, m, l, scale, mask: Blo
                     if see_v.any():  # clean m and l; the bad v rows' weights against the final shift
                         rows = np.flatnonzero(see_v.any(axis=1))
                         bad_cols = np.flatnonzero(bv)
-                        sc, _ = _capped((q_use[b, h, rows] @ k_use[b, kvh, bad_cols].T) * scale, cap)
-                        extra = _terms_of(spec, mask.q_pos[rows], mask.kv_pos[bad_cols], ct, h)
-                        if extra is not None:
-                            sc = sc + extra
+                        sc, _ = _modified_scores(q_use[b, h, rows], k_use[b, kvh, bad_cols], scale, cap,
+                                                 _terms_of(spec, mask.q_pos[rows], mask.kv_pos[bad_cols], ct, h))
                         shift = np.where(np.isneginf(m[b, h, rows]), 0, m[b, h, rows]).astype(ct, copy=False)
-                        weights = np.exp(sc - shift[:, None]).astype(ct, copy=False)
                         drop = _drop_of(spec, b, h, mask.q_pos[rows], mask.kv_pos[bad_cols], ct)
-                        if drop is not None:
-                            weights = (weights * drop).astype(ct, copy=False)
+                        weights = _dropped(np.exp(sc - shift[:, None]).astype(ct, copy=False), drop, ct)
                         terms = weights[:, :, None] * v_use[b, kvh, bad_cols][None]
                         o_acc[b, h, rows] += np.where(see_v[rows][:, :, None], terms, 0).sum(axis=1)
     return _tile_counts(mask, sq, skv, batch)
@@ -705,17 +708,14 @@ def _redo_rows_backward(idx, q, do, k, v, lse, dvec, scale, vis_r, dq, dk_t, dv_
     ``drop``: the score modifiers' terms and dropout's factors, as :func:`_redo_rows_forward`'s)."""
     q_r, do_r = q[idx], do[idx]
     with np.errstate(invalid="ignore", over="ignore"):
-        sc, t = _capped((q_r @ k.T) * scale, softcap)
-        if extra is not None:
-            sc = sc + extra
+        sc, t = _modified_scores(q_r, k, scale, softcap, extra)
         p_r = np.where(vis_r, np.exp(sc - lse[idx, None]), 0).astype(q.dtype, copy=False)
         dp_r = do_r @ v.T
-        if drop is not None:
-            dp_r = (dp_r * drop).astype(q.dtype, copy=False)
+        dp_r = _dropped(dp_r, drop, q.dtype)
         ds = np.where(vis_r, p_r * (dp_r - dvec[idx, None]), 0).astype(q.dtype, copy=False)
         if t is not None:  # through the cap's slope
             ds = (ds * (1 - t * t)).astype(q.dtype, copy=False)
-        pd = p_r if drop is None else (p_r * drop).astype(q.dtype, copy=False)
+        pd = _dropped(p_r, drop, q.dtype)
         dv_t += _visible_matmul(pd.T, do_r, vis_r.T)
         dq[idx] += _visible_matmul(ds, k, vis_r)
         dk_t += _visible_matmul(ds.T, q_r, vis_r.T)
