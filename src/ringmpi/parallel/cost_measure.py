@@ -19,6 +19,11 @@
   transfers (``Machine.call_seconds``): a minimal call (a few tokens per rank) of each, timed
   on the communicator (the median over three of the slowest rank's); once per communicator
   and pair (kept on it); 0 where :func:`assume_links` describes the links.
+* :func:`recall` / :func:`remember` -- a decision of ``"auto"`` kept on the communicator for
+  the next call of the same shape, positions and mask (each rank's own key, :func:`call_key`):
+  one Allreduce of two integers confirms every rank holds the same decision, instead of the
+  plan's and the tile counts' collectives and the predictions (about 10 ms a call on 4 ranks
+  here; a model's every layer makes such a call).
 * :func:`choose_schedule` -- collective: the predictions of
   :mod:`ringmpi.core.cost_model` for the call's shape on these parts, and the
   fastest that fits every rank's memory budget (:mod:`ringmpi.runtime.memory`);
@@ -47,6 +52,8 @@ from .topology import cached_node_ids
 
 _LINKS_KEY = "cost_model_links"
 _CALLS_KEY = "cost_model_calls"
+_DECISIONS_KEY = "cost_model_decisions"
+KEPT_DECISIONS = 64  # per communicator: the most recent
 LARGE_MESSAGES = (1 << 20, 1 << 22)  # the link measurement's large messages: the bandwidth is their difference's
 CALL_ROWS = 4  # tokens per rank of the minimal call that call_costs times
 _RATES: dict = {}  # this process's measured rates (the file is the machine's)
@@ -225,6 +232,43 @@ def sustained_bandwidth(one: int, t_one: float, big: int, t_big: float, latency:
     return min((big - one) / extra, own) if extra > 0 else own
 
 
+def call_key(arrays: Sequence, *parts) -> bytes:
+    """This rank's key of one ``"auto"`` decision: a digest of ``arrays`` (positions, segment ids:
+    None allowed) and the ``repr`` of ``parts`` (shapes, dtypes, mask, ...), with the memory
+    budget's setting (a changed ``RINGMPI_MEMORY_BUDGET`` decides again)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes() + repr(np.shape(a)).encode())
+    h.update(repr((parts, os.environ.get("RINGMPI_MEMORY_BUDGET"))).encode())
+    return h.digest()
+
+
+def recall(comm, key: bytes):
+    """Collective: the value :func:`remember` kept under ``key`` when every rank's key names the same
+    decision (one Allreduce of two integers), else None."""
+    from mpi4py import MPI
+
+    memo = _attr(comm).setdefault(_DECISIONS_KEY, {"next": 0, "kept": {}})
+    found = memo["kept"].get(key)
+    ident = -1 if found is None else found[0]
+    both = np.array([ident, -ident], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)  # the smallest id, minus the largest
+    return found[1] if ident >= 0 and both[0] == ident == -both[1] else None
+
+
+def remember(comm, key: bytes, value):
+    """Keep ``value``, a decision every rank of ``comm`` has just made together, under this rank's
+    ``key``; returns ``value``.  Every rank numbers its decisions alike (they are collective)."""
+    memo = _attr(comm).setdefault(_DECISIONS_KEY, {"next": 0, "kept": {}})
+    memo["kept"][key] = (memo["next"], value)
+    memo["next"] += 1
+    if len(memo["kept"]) > KEPT_DECISIONS:
+        memo["kept"].pop(next(iter(memo["kept"])))
+    return value
+
+
 def assume_links(comm, intra: Link, inter: Link) -> None:
     """Take ``intra`` and ``inter`` as this communicator's link figures instead of measuring them
     (collective: the node layout): to ask ``"auto"`` what it would choose on the links of
@@ -234,6 +278,7 @@ def assume_links(comm, intra: Link, inter: Link) -> None:
     attr = _attr(comm)
     attr[_LINKS_KEY] = (intra, inter, max(nodes.count(n) for n in set(nodes)))
     attr[_CALLS_KEY] = None  # described: no measured per-call cost
+    attr.pop(_DECISIONS_KEY, None)  # decided on other links
 
 
 def call_costs(comm, backend, pairs: Sequence[tuple], timeout=None) -> tuple:

@@ -87,14 +87,26 @@ class LocalProblem:
         if self.comm.Get_size() == 1:
             kv_schedule = "ring"
         masked = self.spec.positional or self.seg_q is not None
-        if kv_schedule == "routed" or (kv_schedule == "auto" and masked):
+        kept = key = None
+        if kv_schedule == "auto":  # the decision of an identical earlier call, if every rank has one
+            from .cost_measure import call_key, recall
+
+            key = call_key((self.q_pos, self.kv_pos, self.seg_q, self.seg_kv), "schedule", self._key_parts(k, v),
+                           grad_dtype is None)
+            kept = recall(self.comm, key)
+        if kept is not None:
+            plan, choice = kept
+        elif kv_schedule == "routed" or (kv_schedule == "auto" and masked):
             from .route_plan import gather_plan
 
             order = self.order if self.order is not None else list(range(self.comm.Get_size()))
             plan = gather_plan(self.comm, self.q_pos, self.seg_q, self.kv_pos, self.seg_kv, self.spec, order,
                                timeout=self.timeout)
         if kv_schedule == "auto":
-            choice = self._choose(k, v, grad_dtype, plan)
+            if kept is None:
+                from .cost_measure import remember
+
+                choice = remember(self.comm, key, (plan, self._choose(k, v, grad_dtype, plan)))[1]
             kv_schedule = choice[0].schedule
         if kv_schedule == "allgather":
             schedule = self._allgather(k, v, grad_dtype, phase, checked=choice is not None)
@@ -111,6 +123,14 @@ class LocalProblem:
         if choice is not None:
             stamp(schedule.ring.record(0), choice)
         return schedule
+
+    def _key_parts(self, k, v):
+        """What besides positions and segment ids an ``"auto"`` decision of this problem depends on."""
+        spec = self.spec
+        return (k.shape, v.shape, str(k.dtype), str(np.dtype(self.compute_dtype)), spec.causal, spec.window,
+                spec.offset, spec.softcap is None, spec.dropout is None, tuple(type(m).__name__ for m in spec.modifiers),
+                tuple(int(c) for c in self.kv_counts), None if self.q_counts is None else tuple(map(int, self.q_counts)),
+                None if self.order is None else tuple(map(int, self.order)), self.q_heads, self.backend.name)
 
     def _choose(self, k, v, grad_dtype, plan):
         """``schedule="auto"``: the (chosen, runner-up) predictions of the cost model
@@ -315,29 +335,54 @@ class AgreedCall:
         predicted (:mod:`ringmpi.core.cost_model`, on this communicator's measured parts) among
         ``candidates`` (:func:`ringmpi.parallel.topology.head_parallel_candidates`) jointly with
         ``schedule="auto"``'s schedules (the ring alone for ``invariant``; the given schedule
-        otherwise).  The same on every rank (collective).  Where a mask may leave rows unseen
-        and the schedule is ``"auto"``, the chosen ``U``'s ring still chooses its schedule
-        (routed needs its plan); otherwise the choice is stamped on each pass's first record."""
+        otherwise; routed too where a mask leaves rows unseen and its plan moves fewer rows than
+        the ring, from the flat ring's plan).  The same on every rank (collective).  Where a mask
+        may leave rows unseen and the schedule is ``"auto"``, the chosen ``U``'s ring still
+        chooses its schedule (routed needs its plan: the same model chooses the same); otherwise
+        the choice is stamped on each pass's first record."""
         from dataclasses import replace
 
+        from .cost_measure import call_key, recall, remember
+
+        flat = self.flat_problem()  # its key: the same call, whichever U follows
+        key = call_key((flat.q_pos, flat.kv_pos, self.seg_q, self.seg_kv), "head_parallel", flat._key_parts(k, v),
+                       tuple(candidates), backward, invariant, self.kv_schedule)
+        kept = recall(self.comm, key)
+        if kept is None:
+            kept = remember(self.comm, key, self._choose_jointly(candidates, k, v, backward, invariant, flat))
+        best, runner = kept
+        if self.kv_schedule == "auto" and self.masked and not invariant:
+            return best.head_parallel, self
+        return best.head_parallel, replace(self, kv_schedule=best.schedule, choice=(best, runner))
+
+    def _choose_jointly(self, candidates, k, v, backward, invariant, flat):
+        """``(best, runner-up)`` of :meth:`choose_head_parallel` (collective)."""
         from .cost_measure import choose_plan
 
+        routed_rows = None
         if invariant:
             schedules = ("ring",)
         elif self.kv_schedule == "auto":
             schedules = ("ring", "allgather")
         else:
             schedules = (self.kv_schedule,)
-        shape = call_shape(self.place_q.n, self.place_kv.n, self.heads, k, v, self.compute_dtype, self.spec)
-        shape = replace(shape, tile_pairs=busiest_tile_pairs(self.comm, self.place_q.mine, self.seg_q,
-                                                             self.place_kv.mine, self.seg_kv, self.spec,
-                                                             self.timeout),
-                        segments=self.seg_q is not None)
-        best, runner = choose_plan(self.comm, self.backend, k.dtype, shape, schedules, candidates, backward,
-                                   timeout=self.timeout)
         if self.kv_schedule == "auto" and self.masked and not invariant:
-            return best.head_parallel, self
-        return best.head_parallel, replace(self, kv_schedule=best.schedule, choice=(best, runner))
+            # routed weighed with the others, from the flat ring's plan (as LocalProblem.predictions)
+            from .route_plan import gather_plan
+
+            plan = gather_plan(self.comm, flat.q_pos, self.seg_q, flat.kv_pos, self.seg_kv, self.spec, flat.order,
+                               timeout=self.timeout)
+            shape, rows = flat._cost_shape(k, v, plan)
+            if plan.routed_rows() < plan.ring_rows():
+                schedules, routed_rows = schedules + ("routed",), rows
+        else:
+            shape = call_shape(self.place_q.n, self.place_kv.n, self.heads, k, v, self.compute_dtype, self.spec)
+            shape = replace(shape, tile_pairs=busiest_tile_pairs(self.comm, self.place_q.mine, self.seg_q,
+                                                                 self.place_kv.mine, self.seg_kv, self.spec,
+                                                                 self.timeout),
+                            segments=self.seg_q is not None)
+        return choose_plan(self.comm, self.backend, k.dtype, shape, schedules, candidates, backward,
+                           routed_rows=routed_rows, timeout=self.timeout)
 
     def flat_problem(self) -> LocalProblem:
         """The flat ring's problem: this rank's own shards, the ring of all ranks of ``comm``
