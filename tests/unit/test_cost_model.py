@@ -9,6 +9,7 @@ shared by a node's ranks costs the all-gather and not the node-major ring.
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from ringmpi.core.cost_model import (Link, Machine, Shape, allgather_memory, choose, hiding_length, predict,
@@ -287,5 +288,37 @@ def test_call_costs_time_a_minimal_call_once_per_communicator():
         assert cost_measure.call_costs(comm, be, [("ring", 1)]) == got[:1]  # kept, not timed again
         cost_measure.assume_links(comm, L(1e-6, 1e10), L(1e-6, 1e10))
         assert cost_measure.call_costs(comm, be, [("ring", 1)]) == ()
+    finally:
+        comm.Free()
+
+
+def test_auto_decisions_are_kept_for_identical_calls(monkeypatch):
+    """``call_key`` tells calls apart by their positions, segment ids, parts and the budget's
+    setting; ``recall`` gives back what ``remember`` kept under the same key (on one rank: every
+    rank holds it), nothing for another key, and nothing once ``assume_links`` changed the links."""
+    from mpi4py import MPI
+
+    from ringmpi.core.cost_model import Link as L
+    from ringmpi.parallel import cost_measure
+
+    pos, seg = np.arange(8), np.zeros((1, 8), dtype=np.int64)
+    key = cost_measure.call_key((pos, pos, seg, None), "schedule", (4, 64))
+    assert key == cost_measure.call_key((np.arange(8), pos, seg, None), "schedule", (4, 64))
+    others = [cost_measure.call_key((pos + 1, pos, seg, None), "schedule", (4, 64)),
+              cost_measure.call_key((pos, pos, seg + 1, None), "schedule", (4, 64)),
+              cost_measure.call_key((pos, pos, None, None), "schedule", (4, 64)),
+              cost_measure.call_key((pos, pos, seg, None), "schedule", (4, 128))]
+    monkeypatch.setenv("RINGMPI_MEMORY_BUDGET", "1000000")
+    others.append(cost_measure.call_key((pos, pos, seg, None), "schedule", (4, 64)))
+    monkeypatch.delenv("RINGMPI_MEMORY_BUDGET")
+    assert len({key, *others}) == 6
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        assert cost_measure.recall(comm, key) is None
+        assert cost_measure.remember(comm, key, "ring") == "ring"
+        assert cost_measure.recall(comm, key) == "ring"
+        assert cost_measure.recall(comm, others[0]) is None
+        cost_measure.assume_links(comm, L(1e-6, 1e10), L(1e-6, 1e10))
+        assert cost_measure.recall(comm, key) is None
     finally:
         comm.Free()
