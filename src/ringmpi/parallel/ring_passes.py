@@ -94,6 +94,8 @@ class LocalProblem:
             key = call_key((self.q_pos, self.kv_pos, self.seg_q, self.seg_kv), "schedule", self._key_parts(k, v),
                            grad_dtype is None)
             kept = recall(self.comm, key)
+            if kept is not None and kept[1][0].schedule == "allgather":
+                kept = None  # it holds every K/V row: weighed again against the budget of now
         if kept is not None:
             plan, choice = kept
         elif kv_schedule == "routed" or (kv_schedule == "auto" and masked):
@@ -348,7 +350,7 @@ class AgreedCall:
         key = call_key((flat.q_pos, flat.kv_pos, self.seg_q, self.seg_kv), "head_parallel", flat._key_parts(k, v),
                        tuple(candidates), backward, invariant, self.kv_schedule)
         kept = recall(self.comm, key)
-        if kept is None:
+        if kept is None or kept[0].schedule == "allgather":  # (all K/V rows: against the budget of now)
             kept = remember(self.comm, key, self._choose_jointly(candidates, k, v, backward, invariant, flat))
         best, runner = kept
         if self.kv_schedule == "auto" and self.masked and not invariant:
