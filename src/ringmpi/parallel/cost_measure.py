@@ -245,16 +245,17 @@ def call_key(arrays: Sequence, *parts) -> bytes:
     return h.digest()
 
 
-def recall(comm, key: bytes):
+def recall(comm, key: bytes, timeout=None):
     """Collective: the value :func:`remember` kept under ``key`` when every rank's key names the same
-    decision (one Allreduce of two integers), else None."""
+    decision (one Allreduce of two integers, under the watchdog's ``timeout``), else None."""
     from mpi4py import MPI
 
     memo = _attr(comm).setdefault(_DECISIONS_KEY, {"next": 0, "kept": {}})
     found = memo["kept"].get(key)
     ident = -1 if found is None else found[0]
     both = np.array([ident, -ident], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)  # the smallest id, minus the largest
+    with phase("the ranks' kept auto decision (Allreduce)", timeout):
+        comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)  # the smallest id, minus the largest
     return found[1] if ident >= 0 and both[0] == ident == -both[1] else None
 
 

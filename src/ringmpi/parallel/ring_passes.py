@@ -93,7 +93,7 @@ class LocalProblem:
 
             key = call_key((self.q_pos, self.kv_pos, self.seg_q, self.seg_kv), "schedule", self._key_parts(k, v),
                            grad_dtype is None)
-            kept = recall(self.comm, key)
+            kept = recall(self.comm, key, self.timeout)
             if kept is not None and kept[1][0].schedule == "allgather":
                 kept = None  # it holds every K/V row: weighed again against the budget of now
         if kept is not None:
@@ -349,7 +349,7 @@ class AgreedCall:
         flat = self.flat_problem()  # its key: the same call, whichever U follows
         key = call_key((flat.q_pos, flat.kv_pos, self.seg_q, self.seg_kv), "head_parallel", flat._key_parts(k, v),
                        tuple(candidates), backward, invariant, self.kv_schedule)
-        kept = recall(self.comm, key)
+        kept = recall(self.comm, key, self.timeout)
         if kept is None or kept[0].schedule == "allgather":  # (all K/V rows: against the budget of now)
             kept = remember(self.comm, key, self._choose_jointly(candidates, k, v, backward, invariant, flat))
         best, runner = kept
