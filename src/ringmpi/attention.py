@@ -34,6 +34,7 @@ from .core.shapes import qkv_problem
 from .parallel.ring_passes import AgreedCall, backward_pass, forward_pass
 from .options import AttentionOptions
 from .context import Attention, Gradients, RingContext, call_options, pair
+from .parallel import cost_measure as _cost_measure
 from .parallel.comm import resolve_comm
 from .parallel.topology import resolve_groups
 from .runtime.watchdog import deadline, phase
@@ -450,3 +451,11 @@ def backward(do, q, k, v, o, lse, options: AttentionOptions, *, comm=None,
     if stats is not None:
         stats.extend(records)
     return Gradients(*result, None if dsinks is None else dsinks.astype(options.sinks.dtype))
+
+
+def _minimal_call(q, k, v, context):
+    """What the cost model times as a call's own cost: a causal forward (``cost_measure.call_costs``)."""
+    return ring_attention(q, k, v, causal=True, context=context)
+
+
+_cost_measure.MINIMAL_CALL = _minimal_call

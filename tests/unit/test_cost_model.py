@@ -275,6 +275,7 @@ def test_call_costs_time_a_minimal_call_once_per_communicator():
     described machine) there are none."""
     from mpi4py import MPI
 
+    import ringmpi.attention  # noqa: F401 - the public call the minimal call times (cost_measure.MINIMAL_CALL)
     from ringmpi.backends import get_backend
     from ringmpi.core.cost_model import Link as L
     from ringmpi.parallel import cost_measure
