@@ -109,9 +109,7 @@ class ShardContext:
         if self._bounds is None:
             with phase("transformers: every rank's segment ids for the recurrent layers (allgather)"):
                 parts = self.comm.allgather(self.segment_ids.cpu())
-            ids = self.layout.unshard(parts, axis=1)[0].numpy()
-            cut = np.flatnonzero(np.diff(ids) != 0) + 1
-            self._bounds = np.concatenate([[0], cut, [ids.shape[0]]]).astype(np.int64)
+            self._bounds = _run_bounds(self.layout.unshard(parts, axis=1))
         return self._bounds
 
     def global_padding_mask(self) -> Optional[torch.Tensor]:
@@ -387,13 +385,16 @@ def _flattened(batch: dict, seg, shape):
     return flat, None if seg is None else seg.reshape(1, b * n), b * n
 
 
-def _documents(seg, n: int):
-    """Lengths of the runs of equal segment ids of one row ``(1, n)`` (one document without ids)."""
-    if seg is None:
-        return [n]
+def _run_bounds(seg) -> np.ndarray:
+    """``[0, ..., n]``: where the runs of equal segment ids of one row ``(1, n)`` start and end."""
     ids = seg[0].cpu().numpy()
     cut = np.flatnonzero(np.diff(ids) != 0) + 1
-    return np.diff(np.concatenate([[0], cut, [n]])).tolist()
+    return np.concatenate([[0], cut, [ids.shape[0]]]).astype(np.int64)
+
+
+def _documents(seg, n: int):
+    """Lengths of the runs of equal segment ids of one row ``(1, n)`` (one document without ids)."""
+    return [n] if seg is None else np.diff(_run_bounds(seg)).tolist()
 
 
 def gather(x: torch.Tensor, *, context: Optional[RingContext] = None, axis: int = 1) -> torch.Tensor:
