@@ -82,28 +82,18 @@ def _measure(comm, cfg, n):
     return out
 
 
-def _on_ranks(comm, p, cfg, n):
-    """Measure on the first ``p`` ranks; every rank's record gathered to rank 0 (others: None)."""
+def _on_ranks(comm, p, cfg, n, alone: bool = False):
+    """Measure on the first ``p`` ranks together (``n`` tokens in all), or with ``alone`` each of
+    them a one-rank call on ``n`` tokens of its own, all at once; every rank's record gathered to
+    rank 0 (others: None)."""
     from mpi4py import MPI
 
     rank = comm.Get_rank()
-    sub = comm.Split(0 if rank < p else MPI.UNDEFINED, rank)
+    sub = comm.Split((rank if alone else 0) if rank < p else MPI.UNDEFINED, rank)
     mine = None
     if sub != MPI.COMM_NULL:
         mine = _measure(sub, cfg, n)
         sub.Free()
-    idle_barrier(comm)
-    every = comm.gather(mine, root=0)
-    return None if every is None else [r for r in every if r is not None]
-
-
-def _alone_at_once(comm, p, cfg, n_local):
-    """The first ``p`` ranks each measure a one-rank call on ``n_local`` tokens of their own, all
-    at once; every rank's record gathered to rank 0 (others: None)."""
-    rank = comm.Get_rank()
-    alone = comm.Split(rank if rank < p else p, 0)  # one rank each (the idle ranks together)
-    mine = _measure(alone, cfg, n_local) if rank < p else None
-    alone.Free()
     idle_barrier(comm)
     every = comm.gather(mine, root=0)
     return None if every is None else [r for r in every if r is not None]
@@ -167,7 +157,7 @@ def run(comm, cfg, json_path=None):
         if rank == 0:
             strong.append(_point(recs, p, n))
         recs = _on_ranks(comm, p, cfg, per_rank * p)
-        alone = _alone_at_once(comm, p, cfg, per_rank) if p > 1 else None
+        alone = _on_ranks(comm, p, cfg, per_rank, alone=True) if p > 1 else None
         if rank == 0:
             weak.append(_point(recs, p, per_rank * p))
             if alone:  # the slowest of the ranks running alone at once, call by call
