@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 
 from .host import array_module
+from .state_maps import apply_m
 
 CHUNK = 64
 
@@ -264,11 +265,10 @@ def run_forward(p: Chunks, s0, track_map: bool = False, outputs: bool = True) ->
 
 def entered(p: Chunks, fwd: Forward, s_in):
     """The chunks' entering states of a run tracked from a zero state (``track_map``) once its
-    true entering state ``s_in`` ``(B, H, K, V)`` is known: ``states + states_m S_in``."""
-    if p.delta:
-        return fwd.states + fwd.states_m @ s_in[:, :, None]
-    m = fwd.states_m[..., None] if p.per_key else fwd.states_m[..., None, None]
-    return fwd.states + m * s_in[:, :, None]
+    true entering state ``s_in`` ``(B, H, K, V)`` is known: ``states + states_m S_in``, each
+    chunk's map applied as the ranks' maps are (``state_maps.apply_m``)."""
+    kind = "dense" if p.delta else ("diagonal" if p.per_key else "scalar")
+    return fwd.states + apply_m(kind, fwd.states_m, s_in[:, :, None])
 
 
 def seen_outputs(p: Chunks, do):
