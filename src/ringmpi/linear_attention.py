@@ -5,7 +5,11 @@ rank order is token order) and gets the outputs of its own tokens, exactly as on
 computing the whole sequence would (to rounding).  Per head the state ``S`` (``K x V``) follows
 the layer's recurrence (``core/linear_recurrence.py``); a rank's shard moves it by one affine
 map ``S -> M_r S + U_r``, computed in chunks from a zero state while also tracking ``M_r`` and
-each chunk's entering map.  The ranks then compose their maps in an exclusive scan
+each chunk's entering map.  Only a map that another rank uses is made: the first rank's
+entering state is known, and a run whose map no rank needs (on the last rank, or followed by a
+document start in its shard) waits for its entering state and runs once from it, making
+meanwhile the part of its outputs (or, in the backward, of its reverse recursion) that needs
+no state.  The ranks compose their maps in an exclusive scan
 (``parallel/state_scan.py``: ``ceil(log2 P)`` messages of ``K (K + V)`` numbers per row and
 head, independent of the sequence length); each rank corrects its chunks' states and end state
 from the state that arrives and only then makes its outputs, once (the same products as one
@@ -153,7 +157,8 @@ def _on_host(smap: StateMap) -> StateMap:
 class _Run:
     seg: Segment
     pieces: _rec.Chunks
-    fwd: _rec.Forward
+    fwd: Optional[_rec.Forward]       # None while a run waits for its entering state (``waits``)
+    inside: Optional[np.ndarray] = None  # the outputs' part made while it waits (``_rec.within``)
 
 
 class ShardRecurrence:
@@ -172,6 +177,7 @@ class ShardRecurrence:
         self.beta = _head_major(beta) if call.delta else None
         self.initial = None if initial_state is None else xp.asarray(initial_state, dtype=dt)
         self.segments = segments(call.start, call.stop, call.bounds)
+        self.last = call.comm.Get_rank() == call.comm.Get_size() - 1
         self.runs: List[_Run] = []
         self.map: Optional[StateMap] = None
         self.bytes_received = 0
@@ -187,45 +193,73 @@ class ShardRecurrence:
         """The run that continues a document from the ranks before, if any."""
         return self.runs[0] if self.runs and not self.runs[0].seg.starts else None
 
-    def forward(self, keep_states: bool = False, outputs: bool = True):
-        """This rank's outputs, head-major ``(B, HV, T, V)`` (None without ``outputs``: the
-        backward's recomputation); the runs' end states are the true ones afterwards (and their
-        chunk states, with ``keep_states``).  The outputs are made after the scan, from the
-        chunks' true states: before it a rank finds only its map (the chunk pieces and the
-        states' recurrence), so that the ranks after it wait for no more than that."""
+    def _waits(self, seg: Segment) -> bool:
+        """Whether ``seg`` runs only once its entering state is known: a run continuing a
+        document whose map no rank needs, because this is the last rank or a document starts
+        after it in the shard (this rank's map is then that document's).  It runs once, from the
+        true state, instead of from zero while composing its map and then corrected by it."""
+        return not seg.starts and (self.last or len(self.segments) > 1)
+
+    def _before_scan(self, outputs: bool):
+        """The chunk pieces of every run and the runs whose entering state is known or not
+        needed (from zero, composing the map), so this rank's map (``self.map``): what the
+        ranks after it wait for.  A run that waits makes the outputs' inside part meanwhile."""
         call = self.call
-        start = time.perf_counter()
-        # (the segments cover the shard: every output is written below)
-        o = self.xp.empty((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype) if outputs else None
         self.runs = []
         for seg in self.segments:
             part = slice(seg.lo, seg.hi)
             pieces = _rec.chunks(self.q[:, :, part], self.k[:, :, part], self.v[:, :, part], self.g[:, :, part],
                                  None if self.beta is None else self.beta[:, :, part], call.delta)
-            fwd = _rec.run_forward(pieces, self._start_state(seg), track_map=not seg.starts, outputs=False)
-            self.runs.append(_Run(seg, pieces, fwd))
+            if self._waits(seg):
+                self.runs.append(_Run(seg, pieces, None, _rec.within(pieces) if outputs else None))
+            else:
+                fwd = _rec.run_forward(pieces, self._start_state(seg), track_map=not seg.starts, outputs=False)
+                self.runs.append(_Run(seg, pieces, fwd))
         head = self.head
         if not self.runs:
             self.map = identity(call.kind, call.b, call.hv, call.kdim, call.vdim, call.dtype, self.xp)
-        elif head is not None and len(self.runs) == 1:
-            self.map = StateMap(call.kind, head.fwd.m, head.fwd.s_end)
+        elif head is not None and len(self.runs) == 1:  # the last rank's map reaches no rank: any will do
+            u = head.fwd.s_end if head.fwd is not None else self.xp.zeros(call.state_shape(call.b), call.dtype)
+            self.map = StateMap(call.kind, head.fwd.m, u) if head.fwd is not None else reset(call.kind, u)
         else:
             self.map = reset(call.kind, self.runs[-1].fwd.s_end)
-        scan_start = time.perf_counter()
-        self.seconds["local"] += scan_start - start
-        s_in, nbytes = exclusive_scan(call.comm, _on_host(self.map))  # only the maps cross to the host
-        s_in = self.xp.asarray(s_in)
-        self.bytes_received += nbytes
+
+    def _scan(self, smap: StateMap, reverse: bool = False):
+        """The exclusive scan of ``smap`` over the ranks (only the maps cross to the host)."""
         start = time.perf_counter()
-        self.seconds["scan"] += start - scan_start
-        if head is not None:
-            fwd = head.fwd
-            fwd.s_end = fwd.s_end + apply_m(call.kind, fwd.m, s_in)
-            if keep_states or outputs:
-                fwd.states = _rec.entered(head.pieces, fwd, s_in)
-        if outputs:
-            for run in self.runs:
-                o[:, :, run.seg.lo:run.seg.hi] = _rec.outputs_of(run.pieces, run.fwd.states)
+        got, nbytes = exclusive_scan(self.call.comm, _on_host(smap), reverse=reverse)
+        self.bytes_received += nbytes
+        self.seconds["scan"] += time.perf_counter() - start
+        return self.xp.asarray(got)
+
+    def _after_scan(self, s_in):
+        """The head run's true states and end state from ``s_in``, the state entering the shard."""
+        head = self.head
+        if head is None:
+            return
+        if head.fwd is None:
+            head.fwd = _rec.run_forward(head.pieces, s_in, outputs=False)
+            return
+        fwd = head.fwd
+        fwd.s_end = fwd.s_end + apply_m(self.call.kind, fwd.m, s_in)
+        fwd.states = _rec.entered(head.pieces, fwd, s_in)
+
+    def forward(self):
+        """This rank's outputs, head-major ``(B, HV, T, V)``; the runs' end states are the true
+        ones afterwards.  The outputs are made after the scan, from the chunks' true states:
+        before it a rank finds only its map, so that the ranks after it wait for no more than
+        that."""
+        call = self.call
+        start = time.perf_counter()
+        self._before_scan(outputs=True)
+        self.seconds["local"] += time.perf_counter() - start
+        s_in = self._scan(self.map)
+        start = time.perf_counter()
+        self._after_scan(s_in)
+        # (the segments cover the shard: every output is written)
+        o = self.xp.empty((call.b, call.hv, self.q.shape[2], call.vdim), call.dtype)
+        for run in self.runs:
+            o[:, :, run.seg.lo:run.seg.hi] = _rec.outputs_of(run.pieces, run.fwd.states, run.inside)
         self.seconds["local"] += time.perf_counter() - start
         return o
 
@@ -248,29 +282,29 @@ class ShardRecurrence:
 
     def backward(self, do, dfinal, reduce_dinitial: bool):
         """Gradients, head-major, of q (scaled), k, v, g, beta and the initial state; ``do``
-        head-major, ``dfinal`` the final states' gradient (the same on every rank) or None."""
+        head-major, ``dfinal`` the final states' gradient (the same on every rank) or None.
+        What the head's outputs ask of the state entering this rank (``c``, the reverse scan's
+        offset) needs no state, so it is made before the forward scan, while the ranks before
+        wait for nothing from this one; the reverse scan follows the forward one at once."""
         from mpi4py import MPI
 
         call = self.call
-        self.forward(keep_states=True, outputs=False)
-        start = time.perf_counter()
         xp = self.xp
+        start = time.perf_counter()
+        self._before_scan(outputs=False)
         c = xp.zeros(call.state_shape(call.b), call.dtype)
         head = self.head
-        head_seen = None
-        if head is not None:  # what the head's outputs ask of the state entering this rank
-            head_seen = _rec.seen_outputs(head.pieces, do[:, :, head.seg.lo:head.seg.hi])
-            c = _rec.state_grads(head.pieces, head_seen, c)[1]
-            if head.seg.ends and dfinal is not None:
-                head_map_t = transposed(StateMap(call.kind, head.fwd.m, c), c)  # the head's own map
-                c = c + head_map_t.apply(dfinal[call.rows(head.seg.doc)])
-        scan_start = time.perf_counter()
-        self.seconds["local"] += scan_start - start
-        ds_out, nbytes = exclusive_scan(call.comm, _on_host(transposed(self.map, c)), reverse=True)
-        ds_out = xp.asarray(ds_out)
-        self.bytes_received += nbytes
+        head_reverse = None
+        if head is not None:  # the head's reverse recursion, its end state's gradient from dfinal alone
+            ends_here = dfinal[call.rows(head.seg.doc)] if head.seg.ends and dfinal is not None else c
+            head_reverse = _rec.state_grads(head.pieces, _rec.seen_outputs(head.pieces, do[:, :, head.seg.lo:head.seg.hi]),
+                                            ends_here)
+            c = head_reverse[1]
+        self.seconds["local"] += time.perf_counter() - start
+        s_in = self._scan(self.map)
+        ds_out = self._scan(transposed(self.map, c), reverse=True)
         start = time.perf_counter()
-        self.seconds["scan"] += start - scan_start
+        self._after_scan(s_in)
         # every token's gradients are written by its segment's run (the segments cover the shard)
         grads = {name: xp.empty_like(x) for name, x in (("q", self.q), ("k", self.k), ("v", self.v), ("g", self.g))}
         grads["beta"] = None if self.beta is None else xp.empty_like(self.beta)
@@ -280,8 +314,10 @@ class ShardRecurrence:
             ds_end = ds_out if i == len(self.runs) - 1 else xp.zeros_like(ds_out)
             if seg.ends and dfinal is not None:
                 ds_end = ds_end + dfinal[call.rows(seg.doc)]
+            # the head's recursion above holds where no gradient reaches it from the ranks after
+            same = run is head and (i < len(self.runs) - 1 or self.last)
             got = _rec.run_backward(run.pieces, run.fwd.states, do[:, :, part], ds_end,
-                                    seen_do=head_seen if run is head else None)
+                                    reverse=head_reverse if same else None)
             for name in ("q", "k", "v", "g", "beta"):
                 if grads[name] is not None:
                     grads[name][:, :, part] = getattr(got, "d" + name)

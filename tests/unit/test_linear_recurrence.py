@@ -60,13 +60,14 @@ def test_chunked_run_against_the_recurrence(delta, t, per_key):
     states = lr.entered(pieces, from_zero, s0)
     assert err(states, fwd.states) < 1e-12
     assert err(lr.outputs_of(pieces, states), fwd.o) < 1e-12
+    np.testing.assert_array_equal(lr.outputs_of(pieces, states, lr.within(pieces)), lr.outputs_of(pieces, states))
     grads = lr.run_backward(pieces, fwd.states, _head_major(do), dfinal)
     # what the outputs ask of the entering state (the reverse recursion from a zero end gradient),
     # plus the map's transpose of the end state's gradient: the entering state's whole gradient
     seen = lr.seen_outputs(pieces, _head_major(do))
     c = lr.state_grads(pieces, seen, np.zeros_like(dfinal))[1]
     assert err(c + np.swapaxes(m, -1, -2) @ dfinal, grads.ds0) < 1e-12
-    again = lr.run_backward(pieces, fwd.states, _head_major(do), dfinal, seen_do=seen)
+    again = lr.run_backward(pieces, fwd.states, _head_major(do), dfinal, reverse=lr.state_grads(pieces, seen, dfinal))
     for name in ("dq", "dk", "dv", "dg", "ds0"):
         np.testing.assert_array_equal(getattr(again, name), getattr(grads, name))
     for ours, leaf in ((np.moveaxis(grads.dq, 1, 2) * scale, "q"), (np.moveaxis(grads.dk, 1, 2), "k"),

@@ -226,9 +226,16 @@ def _flushed(x):
     return x
 
 
-def outputs_of(p: Chunks, states):
-    """Every token's output ``(B, H, T, V)`` from the chunks' entering states: ``Qt S + A Wv``."""
-    return _unchunked(p.qt @ states + p.attn @ p.wv, p.t)
+def within(p: Chunks):
+    """The outputs' part that needs no entering state, ``A Wv`` per chunk ``(B, H, n, C, V)``:
+    a run still waiting for its entering state can make it meanwhile."""
+    return p.attn @ p.wv
+
+
+def outputs_of(p: Chunks, states, inside=None):
+    """Every token's output ``(B, H, T, V)`` from the chunks' entering states: ``Qt S + A Wv``
+    (``inside``: :func:`within`, when already made)."""
+    return _unchunked(p.qt @ states + (within(p) if inside is None else inside), p.t)
 
 
 def run_forward(p: Chunks, s0, track_map: bool = False, outputs: bool = True) -> Forward:
@@ -306,16 +313,16 @@ class Grads:
     ds0: np.ndarray
 
 
-def run_backward(p: Chunks, states, do, ds_end, seen_do=None) -> Grads:
+def run_backward(p: Chunks, states, do, ds_end, reverse=None) -> Grads:
     """Reverse mode of :func:`run_forward` (and :func:`chunks`): ``states`` are the chunks'
     entering states of the forward that ran, ``do (B, H, T, V)``, ``ds_end`` the gradient of
-    the run's end state ``(B, H, K, V)``; ``seen_do`` the run's :func:`seen_outputs` when
-    already made."""
+    the run's end state ``(B, H, K, V)``; ``reverse`` the run's :func:`state_grads` for this
+    ``ds_end`` when already made."""
     xp = array_module(do)
     n = p.n
     per_key = p.per_key
     doc = _chunked(do, n)
-    ds_after, ds = state_grads(p, seen_outputs(p, do) if seen_do is None else seen_do, ds_end)
+    ds_after, ds = state_grads(p, seen_outputs(p, do), ds_end) if reverse is None else reverse
     # o = Qt S + A Wv; S_end = Mc S + Kt^T Wv
     dqt = doc @ _t(states)
     dattn = doc @ _t(p.wv)
