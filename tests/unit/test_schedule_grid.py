@@ -23,6 +23,14 @@ def test_grid_cells_every_combination_with_its_layout():
     assert {c["layout"] for c in cells if c["mask"] != "causal"} == {"contiguous"}
 
 
+def test_rounds_time_every_schedule_once_a_round_each_round_starting_one_later():
+    names = [name for name, _, _ in grid.RUNS]
+    order = grid.rounds(names, 7)
+    assert len(order) == 7 and all(sorted(r) == sorted(names) for r in order)
+    assert [r[0] for r in order] == names + names[:2]
+    assert grid.rounds(names, 0) == []
+
+
 def test_cell_row_fastest_auto_slowdown_and_ratios():
     row = grid.cell_row(result(predicted=dict(ring=1.2, routed=2.0, allgather=3.0, **{"head x ring, U=2": 1.5},
                                               auto=1.2)))

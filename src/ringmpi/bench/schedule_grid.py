@@ -10,8 +10,9 @@ one problem (N, H, D, mask: causal on the zigzag layout, a causal sliding window
 pack of causal documents (log-normal, mean N / 8) on contiguous shards), float32, forward
 only.  In a cell every schedule runs (:data:`RUNS`: the ring, routed, the all-gather, head x
 ring with U = 2, and ``auto`` for both ``schedule`` and ``head_parallel``), ``warmup`` untimed
-then ``repeat`` timed calls each (:func:`ringmpi.bench.measure.timed_calls`: a barrier before
-each; a call's time is its slowest rank's, the cell's the median over the repeats), and the
+calls each, then ``repeat`` rounds of one timed call of each schedule in turn (:func:`rounds`;
+:func:`ringmpi.bench.measure.timed_calls`: a barrier before each; a call's time is its slowest
+rank's, the cell's the median over the rounds), and the
 cost model predicts each schedule on the parts it measured on that communicator (block rate,
 links, each schedule's per-call cost)
 (:meth:`ringmpi.parallel.ring_passes.LocalProblem.predictions`: the same block rate, links and
@@ -199,6 +200,15 @@ def _chosen(records: List[dict]) -> str:
     return schedule if u == 1 else f"head x {schedule}, U={u}"
 
 
+def rounds(names: Sequence[str], repeat: int) -> List[List[str]]:
+    """The order of a cell's timed calls: ``repeat`` rounds of one call of each schedule, each
+    round starting one schedule later, so that a slow spell of the machine (4 ranks on 2 cores
+    here) falls on every schedule alike rather than on one schedule's calls in a row, and each
+    schedule in turn runs first after the round's barrier."""
+    names = list(names)
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(repeat)]
+
+
 def worker(spec_path: str, out_path: str) -> None:
     """One launch: every cell of ``spec_path`` (JSON: cells, repeat, warmup, seed, rate) at this
     launch's link rate; rank 0 writes the results to ``out_path`` and a progress line per cell."""
@@ -218,19 +228,26 @@ def worker(spec_path: str, out_path: str) -> None:
     for i, cell in enumerate(spec["cells"]):
         start = time.monotonic()
         q, k, v, kw, mine, seg, counts = _inputs(comm, cell, spec["seed"])
-        measured, chosen = {}, None
-        for name, schedule, u in RUNS:
-            context = dict(comm=comm, layout=cell["layout"], backend=be.name, schedule=schedule, head_parallel=u)
-            out: dict = {}
-            timed_calls(comm, be, lambda stats: ring_attention(q, k, v, **kw, context=RingContext(**context,
-                                                                                                  stats=stats)),
-                        cfg, out, "forward")
-            walls = comm.gather(out["forward"]["walls"], root=0)
-            if rank == 0:
-                measured[name] = statistics.median(max(w[j] for w in walls) for j in range(len(walls[0])))
-                if name == "auto":
-                    chosen = _chosen(out["forward"]["records"][0])
+        calls = {name: (lambda stats, ctx=dict(comm=comm, layout=cell["layout"], backend=be.name, schedule=schedule,
+                                               head_parallel=u): ring_attention(q, k, v, **kw,
+                                                                                context=RingContext(**ctx, stats=stats)))
+                 for name, schedule, u in RUNS}
+        walls = {name: [] for name in calls}
+        chosen = None
+        for name, call in calls.items():  # each schedule's warm-up (and auto's decision, kept)
+            timed_calls(comm, be, call, dict(warmup=cfg["warmup"], repeat=0), {}, "forward")
             idle_barrier(comm)
+        for order in rounds(list(calls), cfg["repeat"]):
+            for name in order:
+                out: dict = {}
+                timed_calls(comm, be, calls[name], dict(warmup=0, repeat=1), out, "forward")
+                got = comm.gather(out["forward"]["walls"][0], root=0)
+                if rank == 0:
+                    walls[name].append(max(got))
+                    if name == "auto" and chosen is None:
+                        chosen = _chosen(out["forward"]["records"][0])
+            idle_barrier(comm)
+        measured = {name: statistics.median(w) for name, w in walls.items()} if rank == 0 else {}
         predictions = _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts)
         predicted = {name: p.seconds for name, p in predictions.items()}
         parts = cost_machine(comm, be, k.dtype, cell["dim"], cell["dim"])  # what they were predicted on
