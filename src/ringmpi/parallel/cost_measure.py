@@ -1,7 +1,7 @@
 """The cost model's parts measured on this machine, and ``schedule="auto"``'s choice from them.
 
 * :func:`block_rate` -- the block op's FLOP/s for a dtype and head dims: one dense
-  block timed (median of five) on every rank at once (ranks that share cores share them,
+  block timed (a row of them as one) on every rank at once (ranks that share cores share them,
   as in a call), less the same block with every tile masked (the block op's scans, which
   :func:`block_parts` keeps as ``Machine.block_overhead``: seconds per visiting K/V row and
   head), the slowest rank's; measured once per machine and cached in
@@ -56,6 +56,7 @@ _DECISIONS_KEY = "cost_model_decisions"
 KEPT_DECISIONS = 64  # per communicator: the most recent
 LARGE_MESSAGES = (1 << 20, 1 << 22)  # the link measurement's large messages: the bandwidth is their difference's
 CALL_ROWS = 4  # tokens per rank of the minimal call that call_costs times
+BLOCKS_IN_A_ROW = 8  # block_rate's blocks timed as one, every rank at once
 _RATES: dict = {}  # this process's measured rates (the file is the machine's)
 
 
@@ -76,8 +77,11 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int):
     """``(FLOP/s of the block op's tiles, seconds per visiting K/V row and head besides them, FLOP/s
     of its tiles with segment ids)``: one dense block, the same block with every tile masked (a
     causal mask, keys after the queries) and with segment ids (one document: every tile whole),
-    each timed five times (the medians: ranks' blocks overlap); the rates are of the difference
-    (the tiles alone), the overhead the masked block's time per row and head (the block's scans)."""
+    each the mean of :data:`BLOCKS_IN_A_ROW` blocks timed as one after an untimed one: where ranks
+    share a core, one block (a few ms) falls in or out of the scheduler's time slices and its
+    time ranges over 2x, while a row of them is the rate the ranks share, as in a call; the
+    rates are of the difference (the tiles alone), the overhead the masked block's time per row
+    and head (the block's scans)."""
     from ..core.masks import BlockMask, ScoreSpec
     from ..core.online_softmax import SoftmaxState
 
@@ -90,22 +94,21 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int):
     v = backend.asarray(rng.standard_normal((1, heads, s, dim_v)).astype(dtype))
     pos = np.arange(s, dtype=np.int64)
 
-    def median(mask) -> float:
-        times = []
-        for _ in range(5):
-            state = SoftmaxState(backend, (1, heads, s), dim_v, ct)
-            backend.synchronize()
-            start = time.perf_counter()
+    def each(mask) -> float:
+        states = [SoftmaxState(backend, (1, heads, s), dim_v, ct) for _ in range(1 + BLOCKS_IN_A_ROW)]
+        for i, state in enumerate(states):  # the first untimed
+            if i == 1:
+                backend.synchronize()
+                start = time.perf_counter()
             backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
-            backend.synchronize()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[2]
+        backend.synchronize()
+        return (time.perf_counter() - start) / BLOCKS_IN_A_ROW
 
-    dense = median(BlockMask(ScoreSpec(), pos, pos, None, None))
-    masked = median(BlockMask(ScoreSpec(causal=True), pos, pos + s, None, None))  # every tile skipped
+    dense = each(BlockMask(ScoreSpec(), pos, pos, None, None))
+    masked = each(BlockMask(ScoreSpec(causal=True), pos, pos + s, None, None))  # every tile skipped
     masked = min(masked, dense / 2)  # a noisy masked time never leaves the tiles less than half the block
     one = np.zeros((1, s), np.int64)  # one document: every tile whole, on the path segment ids take
-    segmented = max(median(BlockMask(ScoreSpec(), pos, pos, one, one)), 2 * masked)
+    segmented = max(each(BlockMask(ScoreSpec(), pos, pos, one, one)), 2 * masked)
     flops = 2.0 * heads * s * s * (dim + dim_v)
     return flops / (dense - masked), masked / (s * heads), flops / (segmented - masked)
 
