@@ -218,9 +218,10 @@ class ShardRecurrence:
         head = self.head
         if not self.runs:
             self.map = identity(call.kind, call.b, call.hv, call.kdim, call.vdim, call.dtype, self.xp)
-        elif head is not None and len(self.runs) == 1:  # the last rank's map reaches no rank: any will do
-            u = head.fwd.s_end if head.fwd is not None else self.xp.zeros(call.state_shape(call.b), call.dtype)
-            self.map = StateMap(call.kind, head.fwd.m, u) if head.fwd is not None else reset(call.kind, u)
+        elif head is not None and len(self.runs) == 1 and head.fwd is None:  # the last rank's: it reaches no rank
+            self.map = reset(call.kind, self.xp.zeros(call.state_shape(call.b), call.dtype))
+        elif head is not None and len(self.runs) == 1:
+            self.map = StateMap(call.kind, head.fwd.m, head.fwd.s_end)
         else:
             self.map = reset(call.kind, self.runs[-1].fwd.s_end)
 
@@ -314,10 +315,9 @@ class ShardRecurrence:
             ds_end = ds_out if i == len(self.runs) - 1 else xp.zeros_like(ds_out)
             if seg.ends and dfinal is not None:
                 ds_end = ds_end + dfinal[call.rows(seg.doc)]
-            # the head's recursion above holds where no gradient reaches it from the ranks after
-            same = run is head and (i < len(self.runs) - 1 or self.last)
+            # a run that waited (the head) gets no gradient from the ranks after: its recursion above holds
             got = _rec.run_backward(run.pieces, run.fwd.states, do[:, :, part], ds_end,
-                                    reverse=head_reverse if same else None)
+                                    reverse=head_reverse if self._waits(seg) else None)
             for name in ("q", "k", "v", "g", "beta"):
                 if grads[name] is not None:
                     grads[name][:, :, part] = getattr(got, "d" + name)
