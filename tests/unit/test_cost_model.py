@@ -296,7 +296,8 @@ def test_call_costs_time_a_minimal_call_once_per_communicator():
 def test_auto_decisions_are_kept_for_identical_calls(monkeypatch):
     """``call_key`` tells calls apart by their positions, segment ids, parts and the budget's
     setting; ``recall`` gives back what ``remember`` kept under the same key (on one rank: every
-    rank holds it), nothing for another key, and nothing once ``assume_links`` changed the links."""
+    rank holds it), nothing for another key, nothing for an all-gather decision (not kept), and
+    nothing once ``assume_links`` changed the links."""
     from mpi4py import MPI
 
     from ringmpi.core.cost_model import Link as L
@@ -316,8 +317,11 @@ def test_auto_decisions_are_kept_for_identical_calls(monkeypatch):
     comm = MPI.COMM_SELF.Dup()
     try:
         assert cost_measure.recall(comm, key) is None
-        assert cost_measure.remember(comm, key, "ring") == "ring"
+        assert cost_measure.remember(comm, key, "ring", "ring") == "ring"
         assert cost_measure.recall(comm, key) == "ring"
+        assert cost_measure.recall(comm, others[0]) is None
+        # an all-gather decision holds every K/V row: not kept, weighed again by the next call
+        assert cost_measure.remember(comm, others[0], "allgather", "allgather") == "allgather"
         assert cost_measure.recall(comm, others[0]) is None
         cost_measure.assume_links(comm, L(1e-6, 1e10), L(1e-6, 1e10))
         assert cost_measure.recall(comm, key) is None

@@ -248,13 +248,17 @@ def call_key(arrays: Sequence, *parts) -> bytes:
     return h.digest()
 
 
+def _decisions(comm) -> dict:
+    """The decisions kept on ``comm``: ``{"next": the next one's number, "kept": {key: (number, value)}}``."""
+    return _attr(comm).setdefault(_DECISIONS_KEY, {"next": 0, "kept": {}})
+
+
 def recall(comm, key: bytes, timeout=None):
     """Collective: the value :func:`remember` kept under ``key`` when every rank's key names the same
     decision (one Allreduce of two integers, under the watchdog's ``timeout``), else None."""
     from mpi4py import MPI
 
-    memo = _attr(comm).setdefault(_DECISIONS_KEY, {"next": 0, "kept": {}})
-    found = memo["kept"].get(key)
+    found = _decisions(comm)["kept"].get(key)
     ident = -1 if found is None else found[0]
     both = np.array([ident, -ident], dtype=np.int64)
     with phase("the ranks' kept auto decision (Allreduce)", timeout):
@@ -262,10 +266,14 @@ def recall(comm, key: bytes, timeout=None):
     return found[1] if ident >= 0 and both[0] == ident == -both[1] else None
 
 
-def remember(comm, key: bytes, value):
+def remember(comm, key: bytes, value, schedule: str):
     """Keep ``value``, a decision every rank of ``comm`` has just made together, under this rank's
-    ``key``; returns ``value``.  Every rank numbers its decisions alike (they are collective)."""
-    memo = _attr(comm).setdefault(_DECISIONS_KEY, {"next": 0, "kept": {}})
+    ``key``, unless the K/V ``schedule`` it chose is the all-gather: that holds every K/V row, so
+    each call weighs it again against the memory budget of its time.  Returns ``value``.  Every
+    rank numbers its decisions alike (they are collective)."""
+    if schedule == "allgather":
+        return value
+    memo = _decisions(comm)
     memo["kept"][key] = (memo["next"], value)
     memo["next"] += 1
     if len(memo["kept"]) > KEPT_DECISIONS:

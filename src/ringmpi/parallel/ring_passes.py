@@ -94,8 +94,6 @@ class LocalProblem:
             key = call_key((self.q_pos, self.kv_pos, self.seg_q, self.seg_kv), "schedule", self._key_parts(k, v),
                            grad_dtype is None)
             kept = recall(self.comm, key, self.timeout)
-            if kept is not None and kept[1][0].schedule == "allgather":
-                kept = None  # it holds every K/V row: weighed again against the budget of now
         if kept is not None:
             plan, choice = kept
         elif kv_schedule == "routed" or (kv_schedule == "auto" and masked):
@@ -108,7 +106,8 @@ class LocalProblem:
             if kept is None:
                 from .cost_measure import remember
 
-                choice = remember(self.comm, key, (plan, self._choose(k, v, grad_dtype, plan)))[1]
+                choice = self._choose(k, v, grad_dtype, plan)
+                remember(self.comm, key, (plan, choice), choice[0].schedule)
             kv_schedule = choice[0].schedule
         if kv_schedule == "allgather":
             schedule = self._allgather(k, v, grad_dtype, phase, checked=choice is not None)
@@ -350,8 +349,9 @@ class AgreedCall:
         key = call_key((flat.q_pos, flat.kv_pos, self.seg_q, self.seg_kv), "head_parallel", flat._key_parts(k, v),
                        tuple(candidates), backward, invariant, self.kv_schedule)
         kept = recall(self.comm, key, self.timeout)
-        if kept is None or kept[0].schedule == "allgather":  # (all K/V rows: against the budget of now)
-            kept = remember(self.comm, key, self._choose_jointly(candidates, k, v, backward, invariant, flat))
+        if kept is None:
+            kept = self._choose_jointly(candidates, k, v, backward, invariant, flat)
+            remember(self.comm, key, kept, kept[0].schedule)
         best, runner = kept
         if self.kv_schedule == "auto" and self.masked and not invariant:
             return best.head_parallel, self
