@@ -96,11 +96,15 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int):
 
     def each(mask) -> float:
         states = [SoftmaxState(backend, (1, heads, s), dim_v, ct) for _ in range(1 + BLOCKS_IN_A_ROW)]
-        for i, state in enumerate(states):  # the first untimed
-            if i == 1:
-                backend.synchronize()
-                start = time.perf_counter()
+
+        def block(state):
             backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
+
+        block(states[0])  # untimed
+        backend.synchronize()
+        start = time.perf_counter()
+        for state in states[1:]:
+            block(state)
         backend.synchronize()
         return (time.perf_counter() - start) / BLOCKS_IN_A_ROW
 
