@@ -269,6 +269,30 @@ def test_a_links_sustained_bandwidth_is_what_the_larger_message_adds():
     assert sustained_bandwidth(one, 5e-3, big, 4e-3, 0.0) == pytest.approx(big / 4e-3)  # no difference at all
 
 
+def test_a_measured_loaded_link_times_the_rings_that_cross_it_together():
+    """Where several rings cross a node's link at once (head x ring's), their hop is the link as
+    measured with every rank of the node crossing it (``inter_pairs``: all their flows
+    together), shared among them; a lone ring's hop keeps the one-flow figure."""
+    base = Machine(rate=1e15, intra=FAST, inter=Link(1e-6, 24e6), ranks_per_node=2)
+    loaded = replace(base, inter_pairs=Link(1e-6, 12e6))  # two flows move half what one does
+    assert loaded.shared_hop(2) == Link(1e-6, 12e6) and loaded.shared_hop(1) == base.inter
+    assert base.shared_hop(2) == base.inter  # not measured: the one-flow link, shared
+    assert predict(SHAPE, loaded, 4, "ring").seconds == pytest.approx(predict(SHAPE, base, 4, "ring").seconds)
+    grouped, slow = predict(SHAPE, base, 4, "ring", head_parallel=2), predict(SHAPE, loaded, 4, "ring", head_parallel=2)
+    step = (SHAPE.n_kv / 2) * SHAPE.kv_row() / 2  # a member's half of the heads, half the rows
+    assert slow.seconds - grouped.seconds == pytest.approx(step / 6e6 - step / 12e6, rel=1e-3)
+
+
+def test_a_ranks_counterparts_are_its_index_on_the_next_and_previous_node():
+    from ringmpi.parallel.cost_measure import _counterparts
+
+    two = ["a", "a", "b", "b"]
+    assert [_counterparts(two, r) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
+    uneven = ["a", "a", "b", "c", "c"]  # b has no second rank: rank 1 sends to none
+    assert _counterparts(uneven, 1) == (None, 4) and _counterparts(uneven, 3) == (0, 2)
+    assert _counterparts(["a", "a"], 0) == (None, None)
+
+
 def test_call_costs_time_a_minimal_call_once_per_communicator():
     """On one rank (COMM_SELF's duplicate): each (schedule, U) asked is timed once (a second ask
     returns the kept figure), positive and well under a second; after ``assume_links`` (a

@@ -36,6 +36,8 @@ CALLED_IN_A_PHASE = {
     ("ringmpi.filejob.hdf5", "ShardIO._read"): "called by ShardIO.read inside its phase",
     ("ringmpi.filejob.hdf5", "ShardIO._write"): "called by ShardIO.write inside its phase",
     ("ringmpi.parallel.cost_measure", "_minimal_call_seconds"): "called by call_costs inside its phase",
+    ("ringmpi.parallel.cost_measure", "_pairs_seconds"): "called by _pairs_link, which links calls inside its phase",
+    ("ringmpi.parallel.cost_measure", "_pairs_link"): "called by links inside its phase",
 }
 NOT_WATCHED = {
     ("ringmpi.cli.verify", "_check_whole_on_rank_0"): "the ranks wait in this bcast for as long as rank 0's dense reference "

@@ -10,7 +10,8 @@ one problem (N, H, D, mask: causal on the zigzag layout, a causal sliding window
 pack of causal documents (log-normal, mean N / 8) on contiguous shards), float32, forward
 only.  In a cell every schedule runs (:data:`RUNS`: the ring, routed, the all-gather, head x
 ring with U = 2, and ``auto`` for both ``schedule`` and ``head_parallel``), ``warmup`` untimed
-calls each, then ``repeat`` rounds of one timed call of each schedule in turn (:func:`rounds`;
+calls each, then ``repeat`` rounds of one timed call of each schedule in turn, more (up to
+``max_repeat``) while the cell's rounds have taken under ``cell_seconds`` (:func:`rounds`, :func:`another_round`;
 :func:`ringmpi.bench.measure.timed_calls`: a barrier before each; a call's time is its slowest
 rank's, the cell's the median over the rounds), and the
 cost model predicts each schedule on the parts it measured on that communicator (block rate,
@@ -50,8 +51,8 @@ RUNS = (("ring", "ring", 1), ("routed", "routed", 1), ("allgather", "allgather",
 EXPLICIT = tuple(name for name, _, _ in RUNS if name != "auto")
 MASKS = ("causal", "window", "documents")
 LAYOUT_OF = {"causal": "zigzag", "window": "contiguous", "documents": "contiguous"}
-FULL = dict(ns=(4096, 16384), heads=(4, 8), dims=(64, 128), masks=MASKS, repeat=3, warmup=1)
-QUICK = dict(ns=(4096, 8192), heads=(4,), dims=(64,), masks=MASKS, repeat=2, warmup=1)
+FULL = dict(ns=(4096, 16384), heads=(4, 8), dims=(64, 128), masks=MASKS, repeat=3, warmup=1, most=9, cell_seconds=5.0)
+QUICK = dict(ns=(4096, 8192), heads=(4,), dims=(64,), masks=MASKS, repeat=2, warmup=1, most=2, cell_seconds=0.0)
 RATES = ("unshaped", "1gbit", "100mbit")
 AUTO_WITHIN, AUTO_SHARE, AUTO_WORST, PREDICT_WITHIN = 1.10, 0.90, 1.25, 0.25
 HOSTS, RANKS_PER_HOST = 2, 2
@@ -209,6 +210,14 @@ def rounds(names: Sequence[str], repeat: int) -> List[List[str]]:
     return [names[r % len(names):] + names[:r % len(names)] for r in range(repeat)]
 
 
+def another_round(done: int, seconds: float, repeat: int, most: int, cell_seconds: float) -> bool:
+    """Whether a cell times one more round after ``done`` rounds that took ``seconds``: always up
+    to ``repeat``, then while the rounds have taken less than ``cell_seconds``, up to ``most``:
+    a cell of short calls (tens of ms, where one call's spread on this VM is 10-25 %) gets more
+    of them for its medians, at little cost."""
+    return done < repeat or (done < most and seconds < cell_seconds)
+
+
 def worker(spec_path: str, out_path: str) -> None:
     """One launch: every cell of ``spec_path`` (JSON: cells, repeat, warmup, seed, rate) at this
     launch's link rate; rank 0 writes the results to ``out_path`` and a progress line per cell."""
@@ -237,8 +246,9 @@ def worker(spec_path: str, out_path: str) -> None:
         for name, call in calls.items():  # each schedule's warm-up (and auto's decision, kept)
             timed_calls(comm, be, call, dict(warmup=cfg["warmup"], repeat=0), {}, "forward")
             idle_barrier(comm)
-        for order in rounds(list(calls), cfg["repeat"]):
-            for name in order:
+        done, timing, more = 0, time.monotonic(), True
+        while more:
+            for name in rounds(list(calls), done + 1)[-1]:
                 out: dict = {}
                 timed_calls(comm, be, calls[name], dict(warmup=0, repeat=1), out, "forward")
                 got = comm.gather(out["forward"]["walls"][0], root=0)
@@ -247,6 +257,10 @@ def worker(spec_path: str, out_path: str) -> None:
                     if name == "auto" and chosen is None:
                         chosen = _chosen(out["forward"]["records"][0])
             idle_barrier(comm)
+            done += 1
+            more = comm.bcast(another_round(done, time.monotonic() - timing, spec["repeat"],
+                                            spec.get("max_repeat", spec["repeat"]), spec.get("cell_seconds", 0.0))
+                              if rank == 0 else None, root=0)
         measured = {name: statistics.median(w) for name, w in walls.items()} if rank == 0 else {}
         predictions = _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts)
         predicted = {name: p.seconds for name, p in predictions.items()}
@@ -256,6 +270,8 @@ def worker(spec_path: str, out_path: str) -> None:
             results.append(dict(rate=spec["rate"], cell=cell, measured=measured, predicted=predicted,
                                 auto_chosen=chosen, machine=dict(rate=parts.rate, intra=vars(parts.intra),
                                                                  inter=vars(parts.inter),
+                                                                 inter_pairs=(None if parts.inter_pairs is None
+                                                                              else vars(parts.inter_pairs)),
                                                                  block_overhead=parts.block_overhead,
                                                                  segment_rate=parts.segment_rate,
                                                                  call_seconds={name: p.fixed for name, p
@@ -318,10 +334,12 @@ def _launch(cluster, spec: dict, timeout: float) -> List[dict]:
 
 
 def run_grid(cluster, rates: Sequence[str], cells: Sequence[dict], repeat: int, warmup: int, seed: int = 0,
-             timeout: float = 3600.0) -> List[dict]:
+             timeout: float = 3600.0, most: Optional[int] = None, cell_seconds: float = 0.0) -> List[dict]:
     """Every cell at every link rate on a started ``cluster`` (``netns_cluster.NetnsCluster``: its
     first two hosts, two ranks each): one launch per rate, the links of those hosts shaped for it
-    and unshaped again at the end; the rows (:func:`cell_row`).  The block rates are cached in the
+    and unshaped again at the end; the rows (:func:`cell_row`).  Each cell times ``repeat`` rounds,
+    then more while its rounds have taken under ``cell_seconds``, up to ``most``
+    (:func:`another_round`).  The block rates are cached in the
     cluster's shared directory: measured by this grid's first launch, not taken from ``~``."""
     hosts = cluster.names[:HOSTS]
     (cluster.shared / "cache").mkdir(parents=True, exist_ok=True)
@@ -330,7 +348,8 @@ def run_grid(cluster, rates: Sequence[str], cells: Sequence[dict], repeat: int, 
         for rate in rates:
             for host in hosts:
                 cluster.shape(host, None if rate == "unshaped" else rate)
-            spec = dict(rate=rate, cells=list(cells), repeat=repeat, warmup=warmup, seed=seed)
+            spec = dict(rate=rate, cells=list(cells), repeat=repeat, warmup=warmup, seed=seed,
+                        max_repeat=max(most or repeat, repeat), cell_seconds=cell_seconds)
             rows += [cell_row(r) for r in _launch(cluster, spec, timeout)]
     finally:
         for host in hosts:
@@ -352,6 +371,8 @@ def machine_notes(rows: Sequence[dict]) -> List[str]:
         out.append(f"model's parts at {rate}: block rate " + ", ".join(f"D={d} {x / 1e9:.1f} GFLOP/s"
                                                                      for d, x in sorted(rates.items()))
                    + f" per rank; intra-host link {link(m['intra'])}; inter-host link {link(m['inter'])}"
+                   + (f"; inter-host link with every rank crossing at once {link(m['inter_pairs'])} "
+                      f"(all of a host's flows)" if m.get("inter_pairs") else "")
                    + _block_notes(mine))
     return out
 
@@ -372,11 +393,14 @@ def _block_notes(mine: Sequence[dict]) -> str:
     return "".join(f"; {p}" for p in parts)
 
 
-def notes(cores: int, rates: Sequence[str], quick: bool, repeat: int, warmup: int) -> List[str]:
+def notes(cores: int, rates: Sequence[str], quick: bool, repeat: int, warmup: int, most: Optional[int] = None,
+          cell_seconds: float = 0.0) -> List[str]:
     ranks = HOSTS * RANKS_PER_HOST
+    more = (f" (up to {most} where a cell's rounds take under {cell_seconds:g} s)"
+            if most and most > repeat and cell_seconds > 0 else "")
     out = [f"P = {ranks}: {HOSTS} hosts (network namespaces of one machine) x {RANKS_PER_HOST} ranks, "
-           f"float32, forward only; rates {', '.join(rates)}; {warmup} warm-up + {repeat} timed calls per "
-           f"schedule (median of the slowest rank's){'; --quick' if quick else ''}"]
+           f"float32, forward only; rates {', '.join(rates)}; {warmup} warm-up + {repeat}{more} timed calls per "
+           f"schedule in rounds (median of the slowest rank's){'; --quick' if quick else ''}"]
     if ranks > cores:
         out.append(f"oversubscribed: {ranks} ranks share {cores} cores ({ranks / cores:.2g} ranks per core); the "
                    f"model's block rate is timed with every rank computing at once, so it is the shared rate")
@@ -393,6 +417,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dims", help="head dims D, comma separated (default 64,128)")
     parser.add_argument("--masks", help=f"masks, comma separated, of {', '.join(MASKS)} (default all)")
     parser.add_argument("--repeat", type=int, help="timed calls per schedule (default 3; --quick 2)")
+    parser.add_argument("--most", type=int, help="timed calls per schedule where a cell's rounds are short (default 9)")
+    parser.add_argument("--cell-seconds", type=float,
+                        help="a cell times more rounds while its rounds took less than this (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate's launch")
     parser.add_argument("--json", help="also write every result to this JSON file")
@@ -409,6 +436,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cells = grid_cells(ints(args.n, base["ns"]), ints(args.heads, base["heads"]), ints(args.dims, base["dims"]),
                        masks)
     repeat = args.repeat or base["repeat"]
+    most = max(args.most or base["most"], repeat)
+    cell_seconds = base["cell_seconds"] if args.cell_seconds is None else args.cell_seconds
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     nc = _cluster_module()
     reason = nc.unavailable()
@@ -421,14 +450,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.monotonic()
     try:
         cluster.start()
-        rows = run_grid(cluster, rates, cells, repeat, base["warmup"], args.seed, args.timeout)
+        rows = run_grid(cluster, rates, cells, repeat, base["warmup"], args.seed, args.timeout, most, cell_seconds)
     finally:
         cluster.stop(check=False)
         left = cluster.leftovers()
         if left:
             print(f"schedule_grid: left behind: {'; '.join(left)}", file=sys.stderr)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    text = format_report(rows, notes(cores, rates, args.quick, repeat, base["warmup"])
+    text = format_report(rows, notes(cores, rates, args.quick, repeat, base["warmup"], most, cell_seconds)
                          + machine_notes(rows) + [f"{len(rows)} cells in {time.monotonic() - started:.0f} s"])
     print(text)
     if args.json:

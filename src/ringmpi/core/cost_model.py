@@ -94,7 +94,12 @@ class Machine:
     ``segment_rate``: FLOP/s of forward block ops with segment ids (measured separately: a
     backend may take another path for them, and their strips' masks cost; None, the default,
     where they run at ``rate``); ``call_seconds``: ``(schedule, U, seconds)`` a call costs besides
-    its blocks and transfers (:meth:`call_cost`; empty, the default, on a described machine)."""
+    its blocks and transfers (:meth:`call_cost`; empty, the default, on a described machine);
+    ``inter_pairs``: the inter-node link as several rings cross it at once (head x ring's rings: every
+    rank of a node exchanging with its counterpart on the next node), its bandwidth all of a node's
+    flows together, measured so (:func:`ringmpi.parallel.cost_measure.links`: several TCP flows
+    through one shaped link may together move less than one); None, the default: ``inter``'s
+    bandwidth, shared."""
 
     rate: float
     intra: Link
@@ -107,6 +112,12 @@ class Machine:
     block_overhead: float = 0.0  # seconds a block op spends per visiting K/V row and K/V head besides its tiles
     segment_rate: Optional[float] = None  # FLOP/s of the forward's block ops with segment ids (None: ``rate``)
     call_seconds: Tuple[Tuple[str, int, float], ...] = ()  # (schedule, U, seconds of a minimal call)
+    inter_pairs: Optional[Link] = None  # the inter-node link with every rank of a node crossing it at once
+
+    def shared_hop(self, sharing: int) -> Link:
+        """The inter-node link that ``sharing`` rings cross at once, whole (:func:`_inner` divides its
+        bandwidth among them): ``inter_pairs`` where measured and shared, else ``inter``."""
+        return self.inter_pairs if sharing > 1 and self.inter_pairs is not None else self.inter
 
     def call_cost(self, schedule: str, head_parallel: int = 1) -> float:
         """Seconds a call of ``schedule`` with ``head_parallel`` U costs besides its blocks and
@@ -382,10 +393,11 @@ def predict(shape: Shape, machine: Machine, ranks: int, schedule: str, head_para
     members, heads = cut if cut else ((), ())
     groups = ranks // u
     spans = _spans(ranks, machine)
-    link = machine.inter if spans else machine.intra
+    sharing = min(u, machine.nic_sharing) if spans else 1
+    link = machine.shared_hop(sharing) if spans else machine.intra
     inner_shape = replace(shape, heads=max(shape.heads // u, 1), kv_heads=member_kv_heads(shape.heads, shape.kv_heads, u))
     seconds, nbytes = _inner(inner_shape, machine, groups, max(machine.ranks_per_node // u, 1), schedule, backward,
-                             compute, link, min(u, machine.nic_sharing) if spans else 1, routed_rows, members)
+                             compute, link, sharing, routed_rows, members)
     memory = resident_memory(inner_shape, groups, schedule, backward)
     if u > 1:
         s_q, s_kv = math.ceil(shape.n_q / ranks), math.ceil(shape.n_kv / ranks)

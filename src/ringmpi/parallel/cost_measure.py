@@ -1,10 +1,10 @@
 """The cost model's parts measured on this machine, and ``schedule="auto"``'s choice from them.
 
 * :func:`block_rate` -- the block op's FLOP/s for a dtype and head dims: one dense
-  block timed (a row of them as one) on every rank at once (ranks that share cores share them,
-  as in a call), less the same block with every tile masked (the block op's scans, which
-  :func:`block_parts` keeps as ``Machine.block_overhead``: seconds per visiting K/V row and
-  head), the slowest rank's; measured once per machine and cached in
+  block timed (rows of them, each row as one, the median row's) on every rank at once (ranks
+  that share cores share them, as in a call), less the same block with every tile masked (the
+  block op's scans, which :func:`block_parts` keeps as ``Machine.block_overhead``: seconds per
+  visiting K/V row and head), the slowest rank's; measured once per machine and cached in
   ``$RINGMPI_CACHE`` (default ``~/.cache/ringmpi``)/``block_rates.json`` under the
   host name, backend, vector path, dtype, dims and ranks per node; rank 0 reads the
   cache and broadcasts, so every rank predicts alike.
@@ -13,8 +13,10 @@
   each rank timing its receive from its predecessor: the hop that receive crosses names the
   level; the bandwidth is the sustained one, of the 3 MiB the large message adds, so that a
   link's burst allowance, as a token bucket's, does not pass for its rate), the slowest figure
-  of each level over all ranks; once per communicator (kept on it); :func:`assume_links` sets
-  them instead.
+  of each level over all ranks; and, where nodes hold several ranks, the inter-node link as
+  head x ring's rings load it (:func:`_pairs_link`: every rank exchanging with its counterpart
+  on the next node at once, the median of three, the slowest flow's); once per communicator
+  (kept on it); :func:`assume_links` sets them instead.
 * :func:`call_costs` -- what a call of each (schedule, U) costs besides its blocks and
   transfers (``Machine.call_seconds``): a minimal call (a few tokens per rank) of each, timed
   on the communicator (the median over three of the slowest rank's); once per communicator
@@ -57,6 +59,7 @@ KEPT_DECISIONS = 64  # per communicator: the most recent
 LARGE_MESSAGES = (1 << 20, 1 << 22)  # the link measurement's large messages: the bandwidth is their difference's
 CALL_ROWS = 4  # tokens per rank of the minimal call that call_costs times
 BLOCKS_IN_A_ROW = 8  # block_rate's blocks timed as one, every rank at once
+ROWS_OF_BLOCKS = 3  # block_rate's rows of blocks: the median row's
 _RATES: dict = {}  # this process's measured rates (the file is the machine's)
 
 
@@ -77,9 +80,10 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int):
     """``(FLOP/s of the block op's tiles, seconds per visiting K/V row and head besides them, FLOP/s
     of its tiles with segment ids)``: one dense block, the same block with every tile masked (a
     causal mask, keys after the queries) and with segment ids (one document: every tile whole),
-    each the mean of :data:`BLOCKS_IN_A_ROW` blocks timed as one after an untimed one: where ranks
-    share a core, one block (a few ms) falls in or out of the scheduler's time slices and its
-    time ranges over 2x, while a row of them is the rate the ranks share, as in a call; the
+    each the median of :data:`ROWS_OF_BLOCKS` rows of :data:`BLOCKS_IN_A_ROW` blocks timed as one,
+    after an untimed block: where ranks share a core, one block (a few ms) falls in or out of the
+    scheduler's time slices and its time ranges over 2x, while a row of them is the rate the ranks
+    share, as in a call, and the median row leaves out a row that a slow spell fell on; the
     rates are of the difference (the tiles alone), the overhead the masked block's time per row
     and head (the block's scans)."""
     from ..core.masks import BlockMask, ScoreSpec
@@ -95,18 +99,20 @@ def _measure_rate(backend, dtype, dim: int, dim_v: int):
     pos = np.arange(s, dtype=np.int64)
 
     def each(mask) -> float:
-        states = [SoftmaxState(backend, (1, heads, s), dim_v, ct) for _ in range(1 + BLOCKS_IN_A_ROW)]
-
         def block(state):
             backend.forward_block(q, k, v, *state.arrays(), 1.0 / dim ** 0.5, mask, resident={})
 
-        block(states[0])  # untimed
+        block(SoftmaxState(backend, (1, heads, s), dim_v, ct))  # untimed
         backend.synchronize()
-        start = time.perf_counter()
-        for state in states[1:]:
-            block(state)
-        backend.synchronize()
-        return (time.perf_counter() - start) / BLOCKS_IN_A_ROW
+        rows = []
+        for _ in range(ROWS_OF_BLOCKS):
+            states = [SoftmaxState(backend, (1, heads, s), dim_v, ct) for _ in range(BLOCKS_IN_A_ROW)]
+            start = time.perf_counter()
+            for state in states:
+                block(state)
+            backend.synchronize()
+            rows.append((time.perf_counter() - start) / BLOCKS_IN_A_ROW)
+        return float(np.median(rows))
 
     dense = each(BlockMask(ScoreSpec(), pos, pos, None, None))
     masked = each(BlockMask(ScoreSpec(causal=True), pos, pos + s, None, None))  # every tile skipped
@@ -193,9 +199,64 @@ def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> f
     return best
 
 
+def _counterparts(nodes: Sequence, rank: int):
+    """``(send to, receive from)``: the ranks of the next and the previous node (nodes in the order
+    of their first rank) with ``rank``'s index on its own node, None where that node has none; both
+    None with one node."""
+    order = list(dict.fromkeys(nodes))
+    if len(order) < 2:
+        return None, None
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    here = order.index(nodes[rank])
+    index = members[nodes[rank]].index(rank)
+    nxt, prv = members[order[(here + 1) % len(order)]], members[order[here - 1]]
+    return (nxt[index] if index < len(nxt) else None), (prv[index] if index < len(prv) else None)
+
+
+def _pairs_seconds(comm, nbytes: int, reps: int, dest, source) -> Optional[float]:
+    """The median of ``reps`` times (a barrier before each, so that every pair moves at once) of
+    receiving ``nbytes`` from ``source`` while sending as much to ``dest`` (either None: that side
+    idle); None where this rank receives nothing.  The median, not the best: several flows through
+    one link share it unevenly, and a call waits for its slowest."""
+    send = np.zeros(max(nbytes, 1), np.uint8)
+    recv = np.empty_like(send)
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        start = time.perf_counter()
+        incoming = comm.Irecv(recv, source=source, tag=7191) if source is not None else None
+        outgoing = comm.Isend(send, dest=dest, tag=7191) if dest is not None else None
+        if incoming is not None:
+            incoming.Wait()
+            times.append(time.perf_counter() - start)
+        if outgoing is not None:
+            outgoing.Wait()
+    return float(np.median(times)) if times else None
+
+
+def _pairs_link(comm, nodes: Sequence, latency: float) -> Optional[Link]:
+    """The inter-node link as head x ring's rings cross it (``Machine.inter_pairs``): every rank
+    exchanging the larger of :data:`LARGE_MESSAGES` with its counterpart on the next node at once;
+    the slowest flow's rate over its whole message (a call waits until a node's last flow ends;
+    a difference of two medians of unevenly shared flows swings too far to take a sustained rate
+    from) times the flows of a node, which the model divides among the rings that cross at once;
+    None where no node holds two ranks or there is one node (collective)."""
+    per_node = max(nodes.count(n) for n in set(nodes))
+    if per_node < 2 or len(set(nodes)) < 2:
+        return None
+    dest, source = _counterparts(nodes, comm.Get_rank())
+    big = LARGE_MESSAGES[-1]
+    t_big = _pairs_seconds(comm, big, 3, dest, source)
+    mine = None if t_big is None else big / max(t_big - latency, 1e-9)
+    rates = [r for r in comm.allgather(mine) if r is not None]
+    return Link(latency, min(rates) * per_node) if rates else None
+
+
 def links(comm, timeout=None):
-    """``(intra, inter, ranks per node)``: each level's :class:`Link` (the slowest over the
-    ranks; a level no hop uses takes the other's figures), measured once per communicator."""
+    """``(intra, inter, ranks per node, inter_pairs)``: each level's :class:`Link` (the slowest over
+    the ranks; a level no hop uses takes the other's figures) and the inter-node link as head x
+    ring's rings load it (:func:`_pairs_link`; None where it does not apply), measured once per
+    communicator."""
     from .ring import Ring
     from .topology import ring_order
 
@@ -225,7 +286,9 @@ def links(comm, timeout=None):
     intra = levels.get("intra", levels.get("inter", default))
     inter = levels.get("inter", intra)
     per_node = max(nodes.count(n) for n in set(nodes))
-    attr[_LINKS_KEY] = (intra, inter, per_node)
+    with phase("the cost model's link measurement (every rank with its counterpart on the next node)", timeout):
+        pairs = _pairs_link(comm, nodes, inter.latency) if size > 1 else None
+    attr[_LINKS_KEY] = (intra, inter, per_node, pairs)
     return attr[_LINKS_KEY]
 
 
@@ -292,7 +355,7 @@ def assume_links(comm, intra: Link, inter: Link) -> None:
     calls' own costs (:func:`call_costs`) are then those of a described machine: none."""
     nodes = cached_node_ids(comm)
     attr = _attr(comm)
-    attr[_LINKS_KEY] = (intra, inter, max(nodes.count(n) for n in set(nodes)))
+    attr[_LINKS_KEY] = (intra, inter, max(nodes.count(n) for n in set(nodes)), None)
     attr[_CALLS_KEY] = None  # described: no measured per-call cost
     attr.pop(_DECISIONS_KEY, None)  # decided on other links
 
@@ -361,13 +424,13 @@ def machine(comm, backend, dtype, dim: int, dim_v: int, timeout=None) -> Machine
     from ..runtime.memory import budget
 
     rate, overhead, segmented = block_parts(comm, backend, dtype, dim, dim_v, timeout)
-    intra, inter, per_node = links(comm, timeout)
+    intra, inter, per_node, pairs = links(comm, timeout)
     with phase("the ranks' memory budgets (allgather)", timeout):
         budgets = comm.allgather(budget(on_device=backend.name == "cupy"))
     known = [b for b in budgets if b is not None]
     return Machine(rate=rate, intra=intra, inter=inter, ranks_per_node=per_node,
                    memory=min(known) if known else None, block_overhead=overhead,
-                   segment_rate=segmented)
+                   segment_rate=segmented, inter_pairs=pairs)
 
 
 def predictions_on(comm, backend, dtype, shape: Shape, schedules: Sequence[str], head_parallel: Sequence[int],
