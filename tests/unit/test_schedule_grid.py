@@ -23,12 +23,14 @@ def test_grid_cells_every_combination_with_its_layout():
     assert {c["layout"] for c in cells if c["mask"] != "causal"} == {"contiguous"}
 
 
-def test_a_cell_of_short_calls_times_more_rounds_up_to_the_most():
-    assert grid.another_round(0, 0.0, 3, 9, 5.0) and grid.another_round(2, 60.0, 3, 9, 5.0)  # always 3
-    assert not grid.another_round(3, 6.0, 3, 9, 5.0)  # 3 rounds took 6 s: enough
-    assert grid.another_round(3, 1.0, 3, 9, 5.0) and grid.another_round(8, 4.9, 3, 9, 5.0)
-    assert not grid.another_round(9, 1.0, 3, 9, 5.0)  # never past the most
-    assert not grid.another_round(3, 0.1, 3, 3, 5.0)  # most = repeat: no more
+def test_a_cell_times_its_short_calls_more_rounds_up_to_the_most():
+    walls = {"ring": [2.0, 2.1, 2.2], "routed": [0.09, 0.1, 0.12], "auto": [0.1, 0.12, 0.3]}
+    assert grid.next_round(walls, 1, 0.0, 3, 9, 5.0) == ["routed", "auto", "ring"]  # every schedule, to 3
+    assert grid.next_round(walls, 3, 0.0, 3, 9, 5.0) == ["routed", "auto"]  # then the short ones alone
+    assert grid.next_round(walls, 3, 5.0, 3, 9, 5.0) == []  # their extra rounds took their time
+    assert grid.next_round(walls, 9, 0.0, 3, 9, 5.0) == []  # never past the most
+    assert grid.next_round(walls, 3, 0.0, 3, 3, 5.0) == []  # most = repeat: no more
+    assert grid.next_round({"ring": [1.0] * 3}, 3, 0.0, 3, 9, 5.0) == []  # no short call
 
 
 def test_rounds_time_every_schedule_once_a_round_each_round_starting_one_later():

@@ -10,8 +10,9 @@ one problem (N, H, D, mask: causal on the zigzag layout, a causal sliding window
 pack of causal documents (log-normal, mean N / 8) on contiguous shards), float32, forward
 only.  In a cell every schedule runs (:data:`RUNS`: the ring, routed, the all-gather, head x
 ring with U = 2, and ``auto`` for both ``schedule`` and ``head_parallel``), ``warmup`` untimed
-calls each, then ``repeat`` rounds of one timed call of each schedule in turn, more (up to
-``max_repeat``) while the cell's rounds have taken under ``cell_seconds`` (:func:`rounds`, :func:`another_round`;
+calls each, then ``repeat`` rounds of one timed call of each schedule in turn, then more rounds
+(up to ``max_repeat``) of the schedules whose calls are short, while those take under
+``cell_seconds`` (:func:`rounds`, :func:`next_round`;
 :func:`ringmpi.bench.measure.timed_calls`: a barrier before each; a call's time is its slowest
 rank's, the cell's the median over the rounds), and the
 cost model predicts each schedule on the parts it measured on that communicator (block rate,
@@ -55,6 +56,7 @@ FULL = dict(ns=(4096, 16384), heads=(4, 8), dims=(64, 128), masks=MASKS, repeat=
 QUICK = dict(ns=(4096, 8192), heads=(4,), dims=(64,), masks=MASKS, repeat=2, warmup=1, most=2, cell_seconds=0.0)
 RATES = ("unshaped", "1gbit", "100mbit")
 AUTO_WITHIN, AUTO_SHARE, AUTO_WORST, PREDICT_WITHIN = 1.10, 0.90, 1.25, 0.25
+SHORT_CALL = 0.5  # seconds: a schedule whose calls take less gets more rounds (next_round)
 HOSTS, RANKS_PER_HOST = 2, 2
 
 
@@ -210,12 +212,21 @@ def rounds(names: Sequence[str], repeat: int) -> List[List[str]]:
     return [names[r % len(names):] + names[:r % len(names)] for r in range(repeat)]
 
 
-def another_round(done: int, seconds: float, repeat: int, most: int, cell_seconds: float) -> bool:
-    """Whether a cell times one more round after ``done`` rounds that took ``seconds``: always up
-    to ``repeat``, then while the rounds have taken less than ``cell_seconds``, up to ``most``:
-    a cell of short calls (tens of ms, where one call's spread on this VM is 10-25 %) gets more
-    of them for its medians, at little cost."""
-    return done < repeat or (done < most and seconds < cell_seconds)
+def next_round(walls: dict, done: int, extra_seconds: float, repeat: int, most: int, cell_seconds: float,
+               short: float = None) -> List[str]:
+    """The schedules a cell times in its next round, after ``done`` rounds (``walls``: each
+    schedule's times so far, in :data:`RUNS`' order): every schedule, each round starting one later
+    (:func:`rounds`), for ``repeat`` rounds; then, up to ``most`` rounds, those whose calls take
+    under ``short`` seconds (:data:`SHORT_CALL`; the median so far), while these extra rounds have
+    taken under ``cell_seconds`` (``extra_seconds``): a call of tens of ms spreads 10-25 % on this
+    VM, and three of them beside calls of seconds are too few for a median; none: the cell is done."""
+    short = SHORT_CALL if short is None else short
+    names = list(walls)
+    if done < repeat:
+        return rounds(names, done + 1)[-1]
+    if done >= most or extra_seconds >= cell_seconds:
+        return []
+    return [n for n in rounds(names, done + 1)[-1] if walls[n] and statistics.median(walls[n]) < short]
 
 
 def worker(spec_path: str, out_path: str) -> None:
@@ -246,9 +257,10 @@ def worker(spec_path: str, out_path: str) -> None:
         for name, call in calls.items():  # each schedule's warm-up (and auto's decision, kept)
             timed_calls(comm, be, call, dict(warmup=cfg["warmup"], repeat=0), {}, "forward")
             idle_barrier(comm)
-        done, timing, more = 0, time.monotonic(), True
-        while more:
-            for name in rounds(list(calls), done + 1)[-1]:
+        done, extra, order = 0, 0.0, rounds(list(calls), 1)[0]
+        while order:
+            start_round = time.monotonic()
+            for name in order:
                 out: dict = {}
                 timed_calls(comm, be, calls[name], dict(warmup=0, repeat=1), out, "forward")
                 got = comm.gather(out["forward"]["walls"][0], root=0)
@@ -257,10 +269,10 @@ def worker(spec_path: str, out_path: str) -> None:
                     if name == "auto" and chosen is None:
                         chosen = _chosen(out["forward"]["records"][0])
             idle_barrier(comm)
+            extra += time.monotonic() - start_round if done >= spec["repeat"] else 0.0
             done += 1
-            more = comm.bcast(another_round(done, time.monotonic() - timing, spec["repeat"],
-                                            spec.get("max_repeat", spec["repeat"]), spec.get("cell_seconds", 0.0))
-                              if rank == 0 else None, root=0)
+            order = comm.bcast(next_round(walls, done, extra, spec["repeat"], spec.get("max_repeat", spec["repeat"]),
+                                          spec.get("cell_seconds", 0.0)) if rank == 0 else None, root=0)
         measured = {name: statistics.median(w) for name, w in walls.items()} if rank == 0 else {}
         predictions = _predictions(comm, be, cell, q, k, v, kw, mine, seg, counts)
         predicted = {name: p.seconds for name, p in predictions.items()}
@@ -338,8 +350,8 @@ def run_grid(cluster, rates: Sequence[str], cells: Sequence[dict], repeat: int, 
     """Every cell at every link rate on a started ``cluster`` (``netns_cluster.NetnsCluster``: its
     first two hosts, two ranks each): one launch per rate, the links of those hosts shaped for it
     and unshaped again at the end; the rows (:func:`cell_row`).  Each cell times ``repeat`` rounds,
-    then more while its rounds have taken under ``cell_seconds``, up to ``most``
-    (:func:`another_round`).  The block rates are cached in the
+    then up to ``most`` of its short calls while those take under ``cell_seconds``
+    (:func:`next_round`).  The block rates are cached in the
     cluster's shared directory: measured by this grid's first launch, not taken from ``~``."""
     hosts = cluster.names[:HOSTS]
     (cluster.shared / "cache").mkdir(parents=True, exist_ok=True)
@@ -396,7 +408,8 @@ def _block_notes(mine: Sequence[dict]) -> str:
 def notes(cores: int, rates: Sequence[str], quick: bool, repeat: int, warmup: int, most: Optional[int] = None,
           cell_seconds: float = 0.0) -> List[str]:
     ranks = HOSTS * RANKS_PER_HOST
-    more = (f" (up to {most} where a cell's rounds take under {cell_seconds:g} s)"
+    more = (f" (up to {most} of a schedule whose calls take under {SHORT_CALL:g} s, while those take under "
+            f"{cell_seconds:g} s a cell)"
             if most and most > repeat and cell_seconds > 0 else "")
     out = [f"P = {ranks}: {HOSTS} hosts (network namespaces of one machine) x {RANKS_PER_HOST} ranks, "
            f"float32, forward only; rates {', '.join(rates)}; {warmup} warm-up + {repeat}{more} timed calls per "
@@ -417,9 +430,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dims", help="head dims D, comma separated (default 64,128)")
     parser.add_argument("--masks", help=f"masks, comma separated, of {', '.join(MASKS)} (default all)")
     parser.add_argument("--repeat", type=int, help="timed calls per schedule (default 3; --quick 2)")
-    parser.add_argument("--most", type=int, help="timed calls per schedule where a cell's rounds are short (default 9)")
+    parser.add_argument("--most", type=int, help=f"timed calls of a schedule whose calls take under {SHORT_CALL:g} s "
+                                                 "(default 9)")
     parser.add_argument("--cell-seconds", type=float,
-                        help="a cell times more rounds while its rounds took less than this (default 5)")
+                        help="a cell's extra rounds of short calls stop once they took this long (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate's launch")
     parser.add_argument("--json", help="also write every result to this JSON file")
