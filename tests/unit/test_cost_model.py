@@ -284,13 +284,13 @@ def test_a_measured_loaded_link_times_the_rings_that_cross_it_together():
 
 
 def test_a_ranks_counterparts_are_its_index_on_the_next_and_previous_node():
-    from ringmpi.parallel.cost_measure import _counterparts
+    from ringmpi.parallel.cost_measure import counterparts
 
     two = ["a", "a", "b", "b"]
-    assert [_counterparts(two, r) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
+    assert [counterparts(two, r) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
     uneven = ["a", "a", "b", "c", "c"]  # b has no second rank: rank 1 sends to none
-    assert _counterparts(uneven, 1) == (None, 4) and _counterparts(uneven, 3) == (0, 2)
-    assert _counterparts(["a", "a"], 0) == (None, None)
+    assert counterparts(uneven, 1) == (None, 4) and counterparts(uneven, 3) == (0, 2)
+    assert counterparts(["a", "a"], 0) == (None, None)
 
 
 def test_call_costs_time_a_minimal_call_once_per_communicator():

@@ -199,7 +199,7 @@ def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> f
     return best
 
 
-def _counterparts(nodes: Sequence, rank: int):
+def counterparts(nodes: Sequence, rank: int):
     """``(send to, receive from)``: the ranks of the next and the previous node (nodes in the order
     of their first rank) with ``rank``'s index on its own node, None where that node has none; both
     None with one node."""
@@ -244,7 +244,7 @@ def _pairs_link(comm, nodes: Sequence, latency: float) -> Optional[Link]:
     per_node = max(nodes.count(n) for n in set(nodes))
     if per_node < 2 or len(set(nodes)) < 2:
         return None
-    dest, source = _counterparts(nodes, comm.Get_rank())
+    dest, source = counterparts(nodes, comm.Get_rank())
     big = LARGE_MESSAGES[-1]
     t_big = _pairs_seconds(comm, big, 3, dest, source)
     mine = None if t_big is None else big / max(t_big - latency, 1e-9)
