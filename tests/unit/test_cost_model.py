@@ -284,7 +284,7 @@ def test_a_measured_loaded_link_times_the_rings_that_cross_it_together():
 
 
 def test_a_ranks_counterparts_are_its_index_on_the_next_and_previous_node():
-    from ringmpi.parallel.cost_measure import counterparts
+    from ringmpi.parallel.topology import counterparts
 
     two = ["a", "a", "b", "b"]
     assert [counterparts(two, r) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]

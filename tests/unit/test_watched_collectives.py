@@ -36,7 +36,7 @@ CALLED_IN_A_PHASE = {
     ("ringmpi.filejob.hdf5", "ShardIO._read"): "called by ShardIO.read inside its phase",
     ("ringmpi.filejob.hdf5", "ShardIO._write"): "called by ShardIO.write inside its phase",
     ("ringmpi.parallel.cost_measure", "_minimal_call_seconds"): "called by call_costs inside its phase",
-    ("ringmpi.parallel.cost_measure", "_pairs_seconds"): "called by _pairs_link, which links calls inside its phase",
+    ("ringmpi.parallel.cost_measure", "_receive_times"): "called by _exchange_seconds and _pairs_link, which links calls inside its phases",
     ("ringmpi.parallel.cost_measure", "_pairs_link"): "called by links inside its phase",
 }
 NOT_WATCHED = {

@@ -213,14 +213,13 @@ def rounds(names: Sequence[str], repeat: int) -> List[List[str]]:
 
 
 def next_round(walls: dict, done: int, extra_seconds: float, repeat: int, most: int, cell_seconds: float,
-               short: float = None) -> List[str]:
+               short: float = SHORT_CALL) -> List[str]:
     """The schedules a cell times in its next round, after ``done`` rounds (``walls``: each
     schedule's times so far, in :data:`RUNS`' order): every schedule, each round starting one later
     (:func:`rounds`), for ``repeat`` rounds; then, up to ``most`` rounds, those whose calls take
     under ``short`` seconds (:data:`SHORT_CALL`; the median so far), while these extra rounds have
     taken under ``cell_seconds`` (``extra_seconds``): a call of tens of ms spreads 10-25 % on this
     VM, and three of them beside calls of seconds are too few for a median; none: the cell is done."""
-    short = SHORT_CALL if short is None else short
     names = list(walls)
     if done < repeat:
         return rounds(names, done + 1)[-1]

@@ -50,7 +50,7 @@ import numpy as np
 from ..core.cost_model import Link, Machine, Shape, choose, predict_all
 from ..runtime.errors import ConfigError
 from ..runtime.watchdog import phase
-from .topology import cached_node_ids
+from .topology import cached_node_ids, counterparts
 
 _LINKS_KEY = "cost_model_links"
 _CALLS_KEY = "cost_model_calls"
@@ -181,73 +181,49 @@ def _max():
     return MPI.MAX
 
 
-def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> float:
-    """The best of ``reps`` times of receiving ``nbytes`` from ``source`` while sending as much to
-    ``dest``: the receive's own time (until it completes), so the figure is the hop from
-    ``source`` alone (a send may complete early, into the sockets' buffers, while the data is
-    still crossing a slow link)."""
-    send = np.zeros(max(nbytes, 1), np.uint8)
-    recv = np.empty_like(send)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        incoming = comm.Irecv(recv, source=source, tag=7190)
-        outgoing = comm.Isend(send, dest=dest, tag=7190)
-        incoming.Wait()
-        best = min(best, time.perf_counter() - start)
-        outgoing.Wait()
-    return best
-
-
-def counterparts(nodes: Sequence, rank: int):
-    """``(send to, receive from)``: the ranks of the next and the previous node (nodes in the order
-    of their first rank) with ``rank``'s index on its own node, None where that node has none; both
-    None with one node."""
-    order = list(dict.fromkeys(nodes))
-    if len(order) < 2:
-        return None, None
-    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
-    here = order.index(nodes[rank])
-    index = members[nodes[rank]].index(rank)
-    nxt, prv = members[order[(here + 1) % len(order)]], members[order[here - 1]]
-    return (nxt[index] if index < len(nxt) else None), (prv[index] if index < len(prv) else None)
-
-
-def _pairs_seconds(comm, nbytes: int, reps: int, dest, source) -> Optional[float]:
-    """The median of ``reps`` times (a barrier before each, so that every pair moves at once) of
-    receiving ``nbytes`` from ``source`` while sending as much to ``dest`` (either None: that side
-    idle); None where this rank receives nothing.  The median, not the best: several flows through
-    one link share it unevenly, and a call waits for its slowest."""
+def _receive_times(comm, nbytes: int, reps: int, dest, source, together: bool = False) -> list:
+    """``reps`` times of receiving ``nbytes`` from ``source`` while sending as much to ``dest``
+    (either None: that side idle; no times where nothing is received): the receive's own time
+    (until it completes), so the figure is the hop from ``source`` alone (a send may complete
+    early, into the sockets' buffers, while the data is still crossing a slow link);
+    ``together``: a barrier before each, so that every rank's pair moves at once."""
     send = np.zeros(max(nbytes, 1), np.uint8)
     recv = np.empty_like(send)
     times = []
     for _ in range(reps):
-        comm.Barrier()
+        if together:
+            comm.Barrier()
         start = time.perf_counter()
-        incoming = comm.Irecv(recv, source=source, tag=7191) if source is not None else None
-        outgoing = comm.Isend(send, dest=dest, tag=7191) if dest is not None else None
+        incoming = comm.Irecv(recv, source=source, tag=7190) if source is not None else None
+        outgoing = comm.Isend(send, dest=dest, tag=7190) if dest is not None else None
         if incoming is not None:
             incoming.Wait()
             times.append(time.perf_counter() - start)
         if outgoing is not None:
             outgoing.Wait()
-    return float(np.median(times)) if times else None
+    return times
 
 
-def _pairs_link(comm, nodes: Sequence, latency: float) -> Optional[Link]:
+def _exchange_seconds(comm, nbytes: int, reps: int, dest: int, source: int) -> float:
+    """The best of :func:`_receive_times` with the ring neighbours."""
+    return min(_receive_times(comm, nbytes, reps, dest, source))
+
+
+def _pairs_link(comm, nodes: Sequence, per_node: int, latency: float) -> Optional[Link]:
     """The inter-node link as head x ring's rings cross it (``Machine.inter_pairs``): every rank
     exchanging the larger of :data:`LARGE_MESSAGES` with its counterpart on the next node at once;
     the slowest flow's rate over its whole message (a call waits until a node's last flow ends;
     a difference of two medians of unevenly shared flows swings too far to take a sustained rate
-    from) times the flows of a node, which the model divides among the rings that cross at once;
-    None where no node holds two ranks or there is one node (collective)."""
-    per_node = max(nodes.count(n) for n in set(nodes))
+    from) times the ``per_node`` flows of a node, which the model divides among the rings that
+    cross at once; the median of three times (a barrier before each, every pair moving at once),
+    not the best: several flows through one link share it unevenly, and a call waits for its
+    slowest; None where no node holds two ranks or there is one node (collective)."""
     if per_node < 2 or len(set(nodes)) < 2:
         return None
     dest, source = counterparts(nodes, comm.Get_rank())
     big = LARGE_MESSAGES[-1]
-    t_big = _pairs_seconds(comm, big, 3, dest, source)
-    mine = None if t_big is None else big / max(t_big - latency, 1e-9)
+    times = _receive_times(comm, big, 3, dest, source, together=True)
+    mine = big / max(float(np.median(times)) - latency, 1e-9) if times else None
     rates = [r for r in comm.allgather(mine) if r is not None]
     return Link(latency, min(rates) * per_node) if rates else None
 
@@ -287,7 +263,7 @@ def links(comm, timeout=None):
     inter = levels.get("inter", intra)
     per_node = max(nodes.count(n) for n in set(nodes))
     with phase("the cost model's link measurement (every rank with its counterpart on the next node)", timeout):
-        pairs = _pairs_link(comm, nodes, inter.latency) if size > 1 else None
+        pairs = _pairs_link(comm, nodes, per_node, inter.latency) if size > 1 else None
     attr[_LINKS_KEY] = (intra, inter, per_node, pairs)
     return attr[_LINKS_KEY]
 

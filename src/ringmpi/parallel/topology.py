@@ -13,6 +13,8 @@ groups.
   consecutive, nodes in order of their lowest rank, ranks ascending within a
   node, so only one hop per node boundary crosses a link whatever the rank
   placement (``--map-by node``, Slurm ``--distribution=cyclic``).
+* :func:`counterparts` -- a rank's partners on the next and the previous node (the same index
+  on each): the pairs whose exchange the cost model times as head x ring's rings load a link.
 * :func:`group_members` -- the groups as lists of ranks, in group order: ``U``
   consecutive ranks of one node when ``U`` divides every node's rank count,
   otherwise ``U`` consecutive ranks of the communicator.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ..runtime.env import positive_int
 
@@ -104,6 +106,19 @@ def _node_ranks(nodes: Sequence[int]) -> List[List[int]]:
             ranks[node] = []
         ranks[node].append(r)
     return [ranks[node] for node in order]
+
+
+def counterparts(nodes: Sequence[int], rank: int) -> Tuple[Optional[int], Optional[int]]:
+    """``(send to, receive from)``: the ranks of the next and the previous node (nodes in the order
+    of their first rank) with ``rank``'s index on its own node, None where that node has none; both
+    None with one node (the pairs of head x ring's rings where a node's ranks form its groups)."""
+    per_node = _node_ranks(nodes)
+    if len(per_node) < 2:
+        return None, None
+    here = next(i for i, ranks in enumerate(per_node) if rank in ranks)
+    index = per_node[here].index(rank)
+    nxt, prv = per_node[(here + 1) % len(per_node)], per_node[here - 1]
+    return (nxt[index] if index < len(nxt) else None), (prv[index] if index < len(prv) else None)
 
 
 def ring_order_of(nodes: Sequence[int]) -> List[int]:
